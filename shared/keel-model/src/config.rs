@@ -1,0 +1,453 @@
+//! `config.json` of the supported Hugging Face architectures, parsed into one resolved
+//! [`ModelConfig`].
+//!
+//! Both config layouts transformers writes are read: v4 (`rope_theta` + `rope_scaling`,
+//! `torch_dtype`) and v5 (`rope_parameters`, `dtype`, `layer_types`). Per-architecture
+//! defaults follow transformers' config classes. Anything the model code cannot honour is
+//! refused with an error naming the field.
+
+use std::path::Path;
+
+use serde_json::{Map, Value, json};
+
+use crate::error::{Error, Result};
+
+/// The decoder-only architectures Keel runs. They share one implementation and differ in:
+/// Qwen2 has biases on q/k/v; Qwen3 has RMSNorm on q and k per head (and an optional
+/// `attention_bias`); Llama has optional `attention_bias`/`mlp_bias` and Llama 3 rope
+/// scaling; Mistral uses a sliding attention window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Mistral,
+}
+
+impl Architecture {
+    pub const ALL: [Self; 4] = [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Mistral];
+
+    /// The class name in `config.json`'s `architectures`.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+        }
+    }
+
+    /// The `model_type` in `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Mistral => "mistral",
+        }
+    }
+
+    fn from_hf_class(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|arch| arch.hf_class() == name)
+            .ok_or_else(|| Error::UnknownArchitecture(name.to_string()))
+    }
+
+    fn from_model_type(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|arch| arch.model_type() == name)
+            .ok_or_else(|| Error::UnknownArchitecture(format!("model_type {name}")))
+    }
+}
+
+impl std::str::FromStr for Architecture {
+    type Err = Error;
+
+    /// Accepts the short name (`llama`) or the HF class (`LlamaForCausalLM`).
+    fn from_str(s: &str) -> Result<Self> {
+        Self::from_model_type(s).or_else(|_| Self::from_hf_class(s))
+    }
+}
+
+/// How rotary frequencies are scaled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (`rope_type: linear`).
+    Linear { factor: f64 },
+    /// Llama 3.1's frequency-dependent scaling (`rope_type: llama3`).
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: i64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// A parsed and validated `config.json`.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub num_key_value_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    pub rope: RopeConfig,
+    pub max_position_embeddings: i64,
+    pub tie_word_embeddings: bool,
+    /// Bias on q, k and v projections.
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    pub o_bias: bool,
+    /// Bias on gate, up and down projections.
+    pub mlp_bias: bool,
+    /// RMSNorm on q and k per head (Qwen3).
+    pub qk_norm: bool,
+    /// The attention window of each layer (`None` = full causal attention).
+    pub sliding_windows: Vec<Option<i64>>,
+    pub bos_token_id: Option<i64>,
+    pub eos_token_ids: Vec<i64>,
+    pub pad_token_id: Option<i64>,
+    /// `torch_dtype` / `dtype` as written in the file.
+    pub dtype: Option<String>,
+    /// The file's JSON, kept so that saving preserves fields Keel does not use.
+    raw: Map<String, Value>,
+}
+
+/// Typed access to the raw JSON with errors naming the field.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn int(&self, key: &str) -> Result<Option<i64>> {
+        self.get(key)
+            .map(|v| v.as_i64().ok_or_else(|| Error::invalid(key, format!("must be an integer, found {v}"))))
+            .transpose()
+    }
+
+    fn req_int(&self, key: &str) -> Result<i64> {
+        self.int(key)?.ok_or_else(|| Error::invalid(key, "is missing"))
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>> {
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| Error::invalid(key, format!("must be a number, found {v}"))))
+            .transpose()
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|v| v.as_bool().ok_or_else(|| Error::invalid(key, format!("must be true or false, found {v}"))))
+            .transpose()
+    }
+
+    fn str(&self, key: &str) -> Result<Option<&str>> {
+        self.get(key)
+            .map(|v| v.as_str().ok_or_else(|| Error::invalid(key, format!("must be a string, found {v}"))))
+            .transpose()
+    }
+
+    /// An id or a list of ids (`eos_token_id` may be either).
+    fn ids(&self, key: &str) -> Result<Vec<i64>> {
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_i64().ok_or_else(|| Error::invalid(key, format!("must hold integers, found {v}"))))
+                .collect(),
+            Some(v) => Ok(vec![v.as_i64().ok_or_else(|| Error::invalid(key, format!("must be an integer or a list, found {v}")))?]),
+        }
+    }
+}
+
+fn positive(key: &str, value: i64) -> Result<i64> {
+    if value > 0 { Ok(value) } else { Err(Error::invalid(key, format!("must be positive, found {value}"))) }
+}
+
+impl ModelConfig {
+    /// Reads `dir/config.json`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(Error::io(&path))?;
+        let value: Value = serde_json::from_str(&text).map_err(Error::json(&path))?;
+        Self::from_json(value)
+    }
+
+    pub fn from_json(value: Value) -> Result<Self> {
+        let Value::Object(raw) = value else {
+            return Err(Error::invalid("(root)", "must be a JSON object"));
+        };
+        let f = Fields(&raw);
+        let architecture = match f.get("architectures") {
+            Some(Value::Array(names)) if names.len() == 1 => {
+                Architecture::from_hf_class(names[0].as_str().unwrap_or_default())?
+            }
+            Some(other) => {
+                return Err(Error::unsupported("architectures", other, "exactly one architecture is needed"));
+            }
+            None => Architecture::from_model_type(
+                f.str("model_type")?.ok_or_else(|| Error::invalid("architectures", "and `model_type` are both missing"))?,
+            )?,
+        };
+        if let Some(act) = f.str("hidden_act")?.filter(|act| *act != "silu") {
+            return Err(Error::unsupported("hidden_act", act, "only silu is implemented"));
+        }
+        if let Some(q) = f.get("quantization_config") {
+            return Err(Error::unsupported("quantization_config", q, "quantized checkpoints are not supported"));
+        }
+        if let Some(tp) = f.int("pretraining_tp")?.filter(|tp| *tp != 1) {
+            return Err(Error::unsupported("pretraining_tp", tp, "only 1 is supported"));
+        }
+
+        let hidden_size = positive("hidden_size", f.req_int("hidden_size")?)?;
+        let num_attention_heads = positive("num_attention_heads", f.req_int("num_attention_heads")?)?;
+        let num_key_value_heads =
+            positive("num_key_value_heads", f.int("num_key_value_heads")?.unwrap_or(num_attention_heads))?;
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(Error::invalid(
+                "num_key_value_heads",
+                format!("({num_key_value_heads}) must divide num_attention_heads ({num_attention_heads})"),
+            ));
+        }
+        let default_head_dim = match architecture {
+            Architecture::Qwen3 => 128,
+            _ => hidden_size / num_attention_heads,
+        };
+        let head_dim = positive("head_dim", f.int("head_dim")?.unwrap_or(default_head_dim))?;
+        if head_dim % 2 != 0 {
+            return Err(Error::invalid("head_dim", format!("must be even for rotary embeddings, found {head_dim}")));
+        }
+        let num_hidden_layers = positive("num_hidden_layers", f.req_int("num_hidden_layers")?)?;
+        let rms_norm_eps = f.float("rms_norm_eps")?.unwrap_or(1e-6);
+        if rms_norm_eps <= 0.0 {
+            return Err(Error::invalid("rms_norm_eps", format!("must be positive, found {rms_norm_eps}")));
+        }
+
+        let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+        let (qkv_bias, o_bias, mlp_bias, qk_norm) = match architecture {
+            Architecture::Llama => (attention_bias, attention_bias, f.bool("mlp_bias")?.unwrap_or(false), false),
+            Architecture::Qwen2 => (true, false, false, false),
+            Architecture::Qwen3 => (attention_bias, attention_bias, false, true),
+            Architecture::Mistral => (false, false, false, false),
+        };
+
+        let sliding_windows = sliding_windows(&f, architecture, num_hidden_layers)?;
+        let dtype = f.str("dtype")?.or(f.str("torch_dtype")?).map(str::to_string);
+        if let Some(dtype) = &dtype
+            && !["float32", "bfloat16", "float16"].contains(&dtype.as_str())
+        {
+            return Err(Error::unsupported("torch_dtype", dtype, "use float32, bfloat16 or float16"));
+        }
+
+        Ok(Self {
+            architecture,
+            vocab_size: positive("vocab_size", f.req_int("vocab_size")?)?,
+            hidden_size,
+            intermediate_size: positive("intermediate_size", f.req_int("intermediate_size")?)?,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            rope: rope_config(&f)?,
+            max_position_embeddings: positive(
+                "max_position_embeddings",
+                f.int("max_position_embeddings")?.unwrap_or(2048),
+            )?,
+            tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            qk_norm,
+            sliding_windows,
+            bos_token_id: f.ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.ids("eos_token_id")?,
+            pad_token_id: f.ids("pad_token_id")?.first().copied(),
+            dtype,
+            raw,
+        })
+    }
+
+    /// The config as JSON, with `dtype` set to what the weights are saved in.
+    pub fn to_json(&self, dtype: Option<&str>) -> Value {
+        let mut raw = self.raw.clone();
+        if let Some(dtype) = dtype {
+            let key = if raw.contains_key("torch_dtype") { "torch_dtype" } else { "dtype" };
+            raw.insert(key.into(), json!(dtype));
+        }
+        Value::Object(raw)
+    }
+}
+
+fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
+    // v5 keeps everything in `rope_parameters`; v4 has `rope_theta` and `rope_scaling`.
+    let (params_key, params) = match (f.get("rope_parameters"), f.get("rope_scaling")) {
+        (Some(p), _) => ("rope_parameters", Some(p)),
+        (None, Some(s)) => ("rope_scaling", Some(s)),
+        (None, None) => ("rope_scaling", None),
+    };
+    let empty = Map::new();
+    let params = match params {
+        Some(Value::Object(map)) => map,
+        Some(other) => return Err(Error::invalid(params_key, format!("must be an object, found {other}"))),
+        None => &empty,
+    };
+    let p = Fields(params);
+    let theta = p.float("rope_theta")?.or(f.float("rope_theta")?).unwrap_or(10_000.0);
+    if theta <= 0.0 {
+        return Err(Error::invalid("rope_theta", format!("must be positive, found {theta}")));
+    }
+    let rope_type = p.str("rope_type")?.or(p.str("type")?).unwrap_or("default");
+    let field = |name: &str| format!("{params_key}.{name}");
+    let factor = || -> Result<f64> {
+        let factor = p.float("factor")?.ok_or_else(|| Error::invalid(&field("factor"), "is missing"))?;
+        if factor < 1.0 {
+            return Err(Error::invalid(&field("factor"), format!("must be at least 1, found {factor}")));
+        }
+        Ok(factor)
+    };
+    let scaling = match rope_type {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => {
+            let low_freq_factor = p.float("low_freq_factor")?.ok_or_else(|| Error::invalid(&field("low_freq_factor"), "is missing"))?;
+            let high_freq_factor = p.float("high_freq_factor")?.ok_or_else(|| Error::invalid(&field("high_freq_factor"), "is missing"))?;
+            if high_freq_factor <= low_freq_factor {
+                return Err(Error::invalid(&field("high_freq_factor"), "must be greater than low_freq_factor"));
+            }
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: positive(
+                    &field("original_max_position_embeddings"),
+                    p.req_int("original_max_position_embeddings")
+                        .map_err(|_| Error::invalid(&field("original_max_position_embeddings"), "is missing"))?,
+                )?,
+            }
+        }
+        other => {
+            return Err(Error::unsupported(&field("rope_type"), other, "supported rope types are default, linear and llama3"));
+        }
+    };
+    Ok(RopeConfig { theta, scaling })
+}
+
+fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> Result<Vec<Option<i64>>> {
+    let window = f.int("sliding_window")?;
+    if let Some(w) = window {
+        positive("sliding_window", w)?;
+    }
+    if let Some(types) = f.get("layer_types") {
+        let types = types.as_array().ok_or_else(|| Error::invalid("layer_types", "must be a list"))?;
+        if types.len() as i64 != layers {
+            return Err(Error::invalid("layer_types", format!("has {} entries for {layers} layers", types.len())));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full_attention") => Ok(None),
+                Some("sliding_attention") => window
+                    .map(Some)
+                    .ok_or_else(|| Error::invalid("sliding_window", "is missing but layer_types has sliding_attention")),
+                _ => Err(Error::unsupported("layer_types", t, "only full_attention and sliding_attention are supported")),
+            })
+            .collect();
+    }
+    let per_layer = |first_sliding: i64| (0..layers).map(|i| window.filter(|_| i >= first_sliding)).collect();
+    Ok(match architecture {
+        Architecture::Llama => vec![None; layers as usize],
+        Architecture::Mistral => per_layer(0),
+        Architecture::Qwen2 | Architecture::Qwen3 => {
+            if f.bool("use_sliding_window")?.unwrap_or(false) {
+                per_layer(f.int("max_window_layers")?.unwrap_or(layers))
+            } else {
+                vec![None; layers as usize]
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base(arch: &str) -> Value {
+        json!({
+            "architectures": [arch], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "rms_norm_eps": 1e-6,
+        })
+    }
+
+    #[test]
+    fn unknown_architecture_is_named() {
+        let err = ModelConfig::from_json(base("GPT2LMHeadModel")).unwrap_err();
+        assert!(err.to_string().contains("GPT2LMHeadModel"), "{err}");
+    }
+
+    #[test]
+    fn per_architecture_defaults() {
+        let qwen3 = ModelConfig::from_json(base("Qwen3ForCausalLM")).unwrap();
+        assert_eq!(qwen3.head_dim, 128);
+        assert!(qwen3.qk_norm);
+        let qwen2 = ModelConfig::from_json(base("Qwen2ForCausalLM")).unwrap();
+        assert!(qwen2.qkv_bias && !qwen2.o_bias);
+        assert_eq!(qwen2.head_dim, 16);
+    }
+
+    #[test]
+    fn v4_and_v5_rope_layouts_agree() {
+        let mut v4 = base("LlamaForCausalLM");
+        v4["rope_theta"] = json!(500000.0);
+        v4["rope_scaling"] = json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        let mut v5 = base("LlamaForCausalLM");
+        v5["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        let (a, b) = (ModelConfig::from_json(v4).unwrap(), ModelConfig::from_json(v5).unwrap());
+        assert_eq!(a.rope, b.rope);
+        assert!(matches!(a.rope.scaling, RopeScaling::Llama3 { .. }));
+    }
+
+    #[test]
+    fn unsupported_values_name_the_field() {
+        let mut c = base("LlamaForCausalLM");
+        c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        let err = ModelConfig::from_json(c).unwrap_err().to_string();
+        assert!(err.contains("rope_scaling.rope_type") && err.contains("yarn"), "{err}");
+
+        let mut c = base("LlamaForCausalLM");
+        c["hidden_act"] = json!("gelu");
+        assert!(ModelConfig::from_json(c).unwrap_err().to_string().contains("hidden_act"));
+
+        let mut c = base("LlamaForCausalLM");
+        c["num_key_value_heads"] = json!(3);
+        assert!(ModelConfig::from_json(c).unwrap_err().to_string().contains("num_key_value_heads"));
+
+        let mut c = base("LlamaForCausalLM");
+        c["hidden_size"] = json!("big");
+        assert!(ModelConfig::from_json(c).unwrap_err().to_string().contains("hidden_size"));
+    }
+
+    #[test]
+    fn sliding_windows_follow_layer_types_and_mistral() {
+        let mut c = base("MistralForCausalLM");
+        c["sliding_window"] = json!(8);
+        assert_eq!(ModelConfig::from_json(c).unwrap().sliding_windows, vec![Some(8), Some(8)]);
+        let mut c = base("Qwen2ForCausalLM");
+        c["sliding_window"] = json!(8);
+        c["layer_types"] = json!(["full_attention", "sliding_attention"]);
+        assert_eq!(ModelConfig::from_json(c).unwrap().sliding_windows, vec![None, Some(8)]);
+    }
+}

@@ -1,0 +1,201 @@
+//! `keel model init`: a complete HF model directory from nothing — a byte-level BPE tokenizer
+//! trained on the given text (digits split one per token), a ChatML chat template, a config
+//! for the chosen architecture and size, and randomly initialised weights.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+use tch::{Device, Kind};
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::models::{ModelWrapper, TrainerWrapper};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl};
+
+use crate::config::{Architecture, ModelConfig};
+use crate::error::{Error, Result};
+use crate::model::{CausalLm, Init};
+use crate::pretrained::write_json;
+use crate::tokenizer::{GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
+use crate::weights::SaveOptions;
+
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+pub const IM_START: &str = "<|im_start|>";
+pub const IM_END: &str = "<|im_end|>";
+
+/// ChatML, refusing roles it does not know.
+pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}
+{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
+{{- raise_exception('Unknown role: ' + message['role']) }}
+{%- endif %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}";
+
+/// Model sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// 2 layers, hidden 64: for tests.
+    Tiny,
+    /// 4 layers, hidden 256: for the demo.
+    Small,
+}
+
+impl std::str::FromStr for Preset {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "tiny" => Ok(Self::Tiny),
+            "small" => Ok(Self::Small),
+            other => Err(Error::InvalidInput(format!("unknown preset `{other}` (use tiny or small)"))),
+        }
+    }
+}
+
+struct Dims {
+    hidden: i64,
+    intermediate: i64,
+    layers: i64,
+    heads: i64,
+    kv_heads: i64,
+    vocab_target: usize,
+    max_positions: i64,
+}
+
+impl Preset {
+    fn dims(self) -> Dims {
+        match self {
+            Self::Tiny => Dims { hidden: 64, intermediate: 192, layers: 2, heads: 4, kv_heads: 2, vocab_target: 512, max_positions: 1024 },
+            Self::Small => Dims { hidden: 256, intermediate: 768, layers: 4, heads: 8, kv_heads: 4, vocab_target: 2048, max_positions: 2048 },
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct InitSpec {
+    pub architecture: Architecture,
+    pub preset: Preset,
+    pub tokenizer_corpus: Vec<PathBuf>,
+    pub out: PathBuf,
+    pub seed: i64,
+}
+
+/// Trains a byte-level BPE tokenizer on the corpus files.
+pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize) -> Result<tokenizers::Tokenizer> {
+    for file in files {
+        if !file.is_file() {
+            return Err(Error::InvalidInput(format!("tokenizer corpus {} does not exist", file.display())));
+        }
+    }
+    if files.is_empty() {
+        return Err(Error::InvalidInput("at least one tokenizer corpus file is needed".into()));
+    }
+    let tokenizer_error = |e: tokenizers::Error| Error::Tokenizer(e.to_string());
+    let special: Vec<AddedToken> = [END_OF_TEXT, IM_START, IM_END].iter().map(|t| AddedToken::from(*t, true)).collect();
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(special)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect::<HashSet<char>>())
+        .build()
+        .into();
+    let pre_tokenizer = Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, false, true).into()]);
+    let mut tokenizer: TokenizerImpl<ModelWrapper, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper> =
+        TokenizerImpl::new(BPE::default().into());
+    tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+    tokenizer.with_post_processor(Some(ByteLevel::new(false, false, true)));
+    tokenizer.with_decoder(Some(ByteLevel::default()));
+    let files = files.iter().map(|f| f.to_string_lossy().into_owned()).collect();
+    tokenizer.train_from_files(&mut trainer, files).map_err(tokenizer_error)?;
+    Ok(tokenizers::Tokenizer::from(tokenizer))
+}
+
+fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: i64, pad: i64) -> Value {
+    let mut config = json!({
+        "architectures": [arch.hf_class()],
+        "model_type": arch.model_type(),
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "num_hidden_layers": dims.layers,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.hidden / dims.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": dims.max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": null,
+        "tie_word_embeddings": true,
+        "vocab_size": vocab_size,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": true,
+        "torch_dtype": "float32",
+    });
+    let extra = match arch {
+        Architecture::Llama => json!({"attention_bias": false, "mlp_bias": false, "pretraining_tp": 1}),
+        Architecture::Qwen2 | Architecture::Qwen3 => {
+            json!({"attention_bias": false, "use_sliding_window": false, "sliding_window": null, "max_window_layers": dims.layers})
+        }
+        Architecture::Mistral => json!({"sliding_window": null}),
+    };
+    if let (Value::Object(config), Value::Object(extra)) = (&mut config, extra) {
+        config.extend(extra);
+    }
+    config
+}
+
+/// Writes a new model directory. Refuses to write into a non-empty directory.
+pub fn init_model(spec: &InitSpec) -> Result<()> {
+    let out = &spec.out;
+    if out.exists() && std::fs::read_dir(out).map_err(Error::io(out))?.next().is_some() {
+        return Err(Error::InvalidInput(format!("output directory {} exists and is not empty", out.display())));
+    }
+    let dims = spec.preset.dims();
+    let tokenizer = train_tokenizer(&spec.tokenizer_corpus, dims.vocab_target)?;
+    let id = |token: &str| -> Result<i64> {
+        tokenizer.token_to_id(token).map(i64::from).ok_or_else(|| Error::Tokenizer(format!("trained tokenizer lacks {token}")))
+    };
+    let (end_of_text, im_end) = (id(END_OF_TEXT)?, id(IM_END)?);
+    let vocab_size = tokenizer.get_vocab_size(true) as i64;
+    let config = ModelConfig::from_json(config_json(spec.architecture, &dims, vocab_size, end_of_text, im_end, end_of_text))?;
+
+    tch::manual_seed(spec.seed);
+    let model = CausalLm::new(config, Device::Cpu, Kind::Float, Init::Random { std: 0.02 })?;
+    std::fs::create_dir_all(out).map_err(Error::io(out))?;
+    model.save(out, SaveOptions::default())?;
+    save_tokenizer_files(out, &tokenizer, dims.max_positions, end_of_text, im_end)
+}
+
+fn save_tokenizer_files(out: &Path, tokenizer: &tokenizers::Tokenizer, max_length: i64, end_of_text: i64, im_end: i64) -> Result<()> {
+    let path = out.join(TOKENIZER_FILE);
+    tokenizer.save(&path, false).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+    write_json(
+        out,
+        TOKENIZER_CONFIG_FILE,
+        &json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": null,
+            "eos_token": IM_END,
+            "pad_token": END_OF_TEXT,
+            "unk_token": null,
+            "model_max_length": max_length,
+            "clean_up_tokenization_spaces": false,
+            "chat_template": CHAT_TEMPLATE,
+        }),
+    )?;
+    write_json(
+        out,
+        GENERATION_CONFIG_FILE,
+        &json!({"bos_token_id": end_of_text, "eos_token_id": [im_end, end_of_text], "pad_token_id": end_of_text}),
+    )
+}

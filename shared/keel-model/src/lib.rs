@@ -1,0 +1,33 @@
+//! Keel's model core: decoder-only transformers in tch that load, run and save Hugging Face
+//! checkpoints and compute what transformers computes.
+//!
+//! Layout:
+//! - [`config`]: `config.json` → [`ModelConfig`] (Llama, Qwen2, Qwen3, Mistral).
+//! - [`model`]: the layers and [`CausalLm`] (training logprobs, cached inference forward).
+//! - [`rope`]: rotary embeddings, including Llama 3 scaling.
+//! - [`cache`]: the preallocated [`KvCache`].
+//! - [`weights`] and [`pretrained`]: safetensors load (memory-mapped) and save (sharded).
+//! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates.
+//! - [`sampling`]: single-sequence generation for the CLI.
+//! - [`init`]: a new model directory with a trained tokenizer (`keel model init`).
+//! - [`device`]: device and dtype names, CUDA probing without panics.
+
+pub mod cache;
+pub mod chat;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod init;
+pub mod model;
+pub mod pretrained;
+pub mod rope;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use cache::KvCache;
+pub use config::{Architecture, ModelConfig};
+pub use error::{Error, Result};
+pub use model::{CausalLm, Init};
+pub use tokenizer::Tokenizer;
+pub use weights::SaveOptions;

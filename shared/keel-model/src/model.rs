@@ -1,0 +1,420 @@
+//! The decoder-only causal LM shared by every supported architecture (Llama, Qwen2, Qwen3,
+//! Mistral; see [`crate::config::Architecture`] for what differs). Parameters live in one
+//! `nn::VarStore` under Hugging Face's tensor names, so loading and saving are direct maps
+//! and an optimiser can train them.
+//!
+//! Two forward paths: [`CausalLm::token_logprobs`] for training and scoring (full right-padded
+//! sequences, logprobs of the next tokens computed in vocabulary chunks) and
+//! [`CausalLm::forward`] with an optional [`KvCache`] for prefill and incremental decoding.
+
+use tch::{Device, Kind, Tensor, nn};
+
+use crate::cache::KvCache;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::rope::{self, Rotary};
+
+/// How new parameters are filled.
+#[derive(Debug, Clone, Copy)]
+pub enum Init {
+    /// Zeros (weights are about to be loaded over them).
+    Zeros,
+    /// Transformers' initialisation: normal(0, std) weights, zero biases, unit norms.
+    Random { std: f64 },
+}
+
+/// Creates parameters in the var store with HF names.
+struct Params<'a> {
+    kind: Kind,
+    device: Device,
+    init: Init,
+    path: nn::Path<'a>,
+}
+
+impl<'a> Params<'a> {
+    fn sub(&self, name: impl ToString) -> Params<'a> {
+        Params { kind: self.kind, device: self.device, init: self.init, path: &self.path / name }
+    }
+
+    fn add(&self, name: &str, tensor: Tensor) -> Result<Tensor> {
+        Ok(self.path.add(name, tensor.f_to_kind(self.kind)?, true))
+    }
+
+    fn weight(&self, name: &str, dims: &[i64]) -> Result<Tensor> {
+        let tensor = match self.init {
+            Init::Zeros => Tensor::f_zeros(dims, (Kind::Float, self.device))?,
+            Init::Random { std } => Tensor::f_randn(dims, (Kind::Float, self.device))?.f_mul_scalar(std)?,
+        };
+        self.add(name, tensor)
+    }
+
+    fn zeros(&self, name: &str, dims: &[i64]) -> Result<Tensor> {
+        self.add(name, Tensor::f_zeros(dims, (Kind::Float, self.device))?)
+    }
+
+    fn ones(&self, name: &str, dims: &[i64]) -> Result<Tensor> {
+        self.add(name, Tensor::f_ones(dims, (Kind::Float, self.device))?)
+    }
+}
+
+#[derive(Debug)]
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn new(p: &Params<'_>, inputs: i64, outputs: i64, bias: bool) -> Result<Self> {
+        let weight = p.weight("weight", &[outputs, inputs])?;
+        let bias = if bias { Some(p.zeros("bias", &[outputs])?) } else { None };
+        Ok(Self { weight, bias })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+    }
+}
+
+/// RMSNorm computed in f32 and cast back, as transformers does.
+#[derive(Debug)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: &Params<'_>, size: i64, eps: f64) -> Result<Self> {
+        Ok(Self { weight: p.ones("weight", &[size])?, eps })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x32 = x.f_to_kind(Kind::Float)?;
+        let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
+        let normed = x32.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
+        Ok(self.weight.f_mul(&normed.f_to_kind(x.kind())?)?)
+    }
+}
+
+/// Which keys each query may attend to.
+#[derive(Debug)]
+enum Mask {
+    /// One query that sees every cached key.
+    All,
+    /// Plain causal attention over a fresh sequence.
+    Causal,
+    /// An explicit [1, 1, S, T] boolean mask (cache plus several queries, or a window).
+    Allowed(Tensor),
+}
+
+impl Mask {
+    fn new(queries: i64, past: i64, window: Option<i64>, device: Device) -> Result<Self> {
+        let total = past + queries;
+        let windowed = window.is_some_and(|w| total > w);
+        if !windowed && queries == 1 {
+            return Ok(Self::All);
+        }
+        if !windowed && past == 0 {
+            return Ok(Self::Causal);
+        }
+        let q = Tensor::f_arange_start(past, total, (Kind::Int64, device))?.f_unsqueeze(1)?;
+        let k = Tensor::f_arange(total, (Kind::Int64, device))?.f_unsqueeze(0)?;
+        let mut allowed = k.f_le_tensor(&q)?;
+        if let Some(w) = window {
+            allowed = allowed.f_logical_and(&q.f_sub(&k)?.f_lt(w)?)?;
+        }
+        Ok(Self::Allowed(allowed.f_unsqueeze(0)?.f_unsqueeze(0)?))
+    }
+}
+
+#[derive(Debug)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    fn new(p: &Params<'_>, cfg: &ModelConfig) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let norm = |name: &str| -> Result<Option<RmsNorm>> {
+            cfg.qk_norm.then(|| RmsNorm::new(&p.sub(name), d, cfg.rms_norm_eps)).transpose()
+        };
+        Ok(Self {
+            q_proj: Linear::new(&p.sub("q_proj"), h, heads * d, cfg.qkv_bias)?,
+            k_proj: Linear::new(&p.sub("k_proj"), h, kv_heads * d, cfg.qkv_bias)?,
+            v_proj: Linear::new(&p.sub("v_proj"), h, kv_heads * d, cfg.qkv_bias)?,
+            o_proj: Linear::new(&p.sub("o_proj"), heads * d, h, cfg.o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            heads,
+            kv_heads,
+            head_dim: d,
+        })
+    }
+
+    /// [B, S, heads·D] → [B, heads, S, D], with the per-head norm where the model has one.
+    fn split_heads(&self, x: &Tensor, heads: i64, norm: Option<&RmsNorm>) -> Result<Tensor> {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let x = x.f_view([b, s, heads, self.head_dim])?;
+        let x = match norm {
+            Some(norm) => norm.forward(&x)?,
+            None => x,
+        };
+        Ok(x.f_transpose(1, 2)?)
+    }
+
+    /// [B, kv_heads, T, D] → [B, heads, T, D] for grouped-query attention.
+    fn repeat_kv(&self, x: &Tensor) -> Result<Tensor> {
+        let groups = self.heads / self.kv_heads;
+        if groups == 1 {
+            return Ok(x.shallow_clone());
+        }
+        let size = x.size();
+        let (b, t) = (size[0], size[2]);
+        Ok(x.f_unsqueeze(2)?
+            .f_expand([b, self.kv_heads, groups, t, self.head_dim], false)?
+            .f_reshape([b, self.heads, t, self.head_dim])?)
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<(&mut KvCache, usize)>,
+        mask: &Mask,
+    ) -> Result<Tensor> {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let q = self.split_heads(&self.q_proj.forward(x)?, self.heads, self.q_norm.as_ref())?;
+        let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref())?;
+        let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None)?;
+        let q = rope::apply(&q, cos, sin)?;
+        let k = rope::apply(&k, cos, sin)?;
+        let (k, v) = match cache {
+            Some((cache, layer)) => cache.append(layer, &k, &v)?,
+            None => (k, v),
+        };
+        let (k, v) = (self.repeat_kv(&k)?, self.repeat_kv(&v)?);
+        let (explicit, causal) = match mask {
+            Mask::All => (None, false),
+            Mask::Causal => (None, true),
+            Mask::Allowed(allowed) => (Some(allowed), false),
+        };
+        let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, explicit, 0.0, causal, None, false)?;
+        self.o_proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, s, self.heads * self.head_dim])?)
+    }
+}
+
+#[derive(Debug)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn new(p: &Params<'_>, cfg: &ModelConfig) -> Result<Self> {
+        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Self {
+            gate_proj: Linear::new(&p.sub("gate_proj"), h, i, bias)?,
+            up_proj: Linear::new(&p.sub("up_proj"), h, i, bias)?,
+            down_proj: Linear::new(&p.sub("down_proj"), i, h, bias)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.f_silu()?;
+        self.down_proj.forward(&gate.f_mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+    window: Option<i64>,
+}
+
+impl DecoderLayer {
+    fn new(p: &Params<'_>, cfg: &ModelConfig, index: usize) -> Result<Self> {
+        Ok(Self {
+            input_layernorm: RmsNorm::new(&p.sub("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            self_attn: Attention::new(&p.sub("self_attn"), cfg)?,
+            post_attention_layernorm: RmsNorm::new(&p.sub("post_attention_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            mlp: Mlp::new(&p.sub("mlp"), cfg)?,
+            window: cfg.sliding_windows[index],
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: Option<(&mut KvCache, usize)>, mask: &Mask) -> Result<Tensor> {
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, cache, mask)?;
+        let h = x.f_add(&attn)?;
+        Ok(h.f_add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
+    }
+}
+
+/// A decoder-only causal language model.
+#[derive(Debug)]
+pub struct CausalLm {
+    cfg: ModelConfig,
+    vs: nn::VarStore,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rotary: Rotary,
+    kind: Kind,
+}
+
+/// Largest number of logits (batch × positions × vocabulary) materialised at once when
+/// computing token logprobs.
+const LOGPROB_CHUNK_ELEMENTS: i64 = 1 << 25;
+
+impl CausalLm {
+    /// Builds the model with parameters in `kind` on `device`.
+    pub fn new(cfg: ModelConfig, device: Device, kind: Kind, init: Init) -> Result<Self> {
+        if !matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
+            return Err(Error::InvalidInput(format!("parameter dtype {kind:?} is not supported (f32, bf16, f16)")));
+        }
+        let vs = nn::VarStore::new(device);
+        let root = Params { kind, device, init, path: vs.root() };
+        let model = root.sub("model");
+        let embed_tokens = model.sub("embed_tokens").weight("weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        let layers_path = model.sub("layers");
+        let layers = (0..cfg.num_hidden_layers as usize)
+            .map(|i| DecoderLayer::new(&layers_path.sub(i), &cfg, i))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(&model.sub("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            root.sub("lm_head").weight("weight", &[cfg.vocab_size, cfg.hidden_size])?
+        };
+        let rotary = Rotary::new(&cfg.rope, cfg.head_dim, device)?;
+        Ok(Self { cfg, vs, embed_tokens, layers, norm, lm_head, rotary, kind })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Checks that `input_ids` is an i64 [B, S] tensor whose ids (within each row's length,
+    /// when given) index the vocabulary.
+    fn check_input(&self, input_ids: &Tensor, lengths: Option<&[i64]>) -> Result<(i64, i64)> {
+        let size = input_ids.size();
+        let [b, s] = size[..] else {
+            return Err(Error::InvalidInput(format!("input ids must be [batch, seq], got shape {size:?}")));
+        };
+        if input_ids.kind() != Kind::Int64 {
+            return Err(Error::InvalidInput(format!("input ids must be i64, got {:?}", input_ids.kind())));
+        }
+        if b == 0 || s == 0 {
+            return Err(Error::InvalidInput(format!("input ids are empty (shape {size:?})")));
+        }
+        let ids = Vec::<i64>::try_from(input_ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
+        for (row, chunk) in ids.chunks(s as usize).enumerate() {
+            let len = lengths.map_or(s, |l| l[row]) as usize;
+            if let Some((position, &id)) = chunk[..len].iter().enumerate().find(|(_, id)| !(0..self.cfg.vocab_size).contains(*id)) {
+                return Err(Error::TokenOutOfRange { id, row, position, vocab_size: self.cfg.vocab_size });
+            }
+        }
+        Ok((b, s))
+    }
+
+    /// Final hidden states [B, S, hidden] after the last norm. With a cache, the tokens are
+    /// placed after those already cached and the cache grows by S.
+    fn hidden_states(&self, input_ids: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        if let Some(cache) = &cache {
+            cache.reserve(s)?;
+        }
+        let device = self.device();
+        let positions = Tensor::f_arange_start(past, past + s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
+        let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
+        let mut masks: Vec<(Option<i64>, Mask)> = Vec::new();
+        for layer in &self.layers {
+            if !masks.iter().any(|(w, _)| *w == layer.window) {
+                masks.push((layer.window, Mask::new(s, past, layer.window, device)?));
+            }
+        }
+        let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            let mask = &masks.iter().find(|(w, _)| *w == layer.window).map(|(_, m)| m).ok_or_else(|| Error::InvalidInput("mask".into()))?;
+            x = layer.forward(&x, &cos, &sin, cache.as_deref_mut().map(|c| (c, index)), mask)?;
+        }
+        if let Some(cache) = cache {
+            cache.advance(s);
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Logits [B, S, vocab] in the parameters' dtype. With a cache (inference only: runs
+    /// without gradients), `input_ids` continue the cached tokens: the whole prompt for
+    /// prefill, one token per row for decoding.
+    pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        self.check_input(input_ids, None)?;
+        let _no_grad = cache.is_some().then(tch::no_grad_guard);
+        let hidden = self.hidden_states(input_ids, cache)?;
+        Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
+    }
+
+    /// Token logprobs [B, S] (f32) of right-padded sequences: entry (b, i) is
+    /// log p(token_i | tokens before i) with logits divided by `temperature`; entry 0 and
+    /// every position at or past the row's length are 0. The log-softmax is computed over
+    /// chunks of positions, so the full [B × S × vocab] tensor is never held.
+    pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")));
+        }
+        let batch = input_ids.size().first().copied().unwrap_or(0);
+        if lengths.len() as i64 != batch {
+            return Err(Error::InvalidInput(format!("{} lengths for a batch of {batch}", lengths.len())));
+        }
+        let seq = input_ids.size().get(1).copied().unwrap_or(0);
+        if let Some(bad) = lengths.iter().find(|&&l| l < 1 || l > seq) {
+            return Err(Error::InvalidInput(format!("sequence length {bad} is outside 1..={seq}")));
+        }
+        let (b, s) = self.check_input(input_ids, Some(lengths))?;
+        let device = self.device();
+        let lengths = Tensor::from_slice(lengths).f_to_device(device)?.f_unsqueeze(1)?;
+        let invalid = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_ge_tensor(&lengths)?;
+        let ids = input_ids.f_to_device(device)?.f_masked_fill(&invalid, 0)?;
+        let hidden = self.hidden_states(&ids, None)?;
+
+        let predicted = s - 1;
+        let chunk = (LOGPROB_CHUNK_ELEMENTS / (b * self.cfg.vocab_size)).max(1);
+        let mut parts = vec![Tensor::f_zeros([b, 1], (Kind::Float, device))?];
+        let mut start = 0;
+        while start < predicted {
+            let len = chunk.min(predicted - start);
+            let logits = hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(&self.lm_head, None)?.f_to_kind(Kind::Float)?;
+            let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
+            let targets = ids.f_narrow(1, start + 1, len)?.f_unsqueeze(-1)?;
+            parts.push(logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &targets, false)?.f_squeeze_dim(-1)?);
+            start += len;
+        }
+        Ok(Tensor::f_cat(&parts, 1)?.f_masked_fill(&invalid, 0.0)?)
+    }
+}

@@ -1,0 +1,46 @@
+//! Loading and saving a [`CausalLm`] as a Hugging Face model directory (`config.json` plus
+//! safetensors weights).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tch::{Device, Kind};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::{CausalLm, Init};
+use crate::weights::{self, SaveOptions};
+
+/// Writes `bytes` to `dir/name` through a temporary file and a rename.
+pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(name));
+    std::fs::write(&tmp, bytes).map_err(Error::io(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(Error::io(&path))
+}
+
+pub(crate) fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(Error::json(dir.join(name)))?;
+    write_atomically(dir, name, text.as_bytes())
+}
+
+impl CausalLm {
+    /// Loads a HF model directory, with parameters in `kind` on `device`.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(Error::MissingDirectory(dir.to_path_buf()));
+        }
+        let cfg = ModelConfig::load(dir)?;
+        let tied = cfg.tie_word_embeddings;
+        let model = Self::new(cfg, device, kind, Init::Zeros)?;
+        weights::load_into(dir, &model.var_store().variables(), tied)?;
+        Ok(model)
+    }
+
+    /// Saves `config.json` and the weights (in the parameters' dtype) to `dir`, creating it.
+    pub fn save(&self, dir: &Path, options: SaveOptions) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
+        let params: BTreeMap<_, _> = self.var_store().variables().into_iter().collect();
+        weights::save(dir, &params, options)?;
+        write_json(dir, "config.json", &self.config().to_json(Some(weights::dtype_name(self.kind()))))
+    }
+}
