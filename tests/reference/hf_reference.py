@@ -1,0 +1,133 @@
+"""Reference computations with Hugging Face transformers, for Keel's parity tests.
+
+Every subcommand prints one JSON document on stdout.
+
+  make-model VARIANT OUT [--dtype float32|bfloat16]   random model of a named variant
+  score MODEL INPUT.jsonl [--temperature T]          per-token logprobs, one sequence at a time
+  render MODEL MESSAGES.json [--add-generation-prompt] chat template through the tokenizer
+  tokenize MODEL TEXT                                 token ids (add_special_tokens=False)
+  render-template TEMPLATE.jinja MESSAGES.json VARS.json [--add-generation-prompt]
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=211,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+# Each variant exercises one thing Keel must reproduce.
+VARIANTS = {
+    "llama3-rope": lambda: transformers.LlamaConfig(
+        **COMMON,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=32),
+    ),
+    "llama-tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "llama-bias": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
+    "llama-head-dim": lambda: transformers.LlamaConfig(**COMMON, head_dim=24),
+    "llama-linear-rope": lambda: transformers.LlamaConfig(
+        **COMMON, rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "qwen2-bias": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen3-qk-norm": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
+    "qwen3-head-dim": lambda: transformers.Qwen3Config(**{**COMMON, "num_key_value_heads": 1}, head_dim=32),
+    "mistral-window": lambda: transformers.MistralConfig(**COMMON, sliding_window=6),
+}
+
+
+def make_model(variant, out, dtype, seed):
+    torch.manual_seed(seed)
+    config = VARIANTS[variant]()
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    # Weights far from the default init so that every tensor visibly matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            else:
+                p.normal_(0.0, 0.15)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    return {"variant": variant, "architectures": config.architectures}
+
+
+def score(model_dir, input_path, temperature):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    rows = []
+    with open(input_path) as f, torch.no_grad():
+        for line in f:
+            ids = json.loads(line)["token_ids"]
+            logits = model(torch.tensor([ids])).logits[0].float() / temperature
+            lp = torch.log_softmax(logits, dim=-1)
+            token_lp = [0.0] + [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+            rows.append(token_lp)
+    return {"logprobs": rows}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("make-model")
+    p.add_argument("variant", choices=sorted(VARIANTS))
+    p.add_argument("out")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("score")
+    p.add_argument("model")
+    p.add_argument("input")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p = sub.add_parser("render")
+    p.add_argument("model")
+    p.add_argument("messages")
+    p.add_argument("--add-generation-prompt", action="store_true")
+    p = sub.add_parser("tokenize")
+    p.add_argument("model")
+    p.add_argument("text")
+    p = sub.add_parser("render-template")
+    p.add_argument("template")
+    p.add_argument("messages")
+    p.add_argument("vars")
+    p.add_argument("--add-generation-prompt", action="store_true")
+    args = parser.parse_args()
+
+    if args.cmd == "make-model":
+        result = make_model(args.variant, args.out, args.dtype, args.seed)
+    elif args.cmd == "score":
+        result = score(args.model, args.input, args.temperature)
+    elif args.cmd == "render":
+        tok = AutoTokenizer.from_pretrained(args.model)
+        messages = json.load(open(args.messages))
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=args.add_generation_prompt)
+        result = {"text": text}
+    elif args.cmd == "tokenize":
+        tok = AutoTokenizer.from_pretrained(args.model)
+        result = {"ids": tok.encode(args.text, add_special_tokens=False)}
+    else:
+        # The same Jinja2 set-up transformers uses, on a bare template.
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        template = _compile_jinja_template(open(args.template).read())
+        messages = json.load(open(args.messages))
+        variables = json.load(open(args.vars))
+        text = template.render(messages=messages, add_generation_prompt=args.add_generation_prompt, **variables)
+        result = {"text": text}
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
