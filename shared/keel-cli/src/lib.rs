@@ -1,1 +1,28 @@
-//! stub
+//! The `keel` command line.
+//!
+//! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`.
+//! Commands return `anyhow` errors whose chain reads as one line.
+
+pub mod model;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, about = "Keel: post-training LLMs with RL, as services")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Make, score with and sample from Hugging Face model directories.
+    #[command(subcommand)]
+    Model(model::ModelCommand),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Model(command) => model::run(command),
+    }
+}

@@ -67,7 +67,9 @@ impl std::str::FromStr for Architecture {
 
     /// Accepts the short name (`llama`) or the HF class (`LlamaForCausalLM`).
     fn from_str(s: &str) -> Result<Self> {
-        Self::from_model_type(s).or_else(|_| Self::from_hf_class(s))
+        Self::from_model_type(s).or_else(|_| Self::from_hf_class(s)).map_err(|_| {
+            Error::InvalidInput(format!("unknown architecture `{s}` (use llama, qwen2, qwen3 or mistral)"))
+        })
     }
 }
 

@@ -1,0 +1,14 @@
+//! `keel`: parse the command line, run the command, print any error as one line.
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    let cli = keel_cli::Cli::parse();
+    match keel_cli::run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

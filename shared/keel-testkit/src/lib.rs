@@ -1,0 +1,72 @@
+//! Test support shared by Keel's crates.
+//!
+//! - [`workspace_root`] and [`python`]: where the workspace and its `.venv` are.
+//! - [`reference`]: runs `tests/reference/hf_reference.py` (transformers, the oracle for
+//!   model numerics) and parses its JSON.
+//! - [`sequences`], [`write_jsonl`], [`max_abs_diff`]: inputs and comparisons.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+pub fn workspace_root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.join("../..").canonicalize().unwrap_or_else(|_| here.join("../.."))
+}
+
+/// The Python with torch and transformers: `KEEL_PYTHON`, else the workspace `.venv`.
+pub fn python() -> PathBuf {
+    std::env::var_os("KEEL_PYTHON").map(PathBuf::from).unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
+}
+
+/// Runs a subcommand of the transformers reference script and parses its JSON output.
+/// Panics with the script's stderr on failure (this is test support).
+pub fn reference(args: &[&str]) -> Value {
+    let script = workspace_root().join("tests/reference/hf_reference.py");
+    let output = Command::new(python())
+        .arg(&script)
+        .args(args)
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} (scripts/setup creates .venv): {e}", python().display()));
+    assert!(output.status.success(), "reference {args:?} failed:\n{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("reference {args:?} printed no JSON: {e}"))
+}
+
+/// Deterministic token sequences of the given lengths, ids below `vocab`.
+pub fn sequences(lengths: &[usize], vocab: i64, seed: i64) -> Vec<Vec<i64>> {
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(row, &len)| (0..len as i64).map(|i| (i * 37 + row as i64 * 101 + seed * 13 + 5) % vocab).collect())
+        .collect()
+}
+
+/// Writes `{"token_ids": [...]}` lines.
+pub fn write_jsonl(path: &Path, seqs: &[Vec<i64>]) {
+    let text: String = seqs.iter().map(|s| format!("{}\n", serde_json::json!({ "token_ids": s }))).collect();
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+}
+
+/// transformers' logprobs of `seqs` (one sequence at a time, f32).
+pub fn reference_logprobs(model_dir: &Path, seqs: &[Vec<i64>], temperature: f64, scratch: &Path) -> Vec<Vec<f64>> {
+    let input = scratch.join("reference-input.jsonl");
+    write_jsonl(&input, seqs);
+    let (model, input) = (model_dir.to_string_lossy(), input.to_string_lossy());
+    let out = reference(&["score", &model, &input, "--temperature", &temperature.to_string()]);
+    serde_json::from_value(out["logprobs"].clone()).unwrap_or_else(|e| panic!("reference logprobs: {e}"))
+}
+
+/// Largest absolute difference between two ragged tables of the same shape.
+pub fn max_abs_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    assert_eq!(a.len(), b.len(), "row counts differ");
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len(), "row lengths differ");
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f64::max)
+}
