@@ -1,1 +1,59 @@
-//! stub
+//! keel-orchestrator: the public REST API: runs, algorithm drivers (GRPO, SFT, DPO, RM, eval), datasets and metrics in Postgres.
+//!
+//! So far the service starts, loads its [`Config`] and answers `GET /healthz`; [`app`]
+//! is its router and [`run`] serves it until shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use axum::Router;
+use serde::{Deserialize, Serialize};
+
+pub const SERVICE: &str = "orchestrator";
+
+/// Configuration: defaults, then `--config FILE`, then `KEEL_ORCHESTRATOR__<FIELD>`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// HTTP address (default 127.0.0.1:8080).
+    pub listen: SocketAddr,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self { listen: SocketAddr::from(([127, 0, 0, 1], 8080)) }
+    }
+}
+
+impl keel_service::ServiceConfig for Config {
+    const SERVICE: &'static str = SERVICE;
+
+    fn listen(&self) -> SocketAddr {
+        self.listen
+    }
+}
+
+pub fn app(_config: &Config) -> Router {
+    keel_service::health_routes(SERVICE)
+}
+
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    keel_service::run_http(SERVICE, config.listen, app(&config), shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn answers_healthz() {
+        let response = app(&Config::default()).oneshot(Request::get("/healthz").body(Body::empty()).unwrap()).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let body: serde_json::Value = serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(body["service"], SERVICE);
+    }
+}

@@ -4,6 +4,11 @@
 //! - [`reference`]: runs `tests/reference/hf_reference.py` (transformers, the oracle for
 //!   model numerics) and parses its JSON.
 //! - [`sequences`], [`write_jsonl`], [`max_abs_diff`]: inputs and comparisons.
+//! - [`ServiceProcess`]: a service binary started as a process on a free port.
+
+mod process;
+
+pub use process::{ServiceProcess, binary};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,0 +1,112 @@
+//! Layered service configuration: the struct's defaults, then an optional YAML file, then
+//! environment variables `KEEL_<SERVICE>__<FIELD>` (nested fields joined by `__`). Unknown
+//! fields are refused (configs use `#[serde(deny_unknown_fields)]`), then `validate` runs.
+
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Yaml};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// A service's configuration struct.
+pub trait ServiceConfig: Serialize + DeserializeOwned + Default {
+    /// The service name, as in `keel-<name>` and `KEEL_<NAME>__...`.
+    const SERVICE: &'static str;
+
+    /// Where the HTTP server listens.
+    fn listen(&self) -> std::net::SocketAddr;
+
+    /// Checks that go beyond types; the message names the field.
+    fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {0} does not exist")]
+    MissingFile(String),
+    #[error("configuration: {0}")]
+    Invalid(String),
+}
+
+/// The environment prefix of a service: `KEEL_TRAINER__`.
+pub fn env_prefix(service: &str) -> String {
+    format!("KEEL_{}__", service.to_uppercase())
+}
+
+pub fn load_config<C: ServiceConfig>(file: Option<&Path>) -> Result<C, ConfigError> {
+    let mut figment = Figment::from(Serialized::defaults(C::default()));
+    if let Some(file) = file {
+        if !file.is_file() {
+            return Err(ConfigError::MissingFile(file.display().to_string()));
+        }
+        figment = figment.merge(Yaml::file_exact(file));
+    }
+    figment = figment.merge(Env::prefixed(&env_prefix(C::SERVICE)).split("__"));
+    let config: C = figment.extract().map_err(|e| ConfigError::Invalid(one_line(&e)))?;
+    config.validate().map_err(ConfigError::Invalid)?;
+    Ok(config)
+}
+
+/// figment's errors can hold several; report them on one line.
+fn one_line(error: &figment::Error) -> String {
+    error.clone().into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields, default)]
+    struct Example {
+        listen: std::net::SocketAddr,
+        workers: u32,
+    }
+
+    impl Default for Example {
+        fn default() -> Self {
+            Self { listen: ([127, 0, 0, 1], 9000).into(), workers: 2 }
+        }
+    }
+
+    impl ServiceConfig for Example {
+        const SERVICE: &'static str = "example";
+
+        fn listen(&self) -> std::net::SocketAddr {
+            self.listen
+        }
+
+        fn validate(&self) -> Result<(), String> {
+            if self.workers == 0 { Err("workers: must be at least 1".into()) } else { Ok(()) }
+        }
+    }
+
+    #[test]
+    fn layers_apply_in_order_and_errors_name_the_field() {
+        figment::Jail::expect_with(|jail| {
+            assert_eq!(load_config::<Example>(None).unwrap(), Example::default());
+            jail.create_file("c.yaml", "workers: 4\nlisten: 127.0.0.1:9100\n")?;
+            let from_file = load_config::<Example>(Some(Path::new("c.yaml"))).unwrap();
+            assert_eq!(from_file.workers, 4);
+            jail.set_env("KEEL_EXAMPLE__WORKERS", "8");
+            let from_env = load_config::<Example>(Some(Path::new("c.yaml"))).unwrap();
+            assert_eq!((from_env.workers, from_env.listen.port()), (8, 9100));
+
+            jail.set_env("KEEL_EXAMPLE__WORKERS", "0");
+            assert_eq!(load_config::<Example>(None).unwrap_err().to_string(), "configuration: workers: must be at least 1");
+            jail.set_env("KEEL_EXAMPLE__WORKERS", "many");
+            let err = load_config::<Example>(None).unwrap_err().to_string();
+            assert!(err.contains("\"WORKERS\"") && err.contains("KEEL_EXAMPLE__"), "{err}");
+            jail.set_env("KEEL_EXAMPLE__WORKERS", "1");
+            jail.create_file("bad.yaml", "wrokers: 3\n")?;
+            let err = load_config::<Example>(Some(Path::new("bad.yaml"))).unwrap_err().to_string();
+            assert!(err.contains("wrokers"), "{err}");
+            assert!(load_config::<Example>(Some(Path::new("absent.yaml"))).unwrap_err().to_string().contains("absent.yaml"));
+            Ok(())
+        });
+    }
+}

@@ -1,0 +1,70 @@
+//! What every service binary runs: `--config FILE`, layered config, logging to stderr
+//! (filter from `KEEL_LOG`, default `info`), a Tokio runtime, and shutdown on SIGINT/SIGTERM.
+//! A bad configuration stops the process with one line and exit code 2.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use crate::config::{ServiceConfig, load_config};
+
+#[derive(Debug, Parser)]
+struct Flags {
+    /// A YAML configuration file (optional; environment variables override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(signal) => signal,
+        Err(err) => {
+            tracing::warn!("cannot listen for SIGTERM: {err}");
+            let _ = interrupt.await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = interrupt => {},
+        _ = terminate.recv() => {},
+    }
+}
+
+/// Runs a service: `run(config, shutdown)` is the service's `lib.rs` entry point.
+pub fn service_main<C, F, Fut, E>(run: F) -> ExitCode
+where
+    C: ServiceConfig,
+    F: FnOnce(C, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let flags = Flags::parse();
+    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let config = match load_config::<C>(flags.config.as_deref()) {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("keel-{}: {err}", C::SERVICE);
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("keel-{}: cannot start the runtime: {err}", C::SERVICE);
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(config, Box::pin(shutdown_signal()))) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("keel-{}: {err}", C::SERVICE);
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! HTTP pieces every service has: `GET /healthz`, the JSON error body
+//! (`{"error": {"type", "message"}}`) with a 404 fallback, and serving until shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+/// An error answered to a client: a status and a stable `type` code with a message.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub error_type: &'static str,
+    pub message: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"type": self.error_type, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError { status: StatusCode::NOT_FOUND, error_type: "not_found", message: format!("no route for {uri}") }
+}
+
+/// `GET /healthz` answering `{"status": "ok", "service": ..., "version": ...}`, plus the 404
+/// fallback. Services merge their own routes into it.
+pub fn health_routes<S: Clone + Send + Sync + 'static>(service: &'static str) -> Router<S> {
+    let health = move || async move {
+        Json(json!({"status": "ok", "service": service, "version": env!("CARGO_PKG_VERSION")}))
+    };
+    Router::new().route("/healthz", get(health)).fallback(not_found)
+}
+
+/// Binds `listen`, announces the bound address on stdout (`keel-<service> listening on
+/// http://ADDR`, the line launchers and tests wait for), and serves until `shutdown`.
+pub async fn run_http(
+    service: &str,
+    listen: SocketAddr,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {listen}: {e}")))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "keel-{service} listening");
+    println!("keel-{service} listening on http://{addr}");
+    serve(listener, app, shutdown).await?;
+    tracing::info!("keel-{service} stopped");
+    Ok(())
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then drains open requests.
+pub async fn serve(listener: TcpListener, app: Router, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    async fn get_json(app: Router, path: &str) -> (StatusCode, serde_json::Value) {
+        let response = app.oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn health_and_not_found() {
+        let (status, body) = get_json(health_routes::<()>("demo"), "/healthz").await;
+        assert_eq!((status, body["status"].as_str(), body["service"].as_str()), (StatusCode::OK, Some("ok"), Some("demo")));
+        let (status, body) = get_json(health_routes::<()>("demo"), "/nope").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(body["error"]["type"], "not_found");
+        assert!(body["error"]["message"].as_str().unwrap().contains("/nope"));
+    }
+}

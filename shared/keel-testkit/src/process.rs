@@ -1,0 +1,71 @@
+//! Service binaries as processes: started with `KEEL_<SERVICE>__LISTEN=127.0.0.1:0`, ready
+//! once they print their `listening on http://ADDR` line, killed when dropped.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long a service may take to start listening.
+const START_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A binary of this workspace, next to the running test's `deps/` directory.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(|deps| deps.parent()).expect("target directory");
+    let path = dir.join(name);
+    assert!(path.is_file(), "{} is not built: run `cargo build --workspace --bins` first", path.display());
+    path
+}
+
+#[derive(Debug)]
+pub struct ServiceProcess {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+}
+
+impl ServiceProcess {
+    /// Starts `keel-<service>` on a free port with extra environment variables.
+    pub fn start(service: &str, env: &[(&str, &str)]) -> Self {
+        let mut child = Command::new(binary(&format!("keel-{service}")))
+            .env(format!("KEEL_{}__LISTEN", service.to_uppercase()), "127.0.0.1:0")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start keel-{service}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.split("listening on ").nth(1) {
+                    let _ = tx.send(url.trim().to_string());
+                }
+            }
+        });
+        match rx.recv_timeout(START_DEADLINE) {
+            Ok(url) => Self { child, url },
+            Err(_) => {
+                let _ = child.kill();
+                panic!("keel-{service} did not start listening within {START_DEADLINE:?}");
+            }
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(mut self) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
+        assert!(sent.success(), "kill -TERM {pid} failed");
+        self.child.wait().expect("wait for service")
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

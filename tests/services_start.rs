@@ -1,0 +1,47 @@
+//! Every service binary starts from its configuration, answers `GET /healthz`, refuses a
+//! bad configuration with one line, and stops cleanly on SIGTERM.
+
+use std::process::Command;
+
+use keel_testkit::{ServiceProcess, binary};
+
+const SERVICES: [&str; 5] = ["orchestrator", "trainer", "generator", "reward", "checkpoint"];
+
+#[tokio::test]
+async fn all_services_answer_healthz_and_stop_on_sigterm() {
+    let client = reqwest::Client::new();
+    let running: Vec<(&str, ServiceProcess)> = SERVICES.iter().map(|s| (*s, ServiceProcess::start(s, &[]))).collect();
+    for (service, process) in &running {
+        let response = client.get(format!("{}/healthz", process.url)).send().await.expect("GET /healthz");
+        assert_eq!(response.status(), 200, "{service}");
+        let body: serde_json::Value = response.json().await.expect("JSON body");
+        assert_eq!(body["status"], "ok");
+        assert_eq!(body["service"], *service);
+
+        let missing = client.get(format!("{}/v0/nothing", process.url)).send().await.expect("GET unknown route");
+        assert_eq!(missing.status(), 404);
+        let body: serde_json::Value = missing.json().await.expect("JSON error body");
+        assert_eq!(body["error"]["type"], "not_found");
+    }
+    for (service, process) in running {
+        let status = process.terminate();
+        assert!(status.success(), "keel-{service} exited with {status} on SIGTERM");
+    }
+}
+
+#[test]
+fn bad_configuration_stops_a_service_with_one_line() {
+    let cases: [(&str, &[(&str, &str)], &[&str], &str); 3] = [
+        ("trainer", &[("KEEL_TRAINER__LISTEN", "not-an-address")], &[], "listen"),
+        ("generator", &[("KEEL_GENERATOR__MODLE", "x")], &[], "modle"),
+        ("reward", &[], &["--config", "/nonexistent/reward.yaml"], "/nonexistent/reward.yaml"),
+    ];
+    for (service, env, args, needle) in cases {
+        let out = Command::new(binary(&format!("keel-{service}"))).envs(env.iter().copied()).args(args).output().expect("run service");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "keel-{service}: {stderr}");
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one line expected: {stderr}");
+        assert!(lines[0].starts_with(&format!("keel-{service}: ")) && lines[0].to_lowercase().contains(needle), "{stderr}");
+    }
+}
