@@ -1,6 +1,8 @@
 //! Every service binary starts from its configuration, answers `GET /healthz`, refuses a
 //! bad configuration with one line, and stops cleanly on SIGTERM.
 
+#![allow(clippy::unwrap_used)]
+
 use std::process::Command;
 
 use keel_testkit::{ServiceProcess, binary};
@@ -31,17 +33,25 @@ async fn all_services_answer_healthz_and_stop_on_sigterm() {
 
 #[test]
 fn bad_configuration_stops_a_service_with_one_line() {
-    let cases: [(&str, &[(&str, &str)], &[&str], &str); 3] = [
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a [&'a str], &'a str);
+    let cases: [Case<'_>; 3] = [
         ("trainer", &[("KEEL_TRAINER__LISTEN", "not-an-address")], &[], "listen"),
         ("generator", &[("KEEL_GENERATOR__MODLE", "x")], &[], "modle"),
         ("reward", &[], &["--config", "/nonexistent/reward.yaml"], "/nonexistent/reward.yaml"),
     ];
     for (service, env, args, needle) in cases {
-        let out = Command::new(binary(&format!("keel-{service}"))).envs(env.iter().copied()).args(args).output().expect("run service");
+        let out = Command::new(binary(&format!("keel-{service}")))
+            .envs(env.iter().copied())
+            .args(args)
+            .output()
+            .expect("run service");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "keel-{service}: {stderr}");
         let lines: Vec<&str> = stderr.lines().collect();
         assert_eq!(lines.len(), 1, "one line expected: {stderr}");
-        assert!(lines[0].starts_with(&format!("keel-{service}: ")) && lines[0].to_lowercase().contains(needle), "{stderr}");
+        assert!(
+            lines[0].starts_with(&format!("keel-{service}: ")) && lines[0].to_lowercase().contains(needle),
+            "{stderr}"
+        );
     }
 }

@@ -51,9 +51,11 @@ mod tests {
 
     #[tokio::test]
     async fn answers_healthz() {
-        let response = app(&Config::default()).oneshot(Request::get("/healthz").body(Body::empty()).unwrap()).await.unwrap();
+        let response =
+            app(&Config::default()).oneshot(Request::get("/healthz").body(Body::empty()).unwrap()).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
-        let body: serde_json::Value = serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
         assert_eq!(body["service"], SERVICE);
     }
 }

@@ -166,7 +166,8 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let mut out = BufWriter::new(std::io::stdout().lock());
     for batch in sequences.chunks(args.batch_size) {
         let width = batch.iter().map(Vec::len).max().unwrap_or(0);
-        let padded: Vec<i64> = batch.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(0, width - s.len()))).collect();
+        let padded: Vec<i64> =
+            batch.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(0, width - s.len()))).collect();
         let ids = Tensor::from_slice(&padded).f_view([batch.len() as i64, width as i64])?;
         let lengths: Vec<i64> = batch.iter().map(|s| s.len() as i64).collect();
         let logprobs = model.token_logprobs(&ids, &lengths, args.temperature)?;
@@ -196,7 +197,8 @@ fn generate_command(args: GenerateArgs) -> anyhow::Result<()> {
     if stop_ids.is_empty() {
         stop_ids = model.config().eos_token_ids.clone();
     }
-    let params = SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed };
+    let params =
+        SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed };
     let generation = generate(&model, &prompt_ids, args.max_tokens, &stop_ids, params)?;
     let ids: Vec<u32> = generation.tokens.iter().map(|&t| t as u32).collect();
     let text = tokenizer.decode(&ids, true)?;

@@ -1,6 +1,8 @@
 //! `keel model` as a user runs it: the binary as a process, its output checked against
 //! transformers, and every bad input answered with one line and a non-zero exit.
 
+#![allow(clippy::unwrap_used)]
+
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -31,7 +33,20 @@ fn fails(args: &[&str]) -> String {
 fn init(dir: &Path, arch: &str) -> String {
     let corpus = workspace_root().join("examples/tokenizer-corpus.txt");
     let out = dir.join(arch);
-    ok(&["model", "init", "--arch", arch, "--preset", "tiny", "--train-tokenizer", corpus.to_str().unwrap(), "--out", out.to_str().unwrap(), "--seed", "5"]);
+    ok(&[
+        "model",
+        "init",
+        "--arch",
+        arch,
+        "--preset",
+        "tiny",
+        "--train-tokenizer",
+        corpus.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--seed",
+        "5",
+    ]);
     out.to_string_lossy().into_owned()
 }
 
@@ -59,7 +74,22 @@ fn generate_is_reproducible_and_reports_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let model = init(dir.path(), "qwen2");
     let run = |seed: &str, temperature: &str| -> Value {
-        let args = ["model", "generate", "--model", &model, "--prompt", "What is 2 + 2?", "--chat", "--max-tokens", "12", "--seed", seed, "--temperature", temperature, "--json"];
+        let args = [
+            "model",
+            "generate",
+            "--model",
+            &model,
+            "--prompt",
+            "What is 2 + 2?",
+            "--chat",
+            "--max-tokens",
+            "12",
+            "--seed",
+            seed,
+            "--temperature",
+            temperature,
+            "--json",
+        ];
         serde_json::from_str(&ok(&args)).unwrap()
     };
     let (a, b) = (run("7", "1.0"), run("7", "1.0"));
@@ -75,7 +105,9 @@ fn generate_is_reproducible_and_reports_tokens() {
     let full: Vec<i64> = prompt.iter().chain(&tokens).copied().collect();
     let input = dir.path().join("full.jsonl");
     write_jsonl(&input, &[full]);
-    let scored: Value = serde_json::from_str(ok(&["model", "score", "--model", &model, "--input", input.to_str().unwrap()]).trim()).unwrap();
+    let scored: Value =
+        serde_json::from_str(ok(&["model", "score", "--model", &model, "--input", input.to_str().unwrap()]).trim())
+            .unwrap();
     let scored: Vec<f64> = serde_json::from_value(scored["logprobs"].clone()).unwrap();
     let generated: Vec<f64> = serde_json::from_value(a["logprobs"].clone()).unwrap();
     let diff = max_abs_diff(&[scored[prompt.len()..].to_vec()], &[generated]);
@@ -95,7 +127,10 @@ fn bad_inputs_are_one_line_errors() {
 
     let good = write("good.jsonl", "{\"token_ids\": [1, 2]}\n");
     assert!(score(&dir.path().join("absent").to_string_lossy(), &good).contains("does not exist"));
-    assert!(score(&model, &write("range.jsonl", "{\"token_ids\": [1]}\n{\"token_ids\": [1, 100000]}\n")).contains("line 2: token id 100000 is out of range"));
+    assert!(
+        score(&model, &write("range.jsonl", "{\"token_ids\": [1]}\n{\"token_ids\": [1, 100000]}\n"))
+            .contains("line 2: token id 100000 is out of range")
+    );
     assert!(score(&model, &write("json.jsonl", "{\"token_ids\": [1,\n")).contains("json.jsonl line 1"));
     assert!(score(&model, &write("key.jsonl", "{\"ids\": [1]}\n")).contains("expected {\"token_ids\""));
     assert!(score(&model, &write("empty.jsonl", "{\"token_ids\": []}\n")).contains("token_ids is empty"));
@@ -119,5 +154,17 @@ fn bad_inputs_are_one_line_errors() {
     assert!(generate(&["--top-p", "1.5"]).contains("top_p"));
     assert!(generate(&["--max-tokens", "100000"]).contains("exceeds the model's context"));
     let corpus = workspace_root().join("examples/tokenizer-corpus.txt");
-    assert!(fails(&["model", "init", "--arch", "gpt2", "--train-tokenizer", corpus.to_str().unwrap(), "--out", "/tmp/unused-keel"]).contains("unknown architecture `gpt2`"));
+    assert!(
+        fails(&[
+            "model",
+            "init",
+            "--arch",
+            "gpt2",
+            "--train-tokenizer",
+            corpus.to_str().unwrap(),
+            "--out",
+            "/tmp/unused-keel"
+        ])
+        .contains("unknown architecture `gpt2`")
+    );
 }

@@ -18,13 +18,14 @@ impl KvCache {
     /// A cache for `batch` rows of up to `capacity` tokens each.
     pub fn new(cfg: &ModelConfig, batch: i64, capacity: i64, kind: Kind, device: Device) -> Result<Self> {
         if batch <= 0 || capacity <= 0 {
-            return Err(Error::InvalidInput(format!("KV cache needs a positive batch and capacity, got {batch} × {capacity}")));
+            return Err(Error::InvalidInput(format!(
+                "KV cache needs a positive batch and capacity, got {batch} × {capacity}"
+            )));
         }
         let shape = [batch, cfg.num_key_value_heads, capacity, cfg.head_dim];
         let layers = cfg.num_hidden_layers as usize;
-        let alloc = || -> Result<Vec<Tensor>> {
-            (0..layers).map(|_| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect()
-        };
+        let alloc =
+            || -> Result<Vec<Tensor>> { (0..layers).map(|_| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect() };
         Ok(Self { keys: alloc()?, values: alloc()?, len: 0, capacity })
     }
 

@@ -32,7 +32,12 @@ impl ChatTemplate {
 
     /// Renders `messages` (a JSON list of `{role, content, ...}`) with `extra` variables
     /// (special tokens, tools, ...) in scope.
-    pub fn render(&self, messages: &serde_json::Value, add_generation_prompt: bool, extra: &serde_json::Value) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Value,
+    ) -> Result<String> {
         if !messages.is_array() {
             return Err(Error::ChatTemplate("messages must be a list".into()));
         }
@@ -56,16 +61,26 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 }
 
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
     format_utc(secs, &format)
 }
 
 /// `strftime` for the codes chat templates use (%d %m %Y %y %b %B %H %M %S %%), in UTC.
 fn format_utc(secs: i64, format: &str) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days + 719_468;
@@ -118,7 +133,13 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     Ok(Value::from_safe_string(out))
 }
 
-fn write_python_json(value: &serde_json::Value, indent: Option<usize>, sort_keys: bool, depth: usize, out: &mut String) {
+fn write_python_json(
+    value: &serde_json::Value,
+    indent: Option<usize>,
+    sort_keys: bool,
+    depth: usize,
+    out: &mut String,
+) {
     use serde_json::Value as J;
     let newline = |out: &mut String, depth: usize| {
         if let Some(width) = indent {
@@ -174,7 +195,10 @@ mod tests {
     fn tojson_matches_python_separators_and_order() {
         let t = ChatTemplate::new("{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}").unwrap();
         let out = t.render(&json!([{"z": 1, "a": [1, "é\n"], "e": {}}]), false, &json!({})).unwrap();
-        assert_eq!(out, "{\"z\": 1, \"a\": [1, \"é\\n\"], \"e\": {}}|{\n  \"z\": 1,\n  \"a\": [\n    1,\n    \"é\\n\"\n  ],\n  \"e\": {}\n}");
+        assert_eq!(
+            out,
+            "{\"z\": 1, \"a\": [1, \"é\\n\"], \"e\": {}}|{\n  \"z\": 1,\n  \"a\": [\n    1,\n    \"é\\n\"\n  ],\n  \"e\": {}\n}"
+        );
     }
 
     #[test]

@@ -78,9 +78,16 @@ impl std::str::FromStr for Architecture {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (`rope_type: linear`).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1's frequency-dependent scaling (`rope_type: llama3`).
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: i64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: i64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -167,7 +174,9 @@ impl Fields<'_> {
                 .iter()
                 .map(|v| v.as_i64().ok_or_else(|| Error::invalid(key, format!("must hold integers, found {v}"))))
                 .collect(),
-            Some(v) => Ok(vec![v.as_i64().ok_or_else(|| Error::invalid(key, format!("must be an integer or a list, found {v}")))?]),
+            Some(v) => Ok(vec![
+                v.as_i64().ok_or_else(|| Error::invalid(key, format!("must be an integer or a list, found {v}")))?,
+            ]),
         }
     }
 }
@@ -198,7 +207,8 @@ impl ModelConfig {
                 return Err(Error::unsupported("architectures", other, "exactly one architecture is needed"));
             }
             None => Architecture::from_model_type(
-                f.str("model_type")?.ok_or_else(|| Error::invalid("architectures", "and `model_type` are both missing"))?,
+                f.str("model_type")?
+                    .ok_or_else(|| Error::invalid("architectures", "and `model_type` are both missing"))?,
             )?,
         };
         if let Some(act) = f.str("hidden_act")?.filter(|act| *act != "silu") {
@@ -322,8 +332,10 @@ fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "llama3" => {
-            let low_freq_factor = p.float("low_freq_factor")?.ok_or_else(|| Error::invalid(&field("low_freq_factor"), "is missing"))?;
-            let high_freq_factor = p.float("high_freq_factor")?.ok_or_else(|| Error::invalid(&field("high_freq_factor"), "is missing"))?;
+            let low_freq_factor =
+                p.float("low_freq_factor")?.ok_or_else(|| Error::invalid(&field("low_freq_factor"), "is missing"))?;
+            let high_freq_factor =
+                p.float("high_freq_factor")?.ok_or_else(|| Error::invalid(&field("high_freq_factor"), "is missing"))?;
             if high_freq_factor <= low_freq_factor {
                 return Err(Error::invalid(&field("high_freq_factor"), "must be greater than low_freq_factor"));
             }
@@ -339,7 +351,11 @@ fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
             }
         }
         other => {
-            return Err(Error::unsupported(&field("rope_type"), other, "supported rope types are default, linear and llama3"));
+            return Err(Error::unsupported(
+                &field("rope_type"),
+                other,
+                "supported rope types are default, linear and llama3",
+            ));
         }
     };
     Ok(RopeConfig { theta, scaling })
@@ -359,10 +375,12 @@ fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> R
             .iter()
             .map(|t| match t.as_str() {
                 Some("full_attention") => Ok(None),
-                Some("sliding_attention") => window
-                    .map(Some)
-                    .ok_or_else(|| Error::invalid("sliding_window", "is missing but layer_types has sliding_attention")),
-                _ => Err(Error::unsupported("layer_types", t, "only full_attention and sliding_attention are supported")),
+                Some("sliding_attention") => window.map(Some).ok_or_else(|| {
+                    Error::invalid("sliding_window", "is missing but layer_types has sliding_attention")
+                }),
+                _ => {
+                    Err(Error::unsupported("layer_types", t, "only full_attention and sliding_attention are supported"))
+                }
             })
             .collect();
     }

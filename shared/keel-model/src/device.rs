@@ -36,7 +36,8 @@ pub fn parse_device(name: &str) -> Result<Device> {
             .and_then(|n| n.parse::<usize>().ok())
             .ok_or_else(|| Error::Device(format!("unknown device `{other}` (use cpu, cuda or cuda:N)")))?,
     };
-    load_torch_cuda().map_err(|e| Error::Device(format!("CUDA requested but libtorch_cuda.so could not be loaded: {e}")))?;
+    load_torch_cuda()
+        .map_err(|e| Error::Device(format!("CUDA requested but libtorch_cuda.so could not be loaded: {e}")))?;
     let count = tch::Cuda::device_count() as usize;
     if ordinal >= count {
         return Err(Error::Device(format!("CUDA device {ordinal} requested, {count} available")));

@@ -12,7 +12,9 @@ use tokenizers::models::{ModelWrapper, TrainerWrapper};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl,
+};
 
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
@@ -70,8 +72,24 @@ struct Dims {
 impl Preset {
     fn dims(self) -> Dims {
         match self {
-            Self::Tiny => Dims { hidden: 64, intermediate: 192, layers: 2, heads: 4, kv_heads: 2, vocab_target: 512, max_positions: 1024 },
-            Self::Small => Dims { hidden: 256, intermediate: 768, layers: 4, heads: 8, kv_heads: 4, vocab_target: 2048, max_positions: 2048 },
+            Self::Tiny => Dims {
+                hidden: 64,
+                intermediate: 192,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                vocab_target: 512,
+                max_positions: 1024,
+            },
+            Self::Small => Dims {
+                hidden: 256,
+                intermediate: 768,
+                layers: 4,
+                heads: 8,
+                kv_heads: 4,
+                vocab_target: 2048,
+                max_positions: 2048,
+            },
         }
     }
 }
@@ -106,8 +124,13 @@ pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize) -> Result<tokenizer
         .build()
         .into();
     let pre_tokenizer = Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, false, true).into()]);
-    let mut tokenizer: TokenizerImpl<ModelWrapper, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper> =
-        TokenizerImpl::new(BPE::default().into());
+    let mut tokenizer: TokenizerImpl<
+        ModelWrapper,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    > = TokenizerImpl::new(BPE::default().into());
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
     tokenizer.with_post_processor(Some(ByteLevel::new(false, false, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
@@ -163,11 +186,15 @@ pub fn init_model(spec: &InitSpec) -> Result<()> {
     let dims = spec.preset.dims();
     let tokenizer = train_tokenizer(&spec.tokenizer_corpus, dims.vocab_target)?;
     let id = |token: &str| -> Result<i64> {
-        tokenizer.token_to_id(token).map(i64::from).ok_or_else(|| Error::Tokenizer(format!("trained tokenizer lacks {token}")))
+        tokenizer
+            .token_to_id(token)
+            .map(i64::from)
+            .ok_or_else(|| Error::Tokenizer(format!("trained tokenizer lacks {token}")))
     };
     let (end_of_text, im_end) = (id(END_OF_TEXT)?, id(IM_END)?);
     let vocab_size = tokenizer.get_vocab_size(true) as i64;
-    let config = ModelConfig::from_json(config_json(spec.architecture, &dims, vocab_size, end_of_text, im_end, end_of_text))?;
+    let config =
+        ModelConfig::from_json(config_json(spec.architecture, &dims, vocab_size, end_of_text, im_end, end_of_text))?;
 
     tch::manual_seed(spec.seed);
     let model = CausalLm::new(config, Device::Cpu, Kind::Float, Init::Random { std: 0.02 })?;
@@ -176,7 +203,13 @@ pub fn init_model(spec: &InitSpec) -> Result<()> {
     save_tokenizer_files(out, &tokenizer, dims.max_positions, end_of_text, im_end)
 }
 
-fn save_tokenizer_files(out: &Path, tokenizer: &tokenizers::Tokenizer, max_length: i64, end_of_text: i64, im_end: i64) -> Result<()> {
+fn save_tokenizer_files(
+    out: &Path,
+    tokenizer: &tokenizers::Tokenizer,
+    max_length: i64,
+    end_of_text: i64,
+    im_end: i64,
+) -> Result<()> {
     let path = out.join(TOKENIZER_FILE);
     tokenizer.save(&path, false).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
     write_json(

@@ -178,9 +178,12 @@ impl Attention {
         }
         let size = x.size();
         let (b, t) = (size[0], size[2]);
-        Ok(x.f_unsqueeze(2)?
-            .f_expand([b, self.kv_heads, groups, t, self.head_dim], false)?
-            .f_reshape([b, self.heads, t, self.head_dim])?)
+        Ok(x.f_unsqueeze(2)?.f_expand([b, self.kv_heads, groups, t, self.head_dim], false)?.f_reshape([
+            b,
+            self.heads,
+            t,
+            self.head_dim,
+        ])?)
     }
 
     fn forward(
@@ -249,13 +252,24 @@ impl DecoderLayer {
         Ok(Self {
             input_layernorm: RmsNorm::new(&p.sub("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
             self_attn: Attention::new(&p.sub("self_attn"), cfg)?,
-            post_attention_layernorm: RmsNorm::new(&p.sub("post_attention_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            post_attention_layernorm: RmsNorm::new(
+                &p.sub("post_attention_layernorm"),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            )?,
             mlp: Mlp::new(&p.sub("mlp"), cfg)?,
             window: cfg.sliding_windows[index],
         })
     }
 
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: Option<(&mut KvCache, usize)>, mask: &Mask) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<(&mut KvCache, usize)>,
+        mask: &Mask,
+    ) -> Result<Tensor> {
         let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, cache, mask)?;
         let h = x.f_add(&attn)?;
         Ok(h.f_add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
@@ -335,7 +349,9 @@ impl CausalLm {
         let ids = Vec::<i64>::try_from(input_ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
         for (row, chunk) in ids.chunks(s as usize).enumerate() {
             let len = lengths.map_or(s, |l| l[row]) as usize;
-            if let Some((position, &id)) = chunk[..len].iter().enumerate().find(|(_, id)| !(0..self.cfg.vocab_size).contains(*id)) {
+            if let Some((position, &id)) =
+                chunk[..len].iter().enumerate().find(|(_, id)| !(0..self.cfg.vocab_size).contains(*id))
+            {
                 return Err(Error::TokenOutOfRange { id, row, position, vocab_size: self.cfg.vocab_size });
             }
         }
@@ -351,7 +367,8 @@ impl CausalLm {
             cache.reserve(s)?;
         }
         let device = self.device();
-        let positions = Tensor::f_arange_start(past, past + s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
+        let positions =
+            Tensor::f_arange_start(past, past + s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
         let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
         let mut masks: Vec<(Option<i64>, Mask)> = Vec::new();
         for layer in &self.layers {
@@ -361,7 +378,11 @@ impl CausalLm {
         }
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            let mask = &masks.iter().find(|(w, _)| *w == layer.window).map(|(_, m)| m).ok_or_else(|| Error::InvalidInput("mask".into()))?;
+            let mask = &masks
+                .iter()
+                .find(|(w, _)| *w == layer.window)
+                .map(|(_, m)| m)
+                .ok_or_else(|| Error::InvalidInput("mask".into()))?;
             x = layer.forward(&x, &cos, &sin, cache.as_deref_mut().map(|c| (c, index)), mask)?;
         }
         if let Some(cache) = cache {
@@ -409,7 +430,8 @@ impl CausalLm {
         let mut start = 0;
         while start < predicted {
             let len = chunk.min(predicted - start);
-            let logits = hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(&self.lm_head, None)?.f_to_kind(Kind::Float)?;
+            let logits =
+                hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(&self.lm_head, None)?.f_to_kind(Kind::Float)?;
             let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
             let targets = ids.f_narrow(1, start + 1, len)?.f_unsqueeze(-1)?;
             parts.push(logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &targets, false)?.f_squeeze_dim(-1)?);

@@ -77,7 +77,11 @@ impl Sampler {
     pub fn sample(&mut self, logits: &Tensor) -> Result<(i64, f32)> {
         let greedy = self.params.temperature == 0.0;
         let scaled = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?;
-        let scaled = if greedy || self.params.temperature == 1.0 { scaled } else { scaled.f_div_scalar(self.params.temperature)? };
+        let scaled = if greedy || self.params.temperature == 1.0 {
+            scaled
+        } else {
+            scaled.f_div_scalar(self.params.temperature)?
+        };
         let logprobs = Vec::<f32>::try_from(scaled.f_log_softmax(-1, Kind::Float)?)?;
         let token = if greedy {
             argmax(&logprobs)
@@ -115,7 +119,13 @@ fn argmax(values: &[f32]) -> usize {
 }
 
 /// Generates up to `max_tokens` after `prompt`, stopping after any of `stop_ids`.
-pub fn generate(model: &CausalLm, prompt: &[i64], max_tokens: usize, stop_ids: &[i64], params: SamplingParams) -> Result<Generation> {
+pub fn generate(
+    model: &CausalLm,
+    prompt: &[i64],
+    max_tokens: usize,
+    stop_ids: &[i64],
+    params: SamplingParams,
+) -> Result<Generation> {
     if prompt.is_empty() {
         return Err(Error::InvalidInput("the prompt is empty".into()));
     }

@@ -126,7 +126,12 @@ impl Tokenizer {
     }
 
     /// As [`Self::apply_chat_template`], with extra template variables (`tools`, ...).
-    pub fn apply_chat_template_with(&self, messages: &Value, add_generation_prompt: bool, extra: &Map<String, Value>) -> Result<String> {
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()

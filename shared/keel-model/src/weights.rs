@@ -45,10 +45,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(Error::io(&index))?;
         let value: serde_json::Value = serde_json::from_str(&text).map_err(Error::json(&index))?;
-        let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Safetensors {
-            path: index.clone(),
-            reason: "no `weight_map` object".into(),
-        })?;
+        let map = value
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Safetensors { path: index.clone(), reason: "no `weight_map` object".into() })?;
         let mut files: Vec<String> = Vec::new();
         for (name, file) in map {
             let file = file.as_str().filter(|f| is_plain_file_name(f)).ok_or_else(|| Error::Safetensors {

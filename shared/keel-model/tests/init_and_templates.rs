@@ -2,13 +2,16 @@
 //! scores the same, tokenizes the same, and renders its chat template the same. Other
 //! templates with the Jinja features real chat templates use render as Jinja2 does.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::*;
+use common::{keel_logprobs, load_f32};
 use keel_model::init::{InitSpec, Preset, init_model};
 use keel_model::{Architecture, Tokenizer};
+use keel_testkit::{max_abs_diff, reference, reference_logprobs, workspace_root};
 use serde_json::{Value, json};
 
 fn corpus() -> PathBuf {
@@ -16,8 +19,14 @@ fn corpus() -> PathBuf {
 }
 
 fn init(arch: Architecture, out: &Path) {
-    init_model(&InitSpec { architecture: arch, preset: Preset::Tiny, tokenizer_corpus: vec![corpus()], out: out.into(), seed: 3 })
-        .expect("init model");
+    init_model(&InitSpec {
+        architecture: arch,
+        preset: Preset::Tiny,
+        tokenizer_corpus: vec![corpus()],
+        out: out.into(),
+        seed: 3,
+    })
+    .expect("init model");
 }
 
 fn conversation() -> Value {
@@ -33,7 +42,9 @@ fn check_init(arch: Architecture) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("model");
     init(arch, &out);
-    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for file in
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    {
         assert!(out.join(file).is_file(), "{file} missing");
     }
 
@@ -51,9 +62,13 @@ fn check_init(arch: Architecture) {
 
     let text = tokenizer.apply_chat_template(&conversation(), true).unwrap();
     let ids: Vec<i64> = tokenizer.encode(&text, false).unwrap().into_iter().map(i64::from).collect();
-    let expected_ids: Vec<i64> = serde_json::from_value(reference(&["tokenize", out.to_str().unwrap(), &text])["ids"].clone()).unwrap();
+    let expected_ids: Vec<i64> =
+        serde_json::from_value(reference(&["tokenize", out.to_str().unwrap(), &text])["ids"].clone()).unwrap();
     assert_eq!(ids, expected_ids, "tokenization differs");
-    assert!(ids.contains(&i64::from(tokenizer.token_to_id("<|im_start|>").unwrap())), "special tokens must be single tokens");
+    assert!(
+        ids.contains(&i64::from(tokenizer.token_to_id("<|im_start|>").unwrap())),
+        "special tokens must be single tokens"
+    );
 
     let model = load_f32(&out);
     let seqs = vec![ids.clone(), ids[..7].to_vec()];
@@ -82,13 +97,24 @@ fn init_qwen3_loads_in_transformers() {
 fn init_refuses_a_non_empty_directory_and_missing_corpus() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("keep.txt"), "x").unwrap();
-    let spec = InitSpec { architecture: Architecture::Llama, preset: Preset::Tiny, tokenizer_corpus: vec![corpus()], out: dir.path().into(), seed: 0 };
+    let spec = InitSpec {
+        architecture: Architecture::Llama,
+        preset: Preset::Tiny,
+        tokenizer_corpus: vec![corpus()],
+        out: dir.path().into(),
+        seed: 0,
+    };
     assert!(init_model(&spec).unwrap_err().to_string().contains("not empty"));
     let spec = InitSpec { tokenizer_corpus: vec![dir.path().join("none.txt")], out: dir.path().join("m"), ..spec };
     assert!(init_model(&spec).unwrap_err().to_string().contains("none.txt"));
 }
 
-fn render_both(template: &str, messages: &Value, vars: &Value, add_generation_prompt: bool) -> (Result<String, String>, String) {
+fn render_both(
+    template: &str,
+    messages: &Value,
+    vars: &Value,
+    add_generation_prompt: bool,
+) -> (Result<String, String>, String) {
     let dir = tempfile::tempdir().unwrap();
     let (t, m, v) = (dir.path().join("t.jinja"), dir.path().join("m.json"), dir.path().join("v.json"));
     std::fs::write(&t, template).unwrap();
@@ -134,6 +160,13 @@ fn tool_template_renders_like_jinja2() {
 fn raise_exception_in_template_is_an_error() {
     let template = std::fs::read_to_string(workspace_root().join("tests/reference/templates/tools.jinja")).unwrap();
     let messages = json!([{"role": "narrator", "content": "once upon a time"}]);
-    let ours = keel_model::chat::ChatTemplate::new(&template).unwrap().render(&messages, false, &json!({"bos_token": "", "eos_token": ""}));
-    assert_eq!(ours.unwrap_err().to_string(), "chat template: Conversation roles must be user, assistant or tool, got narrator");
+    let ours = keel_model::chat::ChatTemplate::new(&template).unwrap().render(
+        &messages,
+        false,
+        &json!({"bos_token": "", "eos_token": ""}),
+    );
+    assert_eq!(
+        ours.unwrap_err().to_string(),
+        "chat template: Conversation roles must be user, assistant or tool, got narrator"
+    );
 }

@@ -1,6 +1,8 @@
 //! KV-cache decoding against the full forward, bit-exact save/load, and clear errors for
 //! bad inputs — on random models built by Keel itself.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;
@@ -45,8 +47,11 @@ fn cached_vs_full(cfg: ModelConfig) {
 
 #[test]
 fn kv_cache_decoding_matches_full_forward() {
-    cached_vs_full(config("LlamaForCausalLM", json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}})));
+    cached_vs_full(config(
+        "LlamaForCausalLM",
+        json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    ));
     cached_vs_full(config("Qwen2ForCausalLM", json!({})));
     cached_vs_full(config("Qwen3ForCausalLM", json!({"head_dim": 16})));
     // A window of 5 is crossed by prefill, the chunk and every decode step.
@@ -74,7 +79,9 @@ fn assert_same_parameters(a: &CausalLm, b: &CausalLm) {
 
 #[test]
 fn save_then_load_is_bit_exact() {
-    for (kind, arch) in [(Kind::Float, "Qwen3ForCausalLM"), (Kind::BFloat16, "Qwen2ForCausalLM"), (Kind::Half, "LlamaForCausalLM")] {
+    for (kind, arch) in
+        [(Kind::Float, "Qwen3ForCausalLM"), (Kind::BFloat16, "Qwen2ForCausalLM"), (Kind::Half, "LlamaForCausalLM")]
+    {
         let model = random_model(config(arch, json!({"tie_word_embeddings": arch == "LlamaForCausalLM"})), kind);
         let dir = tempfile::tempdir().unwrap();
         model.save(dir.path(), SaveOptions::default()).unwrap();
@@ -139,7 +146,8 @@ fn corrupt_header_missing_dir_and_unknown_architecture() {
     let err = load_error(&dir.path().join("nope"));
     assert!(err.contains("does not exist"), "{err}");
 
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
     cfg["architectures"] = json!(["FalconForCausalLM"]);
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     let err = load_error(dir.path());
@@ -170,9 +178,9 @@ fn token_ids_out_of_range_are_refused() {
 #[test]
 fn padding_does_not_change_logprobs() {
     let model = random_model(config("Qwen2ForCausalLM", json!({})), Kind::Float);
-    let seqs = common::sequences(&[9, 4], 97, 3);
+    let seqs = keel_testkit::sequences(&[9, 4], 97, 3);
     let batched = common::keel_logprobs(&model, &seqs, 1.0);
     let single = common::keel_logprobs(&model, &seqs[1..], 1.0);
-    assert!(common::max_abs_diff(&batched[1..], &single) <= 1e-5);
+    assert!(keel_testkit::max_abs_diff(&batched[1..], &single) <= 1e-5);
     assert_eq!(batched[1].len(), 4);
 }

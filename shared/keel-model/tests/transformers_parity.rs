@@ -1,10 +1,13 @@
 //! Keel's logprobs against transformers' on random models of every supported architecture
 //! and config feature, in f32, on right-padded batches.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
-use common::*;
+use common::{keel_logprobs, load_f32};
 use keel_model::SaveOptions;
+use keel_testkit::{max_abs_diff, reference, reference_logprobs, sequences};
 
 const TOLERANCE: f64 = 1e-4;
 /// Lengths of one right-padded batch: longer than Mistral's window of 6, and a length-1 row.

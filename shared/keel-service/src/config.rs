@@ -86,6 +86,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's closure type
     fn layers_apply_in_order_and_errors_name_the_field() {
         figment::Jail::expect_with(|jail| {
             assert_eq!(load_config::<Example>(None).unwrap(), Example::default());
@@ -97,7 +98,10 @@ mod tests {
             assert_eq!((from_env.workers, from_env.listen.port()), (8, 9100));
 
             jail.set_env("KEEL_EXAMPLE__WORKERS", "0");
-            assert_eq!(load_config::<Example>(None).unwrap_err().to_string(), "configuration: workers: must be at least 1");
+            assert_eq!(
+                load_config::<Example>(None).unwrap_err().to_string(),
+                "configuration: workers: must be at least 1"
+            );
             jail.set_env("KEEL_EXAMPLE__WORKERS", "many");
             let err = load_config::<Example>(None).unwrap_err().to_string();
             assert!(err.contains("\"WORKERS\"") && err.contains("KEEL_EXAMPLE__"), "{err}");
@@ -105,7 +109,9 @@ mod tests {
             jail.create_file("bad.yaml", "wrokers: 3\n")?;
             let err = load_config::<Example>(Some(Path::new("bad.yaml"))).unwrap_err().to_string();
             assert!(err.contains("wrokers"), "{err}");
-            assert!(load_config::<Example>(Some(Path::new("absent.yaml"))).unwrap_err().to_string().contains("absent.yaml"));
+            assert!(
+                load_config::<Example>(Some(Path::new("absent.yaml"))).unwrap_err().to_string().contains("absent.yaml")
+            );
             Ok(())
         });
     }

@@ -33,9 +33,8 @@ async fn not_found(uri: Uri) -> ApiError {
 /// `GET /healthz` answering `{"status": "ok", "service": ..., "version": ...}`, plus the 404
 /// fallback. Services merge their own routes into it.
 pub fn health_routes<S: Clone + Send + Sync + 'static>(service: &'static str) -> Router<S> {
-    let health = move || async move {
-        Json(json!({"status": "ok", "service": service, "version": env!("CARGO_PKG_VERSION")}))
-    };
+    let health =
+        move || async move { Json(json!({"status": "ok", "service": service, "version": env!("CARGO_PKG_VERSION")})) };
     Router::new().route("/healthz", get(health)).fallback(not_found)
 }
 
@@ -59,7 +58,11 @@ pub async fn run_http(
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then drains open requests.
-pub async fn serve(listener: TcpListener, app: Router, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
@@ -81,7 +84,10 @@ mod tests {
     #[tokio::test]
     async fn health_and_not_found() {
         let (status, body) = get_json(health_routes::<()>("demo"), "/healthz").await;
-        assert_eq!((status, body["status"].as_str(), body["service"].as_str()), (StatusCode::OK, Some("ok"), Some("demo")));
+        assert_eq!(
+            (status, body["status"].as_str(), body["service"].as_str()),
+            (StatusCode::OK, Some("ok"), Some("demo"))
+        );
         let (status, body) = get_json(health_routes::<()>("demo"), "/nope").await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert_eq!(body["error"]["type"], "not_found");

@@ -7,9 +7,9 @@
 //! - [`entry`]: what a service's `main.rs` calls: flags, config, logging, runtime, signals.
 
 pub mod config;
-pub mod http;
 pub mod entry;
+pub mod http;
 
 pub use config::{ConfigError, ServiceConfig, load_config};
-pub use http::{ApiError, health_routes, run_http, serve};
 pub use entry::service_main;
+pub use http::{ApiError, health_routes, run_http, serve};

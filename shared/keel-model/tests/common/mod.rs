@@ -4,14 +4,14 @@
 
 use std::path::Path;
 
-pub use keel_testkit::{max_abs_diff, reference, reference_logprobs, sequences, workspace_root};
 use keel_model::CausalLm;
 use tch::{Device, Kind, Tensor};
 
 /// Keel's logprobs of right-padded `seqs`, one row per sequence, cut to its length.
 pub fn keel_logprobs(model: &CausalLm, seqs: &[Vec<i64>], temperature: f64) -> Vec<Vec<f64>> {
     let width = seqs.iter().map(Vec::len).max().unwrap_or(0);
-    let padded: Vec<i64> = seqs.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(3, width - s.len()))).collect();
+    let padded: Vec<i64> =
+        seqs.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(3, width - s.len()))).collect();
     let ids = Tensor::from_slice(&padded).view([seqs.len() as i64, width as i64]);
     let lengths: Vec<i64> = seqs.iter().map(|s| s.len() as i64).collect();
     let lp = model.token_logprobs(&ids, &lengths, temperature).expect("token_logprobs");
