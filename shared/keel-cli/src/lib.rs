@@ -1,8 +1,10 @@
 //! The `keel` command line.
 //!
-//! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`.
+//! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
+//! [`bench`] holds `keel model bench`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
+pub mod bench;
 pub mod model;
 
 use clap::{Parser, Subcommand};

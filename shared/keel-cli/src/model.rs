@@ -21,6 +21,8 @@ pub enum ModelCommand {
     Score(ScoreArgs),
     /// Generate a completion for a prompt.
     Generate(GenerateArgs),
+    /// Measure prefill and decode tokens/s.
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -54,7 +56,7 @@ pub struct RuntimeArgs {
 }
 
 impl RuntimeArgs {
-    fn load(&self) -> anyhow::Result<CausalLm> {
+    pub(crate) fn load(&self) -> anyhow::Result<CausalLm> {
         let device = parse_device(&self.device)?;
         let kind = parse_kind(&self.dtype)?;
         Ok(CausalLm::load(&self.model, device, kind)?)
@@ -106,6 +108,7 @@ pub fn run(command: ModelCommand) -> anyhow::Result<()> {
         ModelCommand::Init(args) => init(args),
         ModelCommand::Score(args) => score(args),
         ModelCommand::Generate(args) => generate_command(args),
+        ModelCommand::Bench(args) => crate::bench::bench(args),
     }
 }
 
