@@ -370,19 +370,16 @@ impl CausalLm {
         let positions =
             Tensor::f_arange_start(past, past + s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
         let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
-        let mut masks: Vec<(Option<i64>, Mask)> = Vec::new();
-        for layer in &self.layers {
-            if !masks.iter().any(|(w, _)| *w == layer.window) {
-                masks.push((layer.window, Mask::new(s, past, layer.window, device)?));
-            }
-        }
+        // One mask per distinct attention window (full layers share one, windowed layers another).
+        let mut windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
+        windows.dedup();
+        let masks = windows
+            .iter()
+            .map(|&w| Ok((w, Mask::new(s, past, w, device)?)))
+            .collect::<Result<Vec<(Option<i64>, Mask)>>>()?;
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            let mask = &masks
-                .iter()
-                .find(|(w, _)| *w == layer.window)
-                .map(|(_, m)| m)
-                .ok_or_else(|| Error::InvalidInput("mask".into()))?;
+            let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask was built for every window");
             x = layer.forward(&x, &cos, &sin, cache.as_deref_mut().map(|c| (c, index)), mask)?;
         }
         if let Some(cache) = cache {

@@ -184,3 +184,17 @@ fn padding_does_not_change_logprobs() {
     assert!(keel_testkit::max_abs_diff(&batched[1..], &single) <= 1e-5);
     assert_eq!(batched[1].len(), 4);
 }
+
+/// The bf16 path (what CUDA runs) computes the same logprobs as f32 to bf16 precision.
+#[test]
+fn bf16_logprobs_track_f32() {
+    let model = random_model(config("Qwen3ForCausalLM", json!({"head_dim": 16})), Kind::Float);
+    let dir = tempfile::tempdir().unwrap();
+    model.save(dir.path(), SaveOptions::default()).unwrap();
+    let bf16 = CausalLm::load(dir.path(), Device::Cpu, Kind::BFloat16).unwrap();
+    assert_eq!(bf16.kind(), Kind::BFloat16);
+    let seqs = keel_testkit::sequences(&[12, 5], 97, 1);
+    let (full, half) = (common::keel_logprobs(&model, &seqs, 1.0), common::keel_logprobs(&bf16, &seqs, 1.0));
+    let diff = keel_testkit::max_abs_diff(&full, &half);
+    assert!(diff > 0.0 && diff < 0.15, "bf16 vs f32 logprob difference {diff}");
+}
