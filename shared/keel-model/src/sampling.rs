@@ -5,7 +5,8 @@
 //! likely tokens; top-p keeps the smallest set whose probability reaches p; the kept
 //! probabilities are renormalised and sampled with a ChaCha RNG seeded by `seed`. The
 //! reported logprob of each token is under the temperature-scaled distribution *before*
-//! top-k/top-p renormalisation, which is what the trainer recomputes.
+//! top-k/top-p renormalisation, which is what the trainer recomputes (for greedy decoding,
+//! under the unscaled distribution).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
