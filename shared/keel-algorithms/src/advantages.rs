@@ -1,0 +1,222 @@
+//! Advantages from per-sample rewards, samples grouped by prompt.
+//!
+//! For a group with v valid samples (v ≥ 2) and m = v − 1 for leave-one-out (v for the mean
+//! baseline), sample i's baseline is the mean of the valid rewards in its comparison set (the
+//! group, without sample i for leave-one-out) and its std is the Bessel-corrected std of that
+//! same set: sqrt((E[r²] − E[r]²) · m / (m − 1)), 0 where undefined. A group with at most one
+//! valid sample gets baseline = reward (advantage 0) and std 0.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+
+use crate::{Error, Result};
+
+/// Added to the std before dividing, as NeMo-RL does.
+pub const STD_EPSILON: f64 = 1e-6;
+/// Floor on the variance in REINFORCE++ whitening.
+pub const VAR_FLOOR: f64 = 1e-8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// The mean reward of the group.
+    Mean,
+    /// The mean reward of the other samples of the group (RLOO; NeMo-RL's default).
+    LeaveOneOut,
+}
+
+/// Per-sample baseline and std.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupStats {
+    pub baseline: Vec<f64>,
+    pub std: Vec<f64>,
+}
+
+fn check_len(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if expected == found { Ok(()) } else { Err(Error::LengthMismatch { what, expected, found }) }
+}
+
+fn check_rewards(rewards: &[f64]) -> Result<()> {
+    match rewards.iter().position(|r| !r.is_finite()) {
+        Some(index) => Err(Error::NonFiniteReward { index, value: rewards[index] }),
+        None => Ok(()),
+    }
+}
+
+/// Sample indices by group, in first-seen order.
+fn groups_of<K: Hash + Eq>(groups: &[K]) -> Vec<Vec<usize>> {
+    let mut index: HashMap<&K, usize> = HashMap::new();
+    let mut members: Vec<Vec<usize>> = Vec::new();
+    for (i, key) in groups.iter().enumerate() {
+        let slot = *index.entry(key).or_insert_with(|| {
+            members.push(Vec::new());
+            members.len() - 1
+        });
+        members[slot].push(i);
+    }
+    members
+}
+
+/// Baseline and std of each sample's comparison set; `valid[i] = false` leaves sample i out
+/// of every set (its own entries are still filled).
+pub fn group_baseline_and_std<K: Hash + Eq>(
+    groups: &[K],
+    rewards: &[f64],
+    valid: &[bool],
+    baseline: Baseline,
+) -> Result<GroupStats> {
+    check_len("groups", rewards.len(), groups.len())?;
+    check_len("valid", rewards.len(), valid.len())?;
+    check_rewards(rewards)?;
+    let mut stats = GroupStats { baseline: rewards.to_vec(), std: vec![0.0; rewards.len()] };
+    for members in groups_of(groups) {
+        let valid_members: Vec<usize> = members.iter().copied().filter(|&i| valid[i]).collect();
+        if valid_members.len() <= 1 {
+            continue;
+        }
+        let sum: f64 = valid_members.iter().map(|&i| rewards[i]).sum();
+        let sum_sq: f64 = valid_members.iter().map(|&i| rewards[i] * rewards[i]).sum();
+        let leave_out = baseline == Baseline::LeaveOneOut;
+        let m = valid_members.len() as f64 - if leave_out { 1.0 } else { 0.0 };
+        for &i in &members {
+            let own = if leave_out && valid[i] { rewards[i] } else { 0.0 };
+            let mean = (sum - own) / m;
+            let mean_sq = (sum_sq - own * own) / m;
+            let variance = (mean_sq - mean * mean) * m / (m - 1.0);
+            stats.baseline[i] = mean;
+            stats.std[i] = if variance.is_finite() && variance > 0.0 { variance.sqrt() } else { 0.0 };
+        }
+    }
+    Ok(stats)
+}
+
+/// GRPO advantages: reward − baseline, divided by (std + 1e-6) only where std > 0 when
+/// `normalize_std` is set.
+pub fn grpo_advantages<K: Hash + Eq>(
+    groups: &[K],
+    rewards: &[f64],
+    valid: &[bool],
+    baseline: Baseline,
+    normalize_std: bool,
+) -> Result<Vec<f64>> {
+    let stats = group_baseline_and_std(groups, rewards, valid, baseline)?;
+    Ok(rewards
+        .iter()
+        .zip(stats.baseline.iter().zip(&stats.std))
+        .map(|(r, (b, s))| {
+            let advantage = r - b;
+            if normalize_std && *s > 0.0 { advantage / (s + STD_EPSILON) } else { advantage }
+        })
+        .collect())
+}
+
+/// REINFORCE++ advantages: optionally the group mean subtracted, then whitened over all valid
+/// tokens of the batch (each sample's advantage counts once per valid token). Samples with
+/// no valid tokens get 0.
+pub fn reinforce_pp_advantages<K: Hash + Eq>(
+    groups: &[K],
+    rewards: &[f64],
+    valid_tokens: &[usize],
+    minus_baseline: bool,
+) -> Result<Vec<f64>> {
+    check_len("valid_tokens", rewards.len(), valid_tokens.len())?;
+    let advantages = if minus_baseline {
+        let all_valid = vec![true; rewards.len()];
+        let stats = group_baseline_and_std(groups, rewards, &all_valid, Baseline::Mean)?;
+        rewards.iter().zip(&stats.baseline).map(|(r, b)| r - b).collect::<Vec<_>>()
+    } else {
+        check_len("groups", rewards.len(), groups.len())?;
+        check_rewards(rewards)?;
+        rewards.to_vec()
+    };
+    let tokens: f64 = valid_tokens.iter().map(|&t| t as f64).sum();
+    if tokens == 0.0 {
+        return Ok(vec![0.0; rewards.len()]);
+    }
+    let weighted = |f: &dyn Fn(f64) -> f64| -> f64 {
+        advantages.iter().zip(valid_tokens).map(|(a, &t)| f(*a) * t as f64).sum::<f64>() / tokens
+    };
+    let mean = weighted(&|a| a);
+    let variance = weighted(&|a| (a - mean) * (a - mean));
+    let rstd = 1.0 / variance.max(VAR_FLOOR).sqrt();
+    Ok(advantages.iter().zip(valid_tokens).map(|(a, &t)| if t == 0 { 0.0 } else { (a - mean) * rstd }).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f64], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-9, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn mean_baseline_and_bessel_std_by_hand() {
+        // Group "p": rewards 1, 0, 0, 1 → mean 0.5, sample std sqrt(1/3).
+        let stats = group_baseline_and_std(&["p"; 4], &[1.0, 0.0, 0.0, 1.0], &[true; 4], Baseline::Mean).unwrap();
+        close(&stats.baseline, &[0.5; 4]);
+        close(&stats.std, &[(1.0f64 / 3.0).sqrt(); 4]);
+        let adv = grpo_advantages(&["p"; 4], &[1.0, 0.0, 0.0, 1.0], &[true; 4], Baseline::Mean, true).unwrap();
+        let a = 0.5 / ((1.0f64 / 3.0).sqrt() + STD_EPSILON);
+        close(&adv, &[a, -a, -a, a]);
+    }
+
+    #[test]
+    fn leave_one_out_uses_the_other_samples() {
+        // Rewards 3, 1, 2: others of sample 0 are {1, 2} → baseline 1.5, std sqrt(0.5).
+        let stats = group_baseline_and_std(&[7, 7, 7], &[3.0, 1.0, 2.0], &[true; 3], Baseline::LeaveOneOut).unwrap();
+        close(&stats.baseline, &[1.5, 2.5, 2.0]);
+        close(&stats.std, &[0.5f64.sqrt(), 0.5f64.sqrt(), 2.0f64.sqrt()]);
+        let adv = grpo_advantages(&[7, 7, 7], &[3.0, 1.0, 2.0], &[true; 3], Baseline::LeaveOneOut, false).unwrap();
+        close(&adv, &[1.5, -1.5, 0.0]);
+    }
+
+    #[test]
+    fn groups_are_independent_and_degenerate_groups_get_zero() {
+        let groups = ["a", "b", "a", "c", "c", "c"];
+        let rewards = [1.0, 5.0, 0.0, 2.0, 2.0, 2.0];
+        let adv = grpo_advantages(&groups, &rewards, &[true; 6], Baseline::LeaveOneOut, true).unwrap();
+        // "a": two samples, LOO baselines are each other's reward, std undefined → unnormalised.
+        // "b": one sample → 0. "c": all equal → 0 (std 0, no division).
+        close(&adv, &[1.0, 0.0, -1.0, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn invalid_samples_leave_the_baseline() {
+        // The invalid sample's reward (100) does not move the others' baseline.
+        let adv = grpo_advantages(&[0; 3], &[1.0, 0.0, 100.0], &[true, true, false], Baseline::Mean, false).unwrap();
+        close(&adv[..2], &[0.5, -0.5]);
+        // One valid sample left: advantage 0.
+        let adv = grpo_advantages(&[0; 2], &[1.0, 0.0], &[true, false], Baseline::Mean, true).unwrap();
+        close(&adv, &[0.0, 0.0]);
+    }
+
+    #[test]
+    fn reinforce_pp_whitens_over_tokens() {
+        // Without a baseline: rewards 1 (3 tokens) and 0 (1 token): token mean 0.75,
+        // token variance 0.1875.
+        let adv = reinforce_pp_advantages(&[0, 1], &[1.0, 0.0], &[3, 1], false).unwrap();
+        let rstd = 1.0 / 0.1875f64.sqrt();
+        close(&adv, &[0.25 * rstd, -0.75 * rstd]);
+        // With the group mean removed first, then whitened.
+        let adv = reinforce_pp_advantages(&[0, 0, 1, 1], &[1.0, 0.0, 3.0, 3.0], &[1, 1, 1, 1], true).unwrap();
+        // Centred: 0.5, -0.5, 0, 0 → token mean 0, variance 0.125.
+        let rstd = 1.0 / 0.125f64.sqrt();
+        close(&adv, &[0.5 * rstd, -0.5 * rstd, 0.0, 0.0]);
+        // All equal: variance floored, advantages 0.
+        close(&reinforce_pp_advantages(&[0, 0], &[2.0, 2.0], &[4, 4], false).unwrap(), &[0.0, 0.0]);
+    }
+
+    #[test]
+    fn bad_inputs_are_named() {
+        assert_eq!(
+            grpo_advantages(&[0, 0], &[1.0], &[true], Baseline::Mean, true).unwrap_err(),
+            Error::LengthMismatch { what: "groups", expected: 1, found: 2 }
+        );
+        let err = grpo_advantages(&[0, 0], &[1.0, f64::NAN], &[true, true], Baseline::Mean, true).unwrap_err();
+        assert!(err.to_string().contains("sample 1"));
+        assert!(reinforce_pp_advantages(&[0], &[1.0], &[1, 2], false).is_err());
+    }
+}

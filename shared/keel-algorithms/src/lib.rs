@@ -1,0 +1,30 @@
+//! Pure math the orchestrator needs between rollouts and training, as NeMo-RL computes it
+//! (see `nemo-rl-reference.md`, "Advantages" and "Checkpoints and evaluation").
+//!
+//! Layout:
+//! - [`advantages`]: per-prompt baselines and std (mean or leave-one-out), GRPO advantages,
+//!   REINFORCE++ whitening.
+//! - [`pass_at_k`]: the unbiased pass@k estimator.
+//!
+//! Inputs are validated here (equal lengths, finite rewards, k ≤ n) and refused with an
+//! [`Error`] naming the problem.
+
+pub mod advantages;
+pub mod pass_at_k;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    #[error("{what} has {found} entries, expected {expected} (one per sample)")]
+    LengthMismatch { what: &'static str, expected: usize, found: usize },
+    #[error("reward of sample {index} is not finite ({value})")]
+    NonFiniteReward { index: usize, value: f64 },
+    #[error("pass@k needs 1 ≤ k ≤ n and c ≤ n, got n = {n}, c = {c}, k = {k}")]
+    InvalidPassAtK { n: usize, c: usize, k: usize },
+    #[error("no prompts to average pass@k over")]
+    Empty,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub use advantages::{Baseline, GroupStats, group_baseline_and_std, grpo_advantages, reinforce_pp_advantages};
+pub use pass_at_k::{mean_pass_at_k, pass_at_k};
