@@ -28,13 +28,15 @@ COMMON = dict(
     rms_norm_eps=1e-6,
 )
 
-# Each variant exercises one thing Keel must reproduce.
+# Each variant exercises one thing Keel must reproduce. (llama3-rope: with head_dim 16 and
+# theta 5e5 the wavelengths are 6.3, 32.4, 167, ...: with an original context of 64 they fall
+# in all three bands — kept, smoothed and scaled.)
 VARIANTS = {
     "llama3-rope": lambda: transformers.LlamaConfig(
         **COMMON,
         rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=32),
+                          high_freq_factor=4.0, original_max_position_embeddings=64),
     ),
     "llama-tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama-bias": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),

@@ -68,8 +68,13 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.batch < 1 || args.prompt_tokens < 1 || args.decode_tokens < 1 || args.repeats < 1 {
         bail!("--batch, --prompt-tokens, --decode-tokens and --repeats must be at least 1");
     }
-    if let Some(threads) = args.threads {
-        tch::set_num_threads(threads);
+    if args.batch.checked_mul(args.prompt_tokens + args.decode_tokens).is_none_or(|tokens| tokens > 1 << 24) {
+        bail!("--batch × (--prompt-tokens + --decode-tokens) must stay below 2^24 tokens");
+    }
+    match args.threads {
+        Some(threads) if threads < 1 => bail!("--threads must be at least 1"),
+        Some(threads) => tch::set_num_threads(threads),
+        None => {}
     }
     let model = args.runtime.load()?;
     let _no_grad = tch::no_grad_guard();

@@ -47,8 +47,24 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Checks that the cache was made for this model and batch (layers, batch size, dtype,
+    /// device) and that `new_tokens` more fit.
+    pub(crate) fn check(&self, layers: usize, batch: i64, kind: Kind, device: Device, new_tokens: i64) -> Result<()> {
+        let size = self.keys.first().map(Tensor::size).unwrap_or_default();
+        let (cache_kind, cache_device) = self.keys.first().map_or((kind, device), |k| (k.kind(), k.device()));
+        if self.keys.len() != layers || size.first() != Some(&batch) || cache_kind != kind || cache_device != device {
+            return Err(Error::InvalidInput(format!(
+                "KV cache is for {} layers, batch {:?}, {cache_kind:?} on {cache_device:?}; the input needs {layers} layers, \
+                 batch {batch}, {kind:?} on {device:?}",
+                self.keys.len(),
+                size.first()
+            )));
+        }
+        self.reserve(new_tokens)
+    }
+
     /// Checks that `new_tokens` more fit.
-    pub(crate) fn reserve(&self, new_tokens: i64) -> Result<()> {
+    fn reserve(&self, new_tokens: i64) -> Result<()> {
         if self.len + new_tokens > self.capacity {
             return Err(Error::InvalidInput(format!(
                 "KV cache holds {} of {} tokens; {new_tokens} more do not fit",

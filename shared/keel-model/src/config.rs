@@ -223,8 +223,13 @@ impl ModelConfig {
 
         let hidden_size = positive("hidden_size", f.req_int("hidden_size")?)?;
         let num_attention_heads = positive("num_attention_heads", f.req_int("num_attention_heads")?)?;
+        let default_kv_heads = match architecture {
+            Architecture::Llama => num_attention_heads,
+            Architecture::Mistral => 8,
+            Architecture::Qwen2 | Architecture::Qwen3 => 32,
+        };
         let num_key_value_heads =
-            positive("num_key_value_heads", f.int("num_key_value_heads")?.unwrap_or(num_attention_heads))?;
+            positive("num_key_value_heads", f.int("num_key_value_heads")?.unwrap_or(default_kv_heads))?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(Error::invalid(
                 "num_key_value_heads",
@@ -274,7 +279,11 @@ impl ModelConfig {
             rope: rope_config(&f)?,
             max_position_embeddings: positive(
                 "max_position_embeddings",
-                f.int("max_position_embeddings")?.unwrap_or(2048),
+                f.int("max_position_embeddings")?.unwrap_or(match architecture {
+                    Architecture::Llama => 2048,
+                    Architecture::Mistral => 131_072,
+                    Architecture::Qwen2 | Architecture::Qwen3 => 32_768,
+                }),
             )?,
             tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
@@ -294,8 +303,13 @@ impl ModelConfig {
     pub fn to_json(&self, dtype: Option<&str>) -> Value {
         let mut raw = self.raw.clone();
         if let Some(dtype) = dtype {
-            let key = if raw.contains_key("torch_dtype") { "torch_dtype" } else { "dtype" };
-            raw.insert(key.into(), json!(dtype));
+            let mut keys: Vec<&str> = ["dtype", "torch_dtype"].into_iter().filter(|k| raw.contains_key(*k)).collect();
+            if keys.is_empty() {
+                keys.push("dtype");
+            }
+            for key in keys {
+                raw.insert(key.into(), json!(dtype));
+            }
         }
         Value::Object(raw)
     }
@@ -361,11 +375,21 @@ fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
     Ok(RopeConfig { theta, scaling })
 }
 
+/// The attention window of each layer, as transformers derives it: Mistral uses
+/// `sliding_window` (4096 when the key is absent, none when null) on every layer; Qwen2/Qwen3
+/// use it only with `use_sliding_window`, on layers from `max_window_layers` on (28 when
+/// absent); `layer_types`, when present, says which layers are windowed.
 fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> Result<Vec<Option<i64>>> {
-    let window = f.int("sliding_window")?;
-    if let Some(w) = window {
+    let configured = if f.0.contains_key("sliding_window") { f.int("sliding_window")? } else { Some(4096) };
+    if let Some(w) = configured {
         positive("sliding_window", w)?;
     }
+    let use_sliding_window = f.bool("use_sliding_window")?.unwrap_or(false);
+    let window = match architecture {
+        Architecture::Llama => None,
+        Architecture::Mistral => configured,
+        Architecture::Qwen2 | Architecture::Qwen3 => configured.filter(|_| use_sliding_window),
+    };
     if let Some(types) = f.get("layer_types") {
         let types = types.as_array().ok_or_else(|| Error::invalid("layer_types", "must be a list"))?;
         if types.len() as i64 != layers {
@@ -376,7 +400,7 @@ fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> R
             .map(|t| match t.as_str() {
                 Some("full_attention") => Ok(None),
                 Some("sliding_attention") => window.map(Some).ok_or_else(|| {
-                    Error::invalid("sliding_window", "is missing but layer_types has sliding_attention")
+                    Error::invalid("layer_types", "has sliding_attention but no sliding window is in effect")
                 }),
                 _ => {
                     Err(Error::unsupported("layer_types", t, "only full_attention and sliding_attention are supported"))
@@ -384,18 +408,11 @@ fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> R
             })
             .collect();
     }
-    let per_layer = |first_sliding: i64| (0..layers).map(|i| window.filter(|_| i >= first_sliding)).collect();
-    Ok(match architecture {
-        Architecture::Llama => vec![None; layers as usize],
-        Architecture::Mistral => per_layer(0),
-        Architecture::Qwen2 | Architecture::Qwen3 => {
-            if f.bool("use_sliding_window")?.unwrap_or(false) {
-                per_layer(f.int("max_window_layers")?.unwrap_or(layers))
-            } else {
-                vec![None; layers as usize]
-            }
-        }
-    })
+    let first_windowed = match architecture {
+        Architecture::Qwen2 | Architecture::Qwen3 => f.int("max_window_layers")?.unwrap_or(28),
+        _ => 0,
+    };
+    Ok((0..layers).map(|i| window.filter(|_| i >= first_windowed)).collect())
 }
 
 #[cfg(test)]
@@ -461,13 +478,24 @@ mod tests {
     }
 
     #[test]
-    fn sliding_windows_follow_layer_types_and_mistral() {
+    fn sliding_windows_follow_transformers() {
         let mut c = base("MistralForCausalLM");
         c["sliding_window"] = json!(8);
         assert_eq!(ModelConfig::from_json(c).unwrap().sliding_windows, vec![Some(8), Some(8)]);
+        let mut c = base("MistralForCausalLM");
+        c["sliding_window"] = Value::Null;
+        assert_eq!(ModelConfig::from_json(c).unwrap().sliding_windows, vec![None, None]);
+        // Qwen: the window applies only with use_sliding_window, from max_window_layers on.
         let mut c = base("Qwen2ForCausalLM");
         c["sliding_window"] = json!(8);
-        c["layer_types"] = json!(["full_attention", "sliding_attention"]);
-        assert_eq!(ModelConfig::from_json(c).unwrap().sliding_windows, vec![None, Some(8)]);
+        assert_eq!(ModelConfig::from_json(c.clone()).unwrap().sliding_windows, vec![None, None]);
+        c["use_sliding_window"] = json!(true);
+        c["max_window_layers"] = json!(1);
+        assert_eq!(ModelConfig::from_json(c.clone()).unwrap().sliding_windows, vec![None, Some(8)]);
+        c["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        assert_eq!(ModelConfig::from_json(c.clone()).unwrap().sliding_windows, vec![Some(8), None]);
+        c["use_sliding_window"] = json!(false);
+        let err = ModelConfig::from_json(c).unwrap_err().to_string();
+        assert!(err.contains("layer_types") && err.contains("no sliding window"), "{err}");
     }
 }

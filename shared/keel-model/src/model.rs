@@ -364,7 +364,7 @@ impl CausalLm {
         let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
         let past = cache.as_ref().map_or(0, |c| c.len());
         if let Some(cache) = &cache {
-            cache.reserve(s)?;
+            cache.check(self.layers.len(), b, self.kind, self.device(), s)?;
         }
         let device = self.device();
         let positions =

@@ -15,6 +15,7 @@ use crate::weights::{self, SaveOptions};
 pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(name));
     std::fs::write(&tmp, bytes).map_err(Error::io(&tmp))?;
+    weights::sync_file(&tmp)?;
     std::fs::rename(&tmp, &path).map_err(Error::io(&path))
 }
 

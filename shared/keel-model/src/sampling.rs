@@ -2,7 +2,8 @@
 //! then decode one token at a time.
 //!
 //! Sampling: logits are divided by the temperature (0 = greedy); top-k keeps the k most
-//! likely tokens; top-p keeps the smallest set whose probability reaches p; the kept
+//! likely tokens; top-p then keeps the smallest prefix of those whose probability,
+//! renormalised over the top k, reaches p (as transformers and vLLM apply them); the kept
 //! probabilities are renormalised and sampled with a ChaCha RNG seeded by `seed`. The
 //! reported logprob of each token is under the temperature-scaled distribution *before*
 //! top-k/top-p renormalisation, which is what the trainer recomputes (for greedy decoding,
@@ -90,13 +91,14 @@ impl Sampler {
             let mut order: Vec<usize> = (0..logprobs.len()).collect();
             order.sort_unstable_by(|&a, &b| logprobs[b].total_cmp(&logprobs[a]));
             order.truncate(self.params.top_k.unwrap_or(order.len()));
-            let mut kept = Vec::with_capacity(order.len());
+            let probs: Vec<(usize, f64)> = order.into_iter().map(|i| (i, f64::from(logprobs[i]).exp())).collect();
+            let top_k_mass: f64 = probs.iter().map(|(_, p)| p).sum();
+            let mut kept = Vec::with_capacity(probs.len());
             let mut mass = 0.0f64;
-            for index in order {
-                let p = f64::from(logprobs[index]).exp();
+            for (index, p) in probs {
                 kept.push((index, p));
                 mass += p;
-                if mass >= self.params.top_p {
+                if mass >= self.params.top_p * top_k_mass {
                     break;
                 }
             }
@@ -131,7 +133,7 @@ pub fn generate(
         return Err(Error::InvalidInput("the prompt is empty".into()));
     }
     let limit = model.config().max_position_embeddings;
-    let needed = (prompt.len() + max_tokens) as i64;
+    let needed = prompt.len().checked_add(max_tokens).and_then(|n| i64::try_from(n).ok()).unwrap_or(i64::MAX);
     if needed > limit {
         return Err(Error::InvalidInput(format!(
             "prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of {limit}",
@@ -156,4 +158,78 @@ pub fn generate(
         input = Tensor::from_slice(&[token]).f_unsqueeze(0)?;
     }
     Ok(generation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(temperature: f64, top_p: f64, top_k: Option<usize>, seed: u64) -> Sampler {
+        Sampler::new(SamplingParams { temperature, top_p, top_k, seed }).unwrap()
+    }
+
+    /// Token frequencies over many draws.
+    fn frequencies(s: &mut Sampler, logits: &Tensor, draws: usize) -> Vec<f64> {
+        let mut counts = vec![0.0; logits.size()[0] as usize];
+        for _ in 0..draws {
+            counts[s.sample(logits).unwrap().0 as usize] += 1.0 / draws as f64;
+        }
+        counts
+    }
+
+    #[test]
+    fn greedy_picks_the_maximum_with_its_logprob() {
+        let logits = Tensor::from_slice(&[0.5f32, 2.0, 1.0]);
+        let (token, logprob) = sampler(0.0, 1.0, None, 0).sample(&logits).unwrap();
+        assert_eq!(token, 1);
+        let expected = 2.0 - (0.5f64.exp() + 2.0f64.exp() + 1.0f64.exp()).ln();
+        assert!((f64::from(logprob) - expected).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_and_renormalise() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05.
+        let logits = Tensor::from_slice(&[0.5f32, 0.3, 0.15, 0.05]).log();
+        let f = frequencies(&mut sampler(1.0, 1.0, Some(2), 1), &logits, 4000);
+        assert_eq!((f[2], f[3]), (0.0, 0.0));
+        assert!((f[0] - 0.625).abs() < 0.03, "{f:?}");
+        // top_p 0.8 alone keeps {0.5, 0.3}.
+        let f = frequencies(&mut sampler(1.0, 0.8, None, 2), &logits, 4000);
+        assert_eq!((f[2], f[3]), (0.0, 0.0));
+        // top_k 3 then top_p 0.8 over the renormalised top 3 (0.526, 0.316, 0.158): keeps two.
+        let f = frequencies(&mut sampler(1.0, 0.8, Some(3), 3), &logits, 4000);
+        assert_eq!((f[2], f[3]), (0.0, 0.0));
+        // top_k 2 then top_p 0.6: the renormalised first token (0.625) already reaches p.
+        let f = frequencies(&mut sampler(1.0, 0.6, Some(2), 5), &logits, 500);
+        assert_eq!((f[1], f[2], f[3]), (0.0, 0.0, 0.0), "{f:?}");
+        // top_p 0.9 over the top 3 needs all three.
+        let f = frequencies(&mut sampler(1.0, 0.9, Some(3), 4), &logits, 4000);
+        assert!(f[2] > 0.1 && f[3] == 0.0, "{f:?}");
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_logprobs_follow_temperature() {
+        let logits = Tensor::from_slice(&[0.1f32, 0.4, 0.2, 0.3]);
+        let draw = |seed| {
+            (0..20)
+                .map(|_| 0)
+                .scan(sampler(0.7, 1.0, None, seed), |s, _| Some(s.sample(&logits).unwrap().0))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(9), draw(9));
+        let (token, logprob) = sampler(0.5, 1.0, None, 0).sample(&logits).unwrap();
+        let scaled = Vec::<f32>::try_from((&logits / 0.5).log_softmax(-1, Kind::Float)).unwrap();
+        assert!((logprob - scaled[token as usize]).abs() < 1e-6);
+    }
+
+    #[test]
+    fn invalid_parameters_are_refused() {
+        for params in [
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { top_k: Some(0), ..Default::default() },
+        ] {
+            assert!(Sampler::new(params).is_err());
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! A model directory's tokenizer: `tokenizer.json` through the `tokenizers` crate, special
-//! tokens and the chat template from `tokenizer_config.json` (or `chat_template.jinja`, where
-//! transformers v5 keeps it), and the ids that end generation from `generation_config.json`.
+//! tokens from `tokenizer_config.json` (else `special_tokens_map.json`), the chat template
+//! from `chat_template.jinja` (where transformers v5 keeps it) or `tokenizer_config.json`,
+//! and the ids that end generation from `generation_config.json`.
 
 use std::path::Path;
 
@@ -13,6 +14,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+pub const SPECIAL_TOKENS_MAP_FILE: &str = "special_tokens_map.json";
 
 #[derive(Debug)]
 pub struct Tokenizer {
@@ -56,9 +58,13 @@ impl Tokenizer {
         let config_path = dir.join(TOKENIZER_CONFIG_FILE);
         let config = read_json(&config_path)?.unwrap_or_else(|| json!({}));
 
+        // tokenizer_config.json first, then special_tokens_map.json, as transformers merges them.
+        let special_map = read_json(&dir.join(SPECIAL_TOKENS_MAP_FILE))?.unwrap_or_else(|| json!({}));
         let mut special_tokens = Map::new();
         for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
-            if let Some(content) = config.get(key).and_then(token_content) {
+            if let Some(content) =
+                config.get(key).and_then(token_content).or_else(|| special_map.get(key).and_then(token_content))
+            {
                 special_tokens.insert(key.into(), json!(content));
             }
         }

@@ -181,8 +181,11 @@ impl Default for SaveOptions {
 }
 
 /// Writes `params` (HF name → tensor) as HF safetensors files in `dir` and returns the file
-/// names written. Files go to temporary names first; old weight files are replaced only
-/// once every new file is complete.
+/// names written. Every file is written under a temporary name and synced first; then the
+/// shards are renamed into place, the index last, and only then are weight files of an
+/// earlier save that the new one does not use removed. A crash before the renames leaves
+/// the old weights untouched. (Whole-checkpoint atomicity — a directory that appears only
+/// when complete — is the checkpoint store's job.)
 pub fn save(dir: &Path, params: &BTreeMap<String, Tensor>, options: SaveOptions) -> Result<Vec<String>> {
     let mut shards: Vec<Vec<(&String, &Tensor)>> = vec![Vec::new()];
     let mut shard_bytes = 0u64;
@@ -219,13 +222,15 @@ pub fn save(dir: &Path, params: &BTreeMap<String, Tensor>, options: SaveOptions)
         let path = dir.join(format!("{INDEX_FILE}.tmp"));
         let text = serde_json::to_string_pretty(&index).map_err(Error::json(&path))?;
         std::fs::write(&path, text).map_err(Error::io(&path))?;
+        sync_file(&path)?;
         written.push(INDEX_FILE.to_string());
     }
-    remove_stale_weights(dir, &written)?;
     for name in &written {
         let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(name));
         std::fs::rename(&tmp, &path).map_err(Error::io(&path))?;
     }
+    remove_stale_weights(dir, &written)?;
+    sync_dir(dir)?;
     Ok(written)
 }
 
@@ -240,7 +245,16 @@ fn write_shard(path: &Path, shard: &[(&String, &Tensor)]) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata), path)
-        .map_err(|e| Error::Safetensors { path: path.to_path_buf(), reason: e.to_string() })
+        .map_err(|e| Error::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
+    sync_file(path)
+}
+
+pub(crate) fn sync_file(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(Error::io(path))
+}
+
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(Error::io(dir))
 }
 
 /// Removes weight files of an earlier save that the new one does not overwrite.

@@ -65,6 +65,12 @@ fn kv_cache_refuses_overflow() {
     let err = model.forward(&Tensor::from_slice(&[1i64, 2, 3, 4, 5]).unsqueeze(0), Some(&mut cache)).unwrap_err();
     assert!(err.to_string().contains("do not fit"), "{err}");
     assert_eq!(cache.len(), 0);
+    // A cache made for another batch size or dtype is refused, not broadcast into.
+    let two_rows = Tensor::from_slice(&[1i64, 2]).view([2, 1]);
+    let err = model.forward(&two_rows, Some(&mut cache)).unwrap_err().to_string();
+    assert!(err.contains("batch 2"), "{err}");
+    let mut half = KvCache::new(model.config(), 1, 4, Kind::BFloat16, Device::Cpu).unwrap();
+    assert!(model.forward(&Tensor::from_slice(&[1i64]).view([1, 1]), Some(&mut half)).is_err());
 }
 
 fn assert_same_parameters(a: &CausalLm, b: &CausalLm) {

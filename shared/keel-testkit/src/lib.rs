@@ -64,14 +64,15 @@ pub fn reference_logprobs(model_dir: &Path, seqs: &[Vec<i64>], temperature: f64,
     serde_json::from_value(out["logprobs"].clone()).unwrap_or_else(|e| panic!("reference logprobs: {e}"))
 }
 
-/// Largest absolute difference between two ragged tables of the same shape.
+/// Largest absolute difference between two ragged tables of the same shape; a NaN anywhere
+/// counts as an infinite difference.
 pub fn max_abs_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
     assert_eq!(a.len(), b.len(), "row counts differ");
     a.iter()
         .zip(b)
         .flat_map(|(x, y)| {
             assert_eq!(x.len(), y.len(), "row lengths differ");
-            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+            x.iter().zip(y).map(|(p, q)| if p.is_nan() || q.is_nan() { f64::INFINITY } else { (p - q).abs() })
         })
         .fold(0.0, f64::max)
 }
