@@ -1,43 +1,21 @@
 //! keel-reward: environments and scorers, and external HTTP reward plugins.
 //!
-//! So far the service starts, loads its [`Config`] and answers `GET /healthz` (tested with
-//! the binary in `tests/services_start.rs`); [`app`] is its router and [`run`] serves it
-//! until shutdown.
+//! So far the service starts, loads its configuration (an HTTP address, default
+//! 127.0.0.1:8082) and answers `GET /healthz`, tested with the binary in
+//! `tests/services_start.rs`.
 
 use std::future::Future;
-use std::net::SocketAddr;
-
-use axum::Router;
-use serde::{Deserialize, Serialize};
 
 pub const SERVICE: &str = "reward";
 
 /// Configuration: defaults, then `--config FILE`, then `KEEL_REWARD__<FIELD>`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Config {
-    /// HTTP address (default 127.0.0.1:8082).
-    pub listen: SocketAddr,
+pub type Config = keel_service::HttpConfig;
+
+pub fn default_config() -> Config {
+    Config::on_port(8082)
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Self { listen: SocketAddr::from(([127, 0, 0, 1], 8082)) }
-    }
-}
-
-impl keel_service::ServiceConfig for Config {
-    const SERVICE: &'static str = SERVICE;
-
-    fn listen(&self) -> SocketAddr {
-        self.listen
-    }
-}
-
-pub fn app(_config: &Config) -> Router {
-    keel_service::health_routes(SERVICE)
-}
-
+/// Serves until `shutdown` completes.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    keel_service::run_http(SERVICE, config.listen, app(&config), shutdown).await
+    keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), shutdown).await
 }

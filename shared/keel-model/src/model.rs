@@ -126,6 +126,14 @@ impl Mask {
     }
 }
 
+/// What every layer of one forward pass shares: rotary cos/sin for the positions of the
+/// input and the attention mask of the layer's window.
+struct Positions<'a> {
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    mask: &'a Mask,
+}
+
 #[derive(Debug)]
 struct Attention {
     q_proj: Linear,
@@ -186,26 +194,19 @@ impl Attention {
         ])?)
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        cache: Option<(&mut KvCache, usize)>,
-        mask: &Mask,
-    ) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, at: &Positions<'_>, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
         let q = self.split_heads(&self.q_proj.forward(x)?, self.heads, self.q_norm.as_ref())?;
         let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref())?;
         let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None)?;
-        let q = rope::apply(&q, cos, sin)?;
-        let k = rope::apply(&k, cos, sin)?;
+        let q = rope::apply(&q, at.cos, at.sin)?;
+        let k = rope::apply(&k, at.cos, at.sin)?;
         let (k, v) = match cache {
             Some((cache, layer)) => cache.append(layer, &k, &v)?,
             None => (k, v),
         };
         let (k, v) = (self.repeat_kv(&k)?, self.repeat_kv(&v)?);
-        let (explicit, causal) = match mask {
+        let (explicit, causal) = match at.mask {
             Mask::All => (None, false),
             Mask::Causal => (None, true),
             Mask::Allowed(allowed) => (Some(allowed), false),
@@ -262,15 +263,8 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        cache: Option<(&mut KvCache, usize)>,
-        mask: &Mask,
-    ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, cache, mask)?;
+    fn forward(&self, x: &Tensor, at: &Positions<'_>, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, at, cache)?;
         let h = x.f_add(&attn)?;
         Ok(h.f_add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
     }
@@ -380,7 +374,8 @@ impl CausalLm {
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
             let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask was built for every window");
-            x = layer.forward(&x, &cos, &sin, cache.as_deref_mut().map(|c| (c, index)), mask)?;
+            let at = Positions { cos: &cos, sin: &sin, mask };
+            x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)))?;
         }
         if let Some(cache) = cache {
             cache.advance(s);

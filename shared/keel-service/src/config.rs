@@ -2,26 +2,38 @@
 //! environment variables `KEEL_<SERVICE>__<FIELD>` (nested fields joined by `__`). Unknown
 //! fields are refused (configs use `#[serde(deny_unknown_fields)]`), then `validate` runs.
 
+use std::net::SocketAddr;
 use std::path::Path;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Yaml};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 /// A service's configuration struct.
-pub trait ServiceConfig: Serialize + DeserializeOwned + Default {
-    /// The service name, as in `keel-<name>` and `KEEL_<NAME>__...`.
-    const SERVICE: &'static str;
-
-    /// Where the HTTP server listens.
-    fn listen(&self) -> std::net::SocketAddr;
-
+pub trait ServiceConfig: Serialize + DeserializeOwned {
     /// Checks that go beyond types; the message names the field.
     fn validate(&self) -> Result<(), String> {
         Ok(())
     }
 }
+
+/// The configuration of a service that so far only serves HTTP (health and metrics).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// HTTP address.
+    pub listen: SocketAddr,
+}
+
+impl HttpConfig {
+    /// Listening on 127.0.0.1:`port` (containers set `KEEL_<SERVICE>__LISTEN=0.0.0.0:PORT`).
+    pub fn on_port(port: u16) -> Self {
+        Self { listen: SocketAddr::from(([127, 0, 0, 1], port)) }
+    }
+}
+
+impl ServiceConfig for HttpConfig {}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -36,15 +48,16 @@ pub fn env_prefix(service: &str) -> String {
     format!("KEEL_{}__", service.to_uppercase())
 }
 
-pub fn load_config<C: ServiceConfig>(file: Option<&Path>) -> Result<C, ConfigError> {
-    let mut figment = Figment::from(Serialized::defaults(C::default()));
+/// Loads `service`'s configuration over `defaults`.
+pub fn load_config<C: ServiceConfig>(service: &str, defaults: C, file: Option<&Path>) -> Result<C, ConfigError> {
+    let mut figment = Figment::from(Serialized::defaults(defaults));
     if let Some(file) = file {
         if !file.is_file() {
             return Err(ConfigError::MissingFile(file.display().to_string()));
         }
         figment = figment.merge(Yaml::file_exact(file));
     }
-    figment = figment.merge(Env::prefixed(&env_prefix(C::SERVICE)).split("__"));
+    figment = figment.merge(Env::prefixed(&env_prefix(service)).split("__"));
     let config: C = figment.extract().map_err(|e| ConfigError::Invalid(one_line(&e)))?;
     config.validate().map_err(ConfigError::Invalid)?;
     Ok(config)
@@ -58,10 +71,9 @@ fn one_line(error: &figment::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde::Deserialize;
 
     #[derive(Debug, Serialize, Deserialize, PartialEq)]
-    #[serde(deny_unknown_fields, default)]
+    #[serde(deny_unknown_fields)]
     struct Example {
         listen: std::net::SocketAddr,
         workers: u32,
@@ -74,44 +86,37 @@ mod tests {
     }
 
     impl ServiceConfig for Example {
-        const SERVICE: &'static str = "example";
-
-        fn listen(&self) -> std::net::SocketAddr {
-            self.listen
-        }
-
         fn validate(&self) -> Result<(), String> {
             if self.workers == 0 { Err("workers: must be at least 1".into()) } else { Ok(()) }
         }
+    }
+
+    fn load(file: Option<&Path>) -> Result<Example, ConfigError> {
+        load_config("example", Example::default(), file)
     }
 
     #[test]
     #[allow(clippy::result_large_err)] // figment::Jail's closure type
     fn layers_apply_in_order_and_errors_name_the_field() {
         figment::Jail::expect_with(|jail| {
-            assert_eq!(load_config::<Example>(None).unwrap(), Example::default());
+            assert_eq!(load(None).unwrap(), Example::default());
             jail.create_file("c.yaml", "workers: 4\nlisten: 127.0.0.1:9100\n")?;
-            let from_file = load_config::<Example>(Some(Path::new("c.yaml"))).unwrap();
+            let from_file = load(Some(Path::new("c.yaml"))).unwrap();
             assert_eq!(from_file.workers, 4);
             jail.set_env("KEEL_EXAMPLE__WORKERS", "8");
-            let from_env = load_config::<Example>(Some(Path::new("c.yaml"))).unwrap();
+            let from_env = load(Some(Path::new("c.yaml"))).unwrap();
             assert_eq!((from_env.workers, from_env.listen.port()), (8, 9100));
 
             jail.set_env("KEEL_EXAMPLE__WORKERS", "0");
-            assert_eq!(
-                load_config::<Example>(None).unwrap_err().to_string(),
-                "configuration: workers: must be at least 1"
-            );
+            assert_eq!(load(None).unwrap_err().to_string(), "configuration: workers: must be at least 1");
             jail.set_env("KEEL_EXAMPLE__WORKERS", "many");
-            let err = load_config::<Example>(None).unwrap_err().to_string();
+            let err = load(None).unwrap_err().to_string();
             assert!(err.contains("\"WORKERS\"") && err.contains("KEEL_EXAMPLE__"), "{err}");
             jail.set_env("KEEL_EXAMPLE__WORKERS", "1");
             jail.create_file("bad.yaml", "wrokers: 3\n")?;
-            let err = load_config::<Example>(Some(Path::new("bad.yaml"))).unwrap_err().to_string();
+            let err = load(Some(Path::new("bad.yaml"))).unwrap_err().to_string();
             assert!(err.contains("wrokers"), "{err}");
-            assert!(
-                load_config::<Example>(Some(Path::new("absent.yaml"))).unwrap_err().to_string().contains("absent.yaml")
-            );
+            assert!(load(Some(Path::new("absent.yaml"))).unwrap_err().to_string().contains("absent.yaml"));
             Ok(())
         });
     }

@@ -35,8 +35,9 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Runs a service: `run(config, shutdown)` is the service's `lib.rs` entry point.
-pub fn service_main<C, F, Fut, E>(run: F) -> ExitCode
+/// Runs service `service` (as in `keel-<service>` and `KEEL_<SERVICE>__...`) with its
+/// configuration loaded over `defaults`; `run(config, shutdown)` is the service's entry point.
+pub fn service_main<C, F, Fut, E>(service: &str, defaults: C, run: F) -> ExitCode
 where
     C: ServiceConfig,
     F: FnOnce(C, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
@@ -46,24 +47,24 @@ where
     let flags = Flags::parse();
     let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
-    let config = match load_config::<C>(flags.config.as_deref()) {
+    let config = match load_config(service, defaults, flags.config.as_deref()) {
         Ok(config) => config,
         Err(err) => {
-            eprintln!("keel-{}: {err}", C::SERVICE);
+            eprintln!("keel-{}: {err}", service);
             return ExitCode::from(2);
         }
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(err) => {
-            eprintln!("keel-{}: cannot start the runtime: {err}", C::SERVICE);
+            eprintln!("keel-{}: cannot start the runtime: {err}", service);
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(run(config, Box::pin(shutdown_signal()))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("keel-{}: {err}", C::SERVICE);
+            eprintln!("keel-{}: {err}", service);
             ExitCode::FAILURE
         }
     }

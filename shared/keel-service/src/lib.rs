@@ -10,6 +10,6 @@ pub mod config;
 pub mod entry;
 pub mod http;
 
-pub use config::{ConfigError, ServiceConfig, load_config};
+pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
 pub use http::{ApiError, health_routes, run_http, serve};
