@@ -1,21 +1,130 @@
-//! keel-trainer: policy and reference models, losses, optimiser and checkpoint save/load, driven over NATS.
+//! keel-trainer: the policy-training worker. A run claims it over NATS and drives it: load
+//! the policy and reference, compute logprobs, train with one of NeMo-RL's losses, score
+//! with a reward head, save checkpoints, release.
 //!
-//! So far the service starts, loads its configuration (an HTTP address, default
-//! 127.0.0.1:8084) and answers `GET /healthz`, tested with the binary in
-//! `tests/services_start.rs`.
+//! Layout:
+//! - [`worker`]: NATS subjects, claims and leases, request handling (typed error replies).
+//! - [`actor`]: the engine thread that owns the models (tch never runs on async workers).
+//! - [`engine`]: policy, reference, value head, optimiser; logprobs, training, saving.
+//! - [`batch`]: wire batches checked and padded into tensors; global/micro batch slicing.
+//! - [`loss`]: clipped policy gradient, NLL, DPO, Bradley–Terry (exact text in `LOSSES.md`).
+//! - [`optim`] and [`schedule`]: AdamW with f32 master weights, gradient clipping, warm-up
+//!   and decay.
+//! - [`checkpoint`]: the checkpoint directory (HF weights + optimiser and trainer state).
+//! - [`metrics`]: metrics accumulated over microbatches.
+//!
+//! The service also serves `GET /healthz` on its HTTP address (default 127.0.0.1:8084).
+
+pub mod actor;
+pub mod batch;
+pub mod checkpoint;
+pub mod engine;
+pub mod error;
+pub mod loss;
+pub mod metrics;
+pub mod optim;
+pub mod schedule;
+pub mod worker;
 
 use std::future::Future;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use keel_protocol::Subjects;
+use keel_protocol::subjects::is_subject_token;
+
+pub use engine::Engine;
+pub use error::{Error, Result};
 
 pub const SERVICE: &str = "trainer";
 
 /// Configuration: defaults, then `--config FILE`, then `KEEL_TRAINER__<FIELD>`.
-pub type Config = keel_service::HttpConfig;
-
-pub fn default_config() -> Config {
-    Config::on_port(8084)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// HTTP address (health).
+    pub listen: SocketAddr,
+    /// NATS server (default `KEEL_NATS_URL` or nats://127.0.0.1:4222).
+    pub nats_url: String,
+    /// Prefix of every subject (`keel.v1`).
+    pub subject_prefix: String,
+    /// This worker's id in its subjects (default: a new random id).
+    pub worker_id: Option<String>,
+    /// Default device for runs that name none: cpu, cuda or cuda:N.
+    pub device: String,
+    /// JetStream object-store bucket for batches larger than 1 MiB.
+    pub bulk_bucket: String,
+    /// The longest lease a run may ask for, in seconds.
+    pub max_lease_seconds: f64,
 }
 
-/// Serves until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), shutdown).await
+impl keel_service::ServiceConfig for Config {
+    fn validate(&self) -> std::result::Result<(), String> {
+        Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        if let Some(id) = &self.worker_id
+            && !is_subject_token(id)
+        {
+            return Err(format!("worker_id: `{id}` must be letters, digits, `-` and `_`"));
+        }
+        let device_ok = self.device == "cpu"
+            || self.device == "cuda"
+            || self.device.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
+        if !device_ok {
+            return Err(format!("device: unknown device `{}` (use cpu, cuda or cuda:N)", self.device));
+        }
+        if !(self.max_lease_seconds.is_finite() && self.max_lease_seconds > 0.0) {
+            return Err(format!("max_lease_seconds: must be positive, got {}", self.max_lease_seconds));
+        }
+        Ok(())
+    }
+}
+
+pub fn default_config() -> Config {
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 8084)),
+        nats_url: keel_service::nats::default_url(),
+        subject_prefix: Subjects::default().prefix().to_string(),
+        worker_id: None,
+        device: "cpu".into(),
+        bulk_bucket: "keel-bulk".into(),
+        max_lease_seconds: 3600.0,
+    }
+}
+
+/// Serves NATS requests and HTTP health until `shutdown` completes.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::result::Result<(), String> {
+    let client = keel_service::nats::connect(&config.nats_url).await?;
+    let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
+    let subjects = Subjects::new(&config.subject_prefix)?;
+    let worker_id = config.worker_id.clone().unwrap_or_else(|| format!("w{}", uuid::Uuid::new_v4().simple()));
+    let worker = worker::Worker::new(client, subjects, worker_id, config.device.clone(), config.max_lease_seconds, bulk)
+        .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let http_stop = {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), http_stop));
+    let worker_stop = {
+        let mut rx = stop_rx;
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let mut served = tokio::spawn(worker.serve(worker_stop));
+    let outcome = tokio::select! {
+        () = shutdown => None,
+        finished = &mut served => Some(finished),
+    };
+    let _ = stop_tx.send(true);
+    let served = match outcome {
+        Some(finished) => finished,
+        None => served.await,
+    };
+    let served = served.map_err(|e| format!("worker task failed: {e}"))?;
+    http.await.map_err(|e| format!("HTTP task failed: {e}"))?.map_err(|e| format!("HTTP server: {e}"))?;
+    served
 }

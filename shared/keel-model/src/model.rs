@@ -327,6 +327,35 @@ impl CausalLm {
         self.kind
     }
 
+    /// Casts the parameters to `kind` (f32, bf16 or f16) in place.
+    pub fn set_kind(&mut self, kind: Kind) -> Result<()> {
+        match kind {
+            Kind::Float => self.vs.float(),
+            Kind::BFloat16 => self.vs.bfloat16(),
+            Kind::Half => self.vs.half(),
+            other => {
+                return Err(Error::InvalidInput(format!("parameter dtype {other:?} is not supported (f32, bf16, f16)")));
+            }
+        }
+        self.kind = kind;
+        Ok(())
+    }
+
+    /// Moves the parameters (and the rotary tables) to `device`, e.g. to keep a frozen
+    /// reference model on the CPU between uses.
+    pub fn set_device(&mut self, device: Device) -> Result<()> {
+        if device != self.device() {
+            self.vs.set_device(device);
+            self.rotary = Rotary::new(&self.cfg.rope, self.cfg.head_dim, device)?;
+        }
+        Ok(())
+    }
+
+    /// Stops gradients to every parameter (a frozen reference).
+    pub fn freeze(&mut self) {
+        self.vs.freeze();
+    }
+
     /// Checks that `input_ids` is an i64 [B, S] tensor whose ids (within each row's length,
     /// when given) index the vocabulary.
     fn check_input(&self, input_ids: &Tensor, lengths: Option<&[i64]>) -> Result<(i64, i64)> {
@@ -393,14 +422,9 @@ impl CausalLm {
         Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
-    /// Token logprobs [B, S] (f32) of right-padded sequences: entry (b, i) is
-    /// log p(token_i | tokens before i) with logits divided by `temperature`; entry 0 and
-    /// every position at or past the row's length are 0. The log-softmax is computed over
-    /// chunks of positions, so the full [B × S × vocab] tensor is never held.
-    pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")));
-        }
+    /// Checks right-padded ids against their row lengths; returns the ids on the device with
+    /// padding replaced by token 0, and the [B, S] mask of padding positions.
+    fn padded_input(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor)> {
         let batch = input_ids.size().first().copied().unwrap_or(0);
         if lengths.len() as i64 != batch {
             return Err(Error::InvalidInput(format!("{} lengths for a batch of {batch}", lengths.len())));
@@ -409,11 +433,32 @@ impl CausalLm {
         if let Some(bad) = lengths.iter().find(|&&l| l < 1 || l > seq) {
             return Err(Error::InvalidInput(format!("sequence length {bad} is outside 1..={seq}")));
         }
-        let (b, s) = self.check_input(input_ids, Some(lengths))?;
+        let (_, s) = self.check_input(input_ids, Some(lengths))?;
         let device = self.device();
         let lengths = Tensor::from_slice(lengths).f_to_device(device)?.f_unsqueeze(1)?;
         let invalid = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_ge_tensor(&lengths)?;
         let ids = input_ids.f_to_device(device)?.f_masked_fill(&invalid, 0)?;
+        Ok((ids, invalid))
+    }
+
+    /// Final hidden states [B, S, hidden] (after the last norm) of right-padded sequences;
+    /// positions at or past a row's length hold padding. Value heads read these.
+    pub fn last_hidden_states(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
+        let (ids, _) = self.padded_input(input_ids, lengths)?;
+        self.hidden_states(&ids, None)
+    }
+
+    /// Token logprobs [B, S] (f32) of right-padded sequences: entry (b, i) is
+    /// log p(token_i | tokens before i) with logits divided by `temperature`; entry 0 and
+    /// every position at or past the row's length are 0. The log-softmax is computed over
+    /// chunks of positions, so the full [B × S × vocab] tensor is never held.
+    pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")));
+        }
+        let (ids, invalid) = self.padded_input(input_ids, lengths)?;
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let device = self.device();
         let hidden = self.hidden_states(&ids, None)?;
 
         let predicted = s - 1;

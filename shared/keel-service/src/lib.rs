@@ -5,10 +5,12 @@
 //! - [`http`]: the `/healthz` route, the JSON error body and 404 fallback, serving with
 //!   graceful shutdown.
 //! - [`entry`]: what a service's `main.rs` calls: flags, config, logging, runtime, signals.
+//! - [`nats`]: connecting to NATS and moving bulk payloads through the JetStream object store.
 
 pub mod config;
 pub mod entry;
 pub mod http;
+pub mod nats;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;

@@ -1,0 +1,179 @@
+//! Trainer checkpoints: a directory that transformers and vLLM load as the policy (HF
+//! `config.json`, safetensors, tokenizer files, generation config, chat template) plus what
+//! resuming needs:
+//!
+//! - `value_head.safetensors`: the reward model's scalar head (`score.weight`, [1, hidden]);
+//! - `optimizer.safetensors`: AdamW moments and, when computing in bf16/f16, the f32 master
+//!   weights;
+//! - `trainer_state.json`: format, optimiser step (the scheduler's position), seed, compute
+//!   dtype, the training configuration, and the caller's training info.
+//!
+//! The directory is written under a hidden temporary name beside its destination and
+//! renamed into place, so it appears complete or not at all; an existing checkpoint is never
+//! overwritten. Training draws no random numbers after load (no dropout), so the seed is the
+//! whole RNG state.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::optim::AdamW;
+use keel_model::{CausalLm, SaveOptions};
+use keel_protocol::training::TrainingConfig;
+
+pub const FORMAT: &str = "keel-trainer-checkpoint/1";
+pub const STATE_FILE: &str = "trainer_state.json";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const VALUE_HEAD_FILE: &str = "value_head.safetensors";
+pub const VALUE_HEAD_TENSOR: &str = "score.weight";
+
+/// Files copied from the source model directory when present.
+const MODEL_SIDE_FILES: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format: String,
+    pub step: u64,
+    pub seed: u64,
+    pub compute_dtype: String,
+    pub training: TrainingConfig,
+    #[serde(default)]
+    pub info: serde_json::Value,
+}
+
+fn io_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::Checkpoint(format!("{}: {e}", path.display()))
+}
+
+fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let cpu = tensors
+        .iter()
+        .map(|(name, t)| Ok((name.clone(), t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?)))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::write_safetensors(&cpu, path).map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))
+}
+
+fn sync(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(io_error(path))
+}
+
+fn write_contents(
+    dir: &Path,
+    source: &Path,
+    policy: &CausalLm,
+    value_head: Option<&Tensor>,
+    optimizer: &AdamW,
+    state: &TrainerState,
+) -> Result<()> {
+    policy.save(dir, SaveOptions::default())?;
+    for name in MODEL_SIDE_FILES {
+        let from = source.join(name);
+        if from.is_file() {
+            std::fs::copy(&from, dir.join(name)).map_err(io_error(&from))?;
+        }
+    }
+    if let Some(head) = value_head {
+        write_tensors(&dir.join(VALUE_HEAD_FILE), &[(VALUE_HEAD_TENSOR.to_string(), head.shallow_clone())])?;
+    }
+    let (tensors, _) = optimizer.state();
+    write_tensors(&dir.join(OPTIMIZER_FILE), &tensors.into_iter().collect::<Vec<_>>())?;
+    let text = serde_json::to_string_pretty(state).map_err(|e| Error::Internal(e.to_string()))?;
+    std::fs::write(dir.join(STATE_FILE), text).map_err(io_error(dir))?;
+    for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
+        sync(&entry.map_err(io_error(dir))?.path())?;
+    }
+    Ok(())
+}
+
+/// Writes the checkpoint at `path` atomically; returns its file names.
+pub fn save(
+    path: &Path,
+    source: &Path,
+    policy: &CausalLm,
+    value_head: Option<&Tensor>,
+    optimizer: &AdamW,
+    state: &TrainerState,
+) -> Result<Vec<String>> {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| Error::Checkpoint(format!("{} does not end in a directory name", path.display())))?;
+    if path.exists() {
+        return Err(Error::Checkpoint(format!("{} already exists; checkpoints are never overwritten", path.display())));
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_error(parent))?;
+    let partial = parent.join(format!(".{name}.partial-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir(&partial).map_err(io_error(&partial))?;
+    let written = write_contents(&partial, source, policy, value_head, optimizer, state)
+        .and_then(|()| std::fs::rename(&partial, path).map_err(io_error(path)))
+        .and_then(|()| sync(parent));
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(e);
+    }
+    let mut files: Vec<String> = std::fs::read_dir(path)
+        .map_err(io_error(path))?
+        .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Reads `trainer_state.json` of a checkpoint directory (None for a plain HF directory).
+pub fn read_state(dir: &Path) -> Result<Option<TrainerState>> {
+    let path = dir.join(STATE_FILE);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(io_error(&path))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })?;
+    if state.format != FORMAT {
+        return Err(Error::Load { what: path.display().to_string(), reason: format!("unknown format `{}`", state.format) });
+    }
+    Ok(Some(state))
+}
+
+/// Restores the optimiser (moments, master weights, step) from a checkpoint directory; a
+/// plain HF directory leaves it fresh.
+pub fn restore_optimizer(dir: &Path, optimizer: &mut AdamW) -> Result<()> {
+    let Some(state) = read_state(dir)? else { return Ok(()) };
+    let path: PathBuf = dir.join(OPTIMIZER_FILE);
+    let tensors: BTreeMap<String, Tensor> = Tensor::read_safetensors(&path)
+        .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })?
+        .into_iter()
+        .collect();
+    optimizer
+        .restore(&tensors, state.step)
+        .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })
+}
+
+/// Loads a value head ([1, hidden] f32, trainable) from `path`.
+pub fn load_value_head(path: &Path, hidden: i64, device: Device) -> Result<Tensor> {
+    let what = || path.display().to_string();
+    let tensors = Tensor::read_safetensors(path).map_err(|e| Error::Load { what: what(), reason: e.to_string() })?;
+    let (_, head) = tensors
+        .into_iter()
+        .find(|(name, _)| name == VALUE_HEAD_TENSOR)
+        .ok_or_else(|| Error::Load { what: what(), reason: format!("no tensor `{VALUE_HEAD_TENSOR}`") })?;
+    if head.size() != [1, hidden] {
+        return Err(Error::Load {
+            what: what(),
+            reason: format!("`{VALUE_HEAD_TENSOR}` has shape {:?}, expected [1, {hidden}]", head.size()),
+        });
+    }
+    Ok(head.f_to_kind(Kind::Float)?.f_to_device(device)?.f_set_requires_grad(true)?)
+}

@@ -1,0 +1,347 @@
+//! The training engine of one run: the policy (trainable), an optional frozen reference, an
+//! optional scalar value head (reward models), AdamW with its schedule, and what the worker
+//! asks of them — logprobs, reward scores, training on a batch, checkpoints.
+//!
+//! Training splits a batch into global batches of `global_batch_size` rows (one optimiser
+//! step each) and each global batch into microbatches of `micro_batch_size` rows whose
+//! gradients accumulate. Every microbatch loss divides by the counts of its whole global
+//! batch, so loss and gradients do not depend on the split. Compute may be bf16/f16 while
+//! the optimiser keeps f32 master weights.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::batch::{Batch, chunks, pad_ids, unpad};
+use crate::checkpoint;
+use crate::error::{Error, Result};
+use crate::loss::{self, GlobalCounts, LossInput};
+use crate::metrics::Metrics;
+use crate::optim::AdamW;
+use crate::schedule::lr_factor;
+use keel_model::CausalLm;
+use keel_protocol::trainer::{LoadRequest, Scorer, StepMetrics, Timing};
+use keel_protocol::training::{LossConfig, TrainingConfig};
+
+/// The frozen reference policy, optionally parked on the CPU between uses.
+#[derive(Debug)]
+struct Reference {
+    model: CausalLm,
+    offload: bool,
+}
+
+#[derive(Debug)]
+pub struct Engine {
+    config: TrainingConfig,
+    policy: CausalLm,
+    reference: Option<Reference>,
+    value_head: Option<Tensor>,
+    optimizer: AdamW,
+    device: Device,
+    source: PathBuf,
+    seed: u64,
+}
+
+/// What one `train` call did.
+#[derive(Debug)]
+pub struct Trained {
+    pub steps: Vec<StepMetrics>,
+    pub tokens: u64,
+    pub timing: Timing,
+}
+
+fn load_error(what: &Path) -> impl Fn(keel_model::Error) -> Error + '_ {
+    move |e| Error::Load { what: what.display().to_string(), reason: e.to_string() }
+}
+
+fn seconds(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64()
+}
+
+impl Engine {
+    /// Loads the models for `request` (the configuration was validated by the caller).
+    pub fn load(request: &LoadRequest, default_device: &str) -> Result<Self> {
+        let device_name = request.device.as_deref().unwrap_or(default_device);
+        let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+        let kind = match &request.dtype {
+            Some(name) => keel_model::device::parse_kind(name).map_err(|e| Error::InvalidConfig(e.to_string()))?,
+            None if device == Device::Cpu => Kind::Float,
+            None => Kind::BFloat16,
+        };
+        tch::manual_seed(request.seed as i64);
+        let source = PathBuf::from(&request.policy.path);
+        let mut policy = CausalLm::load(&source, device, Kind::Float).map_err(load_error(&source))?;
+        let config = request.training.clone();
+
+        let reference = match (&request.reference, config.loss.needs_reference()) {
+            (None, false) => None,
+            (explicit, _) => {
+                let path = PathBuf::from(explicit.as_ref().map_or(&request.policy.path, |r| &r.path));
+                let at = if request.reference_offload { Device::Cpu } else { device };
+                let mut model = CausalLm::load(&path, at, kind).map_err(load_error(&path))?;
+                model.freeze();
+                Some(Reference { model, offload: request.reference_offload })
+            }
+        };
+
+        let head_file = source.join(checkpoint::VALUE_HEAD_FILE);
+        let value_head = if head_file.is_file() {
+            Some(checkpoint::load_value_head(&head_file, policy.config().hidden_size, device)?)
+        } else if matches!(config.loss, LossConfig::BradleyTerry) {
+            let hidden = policy.config().hidden_size;
+            let init = Tensor::f_randn([1, hidden], (Kind::Float, device))?.f_mul_scalar(1.0 / (hidden as f64).sqrt())?;
+            Some(init.f_set_requires_grad(true)?)
+        } else {
+            None
+        };
+
+        let mut params: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let masters: BTreeMap<String, Tensor> = if kind == Kind::Float {
+            BTreeMap::new()
+        } else {
+            params.iter().map(|(n, p)| Ok((n.clone(), p.f_detach()?.copy()))).collect::<Result<_>>()?
+        };
+        policy.set_kind(kind)?;
+        if let Some(head) = &value_head {
+            params.push((checkpoint::VALUE_HEAD_TENSOR.to_string(), head.shallow_clone()));
+        }
+        let mut optimizer = AdamW::new(config.optimizer.clone(), params, masters)?;
+        if request.resume {
+            checkpoint::restore_optimizer(&source, &mut optimizer)?;
+        }
+        Ok(Self { config, policy, reference, value_head, optimizer, device, source, seed: request.seed })
+    }
+
+    pub fn step(&self) -> u64 {
+        self.optimizer.step_count()
+    }
+
+    pub fn parameters(&self) -> i64 {
+        let policy: i64 = self.policy.var_store().variables().values().map(Tensor::numel).sum::<usize>() as i64;
+        policy + self.value_head.as_ref().map_or(0, |h| h.numel() as i64)
+    }
+
+    pub fn has_reference(&self) -> bool {
+        self.reference.is_some()
+    }
+
+    pub fn has_value_head(&self) -> bool {
+        self.value_head.is_some()
+    }
+
+    pub fn policy(&self) -> &CausalLm {
+        &self.policy
+    }
+
+    pub fn config(&self) -> &TrainingConfig {
+        &self.config
+    }
+
+    /// Padded [B, S] logprobs (CPU, f32) without gradients, computed `micro_batch_size` rows at a time.
+    fn padded_logprobs(&mut self, scorer: Scorer, ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        let micro = self.config.micro_batch_size;
+        let device = self.device;
+        let model = match scorer {
+            Scorer::Policy => &mut self.policy,
+            Scorer::Reference => {
+                let reference = self.reference.as_mut().ok_or_else(|| {
+                    Error::InvalidRequest("no reference model is loaded (the loss needs none and none was given)".into())
+                })?;
+                if reference.offload {
+                    reference.model.set_device(device)?;
+                }
+                &mut reference.model
+            }
+        };
+        let width = ids.size()[1];
+        let mut parts = Vec::new();
+        let mut result: Result<()> = Ok(());
+        for (start, len) in chunks(lengths.len(), micro) {
+            let rows = &lengths[start..start + len];
+            let max = rows.iter().copied().max().unwrap_or(1);
+            let slice = ids.f_narrow(0, start as i64, len as i64)?.f_narrow(1, 0, max)?;
+            match model.token_logprobs(&slice, rows, temperature) {
+                Ok(lp) => parts.push(lp.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?),
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            }
+        }
+        if let (Scorer::Reference, Some(reference)) = (scorer, self.reference.as_mut())
+            && reference.offload
+        {
+            reference.model.set_device(Device::Cpu)?;
+        }
+        result?;
+        Ok(Tensor::f_cat(&parts, 0)?)
+    }
+
+    /// Per-token logprobs of `sequences` under the policy or the reference at `temperature`.
+    pub fn logprobs(&mut self, scorer: Scorer, sequences: &[Vec<i64>], temperature: f64) -> Result<Vec<Vec<f32>>> {
+        let (ids, lengths) = pad_ids(sequences)?;
+        let padded = self.padded_logprobs(scorer, &ids, &lengths, temperature)?;
+        unpad(&padded, &lengths)
+    }
+
+    /// Value-head scores [B] at each row's last token.
+    fn padded_scores(&self, ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
+        let head = self.value_head.as_ref().ok_or_else(|| {
+            Error::InvalidRequest("this model has no value head (train with bradley_terry or load a reward model)".into())
+        })?;
+        let hidden = self.policy.last_hidden_states(ids, lengths)?;
+        let last = Tensor::from_slice(&lengths.iter().map(|l| l - 1).collect::<Vec<_>>()).f_to_device(self.device)?;
+        let (b, h) = (hidden.size()[0], hidden.size()[2]);
+        let index = last.f_view([b, 1, 1])?.f_expand([b, 1, h], false)?;
+        let final_token = hidden.f_gather(1, &index, false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
+        Ok(final_token.f_matmul(&head.f_transpose(0, 1)?)?.f_squeeze_dim(1)?)
+    }
+
+    /// Reward-model scores of `sequences`.
+    pub fn scores(&self, sequences: &[Vec<i64>]) -> Result<Vec<f32>> {
+        let _no_grad = tch::no_grad_guard();
+        let (ids, lengths) = pad_ids(sequences)?;
+        let mut scores = Vec::with_capacity(lengths.len());
+        for (start, len) in chunks(lengths.len(), self.config.micro_batch_size) {
+            let rows = &lengths[start..start + len];
+            let max = rows.iter().copied().max().unwrap_or(1);
+            let slice = ids.f_narrow(0, start as i64, len as i64)?.f_narrow(1, 0, max)?;
+            scores.extend(Vec::<f32>::try_from(self.padded_scores(&slice, rows)?.f_to_device(Device::Cpu)?)?);
+        }
+        Ok(scores)
+    }
+
+    /// Fills in prev and reference logprobs the loss needs and the batch lacks.
+    fn complete(&mut self, batch: &mut Batch, temperature: f64, timing: &mut Timing) -> Result<()> {
+        if matches!(self.config.loss, LossConfig::ClippedPg(_)) && batch.prev_logprobs.is_none() {
+            let start = Instant::now();
+            batch.prev_logprobs = Some(self.padded_logprobs(Scorer::Policy, &batch.input_ids, &batch.lengths, temperature)?);
+            timing.insert("prev_logprobs".into(), seconds(start));
+        }
+        if self.config.loss.needs_reference() && batch.reference_logprobs.is_none() {
+            let start = Instant::now();
+            batch.reference_logprobs =
+                Some(self.padded_logprobs(Scorer::Reference, &batch.input_ids, &batch.lengths, temperature)?);
+            timing.insert("reference_logprobs".into(), seconds(start));
+        }
+        Ok(())
+    }
+
+    /// Loss and metrics of one microbatch, normalised by the global batch's counts.
+    fn microbatch_loss(&self, micro: &Batch, global: &GlobalCounts, temperature: f64) -> Result<(Tensor, Metrics)> {
+        let device = self.device;
+        let on_device = |x: &Option<Tensor>| x.as_ref().map(|t| t.f_to_device(device)).transpose();
+        let (logprobs, scores) = if matches!(self.config.loss, LossConfig::BradleyTerry) {
+            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(self.padded_scores(&micro.input_ids, &micro.lengths)?))
+        } else {
+            (self.policy.token_logprobs(&micro.input_ids, &micro.lengths, temperature)?, None)
+        };
+        let sample_mask = micro.sample_mask.f_to_device(device)?;
+        let input = LossInput {
+            logprobs: &logprobs,
+            mask: loss::shifted_mask(&micro.token_mask.f_to_device(device)?, &sample_mask)?,
+            sample_mask,
+            advantages: on_device(&micro.advantages)?,
+            prev_logprobs: on_device(&micro.prev_logprobs)?,
+            generation_logprobs: on_device(&micro.generation_logprobs)?,
+            reference_logprobs: on_device(&micro.reference_logprobs)?,
+            scores,
+        };
+        match &self.config.loss {
+            LossConfig::ClippedPg(c) => loss::policy::clipped_pg(c, &input, global),
+            LossConfig::Nll => loss::nll::nll(&input, global),
+            LossConfig::Dpo(c) => loss::dpo::dpo(c, &input, global),
+            LossConfig::BradleyTerry => loss::reward::bradley_terry(&input, global),
+        }
+    }
+
+    /// Forward and backward over `global`'s microbatches of `micro_batch_size` rows,
+    /// accumulating gradients (no optimiser step). Returns the summed metrics.
+    pub fn accumulate_gradients(&mut self, global: &Batch, micro_batch_size: usize, temperature: f64) -> Result<Metrics> {
+        let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
+        let mut metrics = Metrics::default();
+        for (start, len) in chunks(global.len(), micro_batch_size) {
+            let micro = global.rows(start, len)?;
+            let (loss, part) = self.microbatch_loss(&micro, &counts, temperature)?;
+            let value = loss.f_double_value(&[])?;
+            if !value.is_finite() {
+                return Err(Error::NonFinite(format!("the loss of rows {start}..{} is {value}; no step was taken", start + len)));
+            }
+            loss.f_backward()?;
+            metrics.merge(part);
+        }
+        metrics.global("global_valid_tokens", counts.tokens);
+        Ok(metrics)
+    }
+
+    /// The gradients of every trainable tensor (for tests and diagnostics), by name.
+    pub fn gradients(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut grads = BTreeMap::new();
+        for (name, param) in self.policy.var_store().variables() {
+            grads.insert(name, param.grad().f_to_kind(Kind::Float)?.copy());
+        }
+        if let Some(head) = &self.value_head {
+            grads.insert(checkpoint::VALUE_HEAD_TENSOR.into(), head.grad().copy());
+        }
+        Ok(grads)
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.optimizer.zero_grad();
+    }
+
+    /// Trains on `batch`: one optimiser step per global batch.
+    pub fn train(&mut self, mut batch: Batch, temperature: f64) -> Result<Trained> {
+        let total = Instant::now();
+        let mut timing = Timing::new();
+        self.complete(&mut batch, temperature, &mut timing)?;
+        let training = Instant::now();
+        let mut steps = Vec::new();
+        for (start, len) in chunks(batch.len(), self.config.global_batch_size) {
+            let global = batch.rows(start, len)?;
+            self.optimizer.zero_grad();
+            let accumulated = self.accumulate_gradients(&global, self.config.micro_batch_size, temperature);
+            let mut metrics = match accumulated {
+                Ok(metrics) => metrics,
+                Err(e) => {
+                    self.optimizer.zero_grad();
+                    return Err(e);
+                }
+            };
+            let grad_norm = match self.optimizer.clip_grad_norm(self.config.max_grad_norm) {
+                Ok(norm) => norm,
+                Err(e) => {
+                    self.optimizer.zero_grad();
+                    return Err(e);
+                }
+            };
+            let lr = self.config.optimizer.lr * lr_factor(&self.config.scheduler, self.optimizer.step_count());
+            self.optimizer.step(lr)?;
+            self.optimizer.zero_grad();
+            metrics.global("grad_norm", grad_norm);
+            metrics.global("lr", lr);
+            steps.push(StepMetrics { step: self.optimizer.step_count(), metrics: metrics.into_map() });
+        }
+        timing.insert("training".into(), seconds(training));
+        timing.insert("total".into(), seconds(total));
+        let tokens = batch.lengths.iter().sum::<i64>() as u64;
+        Ok(Trained { steps, tokens, timing })
+    }
+
+    /// Writes a checkpoint directory at `path` (see [`checkpoint`]).
+    pub fn save(&self, path: &Path, info: serde_json::Value) -> Result<Vec<String>> {
+        let state = checkpoint::TrainerState {
+            format: checkpoint::FORMAT.into(),
+            step: self.optimizer.step_count(),
+            seed: self.seed,
+            compute_dtype: keel_model::weights::dtype_name(self.policy.kind()).into(),
+            training: self.config.clone(),
+            info,
+        };
+        checkpoint::save(path, &self.source, &self.policy, self.value_head.as_ref(), &self.optimizer, &state)
+    }
+}

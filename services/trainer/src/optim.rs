@@ -1,0 +1,162 @@
+//! AdamW as `torch.optim.AdamW` computes it (decoupled weight decay, bias-corrected moments),
+//! with f32 master weights: when the model computes in bf16 or f16, the optimiser keeps an
+//! f32 copy of every parameter, updates it, and copies it back. Weight decay skips norms and
+//! biases (every tensor of rank ≤ 1). Global gradient-norm clipping comes first.
+
+use std::collections::BTreeMap;
+
+use tch::{Kind, Tensor};
+
+use crate::error::{Error, Result};
+use keel_protocol::training::OptimizerConfig;
+
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    /// The model's parameter (its gradient is read, its value overwritten after the step).
+    param: Tensor,
+    /// The f32 master copy when the parameter is not f32.
+    master: Option<Tensor>,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    decay: bool,
+}
+
+#[derive(Debug)]
+pub struct AdamW {
+    config: OptimizerConfig,
+    slots: Vec<Slot>,
+    /// Optimiser steps taken.
+    step: u64,
+}
+
+impl AdamW {
+    /// Builds the optimiser over named parameters. `masters` holds f32 values for parameters
+    /// whose own kind is not f32 (taken before they were cast), by name.
+    pub fn new(
+        config: OptimizerConfig,
+        params: Vec<(String, Tensor)>,
+        mut masters: BTreeMap<String, Tensor>,
+    ) -> Result<Self> {
+        let slots = params
+            .into_iter()
+            .map(|(name, param)| {
+                let master = match (param.kind(), masters.remove(&name)) {
+                    (Kind::Float, _) => None,
+                    (_, Some(master)) => Some(master),
+                    (_, None) => Some(param.f_detach()?.f_to_kind(Kind::Float)?),
+                };
+                let zeros = || Tensor::f_zeros(param.size(), (Kind::Float, param.device()));
+                Ok(Slot { decay: param.dim() > 1, exp_avg: zeros()?, exp_avg_sq: zeros()?, name, param, master })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { config, slots, step: 0 })
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    pub fn zero_grad(&mut self) {
+        for slot in &mut self.slots {
+            slot.param.zero_grad();
+        }
+    }
+
+    /// The global L2 norm of all gradients; when above `max_norm`, every gradient is scaled
+    /// by max_norm / (norm + 1e-6) (as torch's `clip_grad_norm_`). Returns the norm before.
+    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> Result<f64> {
+        let mut total = 0.0;
+        for slot in &self.slots {
+            let grad = slot.param.grad();
+            if grad.defined() {
+                total += grad.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
+            }
+        }
+        let norm = total.sqrt();
+        if !norm.is_finite() {
+            return Err(Error::NonFinite(format!("gradient norm is {norm}; the step was skipped")));
+        }
+        if let Some(max) = max_norm {
+            let factor = max / (norm + 1e-6);
+            if factor < 1.0 {
+                for slot in &self.slots {
+                    let mut grad = slot.param.grad();
+                    if grad.defined() {
+                        let _ = grad.f_mul_scalar_(factor)?;
+                    }
+                }
+            }
+        }
+        Ok(norm)
+    }
+
+    /// One AdamW step at learning rate `lr`.
+    pub fn step(&mut self, lr: f64) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        self.step += 1;
+        let [beta1, beta2] = self.config.betas;
+        let bias1 = 1.0 - beta1.powi(self.step as i32);
+        let bias2_sqrt = (1.0 - beta2.powi(self.step as i32)).sqrt();
+        for slot in &mut self.slots {
+            let grad = slot.param.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let grad = grad.f_to_kind(Kind::Float)?;
+            let mut value = slot.master.as_ref().map_or_else(|| slot.param.shallow_clone(), Tensor::shallow_clone);
+            if slot.decay && self.config.weight_decay != 0.0 {
+                let _ = value.f_mul_scalar_(1.0 - lr * self.config.weight_decay)?;
+            }
+            let _ = slot.exp_avg.f_lerp_(&grad, 1.0 - beta1)?;
+            let _ = slot.exp_avg_sq.f_mul_scalar_(beta2)?;
+            let _ = slot.exp_avg_sq.f_addcmul_(&grad, &grad.f_mul_scalar(1.0 - beta2)?)?;
+            let denom = slot.exp_avg_sq.f_sqrt()?.f_div_scalar(bias2_sqrt)?.f_add_scalar(self.config.eps)?;
+            let _ = value.f_addcdiv_(&slot.exp_avg.f_mul_scalar(-lr / bias1)?, &denom)?;
+            if slot.master.is_some() {
+                let _ = slot.param.f_copy_(&value)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Optimiser state as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`,
+    /// `master.<param>`) and the step count.
+    pub fn state(&self) -> (BTreeMap<String, Tensor>, u64) {
+        let mut tensors = BTreeMap::new();
+        for slot in &self.slots {
+            tensors.insert(format!("exp_avg.{}", slot.name), slot.exp_avg.shallow_clone());
+            tensors.insert(format!("exp_avg_sq.{}", slot.name), slot.exp_avg_sq.shallow_clone());
+            if let Some(master) = &slot.master {
+                tensors.insert(format!("master.{}", slot.name), master.shallow_clone());
+            }
+        }
+        (tensors, self.step)
+    }
+
+    /// Restores [`AdamW::state`]; every parameter's moments must be present with its shape.
+    pub fn restore(&mut self, tensors: &BTreeMap<String, Tensor>, step: u64) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        for slot in &mut self.slots {
+            let targets = [("exp_avg", Some(&mut slot.exp_avg)), ("exp_avg_sq", Some(&mut slot.exp_avg_sq)), ("master", slot.master.as_mut())];
+            for (prefix, target) in targets {
+                let Some(target) = target else { continue };
+                let key = format!("{prefix}.{}", slot.name);
+                let saved = tensors.get(&key).ok_or_else(|| Error::Checkpoint(format!("optimizer state has no `{key}`")))?;
+                if saved.size() != target.size() {
+                    return Err(Error::Checkpoint(format!(
+                        "optimizer state `{key}` has shape {:?}, the parameter has {:?}",
+                        saved.size(),
+                        target.size()
+                    )));
+                }
+                let _ = target.f_copy_(saved)?;
+            }
+            if let Some(master) = &slot.master {
+                let _ = slot.param.f_copy_(master)?;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+}

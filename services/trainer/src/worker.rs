@@ -1,0 +1,447 @@
+//! The NATS side of a trainer worker.
+//!
+//! While free, the worker is in the `trainer` queue group on `<prefix>.trainer.claim`, so a
+//! claim reaches exactly one free worker; once claimed it leaves the group, and its own
+//! `<prefix>.trainer.<worker>.claim` refuses other runs with `busy`. The claiming run then
+//! drives it on `<prefix>.trainer.<worker>.<op>`. Every request and heartbeat renews the
+//! lease; when the lease runs out with nothing in flight (the orchestrator disappeared),
+//! the worker drops the run's models and rejoins the group.
+//!
+//! Requests are answered from spawned tasks, so a heartbeat or a refused claim is answered
+//! while a training step runs; model work is serialised on the [`EngineThread`].
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::{Client, Message, Subscriber};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::actor::EngineThread;
+use crate::batch::Batch;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
+use keel_protocol::trainer::{
+    ClaimReply, ClaimRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest,
+    Memory, Released, RunRequest, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply,
+    TrainRequest, error_types,
+};
+use keel_protocol::{Reply, Subjects, join_problems};
+use keel_service::nats::Bulk;
+
+/// How often an expired lease is looked for.
+const LEASE_CHECK: Duration = Duration::from_millis(200);
+
+#[derive(Debug)]
+struct Claim {
+    run_id: String,
+    lease: Duration,
+    deadline: Instant,
+    in_flight: usize,
+    loaded: bool,
+}
+
+/// What the request tasks share.
+#[derive(Debug)]
+struct Shared {
+    client: Client,
+    worker_id: String,
+    device: String,
+    max_lease: f64,
+    claim: Mutex<Option<Claim>>,
+    engine: EngineThread,
+    bulk: Bulk,
+}
+
+/// A request-level failure: a typed error reply.
+#[derive(Debug)]
+struct Refusal {
+    kind: &'static str,
+    message: String,
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        Self { kind: e.kind(), message: e.to_string() }
+    }
+}
+
+fn refuse(kind: &'static str, message: impl Into<String>) -> Refusal {
+    Refusal { kind, message: message.into() }
+}
+
+type Answer<T> = std::result::Result<T, Refusal>;
+
+fn parse<T: DeserializeOwned>(payload: &[u8]) -> Answer<T> {
+    serde_json::from_slice(payload).map_err(|e| refuse(error_types::INVALID_REQUEST, format!("malformed request: {e}")))
+}
+
+fn memory() -> Memory {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    Memory { rss_bytes: field("VmRSS:"), peak_rss_bytes: field("VmHWM:") }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Claim>> {
+        self.claim.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn is_claimed(&self) -> bool {
+        self.lock().is_some()
+    }
+
+    fn claim(&self, request: ClaimRequest) -> Answer<ClaimReply> {
+        let seconds = request.lease_seconds;
+        if !(seconds.is_finite() && seconds > 0.0 && seconds <= self.max_lease) {
+            return Err(refuse(
+                error_types::INVALID_REQUEST,
+                format!("lease_seconds must be in (0, {}], got {seconds}", self.max_lease),
+            ));
+        }
+        let lease = Duration::from_secs_f64(seconds);
+        let mut claim = self.lock();
+        match claim.as_mut() {
+            Some(held) if held.run_id != request.run_id => {
+                return Err(refuse(error_types::BUSY, format!("worker {} is held by run {}", self.worker_id, held.run_id)));
+            }
+            Some(held) => {
+                held.lease = lease;
+                held.deadline = Instant::now() + lease;
+            }
+            None => {
+                info!(run_id = %request.run_id, "claimed");
+                *claim = Some(Claim {
+                    run_id: request.run_id,
+                    lease,
+                    deadline: Instant::now() + lease,
+                    in_flight: 0,
+                    loaded: false,
+                });
+            }
+        }
+        Ok(ClaimReply { worker_id: self.worker_id.clone(), lease_seconds: seconds })
+    }
+
+    /// Admits a request of `run_id`: it must hold the claim. Counts it as in flight.
+    fn admit(&self, run_id: &str) -> Answer<()> {
+        let mut claim = self.lock();
+        match claim.as_mut() {
+            Some(held) if held.run_id == run_id => {
+                held.in_flight += 1;
+                Ok(())
+            }
+            Some(held) => Err(refuse(
+                error_types::WRONG_RUN,
+                format!("worker {} is held by run {}, not {run_id}", self.worker_id, held.run_id),
+            )),
+            None => Err(refuse(error_types::WRONG_RUN, format!("worker {} is not claimed by run {run_id}", self.worker_id))),
+        }
+    }
+
+    /// Ends an admitted request; the lease runs from now.
+    fn finish(&self, run_id: &str, loaded: Option<bool>) {
+        if let Some(held) = self.lock().as_mut().filter(|c| c.run_id == run_id) {
+            held.in_flight = held.in_flight.saturating_sub(1);
+            held.deadline = Instant::now() + held.lease;
+            if let Some(loaded) = loaded {
+                held.loaded = loaded;
+            }
+        }
+    }
+
+    /// Releases the claim when its lease ran out with nothing in flight.
+    async fn expire(&self) {
+        let expired = {
+            let mut claim = self.lock();
+            match claim.as_ref() {
+                Some(held) if held.in_flight == 0 && Instant::now() >= held.deadline => claim.take(),
+                _ => None,
+            }
+        };
+        if let Some(held) = expired {
+            warn!(run_id = %held.run_id, "lease expired; releasing the worker");
+            self.drop_models().await;
+        }
+    }
+
+    async fn drop_models(&self) {
+        if let Err(e) = self.engine.call(|engine| Ok(*engine = None)).await {
+            warn!("could not drop the models: {e}");
+        }
+    }
+
+    async fn op<Req, Rep, Fut>(
+        self: &Arc<Self>,
+        payload: &[u8],
+        run_of: impl Fn(&Req) -> &str,
+        work: impl FnOnce(Arc<Self>, Req) -> Fut,
+    ) -> Answer<Rep>
+    where
+        Req: DeserializeOwned,
+        Fut: std::future::Future<Output = Answer<(Rep, Option<bool>)>>,
+    {
+        let request: Req = parse(payload)?;
+        let run_id = run_of(&request).to_string();
+        self.admit(&run_id)?;
+        let outcome = work(self.clone(), request).await;
+        let loaded = outcome.as_ref().ok().and_then(|(_, loaded)| *loaded);
+        self.finish(&run_id, loaded);
+        outcome.map(|(reply, _)| reply)
+    }
+
+    async fn handle(self: Arc<Self>, op: TrainerOp, payload: Bytes) -> Vec<u8> {
+        let payload = &payload[..];
+        match op {
+            TrainerOp::Claim => encode(parse(payload).and_then(|r| self.claim(r))),
+            TrainerOp::Heartbeat => encode(self.op(payload, |r: &RunRequest| &r.run_id, heartbeat).await),
+            TrainerOp::Release => encode(self.release(payload).await),
+            TrainerOp::Load => encode(self.op(payload, |r: &LoadRequest| &r.run_id, load).await),
+            TrainerOp::Logprobs => encode(self.op(payload, |r: &LogprobsRequest| &r.run_id, logprobs).await),
+            TrainerOp::Train => encode(self.op(payload, |r: &TrainRequest| &r.run_id, train).await),
+            TrainerOp::Score => encode(self.op(payload, |r: &ScoreRequest| &r.run_id, score).await),
+            TrainerOp::Save => encode(self.op(payload, |r: &SaveRequest| &r.run_id, save).await),
+        }
+    }
+
+    async fn release(&self, payload: &[u8]) -> Answer<Released> {
+        let request: RunRequest = parse(payload)?;
+        {
+            let mut claim = self.lock();
+            match claim.as_ref() {
+                Some(held) if held.run_id == request.run_id => {
+                    claim.take();
+                }
+                _ => return Err(refuse(error_types::WRONG_RUN, format!("run {} does not hold this worker", request.run_id))),
+            }
+        }
+        info!(run_id = %request.run_id, "released");
+        self.drop_models().await;
+        Ok(Released { worker_id: self.worker_id.clone() })
+    }
+}
+
+fn encode<T: Serialize>(answer: Answer<T>) -> Vec<u8> {
+    let reply = match answer {
+        Ok(value) => Reply::Ok(value),
+        Err(refusal) => Reply::error(refusal.kind, refusal.message),
+    };
+    serde_json::to_vec(&reply).unwrap_or_else(|e| {
+        format!(r#"{{"error":{{"type":"internal","message":"cannot encode the reply: {e}"}}}}"#).into_bytes()
+    })
+}
+
+async fn heartbeat(shared: Arc<Shared>, _: RunRequest) -> Answer<(HeartbeatReply, Option<bool>)> {
+    let claim = shared.lock();
+    let held = claim.as_ref().ok_or_else(|| refuse(error_types::WRONG_RUN, "the claim was released"))?;
+    Ok((HeartbeatReply { lease_seconds: held.lease.as_secs_f64(), loaded: held.loaded }, None))
+}
+
+async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<(LoadReply, Option<bool>)> {
+    let problems = request.training.problems("training");
+    if !problems.is_empty() {
+        return Err(Error::InvalidConfig(join_problems(&problems)).into());
+    }
+    let started = Instant::now();
+    let device = shared.device.clone();
+    let span = info_span!("load", run_id = %request.run_id, policy = %request.policy.path);
+    let loaded = shared
+        .engine
+        .call(move |slot| {
+            *slot = None;
+            let engine = Engine::load(&request, &device)?;
+            let summary = (engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head());
+            *slot = Some(engine);
+            Ok(summary)
+        })
+        .instrument(span)
+        .await;
+    let (parameters, step, has_reference, has_value_head) = match loaded {
+        Ok(summary) => summary,
+        Err(e) => {
+            shared.finish_loaded(false);
+            return Err(e.into());
+        }
+    };
+    let timing = Timing::from([("load".to_string(), started.elapsed().as_secs_f64())]);
+    Ok((LoadReply { parameters, step, has_reference, has_value_head, timing, memory: memory() }, Some(true)))
+}
+
+impl Shared {
+    fn finish_loaded(&self, loaded: bool) {
+        if let Some(held) = self.lock().as_mut() {
+            held.loaded = loaded;
+        }
+    }
+}
+
+fn loaded(slot: &mut Option<Engine>) -> Result<&mut Engine> {
+    slot.as_mut().ok_or(Error::NotLoaded)
+}
+
+async fn fetch<T: DeserializeOwned>(shared: &Shared, payload: keel_protocol::Payload<T>) -> Answer<T> {
+    shared.bulk.fetch(payload).await.map_err(|e| refuse(error_types::PAYLOAD, e))
+}
+
+async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<(LogprobsReply, Option<bool>)> {
+    let started = Instant::now();
+    let sequences = fetch(&shared, request.batch).await?;
+    let (scorer, temperature) = (request.model, request.temperature);
+    let rows = shared
+        .engine
+        .call(move |slot| loaded(slot)?.logprobs(scorer, &sequences.input_ids, temperature))
+        .instrument(info_span!("logprobs", run_id = %request.run_id))
+        .await?;
+    let logprobs = shared.bulk.wrap(Logprobs { logprobs: rows }).await.map_err(|e| refuse(error_types::PAYLOAD, e))?;
+    let timing = Timing::from([("logprobs".to_string(), started.elapsed().as_secs_f64())]);
+    Ok((LogprobsReply { logprobs, timing, memory: memory() }, None))
+}
+
+async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<(TrainReply, Option<bool>)> {
+    let batch = fetch(&shared, request.batch).await?;
+    let temperature = request.temperature;
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(refuse(error_types::INVALID_REQUEST, format!("temperature must be positive, got {temperature}")));
+    }
+    let trained = shared
+        .engine
+        .call(move |slot| {
+            let engine = loaded(slot)?;
+            let batch = Batch::new(&batch, &engine.config().loss)?;
+            engine.train(batch, temperature)
+        })
+        .instrument(info_span!("train", run_id = %request.run_id))
+        .await?;
+    Ok((TrainReply { steps: trained.steps, tokens: trained.tokens, timing: trained.timing, memory: memory() }, None))
+}
+
+async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<(ScoreReply, Option<bool>)> {
+    let started = Instant::now();
+    let sequences = fetch(&shared, request.batch).await?;
+    let scores = shared
+        .engine
+        .call(move |slot| loaded(slot)?.scores(&sequences.input_ids))
+        .instrument(info_span!("score", run_id = %request.run_id))
+        .await?;
+    let timing = Timing::from([("score".to_string(), started.elapsed().as_secs_f64())]);
+    Ok((ScoreReply { scores, timing }, None))
+}
+
+async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<(SaveReply, Option<bool>)> {
+    let started = Instant::now();
+    let path = request.path.clone();
+    let (step, files) = shared
+        .engine
+        .call(move |slot| {
+            let engine = loaded(slot)?;
+            let files = engine.save(std::path::Path::new(&request.path), request.info)?;
+            Ok((engine.step(), files))
+        })
+        .instrument(info_span!("save", path = %path))
+        .await?;
+    let timing = Timing::from([("save".to_string(), started.elapsed().as_secs_f64())]);
+    Ok((SaveReply { path, step, files, timing }, None))
+}
+
+/// A running worker; dropping the shutdown future's sender or completing it stops it.
+#[derive(Debug)]
+pub struct Worker {
+    shared: Arc<Shared>,
+    subjects: Subjects,
+}
+
+impl Worker {
+    pub fn new(client: Client, subjects: Subjects, worker_id: String, device: String, max_lease: f64, bulk: Bulk) -> std::io::Result<Self> {
+        let engine = EngineThread::start()?;
+        let shared = Shared { client, worker_id, device, max_lease, claim: Mutex::new(None), engine, bulk };
+        Ok(Self { shared: Arc::new(shared), subjects })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.shared.worker_id
+    }
+
+    async fn join_group(&self) -> std::result::Result<Subscriber, async_nats::SubscribeError> {
+        self.shared.client.queue_subscribe(self.subjects.trainer_claim(), TRAINER_QUEUE_GROUP.to_string()).await
+    }
+
+    fn respond(&self, message: Message, op: TrainerOp) {
+        let Some(reply_to) = message.reply.clone() else {
+            warn!(subject = %message.subject, "request without a reply subject ignored");
+            return;
+        };
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let client = shared.client.clone();
+            let body = shared.handle(op, message.payload).await;
+            if let Err(e) = client.publish(reply_to, body.into()).await {
+                warn!("cannot send a reply: {e}");
+            }
+        });
+    }
+
+    /// Serves until `shutdown` completes.
+    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) -> std::result::Result<(), String> {
+        let client = self.shared.client.clone();
+        let mut own = client
+            .subscribe(self.subjects.trainer_all(self.id()))
+            .await
+            .map_err(|e| format!("cannot subscribe to the worker's subjects: {e}"))?;
+        let mut group = Some(self.join_group().await.map_err(|e| format!("cannot join the trainer queue group: {e}"))?);
+        client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
+        info!(worker_id = %self.id(), claim = %self.subjects.trainer_claim(), "trainer worker ready");
+        let mut tick = tokio::time::interval(LEASE_CHECK);
+        tokio::pin!(shutdown);
+        loop {
+            let group_next = async {
+                match group.as_mut() {
+                    Some(sub) => sub.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = &mut shutdown => break,
+                message = own.next() => {
+                    let Some(message) = message else { return Err("the NATS subscription ended".into()) };
+                    let op = message.subject.rsplit('.').next().and_then(TrainerOp::from_name);
+                    match op {
+                        Some(op) => self.respond(message, op),
+                        None => warn!(subject = %message.subject, "unknown trainer operation"),
+                    }
+                }
+                message = group_next => {
+                    if let Some(message) = message {
+                        self.respond(message, TrainerOp::Claim);
+                    }
+                }
+                _ = tick.tick() => self.shared.expire().await,
+            }
+            // Free workers are in the claim group; held ones are not.
+            match (self.shared.is_claimed(), group.is_some()) {
+                (true, true) => {
+                    if let Some(mut sub) = group.take() {
+                        let _ = sub.unsubscribe().await;
+                    }
+                }
+                (false, false) => match self.join_group().await {
+                    Ok(sub) => group = Some(sub),
+                    Err(e) => warn!("cannot rejoin the trainer queue group: {e}"),
+                },
+                _ => {}
+            }
+        }
+        info!("trainer worker stopping");
+        Ok(())
+    }
+}

@@ -1,0 +1,46 @@
+//! Every type that crosses a process boundary in Keel, and the NATS subject names. No I/O:
+//! services serialise these with serde_json and send them over NATS or HTTP.
+//!
+//! Layout:
+//! - [`subjects`]: typed builders for every NATS subject (`keel.v1.trainer.<worker>.train`, ...).
+//! - [`payload`]: [`Payload`], a message body carried inline or, above 1 MiB, by reference to
+//!   the JetStream object store.
+//! - [`reply`]: the `{"ok": ...}` / `{"error": {"type", "message"}}` reply envelope.
+//! - [`training`]: the training configuration (loss, optimiser, schedule, batching) with
+//!   validation that lists every problem with its field path.
+//! - [`trainer`]: the trainer worker's requests and replies (claim, load, logprobs, train,
+//!   score, save, heartbeat, release).
+
+pub mod payload;
+pub mod reply;
+pub mod subjects;
+pub mod trainer;
+pub mod training;
+
+pub use payload::{MAX_INLINE_BYTES, ObjectRef, Payload};
+pub use reply::{ErrorBody, Reply};
+pub use subjects::Subjects;
+
+/// One problem in a configuration: the dotted field path and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+impl FieldError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { field: field.into(), message: message.into() }
+    }
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Joins problems into one line: `a.b: must be positive; c: ...`.
+pub fn join_problems(problems: &[FieldError]) -> String {
+    problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+}

@@ -1,0 +1,117 @@
+//! NATS subject names, built only here. Every subject starts with a prefix, `keel.v1` by
+//! default; a deployment (or a test) may choose another so that several stacks share one
+//! NATS server without hearing each other.
+
+/// The queue group every free trainer worker joins on [`Subjects::trainer_claim`].
+pub const TRAINER_QUEUE_GROUP: &str = "trainer";
+
+/// The operations a claimed trainer worker serves on its own subjects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainerOp {
+    /// Claim this worker by name (refused while another run holds it).
+    Claim,
+    Load,
+    Logprobs,
+    Train,
+    Score,
+    Save,
+    Heartbeat,
+    Release,
+}
+
+impl TrainerOp {
+    pub const ALL: [TrainerOp; 8] = [
+        Self::Claim,
+        Self::Load,
+        Self::Logprobs,
+        Self::Train,
+        Self::Score,
+        Self::Save,
+        Self::Heartbeat,
+        Self::Release,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Load => "load",
+            Self::Logprobs => "logprobs",
+            Self::Train => "train",
+            Self::Score => "score",
+            Self::Save => "save",
+            Self::Heartbeat => "heartbeat",
+            Self::Release => "release",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+/// Subject builder for one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+}
+
+impl Default for Subjects {
+    fn default() -> Self {
+        Self { prefix: "keel.v1".into() }
+    }
+}
+
+impl Subjects {
+    /// Subjects under `prefix` (dot-separated tokens without wildcards or spaces).
+    pub fn new(prefix: &str) -> Result<Self, String> {
+        let valid_token =
+            |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if prefix.split('.').all(valid_token) {
+            Ok(Self { prefix: prefix.to_string() })
+        } else {
+            Err(format!("subject prefix `{prefix}` must be dot-separated tokens of letters, digits, `-` and `_`"))
+        }
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Claims any free trainer worker (queue group [`TRAINER_QUEUE_GROUP`]).
+    pub fn trainer_claim(&self) -> String {
+        format!("{}.trainer.claim", self.prefix)
+    }
+
+    /// One worker's subject for `op`.
+    pub fn trainer(&self, worker: &str, op: TrainerOp) -> String {
+        format!("{}.trainer.{worker}.{}", self.prefix, op.name())
+    }
+
+    /// Every per-worker subject of `worker` (for subscribing).
+    pub fn trainer_all(&self, worker: &str) -> String {
+        format!("{}.trainer.{worker}.*", self.prefix)
+    }
+}
+
+/// Whether `id` can be one token of a subject (a worker id).
+pub fn is_subject_token(id: &str) -> bool {
+    !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_are_versioned_and_prefixed() {
+        let s = Subjects::default();
+        assert_eq!(s.trainer_claim(), "keel.v1.trainer.claim");
+        assert_eq!(s.trainer("w1", TrainerOp::Train), "keel.v1.trainer.w1.train");
+        assert_eq!(Subjects::new("t.abc-1").unwrap().trainer_all("w"), "t.abc-1.trainer.w.*");
+        assert!(Subjects::new("keel.*").is_err());
+        assert!(Subjects::new("a..b").is_err());
+        for op in TrainerOp::ALL {
+            assert_eq!(TrainerOp::from_name(op.name()), Some(op));
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! Requests and replies of a trainer worker. A run claims a free worker on
+//! [`Subjects::trainer_claim`](crate::Subjects::trainer_claim) (or a named one on its own
+//! claim subject), then drives it on `keel.v1.trainer.<worker>.<op>`: load, logprobs, train,
+//! score, save, heartbeat, release. Every request after the claim names its run; a worker
+//! answers requests of other runs with a `wrong_run` error. Replies use
+//! [`Reply`](crate::Reply); error `type`s are listed in [`error_types`].
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Payload;
+use crate::training::TrainingConfig;
+
+/// Stable error codes of trainer replies.
+pub mod error_types {
+    /// Another run holds the worker.
+    pub const BUSY: &str = "busy";
+    /// The request names a run that does not hold the worker (or nobody holds it).
+    pub const WRONG_RUN: &str = "wrong_run";
+    /// The body is not valid JSON for the operation, or its contents are inconsistent
+    /// (shape mismatch, NaN, out-of-vocabulary token).
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    /// The training configuration was refused; the message lists every field.
+    pub const INVALID_CONFIG: &str = "invalid_config";
+    /// A model or checkpoint could not be loaded.
+    pub const LOAD_FAILED: &str = "load_failed";
+    /// An operation that needs loaded models came before `load`.
+    pub const NOT_LOADED: &str = "not_loaded";
+    /// A bulk payload could not be fetched from or stored to the object store.
+    pub const PAYLOAD: &str = "payload";
+    /// Saving a checkpoint failed; nothing was made visible.
+    pub const SAVE_FAILED: &str = "save_failed";
+    /// The loss or the gradient norm came out NaN or infinite; no step was taken.
+    pub const NON_FINITE: &str = "non_finite";
+    /// Anything else (details are in the worker's log).
+    pub const INTERNAL: &str = "internal";
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimRequest {
+    pub run_id: String,
+    /// The claim is released when no request or heartbeat arrives for this long.
+    #[serde(default = "default_lease_seconds")]
+    pub lease_seconds: f64,
+}
+
+fn default_lease_seconds() -> f64 {
+    60.0
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClaimReply {
+    /// The worker's id: its subjects are `<prefix>.trainer.<worker_id>.<op>`.
+    pub worker_id: String,
+    pub lease_seconds: f64,
+}
+
+/// Where a model comes from: a Hugging Face directory or a checkpoint written by a trainer
+/// (which also holds optimiser and scheduler state, restored when the policy loads from it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSource {
+    pub path: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadRequest {
+    pub run_id: String,
+    pub policy: ModelSource,
+    /// The frozen reference (defaults to a copy of the initial policy when the loss needs one).
+    #[serde(default)]
+    pub reference: Option<ModelSource>,
+    pub training: TrainingConfig,
+    /// `cpu`, `cuda` or `cuda:N` (default: the worker's configured device).
+    #[serde(default)]
+    pub device: Option<String>,
+    /// Compute dtype: f32, bf16 or f16 (master weights and optimiser state stay f32).
+    /// Default: f32 on CPU, bf16 on CUDA.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// Keep the reference on the CPU and move it to the device only to score.
+    #[serde(default)]
+    pub reference_offload: bool,
+    /// Restore optimiser and scheduler state when the policy is a trainer checkpoint.
+    #[serde(default = "default_true")]
+    pub resume: bool,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReply {
+    pub parameters: i64,
+    /// Optimiser steps already taken (non-zero when resumed from a checkpoint).
+    pub step: u64,
+    pub has_reference: bool,
+    pub has_value_head: bool,
+    pub timing: Timing,
+    pub memory: Memory,
+}
+
+/// Token sequences to score.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sequences {
+    pub input_ids: Vec<Vec<i64>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scorer {
+    #[default]
+    Policy,
+    Reference,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogprobsRequest {
+    pub run_id: String,
+    #[serde(default)]
+    pub model: Scorer,
+    pub batch: Payload<Sequences>,
+    /// Logits are divided by this before log-softmax (the sampling temperature).
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+}
+
+fn default_temperature() -> f64 {
+    1.0
+}
+
+/// Per-token logprobs, one row per sequence, entry 0 = 0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Logprobs {
+    pub logprobs: Vec<Vec<f32>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LogprobsReply {
+    pub logprobs: Payload<Logprobs>,
+    pub timing: Timing,
+    pub memory: Memory,
+}
+
+/// One training batch. Row-aligned: every per-token field has one row per sequence with the
+/// sequence's length. Pairwise losses (DPO, reward model) take rows 2i (chosen) and 2i + 1
+/// (rejected) as pair i.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainBatch {
+    pub input_ids: Vec<Vec<i64>>,
+    /// 1 on tokens the loss covers (generated / assistant tokens), else 0.
+    pub token_mask: Vec<Vec<f32>>,
+    /// 0 drops a sample from the loss (default: all 1).
+    #[serde(default)]
+    pub sample_mask: Option<Vec<f32>>,
+    /// One advantage per sample (clipped_pg).
+    #[serde(default)]
+    pub advantages: Option<Vec<f32>>,
+    /// Logprobs the generator reported (default: equal to prev_logprobs).
+    #[serde(default)]
+    pub generation_logprobs: Option<Vec<Vec<f32>>>,
+    /// Policy logprobs before this update (default: computed by the trainer first).
+    #[serde(default)]
+    pub prev_logprobs: Option<Vec<Vec<f32>>>,
+    /// Reference logprobs (default: computed by the trainer with its reference model).
+    #[serde(default)]
+    pub reference_logprobs: Option<Vec<Vec<f32>>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainRequest {
+    pub run_id: String,
+    pub batch: Payload<TrainBatch>,
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+}
+
+/// One optimiser step: the loss function's metrics (NeMo-RL names) plus `lr`, `grad_norm`
+/// (before clipping) and `global_valid_tokens`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub metrics: BTreeMap<String, f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainReply {
+    pub steps: Vec<StepMetrics>,
+    pub tokens: u64,
+    pub timing: Timing,
+    pub memory: Memory,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScoreRequest {
+    pub run_id: String,
+    pub batch: Payload<Sequences>,
+}
+
+/// Reward-model scores, one per sequence (the value head on its last token).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScoreReply {
+    pub scores: Vec<f32>,
+    pub timing: Timing,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SaveRequest {
+    pub run_id: String,
+    /// Directory to write; it appears complete or not at all (written beside it and renamed).
+    pub path: String,
+    /// Free-form training info stored in `trainer_state.json` (consumed samples, metrics).
+    #[serde(default)]
+    pub info: serde_json::Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SaveReply {
+    pub path: String,
+    pub step: u64,
+    pub files: Vec<String>,
+    pub timing: Timing,
+}
+
+/// Heartbeat and release carry only the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRequest {
+    pub run_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    pub lease_seconds: f64,
+    pub loaded: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Released {
+    pub worker_id: String,
+}
+
+/// Seconds spent in each phase of an operation.
+pub type Timing = BTreeMap<String, f64>;
+
+/// Memory after an operation, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Memory {
+    /// Resident set of the worker process.
+    pub rss_bytes: u64,
+    /// Peak resident set of the worker process.
+    pub peak_rss_bytes: u64,
+}

@@ -1,0 +1,473 @@
+//! What a trainer is configured with for a run: the loss, the optimiser, the learning-rate
+//! schedule and the batching. Names and defaults follow NeMo-RL (`nemo-rl-reference.md`), so
+//! a NeMo-RL user recognises every key. [`TrainingConfig::validate`] refuses bad combinations
+//! when the run is configured, listing every problem with its field path, so nothing fails
+//! mid-run.
+
+use serde::{Deserialize, Serialize};
+
+use crate::FieldError;
+
+/// The loss a run trains with (`{"type": "clipped_pg", ...}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum LossConfig {
+    /// GRPO / PPO family: clipped policy gradient with a KL penalty to the reference.
+    ClippedPg(ClippedPgConfig),
+    /// Supervised fine-tuning: negative log-likelihood of the loss-masked tokens.
+    Nll,
+    /// Direct preference optimisation on (chosen, rejected) pairs.
+    Dpo(DpoConfig),
+    /// Reward model: Bradley–Terry on a scalar value head.
+    BradleyTerry,
+}
+
+impl LossConfig {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::ClippedPg(_) => "clipped_pg",
+            Self::Nll => "nll",
+            Self::Dpo(_) => "dpo",
+            Self::BradleyTerry => "bradley_terry",
+        }
+    }
+
+    /// Losses whose batches hold (chosen, rejected) pairs in consecutive rows.
+    pub fn is_pairwise(&self) -> bool {
+        matches!(self, Self::Dpo(_) | Self::BradleyTerry)
+    }
+
+    /// Whether training needs reference-policy logprobs.
+    pub fn needs_reference(&self) -> bool {
+        match self {
+            Self::ClippedPg(c) => c.reference_policy_kl_penalty != 0.0,
+            Self::Dpo(_) => true,
+            Self::Nll | Self::BradleyTerry => false,
+        }
+    }
+}
+
+/// Which estimator of KL(policy ‖ reference) the penalty uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlType {
+    K1,
+    K2,
+    #[default]
+    K3,
+}
+
+/// How the importance weight exp(prev − gen) is truncated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TruncationType {
+    /// Clamp the weight to [min, max].
+    #[serde(rename = "tis")]
+    Tis,
+    /// Zero the weight outside [min, max].
+    #[serde(rename = "icepop")]
+    Icepop,
+    /// Drop whole sequences whose exp(mean(prev − gen)) is outside [min, max].
+    #[serde(rename = "seq-mask-tis")]
+    SeqMaskTis,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClippedPgConfig {
+    /// ε_low: the ratio is clamped below at 1 − ε_low.
+    pub ratio_clip_min: f64,
+    /// ε_high: the ratio is clamped above at 1 + ε_high.
+    pub ratio_clip_max: f64,
+    /// Dual-clip constant c > 1 (None = off).
+    pub ratio_clip_c: Option<f64>,
+    /// β of the KL penalty (0 = no reference needed).
+    pub reference_policy_kl_penalty: f64,
+    pub reference_policy_kl_type: KlType,
+    /// Clamp of log(ref / policy) before the estimator (None = no clamp).
+    pub kl_input_clamp_value: Option<f64>,
+    /// Clamp of the per-token KL value (None = no clamp).
+    pub kl_output_clamp_value: Option<f64>,
+    pub use_importance_sampling_correction: bool,
+    pub truncated_importance_sampling_type: Option<TruncationType>,
+    pub truncated_importance_sampling_ratio_min: Option<f64>,
+    pub truncated_importance_sampling_ratio_max: Option<f64>,
+    /// Token-level loss (mean over all valid tokens) or sequence-level (mean of per-sequence means).
+    pub token_level_loss: bool,
+    /// GSPO: one ratio per sequence, exp(mean over its tokens of lp − prev).
+    pub sequence_level_importance_ratios: bool,
+    /// REINFORCE: ℓ = −A·lp, no ratio and no clipping.
+    pub disable_ppo_ratio: bool,
+    /// r = exp(lp − stopgrad(lp)): value 1, policy-gradient gradient.
+    pub force_on_policy_ratio: bool,
+}
+
+impl Default for ClippedPgConfig {
+    fn default() -> Self {
+        Self {
+            ratio_clip_min: 0.2,
+            ratio_clip_max: 0.2,
+            ratio_clip_c: None,
+            reference_policy_kl_penalty: 0.01,
+            reference_policy_kl_type: KlType::K3,
+            kl_input_clamp_value: Some(20.0),
+            kl_output_clamp_value: Some(10.0),
+            use_importance_sampling_correction: false,
+            truncated_importance_sampling_type: None,
+            truncated_importance_sampling_ratio_min: None,
+            truncated_importance_sampling_ratio_max: None,
+            token_level_loss: true,
+            sequence_level_importance_ratios: false,
+            disable_ppo_ratio: false,
+            force_on_policy_ratio: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DpoConfig {
+    /// β.
+    pub reference_policy_kl_penalty: f64,
+    /// Implicit reward as the per-token mean of lp − ref instead of the sum.
+    pub preference_average_log_probs: bool,
+    pub sft_loss_weight: f64,
+    pub preference_loss_weight: f64,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self {
+            reference_policy_kl_penalty: 0.05,
+            preference_average_log_probs: false,
+            sft_loss_weight: 0.0,
+            preference_loss_weight: 1.0,
+        }
+    }
+}
+
+/// AdamW (decoupled weight decay; norms and biases are not decayed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerConfig {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self { lr: 5e-6, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+/// What the learning rate does after warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decay {
+    #[default]
+    Constant,
+    Cosine,
+    Linear,
+}
+
+/// Linear warm-up from `warmup_start_factor × lr` over `warmup_steps`, then `decay` to
+/// `min_lr_ratio × lr` at `total_steps` (needed by cosine and linear).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerConfig {
+    pub warmup_steps: u64,
+    pub warmup_start_factor: f64,
+    pub decay: Decay,
+    pub total_steps: Option<u64>,
+    pub min_lr_ratio: f64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self { warmup_steps: 0, warmup_start_factor: 0.1, decay: Decay::Constant, total_steps: None, min_lr_ratio: 0.0 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingConfig {
+    pub loss: LossConfig,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    #[serde(default)]
+    pub scheduler: SchedulerConfig,
+    /// Gradient-norm clipping (None = off).
+    #[serde(default = "default_max_grad_norm")]
+    pub max_grad_norm: Option<f64>,
+    /// Samples per optimiser step (rows; for pairwise losses, 2 per pair).
+    pub global_batch_size: usize,
+    /// Samples per forward/backward pass.
+    pub micro_batch_size: usize,
+}
+
+fn default_max_grad_norm() -> Option<f64> {
+    Some(1.0)
+}
+
+fn check(problems: &mut Vec<FieldError>, ok: bool, field: &str, message: impl Into<String>) {
+    if !ok {
+        problems.push(FieldError::new(field, message));
+    }
+}
+
+fn finite_positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+impl ClippedPgConfig {
+    fn validate(&self, at: &str, problems: &mut Vec<FieldError>) {
+        let field = |name: &str| format!("{at}.{name}");
+        for (name, eps) in [("ratio_clip_min", self.ratio_clip_min), ("ratio_clip_max", self.ratio_clip_max)] {
+            check(problems, eps.is_finite() && eps >= 0.0, &field(name), format!("must be finite and ≥ 0, got {eps}"));
+        }
+        check(
+            problems,
+            self.ratio_clip_min < 1.0 || !self.ratio_clip_min.is_finite(),
+            &field("ratio_clip_min"),
+            format!("must be below 1 (the lower clip is 1 − ratio_clip_min), got {}", self.ratio_clip_min),
+        );
+        if let Some(c) = self.ratio_clip_c {
+            check(problems, c.is_finite() && c > 1.0, &field("ratio_clip_c"), format!("dual clip needs c > 1, got {c}"));
+        }
+        let beta = self.reference_policy_kl_penalty;
+        check(
+            problems,
+            beta.is_finite() && beta >= 0.0,
+            &field("reference_policy_kl_penalty"),
+            format!("must be finite and ≥ 0, got {beta}"),
+        );
+        for (name, clamp) in
+            [("kl_input_clamp_value", self.kl_input_clamp_value), ("kl_output_clamp_value", self.kl_output_clamp_value)]
+        {
+            if let Some(v) = clamp {
+                check(problems, finite_positive(v), &field(name), format!("must be positive, got {v}"));
+            }
+        }
+        let (min, max) =
+            (self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio_max);
+        if let Some(kind) = self.truncated_importance_sampling_type {
+            check(
+                problems,
+                self.use_importance_sampling_correction,
+                &field("truncated_importance_sampling_type"),
+                "needs use_importance_sampling_correction: true",
+            );
+            let needs_min = !matches!(kind, TruncationType::Tis);
+            check(
+                problems,
+                max.is_some(),
+                &field("truncated_importance_sampling_ratio_max"),
+                "is required by truncated_importance_sampling_type",
+            );
+            check(
+                problems,
+                !needs_min || min.is_some(),
+                &field("truncated_importance_sampling_ratio_min"),
+                "is required by icepop and seq-mask-tis",
+            );
+        } else if min.is_some() || max.is_some() {
+            problems.push(FieldError::new(
+                field("truncated_importance_sampling_type"),
+                "truncation bounds are set but no truncation type (tis, icepop or seq-mask-tis)",
+            ));
+        }
+        for (name, bound) in [("truncated_importance_sampling_ratio_min", min), ("truncated_importance_sampling_ratio_max", max)] {
+            if let Some(v) = bound {
+                check(problems, v.is_finite() && v >= 0.0, &field(name), format!("must be finite and ≥ 0, got {v}"));
+            }
+        }
+        if let (Some(lo), Some(hi)) = (min, max) {
+            check(
+                problems,
+                lo <= hi,
+                &field("truncated_importance_sampling_ratio_min"),
+                format!("min {lo} is greater than max {hi}"),
+            );
+        }
+        check(
+            problems,
+            !(self.sequence_level_importance_ratios && self.token_level_loss),
+            &field("sequence_level_importance_ratios"),
+            "GSPO (sequence-level ratios) needs token_level_loss: false",
+        );
+        let exclusive = [
+            self.sequence_level_importance_ratios,
+            self.disable_ppo_ratio,
+            self.force_on_policy_ratio,
+        ];
+        check(
+            problems,
+            exclusive.iter().filter(|&&x| x).count() <= 1,
+            &field("disable_ppo_ratio"),
+            "sequence_level_importance_ratios, disable_ppo_ratio and force_on_policy_ratio exclude each other",
+        );
+    }
+}
+
+impl DpoConfig {
+    fn validate(&self, at: &str, problems: &mut Vec<FieldError>) {
+        let beta = self.reference_policy_kl_penalty;
+        check(problems, finite_positive(beta), &format!("{at}.reference_policy_kl_penalty"), format!("β must be positive, got {beta}"));
+        for (name, w) in [("sft_loss_weight", self.sft_loss_weight), ("preference_loss_weight", self.preference_loss_weight)] {
+            check(problems, w.is_finite() && w >= 0.0, &format!("{at}.{name}"), format!("must be finite and ≥ 0, got {w}"));
+        }
+        check(
+            problems,
+            self.sft_loss_weight > 0.0 || self.preference_loss_weight > 0.0,
+            &format!("{at}.preference_loss_weight"),
+            "sft_loss_weight and preference_loss_weight are both 0: nothing to train",
+        );
+    }
+}
+
+impl TrainingConfig {
+    /// Every problem, each with its field path under `at` (e.g. `training`).
+    pub fn problems(&self, at: &str) -> Vec<FieldError> {
+        let mut problems = Vec::new();
+        let field = |name: &str| format!("{at}.{name}");
+        match &self.loss {
+            LossConfig::ClippedPg(c) => c.validate(&field("loss"), &mut problems),
+            LossConfig::Dpo(c) => c.validate(&field("loss"), &mut problems),
+            LossConfig::Nll | LossConfig::BradleyTerry => {}
+        }
+        let o = &self.optimizer;
+        check(&mut problems, finite_positive(o.lr), &field("optimizer.lr"), format!("must be positive, got {}", o.lr));
+        for (i, b) in o.betas.iter().enumerate() {
+            check(
+                &mut problems,
+                (0.0..1.0).contains(b),
+                &field(&format!("optimizer.betas[{i}]")),
+                format!("must be in [0, 1), got {b}"),
+            );
+        }
+        check(&mut problems, finite_positive(o.eps), &field("optimizer.eps"), format!("must be positive, got {}", o.eps));
+        check(
+            &mut problems,
+            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
+            &field("optimizer.weight_decay"),
+            format!("must be finite and ≥ 0, got {}", o.weight_decay),
+        );
+        let s = &self.scheduler;
+        check(
+            &mut problems,
+            s.warmup_start_factor.is_finite() && s.warmup_start_factor > 0.0 && s.warmup_start_factor <= 1.0,
+            &field("scheduler.warmup_start_factor"),
+            format!("must be in (0, 1], got {}", s.warmup_start_factor),
+        );
+        check(
+            &mut problems,
+            (0.0..=1.0).contains(&s.min_lr_ratio),
+            &field("scheduler.min_lr_ratio"),
+            format!("must be in [0, 1], got {}", s.min_lr_ratio),
+        );
+        match (s.decay, s.total_steps) {
+            (Decay::Constant, _) => {}
+            (_, None) => problems.push(FieldError::new(field("scheduler.total_steps"), "is required by cosine and linear decay")),
+            (_, Some(total)) => check(
+                &mut problems,
+                total > s.warmup_steps,
+                &field("scheduler.total_steps"),
+                format!("must exceed warmup_steps ({}), got {total}", s.warmup_steps),
+            ),
+        }
+        if let Some(norm) = self.max_grad_norm {
+            check(&mut problems, finite_positive(norm), &field("max_grad_norm"), format!("must be positive, got {norm}"));
+        }
+        let (global, micro) = (self.global_batch_size, self.micro_batch_size);
+        check(&mut problems, global >= 1, &field("global_batch_size"), "must be at least 1");
+        check(&mut problems, micro >= 1, &field("micro_batch_size"), "must be at least 1");
+        check(
+            &mut problems,
+            micro <= global,
+            &field("micro_batch_size"),
+            format!("{micro} is larger than global_batch_size {global}"),
+        );
+        if self.loss.is_pairwise() {
+            for (name, n) in [("global_batch_size", global), ("micro_batch_size", micro)] {
+                check(
+                    &mut problems,
+                    n % 2 == 0,
+                    &field(name),
+                    format!("{} pairs (chosen, rejected) by rows, so it must be even, got {n}", self.loss.name()),
+                );
+            }
+        }
+        problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(loss: serde_json::Value) -> TrainingConfig {
+        serde_json::from_value(serde_json::json!({
+            "loss": loss, "global_batch_size": 8, "micro_batch_size": 2,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn defaults_follow_nemo_rl_and_are_valid() {
+        let c = config(serde_json::json!({"type": "clipped_pg"}));
+        let LossConfig::ClippedPg(pg) = &c.loss else { panic!() };
+        assert_eq!((pg.ratio_clip_min, pg.ratio_clip_max, pg.reference_policy_kl_penalty), (0.2, 0.2, 0.01));
+        assert_eq!((pg.kl_input_clamp_value, pg.kl_output_clamp_value), (Some(20.0), Some(10.0)));
+        assert_eq!(c.max_grad_norm, Some(1.0));
+        assert!(c.problems("training").is_empty(), "{:?}", c.problems("training"));
+        let dpo = config(serde_json::json!({"type": "dpo"}));
+        assert!(matches!(&dpo.loss, LossConfig::Dpo(d) if d.reference_policy_kl_penalty == 0.05));
+    }
+
+    #[test]
+    fn every_bad_combination_is_listed_with_its_field() {
+        let c = config(serde_json::json!({
+            "type": "clipped_pg",
+            "ratio_clip_c": 1.0,
+            "sequence_level_importance_ratios": true,
+            "use_importance_sampling_correction": true,
+            "truncated_importance_sampling_type": "icepop",
+            "truncated_importance_sampling_ratio_min": 2.0,
+            "truncated_importance_sampling_ratio_max": 0.5,
+        }));
+        let fields: Vec<String> = c.problems("training").into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "training.loss.ratio_clip_c",
+                "training.loss.truncated_importance_sampling_ratio_min",
+                "training.loss.sequence_level_importance_ratios",
+            ]
+        );
+        let mut c = config(serde_json::json!({"type": "dpo"}));
+        c.micro_batch_size = 3;
+        c.global_batch_size = 2;
+        c.scheduler.decay = Decay::Cosine;
+        let text = crate::join_problems(&c.problems("t"));
+        assert!(text.contains("t.micro_batch_size: 3 is larger"), "{text}");
+        assert!(text.contains("t.micro_batch_size: dpo pairs"), "{text}");
+        assert!(text.contains("t.scheduler.total_steps: is required"), "{text}");
+    }
+
+    #[test]
+    fn unknown_losses_and_keys_are_refused_by_name() {
+        let err = serde_json::from_value::<TrainingConfig>(serde_json::json!({
+            "loss": {"type": "ppo2"}, "global_batch_size": 1, "micro_batch_size": 1,
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("ppo2"), "{err}");
+        let err = serde_json::from_value::<TrainingConfig>(serde_json::json!({
+            "loss": {"type": "clipped_pg", "ratio_clip": 0.1}, "global_batch_size": 1, "micro_batch_size": 1,
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("ratio_clip"), "{err}");
+    }
+}
