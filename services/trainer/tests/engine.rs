@@ -1,0 +1,242 @@
+//! The training engine on a tiny `keel model init` model: microbatch invariance of loss and
+//! gradients, SFT / DPO / reward-model training that learns, f32 master weights under bf16
+//! compute, and checkpoints that resume exactly.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::*;
+use keel_protocol::trainer::{Scorer, TrainBatch};
+use keel_trainer::Engine;
+use keel_trainer::batch::Batch;
+use serde_json::json;
+use tch::{Kind, Tensor};
+
+/// Deterministic noise in [−scale, scale).
+fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            scale * (2.0 * ((x >> 40) as f32 / (1u64 << 24) as f32) - 1.0)
+        })
+        .collect()
+}
+
+/// Eight rows of different lengths with every optional field filled.
+fn rich_batch(engine: &mut Engine) -> TrainBatch {
+    let starts = [11, 40, 75, 120, 160, 201, 230, 260];
+    let mut batch = counting(&starts, 0, 2);
+    batch.input_ids = starts.iter().enumerate().map(|(i, &s)| (s..s + 5 + (i as i64 * 3) % 8).collect()).collect();
+    batch.token_mask = batch.input_ids.iter().map(|r| (0..r.len()).map(|i| if i < 2 { 0.0 } else { 1.0 }).collect()).collect();
+    let lp = engine.logprobs(Scorer::Policy, &batch.input_ids, 1.0).unwrap();
+    let perturbed = |seed: u64, scale: f32| -> Vec<Vec<f32>> {
+        lp.iter()
+            .enumerate()
+            .map(|(r, row)| {
+                let n = noise(seed + r as u64, row.len(), scale);
+                row.iter().zip(n).enumerate().map(|(i, (x, d))| if i == 0 { 0.0 } else { x + d }).collect()
+            })
+            .collect()
+    };
+    batch.prev_logprobs = Some(perturbed(1, 0.3));
+    batch.generation_logprobs = Some(perturbed(2, 0.3));
+    batch.reference_logprobs = Some(perturbed(3, 1.0));
+    batch.advantages = Some(noise(4, 8, 1.5));
+    batch.sample_mask = Some(vec![1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
+    batch
+}
+
+fn loss_and_gradients(engine: &mut Engine, batch: &Batch, micro: usize) -> (f64, BTreeMap<String, Tensor>) {
+    engine.zero_grad();
+    let metrics = engine.accumulate_gradients(batch, micro, 0.7).unwrap();
+    let grads = engine.gradients().unwrap();
+    engine.zero_grad();
+    (metrics.get("loss").unwrap(), grads)
+}
+
+#[test]
+fn loss_and_gradients_do_not_depend_on_the_microbatch_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let losses = [
+        json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_max": 2.0, "reference_policy_kl_penalty": 0.1}),
+        json!({"type": "clipped_pg", "token_level_loss": false, "sequence_level_importance_ratios": true}),
+        json!({"type": "nll"}),
+        json!({"type": "dpo", "sft_loss_weight": 0.3}),
+        json!({"type": "bradley_terry"}),
+    ];
+    for loss in losses {
+        let mut engine = engine(&model, json!({"loss": loss, "global_batch_size": 8, "micro_batch_size": 8}));
+        let wire = rich_batch(&mut engine);
+        let batch = Batch::new(&wire, &engine.config().loss).unwrap();
+        let (whole, whole_grads) = loss_and_gradients(&mut engine, &batch, 8);
+        assert!(whole.is_finite() && whole != 0.0, "{loss}: {whole}");
+        for micro in [4, 2] {
+            let (split, grads) = loss_and_gradients(&mut engine, &batch, micro);
+            assert!((split - whole).abs() < 1e-6, "{loss} micro {micro}: loss {split} vs {whole}");
+            let mut largest = 0.0f64;
+            for (name, g) in &whole_grads {
+                // f32 sums in another order: 1e-6, relative to gradients larger than 1.
+                let scale = g.abs().max().double_value(&[]);
+                let diff = (&grads[name] - g).abs().max().double_value(&[]);
+                assert!(diff < 1e-6 * scale.max(1.0), "{loss} micro {micro}: gradient of {name} (max {scale}) differs by {diff}");
+                largest = largest.max(scale);
+            }
+            assert!(largest > 1e-4, "{loss}: gradients are all ~0 ({largest})");
+        }
+    }
+}
+
+#[test]
+fn sft_lowers_held_out_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let training = json!({
+        "loss": {"type": "nll"}, "global_batch_size": 16, "micro_batch_size": 8,
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "scheduler": {"warmup_steps": 5, "decay": "cosine", "total_steps": 60},
+    });
+    let mut engine = engine(&model, training);
+    let train_starts: Vec<i64> = (0..64).map(|i| 20 + 5 * i).collect();
+    let held_out = counting(&(0..16).map(|i| 22 + 5 * i).collect::<Vec<_>>(), 12, 2);
+    let before = held_out_nll(&mut engine, &held_out);
+    for _ in 0..15 {
+        let batch = Batch::new(&counting(&train_starts, 12, 2), &engine.config().loss).unwrap();
+        let trained = engine.train(batch, 1.0).unwrap();
+        assert_eq!(trained.steps.len(), 4, "64 rows at global batch 16");
+    }
+    let after = held_out_nll(&mut engine, &held_out);
+    eprintln!("SFT held-out NLL: {before:.3} -> {after:.3} after {} steps", engine.step());
+    assert_eq!(engine.step(), 60);
+    assert!(after < 0.5 * before, "held-out NLL {before} -> {after}");
+}
+
+/// Fraction of pairs whose implicit DPO reward (Σ policy − reference over the answer) prefers the chosen answer.
+fn preference_accuracy(engine: &mut Engine, batch: &TrainBatch) -> f64 {
+    let policy = engine.logprobs(Scorer::Policy, &batch.input_ids, 1.0).unwrap();
+    let reference = engine.logprobs(Scorer::Reference, &batch.input_ids, 1.0).unwrap();
+    let reward = |row: usize| -> f32 {
+        (1..policy[row].len()).map(|i| (policy[row][i] - reference[row][i]) * batch.token_mask[row][i]).sum()
+    };
+    let pairs = batch.input_ids.len() / 2;
+    (0..pairs).filter(|&p| reward(2 * p) > reward(2 * p + 1)).count() as f64 / pairs as f64
+}
+
+#[test]
+fn dpo_learns_synthetic_preferences() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let training = json!({
+        "loss": {"type": "dpo", "reference_policy_kl_penalty": 0.1},
+        "global_batch_size": 32, "micro_batch_size": 16, "optimizer": {"lr": 2e-3},
+    });
+    let mut engine = engine(&model, training);
+    let held_out = preferences(&(0..20).map(|i| 33 + 17 * i).collect::<Vec<_>>());
+    let before = preference_accuracy(&mut engine, &held_out);
+    let train = preferences(&(0..32).map(|i| 30 + 11 * i).collect::<Vec<_>>());
+    let mut last = BTreeMap::new();
+    for _ in 0..20 {
+        let trained = engine.train(Batch::new(&train, &engine.config().loss).unwrap(), 1.0).unwrap();
+        last = trained.steps.last().unwrap().metrics.clone();
+    }
+    let after = preference_accuracy(&mut engine, &held_out);
+    eprintln!("DPO held-out preference accuracy: {before:.2} -> {after:.2}; last step {last:?}");
+    assert!(after > 0.9, "held-out accuracy {after}");
+    assert!(last["loss"] < std::f64::consts::LN_2, "{last:?}");
+}
+
+#[test]
+fn reward_model_separates_chosen_from_rejected_and_its_head_is_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let training = json!({
+        "loss": {"type": "bradley_terry"}, "global_batch_size": 32, "micro_batch_size": 16,
+        "optimizer": {"lr": 2e-3},
+    });
+    let mut engine = engine(&model, training.clone());
+    assert!(engine.has_value_head());
+    let train = preferences(&(0..32).map(|i| 30 + 11 * i).collect::<Vec<_>>());
+    for _ in 0..20 {
+        engine.train(Batch::new(&train, &engine.config().loss).unwrap(), 1.0).unwrap();
+    }
+    let held_out = preferences(&(0..20).map(|i| 33 + 17 * i).collect::<Vec<_>>());
+    let scores = engine.scores(&held_out.input_ids).unwrap();
+    let separated = scores.chunks(2).filter(|p| p[0] > p[1]).count() as f64 / (scores.len() / 2) as f64;
+    eprintln!("RM held-out pairs ranked correctly: {separated:.2}");
+    assert!(separated > 0.9, "{separated}: {scores:?}");
+
+    let saved = dir.path().join("rm-step-20");
+    let files = engine.save(&saved, json!({"note": "rm"})).unwrap();
+    assert!(files.contains(&"value_head.safetensors".to_string()), "{files:?}");
+    // A scoring-only load of the checkpoint has the head and gives the same scores.
+    let scorer = common::engine(&saved, json!({"loss": {"type": "nll"}, "global_batch_size": 4, "micro_batch_size": 4}));
+    assert!(scorer.has_value_head());
+    assert_eq!(scorer.scores(&held_out.input_ids).unwrap(), scores);
+}
+
+#[test]
+fn bf16_compute_keeps_f32_master_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let mut request = load_request(&model, json!({
+        "loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"lr": 1e-5},
+    }));
+    request.dtype = Some("bf16".into());
+    let mut engine = Engine::load(&request, "cpu").unwrap();
+    let original = keel_model::CausalLm::load(&model, tch::Device::Cpu, Kind::Float).unwrap().var_store().variables();
+    engine.train(Batch::new(&counting(&(0..8).map(|i| 30 + 9 * i).collect::<Vec<_>>(), 10, 2), &engine.config().loss).unwrap(), 1.0).unwrap();
+    let saved = dir.path().join("bf16-ckpt");
+    engine.save(&saved, json!(null)).unwrap();
+    let state: BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(saved.join("optimizer.safetensors")).unwrap().into_iter().collect();
+    let name = "model.layers.0.mlp.up_proj.weight";
+    let master = &state[&format!("master.{name}")];
+    assert_eq!(master.kind(), Kind::Float);
+    let params = engine.policy().var_store().variables();
+    assert_eq!(params[name].kind(), Kind::BFloat16);
+    // The parameter is the master rounded to bf16, and the master moved by less than bf16 can hold.
+    assert!(params[name].to_kind(Kind::Float).equal(&master.to_kind(Kind::BFloat16).to_kind(Kind::Float)));
+    let moved = (master - original[name].to_kind(Kind::Float)).abs().max().double_value(&[]);
+    assert!(moved > 0.0 && moved < 1e-4, "master moved by {moved}");
+}
+
+#[test]
+fn a_checkpoint_resumes_exactly_and_is_never_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let training = json!({
+        "loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": 4,
+        "optimizer": {"lr": 1e-3}, "scheduler": {"warmup_steps": 4},
+    });
+    let batch = counting(&(0..8).map(|i| 30 + 9 * i).collect::<Vec<_>>(), 10, 2);
+    let mut first = engine(&model, training.clone());
+    for _ in 0..2 {
+        first.train(Batch::new(&batch, &first.config().loss).unwrap(), 1.0).unwrap();
+    }
+    let saved = dir.path().join("step-2");
+    let files = first.save(&saved, json!({"consumed_samples": 16})).unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "optimizer.safetensors", "trainer_state.json"] {
+        assert!(files.contains(&file.to_string()), "{file} missing from {files:?}");
+    }
+    let err = first.save(&saved, json!(null)).unwrap_err().to_string();
+    assert!(err.contains("already exists"), "{err}");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).filter(|n| n.to_string_lossy().contains("partial")).collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    let mut resumed = engine(&saved, training);
+    assert_eq!(resumed.step(), 2);
+    let a = first.train(Batch::new(&batch, &first.config().loss).unwrap(), 1.0).unwrap();
+    let b = resumed.train(Batch::new(&batch, &resumed.config().loss).unwrap(), 1.0).unwrap();
+    assert_eq!(a.steps[0].metrics["lr"], b.steps[0].metrics["lr"], "the schedule resumed at step 2");
+    let (pa, pb) = (first.policy().var_store().variables(), resumed.policy().var_store().variables());
+    for (name, value) in &pa {
+        let diff = (value - &pb[name]).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "{name} differs by {diff} after the resumed step");
+    }
+}
