@@ -1,0 +1,232 @@
+//! The trainer worker against the real NATS server: claim, load, logprobs (inline and by
+//! object-store reference), train, save, release; typed errors for malformed requests while
+//! the worker keeps serving; a second claim refused; an abandoned claim released when its
+//! lease runs out. Each test uses its own subject prefix and worker id.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use keel_protocol::Subjects;
+use keel_protocol::subjects::TrainerOp;
+use keel_service::nats::Bulk;
+use keel_trainer::Config;
+use serde_json::{Value, json};
+
+const BUCKET: &str = "keel-test-bulk";
+
+struct Harness {
+    client: async_nats::Client,
+    subjects: Subjects,
+    worker: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), String>>,
+}
+
+impl Harness {
+    async fn start() -> Self {
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let prefix = format!("keeltest.{unique}");
+        let worker = format!("w{}", &unique[..8]);
+        let mut config = keel_trainer::default_config();
+        config.listen = "127.0.0.1:0".parse().unwrap();
+        config.subject_prefix = prefix.clone();
+        config.worker_id = Some(worker.clone());
+        config.bulk_bucket = BUCKET.into();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(keel_trainer::run(config, async move {
+            let _ = stopped.await;
+        }));
+        let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+        let harness = Self { client, subjects: Subjects::new(&prefix).unwrap(), worker, stop: Some(stop), task };
+        // Ready once the worker answers on its own subject.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let subject = harness.subjects.trainer(&harness.worker, TrainerOp::Heartbeat);
+            let answer = tokio::time::timeout(
+                Duration::from_secs(1),
+                harness.client.request(subject, json!({"run_id": "nobody"}).to_string().into()),
+            )
+            .await;
+            if matches!(answer, Ok(Ok(_))) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the worker did not come up");
+        }
+        harness
+    }
+
+    async fn raw(&self, op: TrainerOp, body: String) -> Value {
+        let subject = self.subjects.trainer(&self.worker, op);
+        let reply = tokio::time::timeout(Duration::from_secs(120), self.client.request(subject, body.into()))
+            .await
+            .expect("reply within 120 s")
+            .expect("request");
+        serde_json::from_slice(&reply.payload).unwrap()
+    }
+
+    async fn call(&self, op: TrainerOp, body: Value) -> Value {
+        self.raw(op, body.to_string()).await
+    }
+
+    async fn ok(&self, op: TrainerOp, body: Value) -> Value {
+        let reply = self.call(op, body).await;
+        assert!(reply.get("ok").is_some(), "{op:?} failed: {reply}");
+        reply["ok"].clone()
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn error_type(reply: &Value) -> &str {
+    reply["error"]["type"].as_str().unwrap_or_else(|| panic!("expected an error reply, got {reply}"))
+}
+
+fn sft_training() -> Value {
+    json!({"loss": {"type": "nll"}, "global_batch_size": 4, "micro_batch_size": 2, "optimizer": {"lr": 1e-3}})
+}
+
+fn small_batch() -> Value {
+    let batch = common::counting(&[20, 40, 60, 80], 8, 2);
+    serde_json::to_value(batch).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_drives_a_worker_from_claim_to_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::tiny_model(dir.path());
+    let h = Harness::start().await;
+
+    // Claim through the queue group: the free worker answers with its id.
+    let claim = h.client.request(h.subjects.trainer_claim(), json!({"run_id": "run-a", "lease_seconds": 30}).to_string().into()).await.unwrap();
+    let claim: Value = serde_json::from_slice(&claim.payload).unwrap();
+    assert_eq!(claim["ok"]["worker_id"], h.worker.as_str(), "{claim}");
+
+    // Requests before load, or from another run, are refused.
+    let reply = h.call(TrainerOp::Train, json!({"run_id": "run-a", "batch": {"inline": small_batch()}})).await;
+    assert_eq!(error_type(&reply), "not_loaded");
+    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-b", "policy": {"path": "/x"}, "training": sft_training()})).await;
+    assert_eq!(error_type(&reply), "wrong_run");
+
+    // Bad configurations are refused at load, every problem named.
+    let mut bad = sft_training();
+    bad["loss"] = json!({"type": "clipped_pg", "ratio_clip_c": 0.5, "sequence_level_importance_ratios": true,
+        "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio_min": 3.0, "truncated_importance_sampling_ratio_max": 2.0});
+    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": bad})).await;
+    assert_eq!(error_type(&reply), "invalid_config");
+    let message = reply["error"]["message"].as_str().unwrap();
+    for field in ["training.loss.ratio_clip_c", "training.loss.sequence_level_importance_ratios", "training.loss.truncated_importance_sampling_ratio_min"] {
+        assert!(message.contains(field), "{field} not in {message}");
+    }
+    let mut unknown = sft_training();
+    unknown["loss"] = json!({"type": "ppo-magic"});
+    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": unknown})).await;
+    assert_eq!(error_type(&reply), "invalid_request");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("ppo-magic"), "{reply}");
+    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": "/nonexistent/model"}, "training": sft_training()})).await;
+    assert_eq!(error_type(&reply), "load_failed");
+
+    let loaded = h.ok(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": sft_training()})).await;
+    assert!(loaded["parameters"].as_i64().unwrap() > 10_000, "{loaded}");
+    assert_eq!(loaded["step"], 0);
+
+    // Logprobs inline.
+    let lp = h.ok(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"inline": {"input_ids": [[5, 6, 7], [8, 9]]}}, "temperature": 0.8})).await;
+    let rows = lp["logprobs"]["inline"]["logprobs"].as_array().unwrap();
+    assert_eq!((rows[0].as_array().unwrap().len(), rows[1].as_array().unwrap().len()), (3, 2));
+    assert_eq!(rows[0][0], 0.0);
+    assert!(rows[0][1].as_f64().unwrap() < 0.0);
+
+    // Malformed requests get typed errors, and the worker keeps serving.
+    let mut mismatched = small_batch();
+    mismatched["token_mask"][1] = json!([0.0, 1.0]);
+    let reply = h.call(TrainerOp::Train, json!({"run_id": "run-a", "batch": {"inline": mismatched}})).await;
+    assert_eq!(error_type(&reply), "invalid_request");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("token_mask row 1 has 2 entries"), "{reply}");
+    let reply = h.raw(TrainerOp::Train, r#"{"run_id": "run-a", "batch": {"inline": {"input_ids": [[1, 2]], "token_mask": [[0, NaN]]}}}"#.into()).await;
+    assert_eq!(error_type(&reply), "invalid_request");
+    let reply = h.raw(TrainerOp::Train, "not json".into()).await;
+    assert_eq!(error_type(&reply), "invalid_request");
+    let mut out_of_vocab = small_batch();
+    out_of_vocab["input_ids"][0][3] = json!(1_000_000);
+    let reply = h.call(TrainerOp::Train, json!({"run_id": "run-a", "batch": {"inline": out_of_vocab}})).await;
+    assert_eq!(error_type(&reply), "invalid_request");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("1000000"), "{reply}");
+    let reply = h.call(TrainerOp::Train, json!({"run_id": "someone-else", "batch": {"inline": small_batch()}})).await;
+    assert_eq!(error_type(&reply), "wrong_run");
+
+    let trained = h.ok(TrainerOp::Train, json!({"run_id": "run-a", "batch": {"inline": small_batch()}})).await;
+    assert_eq!(trained["steps"].as_array().unwrap().len(), 1, "{trained}");
+    assert!(trained["steps"][0]["metrics"]["loss"].as_f64().unwrap() > 0.0);
+    assert!(trained["memory"]["rss_bytes"].as_u64().unwrap() > 0);
+    let beat = h.ok(TrainerOp::Heartbeat, json!({"run_id": "run-a"})).await;
+    assert_eq!(beat["loaded"], true);
+
+    // A batch over 1 MiB goes by reference, and so does the reply.
+    let bulk = Bulk::open(h.client.clone(), BUCKET).await.unwrap();
+    let big: Vec<Vec<i64>> = (0..300).map(|r| (0..1000).map(|i| 100 + (r * 7 + i) % 300).collect()).collect();
+    let bytes = serde_json::to_vec(&json!({"input_ids": big})).unwrap();
+    assert!(bytes.len() > 1 << 20);
+    let object = bulk.put(&bytes).await.unwrap();
+    let lp = h.ok(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"object": object}})).await;
+    let rows: keel_protocol::trainer::Logprobs = bulk.fetch(serde_json::from_value(lp["logprobs"].clone()).unwrap()).await.unwrap();
+    assert!(lp["logprobs"].get("object").is_some(), "a 3 MB reply must travel by reference");
+    assert_eq!(rows.logprobs.len(), 300);
+    assert!(rows.logprobs.iter().all(|r| r.len() == 1000));
+
+    let ckpt = dir.path().join("ckpt-1");
+    let saved = h.ok(TrainerOp::Save, json!({"run_id": "run-a", "path": ckpt, "info": {"consumed_samples": 4}})).await;
+    assert_eq!(saved["step"], 1);
+    assert!(ckpt.join("model.safetensors").is_file() && ckpt.join("trainer_state.json").is_file());
+    let reply = h.call(TrainerOp::Save, json!({"run_id": "run-a", "path": ckpt})).await;
+    assert_eq!(error_type(&reply), "save_failed");
+
+    h.ok(TrainerOp::Release, json!({"run_id": "run-a"})).await;
+    let reply = h.call(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"inline": {"input_ids": [[5, 6]]}}})).await;
+    assert_eq!(error_type(&reply), "wrong_run");
+    // Free again: another run claims it and resumes from the checkpoint.
+    h.ok(TrainerOp::Claim, json!({"run_id": "run-c"})).await;
+    let loaded = h.ok(TrainerOp::Load, json!({"run_id": "run-c", "policy": {"path": ckpt}, "reference": {"path": model}, "training": sft_training()})).await;
+    assert_eq!(loaded["step"], 1);
+    h.ok(TrainerOp::Release, json!({"run_id": "run-c"})).await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_worker_refuses_other_claims_until_its_lease_expires() {
+    let h = Harness::start().await;
+    let claimed = h.ok(TrainerOp::Claim, json!({"run_id": "owner", "lease_seconds": 1.0})).await;
+    assert_eq!(claimed["worker_id"], h.worker.as_str());
+
+    let reply = h.call(TrainerOp::Claim, json!({"run_id": "intruder"})).await;
+    assert_eq!(error_type(&reply), "busy");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("owner"), "{reply}");
+    // Claiming again by the same run renews; a lease outside the limits is refused.
+    h.ok(TrainerOp::Claim, json!({"run_id": "owner", "lease_seconds": 1.0})).await;
+    let reply = h.call(TrainerOp::Claim, json!({"run_id": "owner", "lease_seconds": -1})).await;
+    assert_eq!(error_type(&reply), "invalid_request");
+    // A held worker has left the queue group: nobody answers a group claim.
+    let group = h.client.request(h.subjects.trainer_claim(), json!({"run_id": "intruder"}).to_string().into()).await;
+    assert!(group.is_err(), "a held worker answered a group claim: {group:?}");
+
+    // The owner disappears; once the lease runs out the worker is free again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let reply = h.call(TrainerOp::Claim, json!({"run_id": "intruder"})).await;
+        if reply.get("ok").is_some() {
+            break;
+        }
+        assert_eq!(error_type(&reply), "busy");
+        assert!(Instant::now() < deadline, "the abandoned claim was never released");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let reply = h.call(TrainerOp::Heartbeat, json!({"run_id": "owner"})).await;
+    assert_eq!(error_type(&reply), "wrong_run");
+    h.stop().await;
+}
