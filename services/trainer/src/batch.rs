@@ -125,7 +125,8 @@ impl Batch {
     pub fn rows(&self, start: usize, len: usize) -> Result<Batch> {
         let lengths = self.lengths[start..start + len].to_vec();
         let width = lengths.iter().copied().max().unwrap_or(1);
-        let cut = |x: &Tensor| -> Result<Tensor> { Ok(x.f_narrow(0, start as i64, len as i64)?.f_narrow(1, 0, width)?) };
+        let cut =
+            |x: &Tensor| -> Result<Tensor> { Ok(x.f_narrow(0, start as i64, len as i64)?.f_narrow(1, 0, width)?) };
         let cut_opt = |x: &Option<Tensor>| x.as_ref().map(cut).transpose();
         Ok(Batch {
             input_ids: cut(&self.input_ids)?,

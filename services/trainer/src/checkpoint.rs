@@ -6,7 +6,8 @@
 //! - `optimizer.safetensors`: AdamW moments and, when computing in bf16/f16, the f32 master
 //!   weights;
 //! - `trainer_state.json`: format, optimiser step (the scheduler's position), seed, compute
-//!   dtype, the training configuration, and the caller's training info.
+//!   dtype, the training configuration, the reference model's path, and the caller's
+//!   training info.
 //!
 //! The directory is written under a hidden temporary name beside its destination and
 //! renamed into place, so it appears complete or not at all; an existing checkpoint is never
@@ -49,6 +50,9 @@ pub struct TrainerState {
     pub seed: u64,
     pub compute_dtype: String,
     pub training: TrainingConfig,
+    /// The reference model the run trains against (reused when resuming without one).
+    #[serde(default)]
+    pub reference: Option<String>,
     #[serde(default)]
     pub info: serde_json::Value,
 }
@@ -142,7 +146,10 @@ pub fn read_state(dir: &Path) -> Result<Option<TrainerState>> {
     let state: TrainerState = serde_json::from_str(&text)
         .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })?;
     if state.format != FORMAT {
-        return Err(Error::Load { what: path.display().to_string(), reason: format!("unknown format `{}`", state.format) });
+        return Err(Error::Load {
+            what: path.display().to_string(),
+            reason: format!("unknown format `{}`", state.format),
+        });
     }
     Ok(Some(state))
 }

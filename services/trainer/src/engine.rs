@@ -41,6 +41,7 @@ pub struct Engine {
     optimizer: AdamW,
     device: Device,
     source: PathBuf,
+    reference_path: Option<PathBuf>,
     seed: u64,
 }
 
@@ -75,15 +76,22 @@ impl Engine {
         let mut policy = CausalLm::load(&source, device, Kind::Float).map_err(load_error(&source))?;
         let config = request.training.clone();
 
-        let reference = match (&request.reference, config.loss.needs_reference()) {
-            (None, false) => None,
-            (explicit, _) => {
-                let path = PathBuf::from(explicit.as_ref().map_or(&request.policy.path, |r| &r.path));
+        // The reference is the one named, else the one a resumed checkpoint was trained
+        // against, else the policy as loaded.
+        let saved_state = checkpoint::read_state(&source)?;
+        let reference_path = match (&request.reference, saved_state.and_then(|s| s.reference)) {
+            (Some(explicit), _) => Some(PathBuf::from(&explicit.path)),
+            (None, Some(saved)) => Some(PathBuf::from(saved)),
+            (None, None) => config.loss.needs_reference().then(|| source.clone()),
+        };
+        let reference = match &reference_path {
+            Some(path) if request.reference.is_some() || config.loss.needs_reference() => {
                 let at = if request.reference_offload { Device::Cpu } else { device };
-                let mut model = CausalLm::load(&path, at, kind).map_err(load_error(&path))?;
+                let mut model = CausalLm::load(path, at, kind).map_err(load_error(path))?;
                 model.freeze();
                 Some(Reference { model, offload: request.reference_offload })
             }
+            _ => None,
         };
 
         let head_file = source.join(checkpoint::VALUE_HEAD_FILE);
@@ -91,7 +99,8 @@ impl Engine {
             Some(checkpoint::load_value_head(&head_file, policy.config().hidden_size, device)?)
         } else if matches!(config.loss, LossConfig::BradleyTerry) {
             let hidden = policy.config().hidden_size;
-            let init = Tensor::f_randn([1, hidden], (Kind::Float, device))?.f_mul_scalar(1.0 / (hidden as f64).sqrt())?;
+            let init =
+                Tensor::f_randn([1, hidden], (Kind::Float, device))?.f_mul_scalar(1.0 / (hidden as f64).sqrt())?;
             Some(init.f_set_requires_grad(true)?)
         } else {
             None
@@ -112,7 +121,17 @@ impl Engine {
         if request.resume {
             checkpoint::restore_optimizer(&source, &mut optimizer)?;
         }
-        Ok(Self { config, policy, reference, value_head, optimizer, device, source, seed: request.seed })
+        Ok(Self {
+            config,
+            policy,
+            reference,
+            value_head,
+            optimizer,
+            device,
+            source,
+            reference_path,
+            seed: request.seed,
+        })
     }
 
     pub fn step(&self) -> u64 {
@@ -149,7 +168,9 @@ impl Engine {
             Scorer::Policy => &mut self.policy,
             Scorer::Reference => {
                 let reference = self.reference.as_mut().ok_or_else(|| {
-                    Error::InvalidRequest("no reference model is loaded (the loss needs none and none was given)".into())
+                    Error::InvalidRequest(
+                        "no reference model is loaded (the loss needs none and none was given)".into(),
+                    )
                 })?;
                 if reference.offload {
                     reference.model.set_device(device)?;
@@ -191,7 +212,9 @@ impl Engine {
     /// Value-head scores [B] at each row's last token.
     fn padded_scores(&self, ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
         let head = self.value_head.as_ref().ok_or_else(|| {
-            Error::InvalidRequest("this model has no value head (train with bradley_terry or load a reward model)".into())
+            Error::InvalidRequest(
+                "this model has no value head (train with bradley_terry or load a reward model)".into(),
+            )
         })?;
         let hidden = self.policy.last_hidden_states(ids, lengths)?;
         let last = Tensor::from_slice(&lengths.iter().map(|l| l - 1).collect::<Vec<_>>()).f_to_device(self.device)?;
@@ -219,7 +242,8 @@ impl Engine {
     fn complete(&mut self, batch: &mut Batch, temperature: f64, timing: &mut Timing) -> Result<()> {
         if matches!(self.config.loss, LossConfig::ClippedPg(_)) && batch.prev_logprobs.is_none() {
             let start = Instant::now();
-            batch.prev_logprobs = Some(self.padded_logprobs(Scorer::Policy, &batch.input_ids, &batch.lengths, temperature)?);
+            batch.prev_logprobs =
+                Some(self.padded_logprobs(Scorer::Policy, &batch.input_ids, &batch.lengths, temperature)?);
             timing.insert("prev_logprobs".into(), seconds(start));
         }
         if self.config.loss.needs_reference() && batch.reference_logprobs.is_none() {
@@ -261,7 +285,12 @@ impl Engine {
 
     /// Forward and backward over `global`'s microbatches of `micro_batch_size` rows,
     /// accumulating gradients (no optimiser step). Returns the summed metrics.
-    pub fn accumulate_gradients(&mut self, global: &Batch, micro_batch_size: usize, temperature: f64) -> Result<Metrics> {
+    pub fn accumulate_gradients(
+        &mut self,
+        global: &Batch,
+        micro_batch_size: usize,
+        temperature: f64,
+    ) -> Result<Metrics> {
         let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
         let mut metrics = Metrics::default();
         for (start, len) in chunks(global.len(), micro_batch_size) {
@@ -269,7 +298,10 @@ impl Engine {
             let (loss, part) = self.microbatch_loss(&micro, &counts, temperature)?;
             let value = loss.f_double_value(&[])?;
             if !value.is_finite() {
-                return Err(Error::NonFinite(format!("the loss of rows {start}..{} is {value}; no step was taken", start + len)));
+                return Err(Error::NonFinite(format!(
+                    "the loss of rows {start}..{} is {value}; no step was taken",
+                    start + len
+                )));
             }
             loss.f_backward()?;
             metrics.merge(part);
@@ -340,6 +372,7 @@ impl Engine {
             seed: self.seed,
             compute_dtype: keel_model::weights::dtype_name(self.policy.kind()).into(),
             training: self.config.clone(),
+            reference: self.reference_path.as_ref().map(|p| p.display().to_string()),
             info,
         };
         checkpoint::save(path, &self.source, &self.policy, self.value_head.as_ref(), &self.optimizer, &state)

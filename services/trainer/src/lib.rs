@@ -93,13 +93,17 @@ pub fn default_config() -> Config {
 }
 
 /// Serves NATS requests and HTTP health until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::result::Result<(), String> {
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::result::Result<(), String> {
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
     let subjects = Subjects::new(&config.subject_prefix)?;
     let worker_id = config.worker_id.clone().unwrap_or_else(|| format!("w{}", uuid::Uuid::new_v4().simple()));
-    let worker = worker::Worker::new(client, subjects, worker_id, config.device.clone(), config.max_lease_seconds, bulk)
-        .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+    let worker =
+        worker::Worker::new(client, subjects, worker_id, config.device.clone(), config.max_lease_seconds, bulk)
+            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_stop = {
         let mut rx = stop_rx.clone();
@@ -107,7 +111,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
-    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), http_stop));
+    let http =
+        tokio::spawn(keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), http_stop));
     let worker_stop = {
         let mut rx = stop_rx;
         async move {

@@ -114,7 +114,7 @@ impl AdamW {
             let denom = slot.exp_avg_sq.f_sqrt()?.f_div_scalar(bias2_sqrt)?.f_add_scalar(self.config.eps)?;
             let _ = value.f_addcdiv_(&slot.exp_avg.f_mul_scalar(-lr / bias1)?, &denom)?;
             if slot.master.is_some() {
-                let _ = slot.param.f_copy_(&value)?;
+                slot.param.f_copy_(&value)?;
             }
         }
         Ok(())
@@ -138,11 +138,16 @@ impl AdamW {
     pub fn restore(&mut self, tensors: &BTreeMap<String, Tensor>, step: u64) -> Result<()> {
         let _guard = tch::no_grad_guard();
         for slot in &mut self.slots {
-            let targets = [("exp_avg", Some(&mut slot.exp_avg)), ("exp_avg_sq", Some(&mut slot.exp_avg_sq)), ("master", slot.master.as_mut())];
+            let targets = [
+                ("exp_avg", Some(&mut slot.exp_avg)),
+                ("exp_avg_sq", Some(&mut slot.exp_avg_sq)),
+                ("master", slot.master.as_mut()),
+            ];
             for (prefix, target) in targets {
                 let Some(target) = target else { continue };
                 let key = format!("{prefix}.{}", slot.name);
-                let saved = tensors.get(&key).ok_or_else(|| Error::Checkpoint(format!("optimizer state has no `{key}`")))?;
+                let saved =
+                    tensors.get(&key).ok_or_else(|| Error::Checkpoint(format!("optimizer state has no `{key}`")))?;
                 if saved.size() != target.size() {
                     return Err(Error::Checkpoint(format!(
                         "optimizer state `{key}` has shape {:?}, the parameter has {:?}",
@@ -150,10 +155,10 @@ impl AdamW {
                         target.size()
                     )));
                 }
-                let _ = target.f_copy_(saved)?;
+                target.f_copy_(saved)?;
             }
             if let Some(master) = &slot.master {
-                let _ = slot.param.f_copy_(master)?;
+                slot.param.f_copy_(master)?;
             }
         }
         self.step = step;

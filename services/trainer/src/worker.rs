@@ -26,9 +26,9 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
-    ClaimReply, ClaimRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest,
-    Memory, Released, RunRequest, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply,
-    TrainRequest, error_types,
+    ClaimReply, ClaimRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory,
+    Released, RunRequest, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest,
+    error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -114,7 +114,10 @@ impl Shared {
         let mut claim = self.lock();
         match claim.as_mut() {
             Some(held) if held.run_id != request.run_id => {
-                return Err(refuse(error_types::BUSY, format!("worker {} is held by run {}", self.worker_id, held.run_id)));
+                return Err(refuse(
+                    error_types::BUSY,
+                    format!("worker {} is held by run {}", self.worker_id, held.run_id),
+                ));
             }
             Some(held) => {
                 held.lease = lease;
@@ -134,6 +137,10 @@ impl Shared {
         Ok(ClaimReply { worker_id: self.worker_id.clone(), lease_seconds: seconds })
     }
 
+    fn claim_body(&self, payload: &[u8]) -> Vec<u8> {
+        encode(parse(payload).and_then(|r| self.claim(r)))
+    }
+
     /// Admits a request of `run_id`: it must hold the claim. Counts it as in flight.
     fn admit(&self, run_id: &str) -> Answer<()> {
         let mut claim = self.lock();
@@ -146,7 +153,9 @@ impl Shared {
                 error_types::WRONG_RUN,
                 format!("worker {} is held by run {}, not {run_id}", self.worker_id, held.run_id),
             )),
-            None => Err(refuse(error_types::WRONG_RUN, format!("worker {} is not claimed by run {run_id}", self.worker_id))),
+            None => {
+                Err(refuse(error_types::WRONG_RUN, format!("worker {} is not claimed by run {run_id}", self.worker_id)))
+            }
         }
     }
 
@@ -177,7 +186,14 @@ impl Shared {
     }
 
     async fn drop_models(&self) {
-        if let Err(e) = self.engine.call(|engine| Ok(*engine = None)).await {
+        if let Err(e) = self
+            .engine
+            .call(|engine| {
+                *engine = None;
+                Ok(())
+            })
+            .await
+        {
             warn!("could not drop the models: {e}");
         }
     }
@@ -204,7 +220,7 @@ impl Shared {
     async fn handle(self: Arc<Self>, op: TrainerOp, payload: Bytes) -> Vec<u8> {
         let payload = &payload[..];
         match op {
-            TrainerOp::Claim => encode(parse(payload).and_then(|r| self.claim(r))),
+            TrainerOp::Claim => self.claim_body(payload),
             TrainerOp::Heartbeat => encode(self.op(payload, |r: &RunRequest| &r.run_id, heartbeat).await),
             TrainerOp::Release => encode(self.release(payload).await),
             TrainerOp::Load => encode(self.op(payload, |r: &LoadRequest| &r.run_id, load).await),
@@ -223,7 +239,12 @@ impl Shared {
                 Some(held) if held.run_id == request.run_id => {
                     claim.take();
                 }
-                _ => return Err(refuse(error_types::WRONG_RUN, format!("run {} does not hold this worker", request.run_id))),
+                _ => {
+                    return Err(refuse(
+                        error_types::WRONG_RUN,
+                        format!("run {} does not hold this worker", request.run_id),
+                    ));
+                }
             }
         }
         info!(run_id = %request.run_id, "released");
@@ -362,7 +383,14 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(client: Client, subjects: Subjects, worker_id: String, device: String, max_lease: f64, bulk: Bulk) -> std::io::Result<Self> {
+    pub fn new(
+        client: Client,
+        subjects: Subjects,
+        worker_id: String,
+        device: String,
+        max_lease: f64,
+        bulk: Bulk,
+    ) -> std::io::Result<Self> {
         let engine = EngineThread::start()?;
         let shared = Shared { client, worker_id, device, max_lease, claim: Mutex::new(None), engine, bulk };
         Ok(Self { shared: Arc::new(shared), subjects })
@@ -382,9 +410,15 @@ impl Worker {
             return;
         };
         let shared = self.shared.clone();
+        // Claims are decided here, before the loop updates the queue-group membership;
+        // everything else runs in its own task.
+        let decided = (op == TrainerOp::Claim).then(|| shared.claim_body(&message.payload));
         tokio::spawn(async move {
             let client = shared.client.clone();
-            let body = shared.handle(op, message.payload).await;
+            let body = match decided {
+                Some(body) => body,
+                None => shared.handle(op, message.payload).await,
+            };
             if let Err(e) = client.publish(reply_to, body.into()).await {
                 warn!("cannot send a reply: {e}");
             }

@@ -33,7 +33,8 @@ fn rich_batch(engine: &mut Engine) -> TrainBatch {
     let starts = [11, 40, 75, 120, 160, 201, 230, 260];
     let mut batch = counting(&starts, 0, 2);
     batch.input_ids = starts.iter().enumerate().map(|(i, &s)| (s..s + 5 + (i as i64 * 3) % 8).collect()).collect();
-    batch.token_mask = batch.input_ids.iter().map(|r| (0..r.len()).map(|i| if i < 2 { 0.0 } else { 1.0 }).collect()).collect();
+    batch.token_mask =
+        batch.input_ids.iter().map(|r| (0..r.len()).map(|i| if i < 2 { 0.0 } else { 1.0 }).collect()).collect();
     let lp = engine.logprobs(Scorer::Policy, &batch.input_ids, 1.0).unwrap();
     let perturbed = |seed: u64, scale: f32| -> Vec<Vec<f32>> {
         lp.iter()
@@ -85,7 +86,10 @@ fn loss_and_gradients_do_not_depend_on_the_microbatch_split() {
                 // f32 sums in another order: 1e-6, relative to gradients larger than 1.
                 let scale = g.abs().max().double_value(&[]);
                 let diff = (&grads[name] - g).abs().max().double_value(&[]);
-                assert!(diff < 1e-6 * scale.max(1.0), "{loss} micro {micro}: gradient of {name} (max {scale}) differs by {diff}");
+                assert!(
+                    diff < 1e-6 * scale.max(1.0),
+                    "{loss} micro {micro}: gradient of {name} (max {scale}) differs by {diff}"
+                );
                 largest = largest.max(scale);
             }
             assert!(largest > 1e-4, "{loss}: gradients are all ~0 ({largest})");
@@ -136,7 +140,7 @@ fn dpo_learns_synthetic_preferences() {
         "loss": {"type": "dpo", "reference_policy_kl_penalty": 0.1},
         "global_batch_size": 32, "micro_batch_size": 16, "optimizer": {"lr": 2e-3},
     });
-    let mut engine = engine(&model, training);
+    let mut engine = engine(&model, training.clone());
     let held_out = preferences(&(0..20).map(|i| 33 + 17 * i).collect::<Vec<_>>());
     let before = preference_accuracy(&mut engine, &held_out);
     let train = preferences(&(0..32).map(|i| 30 + 11 * i).collect::<Vec<_>>());
@@ -149,6 +153,14 @@ fn dpo_learns_synthetic_preferences() {
     eprintln!("DPO held-out preference accuracy: {before:.2} -> {after:.2}; last step {last:?}");
     assert!(after > 0.9, "held-out accuracy {after}");
     assert!(last["loss"] < std::f64::consts::LN_2, "{last:?}");
+
+    // Resumed from its checkpoint without naming a reference, the run keeps its original one.
+    let saved = dir.path().join("dpo-step-20");
+    engine.save(&saved, json!(null)).unwrap();
+    let mut resumed = common::engine(&saved, training);
+    let reference = |e: &mut Engine| e.logprobs(Scorer::Reference, &held_out.input_ids, 1.0).unwrap();
+    assert_eq!(reference(&mut resumed), reference(&mut engine));
+    assert_eq!(preference_accuracy(&mut resumed, &held_out), after);
 }
 
 #[test]
@@ -175,7 +187,8 @@ fn reward_model_separates_chosen_from_rejected_and_its_head_is_saved() {
     let files = engine.save(&saved, json!({"note": "rm"})).unwrap();
     assert!(files.contains(&"value_head.safetensors".to_string()), "{files:?}");
     // A scoring-only load of the checkpoint has the head and gives the same scores.
-    let scorer = common::engine(&saved, json!({"loss": {"type": "nll"}, "global_batch_size": 4, "micro_batch_size": 4}));
+    let scorer =
+        common::engine(&saved, json!({"loss": {"type": "nll"}, "global_batch_size": 4, "micro_batch_size": 4}));
     assert!(scorer.has_value_head());
     assert_eq!(scorer.scores(&held_out.input_ids).unwrap(), scores);
 }
@@ -184,13 +197,22 @@ fn reward_model_separates_chosen_from_rejected_and_its_head_is_saved() {
 fn bf16_compute_keeps_f32_master_weights() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let mut request = load_request(&model, json!({
-        "loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"lr": 1e-5},
-    }));
+    let mut request = load_request(
+        &model,
+        json!({
+            "loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"lr": 1e-5},
+        }),
+    );
     request.dtype = Some("bf16".into());
     let mut engine = Engine::load(&request, "cpu").unwrap();
     let original = keel_model::CausalLm::load(&model, tch::Device::Cpu, Kind::Float).unwrap().var_store().variables();
-    engine.train(Batch::new(&counting(&(0..8).map(|i| 30 + 9 * i).collect::<Vec<_>>(), 10, 2), &engine.config().loss).unwrap(), 1.0).unwrap();
+    engine
+        .train(
+            Batch::new(&counting(&(0..8).map(|i| 30 + 9 * i).collect::<Vec<_>>(), 10, 2), &engine.config().loss)
+                .unwrap(),
+            1.0,
+        )
+        .unwrap();
     let saved = dir.path().join("bf16-ckpt");
     engine.save(&saved, json!(null)).unwrap();
     let state: BTreeMap<String, Tensor> =
@@ -221,12 +243,24 @@ fn a_checkpoint_resumes_exactly_and_is_never_overwritten() {
     }
     let saved = dir.path().join("step-2");
     let files = first.save(&saved, json!({"consumed_samples": 16})).unwrap();
-    for file in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "optimizer.safetensors", "trainer_state.json"] {
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
         assert!(files.contains(&file.to_string()), "{file} missing from {files:?}");
     }
     let err = first.save(&saved, json!(null)).unwrap_err().to_string();
     assert!(err.contains("already exists"), "{err}");
-    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).filter(|n| n.to_string_lossy().contains("partial")).collect();
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().contains("partial"))
+        .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 
     let mut resumed = engine(&saved, training);

@@ -117,7 +117,7 @@ fn keel(case: &Case) -> (f64, Metrics, Vec<f64>) {
     (value.double_value(&[]), metrics, grad)
 }
 
-fn reference(case: &Case) -> Value {
+fn problem(case: &Case) -> Value {
     let mut input = json!({
         "loss": case.loss, "logprobs": case.logprobs, "token_mask": case.token_mask,
         "sample_mask": case.sample_mask,
@@ -134,6 +134,12 @@ fn reference(case: &Case) -> Value {
             input[name] = value;
         }
     }
+    input
+}
+
+/// The PyTorch reference's answers to `cases`, in one run of the script.
+fn reference(cases: &[(&str, Case)]) -> Vec<Value> {
+    let input = Value::Array(cases.iter().map(|(_, case)| problem(case)).collect());
     let script = keel_testkit::workspace_root().join("tests/reference/loss_reference.py");
     let mut child = Command::new(keel_testkit::python())
         .arg(&script)
@@ -156,22 +162,24 @@ fn flat(value: &Value) -> Vec<f64> {
     }
 }
 
-fn compare(name: &str, case: &Case) {
-    let (value, metrics, grad) = keel(case);
-    let expected = reference(case);
-    let tolerance = |x: f64| 2e-5 * (1.0 + x.abs());
-    let want = expected["loss"].as_f64().unwrap();
-    assert!((value - want).abs() < tolerance(want), "{name}: loss {value} vs reference {want}");
-    let want_grad = flat(&expected["grad"]);
-    assert_eq!(grad.len(), want_grad.len(), "{name}: gradient size");
-    for (i, (g, w)) in grad.iter().zip(&want_grad).enumerate() {
-        assert!((g - w).abs() < tolerance(*w), "{name}: gradient {i}: {g} vs reference {w}");
-    }
-    let metrics = metrics.into_map();
-    for (metric, want) in expected["metrics"].as_object().unwrap() {
-        let want = want.as_f64().unwrap();
-        let got = *metrics.get(metric).unwrap_or_else(|| panic!("{name}: Keel lacks metric {metric}: {metrics:?}"));
-        assert!((got - want).abs() < tolerance(want), "{name}: metric {metric} {got} vs reference {want}");
+fn compare(cases: &[(&str, Case)]) {
+    for ((name, case), expected) in cases.iter().zip(reference(cases)) {
+        let (value, metrics, grad) = keel(case);
+        let tolerance = |x: f64| 2e-5 * (1.0 + x.abs());
+        let want = expected["loss"].as_f64().unwrap();
+        assert!((value - want).abs() < tolerance(want), "{name}: loss {value} vs reference {want}");
+        let want_grad = flat(&expected["grad"]);
+        assert_eq!(grad.len(), want_grad.len(), "{name}: gradient size");
+        assert!(want_grad.iter().any(|g| g.abs() > 1e-4), "{name}: the reference gradient is ~0");
+        for (i, (g, w)) in grad.iter().zip(&want_grad).enumerate() {
+            assert!((g - w).abs() < tolerance(*w), "{name}: gradient {i}: {g} vs reference {w}");
+        }
+        let metrics = metrics.into_map();
+        for (metric, want) in expected["metrics"].as_object().unwrap() {
+            let want = want.as_f64().unwrap();
+            let got = *metrics.get(metric).unwrap_or_else(|| panic!("{name}: Keel lacks metric {metric}: {metrics:?}"));
+            assert!((got - want).abs() < tolerance(want), "{name}: metric {metric} {got} vs reference {want}");
+        }
     }
 }
 
@@ -179,42 +187,65 @@ fn compare(name: &str, case: &Case) {
 fn clipped_policy_gradient_variants_match_pytorch() {
     let cases = [
         ("defaults (k3, clamps, token level)", json!({"type": "clipped_pg"})),
-        ("asymmetric clip and dual clip", json!({"type": "clipped_pg", "ratio_clip_min": 0.1, "ratio_clip_max": 0.28, "ratio_clip_c": 1.5})),
-        ("k1 with tight clamps", json!({"type": "clipped_pg", "reference_policy_kl_type": "k1", "reference_policy_kl_penalty": 0.3, "kl_input_clamp_value": 0.5, "kl_output_clamp_value": 0.3})),
-        ("k2 with tight clamps", json!({"type": "clipped_pg", "reference_policy_kl_type": "k2", "reference_policy_kl_penalty": 0.3, "kl_input_clamp_value": 0.8, "kl_output_clamp_value": 0.2})),
-        ("k3 without clamps", json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.5, "kl_input_clamp_value": null, "kl_output_clamp_value": null})),
+        (
+            "asymmetric clip and dual clip",
+            json!({"type": "clipped_pg", "ratio_clip_min": 0.1, "ratio_clip_max": 0.28, "ratio_clip_c": 1.5}),
+        ),
+        (
+            "k1 with tight clamps",
+            json!({"type": "clipped_pg", "reference_policy_kl_type": "k1", "reference_policy_kl_penalty": 0.3, "kl_input_clamp_value": 0.5, "kl_output_clamp_value": 0.3}),
+        ),
+        (
+            "k2 with tight clamps",
+            json!({"type": "clipped_pg", "reference_policy_kl_type": "k2", "reference_policy_kl_penalty": 0.3, "kl_input_clamp_value": 0.8, "kl_output_clamp_value": 0.2}),
+        ),
+        (
+            "k3 without clamps",
+            json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.5, "kl_input_clamp_value": null, "kl_output_clamp_value": null}),
+        ),
         ("importance sampling, untruncated", json!({"type": "clipped_pg", "use_importance_sampling_correction": true})),
-        ("tis", json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_max": 1.1})),
-        ("icepop", json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio_min": 0.85, "truncated_importance_sampling_ratio_max": 1.15})),
-        ("seq-mask-tis", json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio_min": 0.95, "truncated_importance_sampling_ratio_max": 1.05})),
+        (
+            "tis",
+            json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_max": 1.1}),
+        ),
+        (
+            "icepop",
+            json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio_min": 0.85, "truncated_importance_sampling_ratio_max": 1.15}),
+        ),
+        (
+            "seq-mask-tis",
+            json!({"type": "clipped_pg", "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio_min": 0.95, "truncated_importance_sampling_ratio_max": 1.05}),
+        ),
         ("sequence-level loss", json!({"type": "clipped_pg", "token_level_loss": false})),
         ("GSPO", json!({"type": "clipped_pg", "token_level_loss": false, "sequence_level_importance_ratios": true})),
         ("REINFORCE", json!({"type": "clipped_pg", "disable_ppo_ratio": true})),
         ("force on-policy ratio", json!({"type": "clipped_pg", "force_on_policy_ratio": true})),
         ("no KL", json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.0})),
     ];
-    for (seed, (name, loss)) in cases.into_iter().enumerate() {
-        compare(name, &random_case(loss, seed as u64 + 1));
-    }
+    let mut problems: Vec<(&str, Case)> =
+        cases.into_iter().enumerate().map(|(seed, (name, loss))| (name, random_case(loss, seed as u64 + 1))).collect();
     // Without generator logprobs (gen = prev) and without a reference when β = 0.
     let mut case = random_case(json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.0}), 99);
     case.generation = None;
     case.reference = None;
-    compare("no generation logprobs", &case);
+    problems.push(("no generation logprobs", case));
+    compare(&problems);
 }
 
 #[test]
 fn nll_dpo_and_bradley_terry_match_pytorch() {
-    compare("nll", &random_case(json!({"type": "nll"}), 7));
-    compare("dpo", &random_case(json!({"type": "dpo"}), 8));
-    compare(
-        "dpo, averaged, with SFT",
-        &random_case(
-            json!({"type": "dpo", "reference_policy_kl_penalty": 0.2, "preference_average_log_probs": true, "sft_loss_weight": 0.5, "preference_loss_weight": 0.7}),
-            9,
+    compare(&[
+        ("nll", random_case(json!({"type": "nll"}), 7)),
+        ("dpo", random_case(json!({"type": "dpo"}), 8)),
+        (
+            "dpo, averaged, with SFT",
+            random_case(
+                json!({"type": "dpo", "reference_policy_kl_penalty": 0.2, "preference_average_log_probs": true, "sft_loss_weight": 0.5, "preference_loss_weight": 0.7}),
+                9,
+            ),
         ),
-    );
-    compare("bradley-terry", &random_case(json!({"type": "bradley_terry"}), 10));
+        ("bradley-terry", random_case(json!({"type": "bradley_terry"}), 10)),
+    ]);
 }
 
 /// One row with one generated token: [0, lp].
@@ -260,7 +291,13 @@ fn clipping_by_hand() {
     let (loss, grad, _) = one_token(dual, ln(5.0) - 1.0, -1.0, 0.0, -1.0);
     assert!(close(loss, 3.0) && close(grad, 0.0), "{loss} {grad}");
     // REINFORCE: −A·lp.
-    let (loss, grad, _) = one_token(json!({"type": "clipped_pg", "disable_ppo_ratio": true, "reference_policy_kl_penalty": 0.0}), -2.0, -1.0, 0.0, 0.5);
+    let (loss, grad, _) = one_token(
+        json!({"type": "clipped_pg", "disable_ppo_ratio": true, "reference_policy_kl_penalty": 0.0}),
+        -2.0,
+        -1.0,
+        0.0,
+        0.5,
+    );
     assert!(close(loss, 1.0) && close(grad, -0.5), "{loss} {grad}");
 }
 

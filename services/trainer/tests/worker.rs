@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use keel_protocol::Subjects;
 use keel_protocol::subjects::TrainerOp;
 use keel_service::nats::Bulk;
-use keel_trainer::Config;
 use serde_json::{Value, json};
 
 const BUCKET: &str = "keel-test-bulk";
@@ -103,14 +102,19 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
     let h = Harness::start().await;
 
     // Claim through the queue group: the free worker answers with its id.
-    let claim = h.client.request(h.subjects.trainer_claim(), json!({"run_id": "run-a", "lease_seconds": 30}).to_string().into()).await.unwrap();
+    let claim = h
+        .client
+        .request(h.subjects.trainer_claim(), json!({"run_id": "run-a", "lease_seconds": 30}).to_string().into())
+        .await
+        .unwrap();
     let claim: Value = serde_json::from_slice(&claim.payload).unwrap();
     assert_eq!(claim["ok"]["worker_id"], h.worker.as_str(), "{claim}");
 
     // Requests before load, or from another run, are refused.
     let reply = h.call(TrainerOp::Train, json!({"run_id": "run-a", "batch": {"inline": small_batch()}})).await;
     assert_eq!(error_type(&reply), "not_loaded");
-    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-b", "policy": {"path": "/x"}, "training": sft_training()})).await;
+    let reply =
+        h.call(TrainerOp::Load, json!({"run_id": "run-b", "policy": {"path": "/x"}, "training": sft_training()})).await;
     assert_eq!(error_type(&reply), "wrong_run");
 
     // Bad configurations are refused at load, every problem named.
@@ -121,23 +125,39 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
     let reply = h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": bad})).await;
     assert_eq!(error_type(&reply), "invalid_config");
     let message = reply["error"]["message"].as_str().unwrap();
-    for field in ["training.loss.ratio_clip_c", "training.loss.sequence_level_importance_ratios", "training.loss.truncated_importance_sampling_ratio_min"] {
+    for field in [
+        "training.loss.ratio_clip_c",
+        "training.loss.sequence_level_importance_ratios",
+        "training.loss.truncated_importance_sampling_ratio_min",
+    ] {
         assert!(message.contains(field), "{field} not in {message}");
     }
     let mut unknown = sft_training();
     unknown["loss"] = json!({"type": "ppo-magic"});
-    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": unknown})).await;
+    let reply =
+        h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": unknown})).await;
     assert_eq!(error_type(&reply), "invalid_request");
     assert!(reply["error"]["message"].as_str().unwrap().contains("ppo-magic"), "{reply}");
-    let reply = h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": "/nonexistent/model"}, "training": sft_training()})).await;
+    let reply = h
+        .call(
+            TrainerOp::Load,
+            json!({"run_id": "run-a", "policy": {"path": "/nonexistent/model"}, "training": sft_training()}),
+        )
+        .await;
     assert_eq!(error_type(&reply), "load_failed");
 
-    let loaded = h.ok(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": sft_training()})).await;
+    let loaded =
+        h.ok(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": sft_training()})).await;
     assert!(loaded["parameters"].as_i64().unwrap() > 10_000, "{loaded}");
     assert_eq!(loaded["step"], 0);
 
     // Logprobs inline.
-    let lp = h.ok(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"inline": {"input_ids": [[5, 6, 7], [8, 9]]}}, "temperature": 0.8})).await;
+    let lp = h
+        .ok(
+            TrainerOp::Logprobs,
+            json!({"run_id": "run-a", "batch": {"inline": {"input_ids": [[5, 6, 7], [8, 9]]}}, "temperature": 0.8}),
+        )
+        .await;
     let rows = lp["logprobs"]["inline"]["logprobs"].as_array().unwrap();
     assert_eq!((rows[0].as_array().unwrap().len(), rows[1].as_array().unwrap().len()), (3, 2));
     assert_eq!(rows[0][0], 0.0);
@@ -149,7 +169,12 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
     let reply = h.call(TrainerOp::Train, json!({"run_id": "run-a", "batch": {"inline": mismatched}})).await;
     assert_eq!(error_type(&reply), "invalid_request");
     assert!(reply["error"]["message"].as_str().unwrap().contains("token_mask row 1 has 2 entries"), "{reply}");
-    let reply = h.raw(TrainerOp::Train, r#"{"run_id": "run-a", "batch": {"inline": {"input_ids": [[1, 2]], "token_mask": [[0, NaN]]}}}"#.into()).await;
+    let reply = h
+        .raw(
+            TrainerOp::Train,
+            r#"{"run_id": "run-a", "batch": {"inline": {"input_ids": [[1, 2]], "token_mask": [[0, NaN]]}}}"#.into(),
+        )
+        .await;
     assert_eq!(error_type(&reply), "invalid_request");
     let reply = h.raw(TrainerOp::Train, "not json".into()).await;
     assert_eq!(error_type(&reply), "invalid_request");
@@ -175,7 +200,8 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
     assert!(bytes.len() > 1 << 20);
     let object = bulk.put(&bytes).await.unwrap();
     let lp = h.ok(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"object": object}})).await;
-    let rows: keel_protocol::trainer::Logprobs = bulk.fetch(serde_json::from_value(lp["logprobs"].clone()).unwrap()).await.unwrap();
+    let rows: keel_protocol::trainer::Logprobs =
+        bulk.fetch(serde_json::from_value(lp["logprobs"].clone()).unwrap()).await.unwrap();
     assert!(lp["logprobs"].get("object").is_some(), "a 3 MB reply must travel by reference");
     assert_eq!(rows.logprobs.len(), 300);
     assert!(rows.logprobs.iter().all(|r| r.len() == 1000));
@@ -188,7 +214,8 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
     assert_eq!(error_type(&reply), "save_failed");
 
     h.ok(TrainerOp::Release, json!({"run_id": "run-a"})).await;
-    let reply = h.call(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"inline": {"input_ids": [[5, 6]]}}})).await;
+    let reply =
+        h.call(TrainerOp::Logprobs, json!({"run_id": "run-a", "batch": {"inline": {"input_ids": [[5, 6]]}}})).await;
     assert_eq!(error_type(&reply), "wrong_run");
     // Free again: another run claims it and resumes from the checkpoint.
     h.ok(TrainerOp::Claim, json!({"run_id": "run-c"})).await;

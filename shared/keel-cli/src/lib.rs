@@ -1,11 +1,12 @@
 //! The `keel` command line.
 //!
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
-//! [`bench`] holds `keel model bench`.
+//! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
 pub mod bench;
 pub mod model;
+pub mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -21,10 +22,14 @@ pub enum Command {
     /// Make, score with and sample from Hugging Face model directories.
     #[command(subcommand)]
     Model(model::ModelCommand),
+    /// The training engine outside the service.
+    #[command(subcommand)]
+    Train(train::TrainCommand),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model(command) => model::run(command),
+        Command::Train(command) => train::run(command),
     }
 }

@@ -334,7 +334,9 @@ impl CausalLm {
             Kind::BFloat16 => self.vs.bfloat16(),
             Kind::Half => self.vs.half(),
             other => {
-                return Err(Error::InvalidInput(format!("parameter dtype {other:?} is not supported (f32, bf16, f16)")));
+                return Err(Error::InvalidInput(format!(
+                    "parameter dtype {other:?} is not supported (f32, bf16, f16)"
+                )));
             }
         }
         self.kind = kind;

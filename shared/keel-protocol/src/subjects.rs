@@ -20,16 +20,8 @@ pub enum TrainerOp {
 }
 
 impl TrainerOp {
-    pub const ALL: [TrainerOp; 8] = [
-        Self::Claim,
-        Self::Load,
-        Self::Logprobs,
-        Self::Train,
-        Self::Score,
-        Self::Save,
-        Self::Heartbeat,
-        Self::Release,
-    ];
+    pub const ALL: [TrainerOp; 8] =
+        [Self::Claim, Self::Load, Self::Logprobs, Self::Train, Self::Score, Self::Save, Self::Heartbeat, Self::Release];
 
     pub fn name(self) -> &'static str {
         match self {

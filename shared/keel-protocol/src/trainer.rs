@@ -70,7 +70,8 @@ pub struct ModelSource {
 pub struct LoadRequest {
     pub run_id: String,
     pub policy: ModelSource,
-    /// The frozen reference (defaults to a copy of the initial policy when the loss needs one).
+    /// The frozen reference. Default: the reference a resumed checkpoint was trained against,
+    /// else the policy as loaded (when the loss needs one).
     #[serde(default)]
     pub reference: Option<ModelSource>,
     pub training: TrainingConfig,

@@ -233,7 +233,12 @@ impl ClippedPgConfig {
             format!("must be below 1 (the lower clip is 1 − ratio_clip_min), got {}", self.ratio_clip_min),
         );
         if let Some(c) = self.ratio_clip_c {
-            check(problems, c.is_finite() && c > 1.0, &field("ratio_clip_c"), format!("dual clip needs c > 1, got {c}"));
+            check(
+                problems,
+                c.is_finite() && c > 1.0,
+                &field("ratio_clip_c"),
+                format!("dual clip needs c > 1, got {c}"),
+            );
         }
         let beta = self.reference_policy_kl_penalty;
         check(
@@ -249,8 +254,7 @@ impl ClippedPgConfig {
                 check(problems, finite_positive(v), &field(name), format!("must be positive, got {v}"));
             }
         }
-        let (min, max) =
-            (self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio_max);
+        let (min, max) = (self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio_max);
         if let Some(kind) = self.truncated_importance_sampling_type {
             check(
                 problems,
@@ -277,7 +281,9 @@ impl ClippedPgConfig {
                 "truncation bounds are set but no truncation type (tis, icepop or seq-mask-tis)",
             ));
         }
-        for (name, bound) in [("truncated_importance_sampling_ratio_min", min), ("truncated_importance_sampling_ratio_max", max)] {
+        for (name, bound) in
+            [("truncated_importance_sampling_ratio_min", min), ("truncated_importance_sampling_ratio_max", max)]
+        {
             if let Some(v) = bound {
                 check(problems, v.is_finite() && v >= 0.0, &field(name), format!("must be finite and ≥ 0, got {v}"));
             }
@@ -296,11 +302,7 @@ impl ClippedPgConfig {
             &field("sequence_level_importance_ratios"),
             "GSPO (sequence-level ratios) needs token_level_loss: false",
         );
-        let exclusive = [
-            self.sequence_level_importance_ratios,
-            self.disable_ppo_ratio,
-            self.force_on_policy_ratio,
-        ];
+        let exclusive = [self.sequence_level_importance_ratios, self.disable_ppo_ratio, self.force_on_policy_ratio];
         check(
             problems,
             exclusive.iter().filter(|&&x| x).count() <= 1,
@@ -313,9 +315,21 @@ impl ClippedPgConfig {
 impl DpoConfig {
     fn validate(&self, at: &str, problems: &mut Vec<FieldError>) {
         let beta = self.reference_policy_kl_penalty;
-        check(problems, finite_positive(beta), &format!("{at}.reference_policy_kl_penalty"), format!("β must be positive, got {beta}"));
-        for (name, w) in [("sft_loss_weight", self.sft_loss_weight), ("preference_loss_weight", self.preference_loss_weight)] {
-            check(problems, w.is_finite() && w >= 0.0, &format!("{at}.{name}"), format!("must be finite and ≥ 0, got {w}"));
+        check(
+            problems,
+            finite_positive(beta),
+            &format!("{at}.reference_policy_kl_penalty"),
+            format!("β must be positive, got {beta}"),
+        );
+        for (name, w) in
+            [("sft_loss_weight", self.sft_loss_weight), ("preference_loss_weight", self.preference_loss_weight)]
+        {
+            check(
+                problems,
+                w.is_finite() && w >= 0.0,
+                &format!("{at}.{name}"),
+                format!("must be finite and ≥ 0, got {w}"),
+            );
         }
         check(
             problems,
@@ -346,7 +360,12 @@ impl TrainingConfig {
                 format!("must be in [0, 1), got {b}"),
             );
         }
-        check(&mut problems, finite_positive(o.eps), &field("optimizer.eps"), format!("must be positive, got {}", o.eps));
+        check(
+            &mut problems,
+            finite_positive(o.eps),
+            &field("optimizer.eps"),
+            format!("must be positive, got {}", o.eps),
+        );
         check(
             &mut problems,
             o.weight_decay.is_finite() && o.weight_decay >= 0.0,
@@ -368,7 +387,9 @@ impl TrainingConfig {
         );
         match (s.decay, s.total_steps) {
             (Decay::Constant, _) => {}
-            (_, None) => problems.push(FieldError::new(field("scheduler.total_steps"), "is required by cosine and linear decay")),
+            (_, None) => {
+                problems.push(FieldError::new(field("scheduler.total_steps"), "is required by cosine and linear decay"))
+            }
             (_, Some(total)) => check(
                 &mut problems,
                 total > s.warmup_steps,
@@ -377,7 +398,12 @@ impl TrainingConfig {
             ),
         }
         if let Some(norm) = self.max_grad_norm {
-            check(&mut problems, finite_positive(norm), &field("max_grad_norm"), format!("must be positive, got {norm}"));
+            check(
+                &mut problems,
+                finite_positive(norm),
+                &field("max_grad_norm"),
+                format!("must be positive, got {norm}"),
+            );
         }
         let (global, micro) = (self.global_batch_size, self.micro_batch_size);
         check(&mut problems, global >= 1, &field("global_batch_size"), "must be at least 1");

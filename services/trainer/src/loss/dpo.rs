@@ -33,10 +33,12 @@ pub fn dpo(config: &DpoConfig, input: &LossInput<'_>, global: &GlobalCounts) -> 
     // The SFT term covers the chosen rows of valid pairs.
     let b = lp.size()[0];
     let row_pair_mask = pair_mask.f_unsqueeze(1)?.f_expand([b / 2, 2], false)?.f_reshape([b])?;
-    let chosen_rows = Tensor::f_arange(b, (Kind::Int64, lp.device()))?.f_remainder(2)?.f_eq(0)?.f_to_kind(Kind::Float)?;
+    let chosen_rows =
+        Tensor::f_arange(b, (Kind::Int64, lp.device()))?.f_remainder(2)?.f_eq(0)?.f_to_kind(Kind::Float)?;
     let sft_mask = input.mask.f_mul(&row_pair_mask.f_mul(&chosen_rows)?.f_unsqueeze(1)?)?;
     let sft = lp.f_neg()?.f_mul(&sft_mask)?.f_sum(Kind::Float)?.f_div_scalar(global.chosen_tokens + EPS)?;
-    let loss = preference.f_mul_scalar(config.preference_loss_weight)?.f_add(&sft.f_mul_scalar(config.sft_loss_weight)?)?;
+    let loss =
+        preference.f_mul_scalar(config.preference_loss_weight)?.f_add(&sft.f_mul_scalar(config.sft_loss_weight)?)?;
 
     let detached = |x: &Tensor| -> Result<f64> { value(&pair_mean(&x.f_detach()?.f_to_kind(Kind::Float)?)?) };
     let mut metrics = Metrics::default();

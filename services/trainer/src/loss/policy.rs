@@ -8,9 +8,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::{
-    EPS, GlobalCounts, LossInput, LossOutput, masked_mean, masked_min_max, row_mean, shifted, value,
-};
+use super::{EPS, GlobalCounts, LossInput, LossOutput, masked_mean, masked_min_max, row_mean, shifted, value};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use keel_protocol::training::{ClippedPgConfig, KlType, TruncationType};

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use keel_model::init::{InitSpec, Preset, init_model};
 use keel_model::Architecture;
+use keel_model::init::{InitSpec, Preset, init_model};
 use keel_protocol::trainer::{LoadRequest, ModelSource, TrainBatch};
 use keel_trainer::Engine;
 use serde_json::{Value, json};
@@ -47,7 +47,8 @@ pub fn source(path: &Path) -> ModelSource {
 /// not trained on.
 pub fn counting(starts: &[i64], len: i64, prompt: usize) -> TrainBatch {
     let input_ids: Vec<Vec<i64>> = starts.iter().map(|&s| (s..s + len).collect()).collect();
-    let token_mask = input_ids.iter().map(|r| (0..r.len()).map(|i| if i < prompt { 0.0 } else { 1.0 }).collect()).collect();
+    let token_mask =
+        input_ids.iter().map(|r| (0..r.len()).map(|i| if i < prompt { 0.0 } else { 1.0 }).collect()).collect();
     TrainBatch { input_ids, token_mask, ..Default::default() }
 }
 

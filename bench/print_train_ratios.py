@@ -1,0 +1,23 @@
+"""Reads JSON lines from `keel train bench` and `bench/hf_train_throughput.py`, alternating
+Keel then PyTorch for each shape, and prints them side by side with Keel/PyTorch ratios."""
+
+import json
+import os
+import sys
+
+
+def main():
+    model = sys.argv[1]
+    rows = [json.loads(line) for line in sys.stdin if line.strip()]
+    print(f"model: {model}   threads: {rows[0]['threads']}   host CPUs: {os.cpu_count()}")
+    print(f"{'batch x seq (micro)':<24}{'engine':<26}{'step s':>10}{'tokens/s':>12}")
+    for keel, ref in zip(rows[0::2], rows[1::2]):
+        shape = f"{keel['batch']} x {keel['seq_len']} ({keel['micro_batch']})"
+        for r in (keel, ref):
+            print(f"{shape:<24}{r['engine']:<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}")
+        ratio = keel["tokens_per_s"] / ref["tokens_per_s"]
+        print(f"{shape:<24}{'ratio keel / torch':<26}{'':>10}{ratio:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
