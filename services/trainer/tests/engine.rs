@@ -274,3 +274,18 @@ fn a_checkpoint_resumes_exactly_and_is_never_overwritten() {
         assert!(diff < 1e-6, "{name} differs by {diff} after the resumed step");
     }
 }
+
+#[test]
+fn an_offloaded_reference_scores_like_a_resident_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let training = json!({"loss": {"type": "dpo"}, "global_batch_size": 4, "micro_batch_size": 2});
+    let ids = preferences(&[30, 41]).input_ids;
+    let mut resident = engine(&model, training.clone());
+    let mut request = load_request(&model, training);
+    request.reference_offload = true;
+    let mut offloaded = Engine::load(&request, "cpu").unwrap();
+    let a = resident.logprobs(Scorer::Reference, &ids, 0.9).unwrap();
+    assert_eq!(offloaded.logprobs(Scorer::Reference, &ids, 0.9).unwrap(), a);
+    assert_eq!(offloaded.logprobs(Scorer::Policy, &ids, 0.9).unwrap(), a, "policy = reference before training");
+}

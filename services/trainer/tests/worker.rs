@@ -221,6 +221,17 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
     h.ok(TrainerOp::Claim, json!({"run_id": "run-c"})).await;
     let loaded = h.ok(TrainerOp::Load, json!({"run_id": "run-c", "policy": {"path": ckpt}, "reference": {"path": model}, "training": sft_training()})).await;
     assert_eq!(loaded["step"], 1);
+    let reply =
+        h.call(TrainerOp::Score, json!({"run_id": "run-c", "batch": {"inline": {"input_ids": [[5, 6, 7]]}}})).await;
+    assert_eq!(error_type(&reply), "invalid_request", "an SFT policy has no value head");
+    // A reward-model run gets a value head and scores sequences.
+    let rm = json!({"loss": {"type": "bradley_terry"}, "global_batch_size": 2, "micro_batch_size": 2});
+    let loaded = h.ok(TrainerOp::Load, json!({"run_id": "run-c", "policy": {"path": model}, "training": rm})).await;
+    assert_eq!(loaded["has_value_head"], true);
+    let scored = h
+        .ok(TrainerOp::Score, json!({"run_id": "run-c", "batch": {"inline": {"input_ids": [[5, 6, 7], [8, 9]]}}}))
+        .await;
+    assert_eq!(scored["scores"].as_array().unwrap().len(), 2, "{scored}");
     h.ok(TrainerOp::Release, json!({"run_id": "run-c"})).await;
     h.stop().await;
 }
