@@ -5,7 +5,7 @@
 //! - [`config`]: `config.json` → [`ModelConfig`] (Llama, Qwen2, Qwen3, Mistral).
 //! - [`model`]: the layers and [`CausalLm`] (training logprobs, cached inference forward).
 //! - [`rope`]: rotary embeddings, including Llama 3 scaling.
-//! - [`cache`]: the preallocated [`KvCache`].
+//! - [`cache`]: the preallocated [`KvCache`] and [`SlotCache`] (continuous batching).
 //! - [`weights`] and [`pretrained`]: safetensors load (memory-mapped) and save (sharded).
 //! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates.
 //! - [`sampling`]: single-sequence generation for the CLI.
@@ -25,7 +25,7 @@ pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
 
-pub use cache::KvCache;
+pub use cache::{KvCache, SlotCache};
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
 pub use model::{CausalLm, Init};

@@ -9,7 +9,7 @@
 
 use tch::{Device, Kind, Tensor, nn};
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, LayerCache, SlotCache, SlotView};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::rope::{self, Rotary};
@@ -102,7 +102,8 @@ enum Mask {
     All,
     /// Plain causal attention over a fresh sequence.
     Causal,
-    /// An explicit [1, 1, S, T] boolean mask (cache plus several queries, or a window).
+    /// An explicit [1 or B, 1, S, T] boolean mask (cache plus several queries, a window, or
+    /// rows of different lengths).
     Allowed(Tensor),
 }
 
@@ -123,6 +124,19 @@ impl Mask {
             allowed = allowed.f_logical_and(&q.f_sub(&k)?.f_lt(w)?)?;
         }
         Ok(Self::Allowed(allowed.f_unsqueeze(0)?.f_unsqueeze(0)?))
+    }
+
+    /// Rows whose S new tokens start at different offsets: query s of row b sits at
+    /// offsets[b] + s and sees keys 0..=that position (within the window). [B, 1, S, T].
+    fn per_row(queries: i64, offsets: &[i64], visible: i64, window: Option<i64>, device: Device) -> Result<Self> {
+        let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_view([-1, 1, 1])?;
+        let q = starts.f_add(&Tensor::f_arange(queries, (Kind::Int64, device))?.f_view([1, -1, 1])?)?;
+        let k = Tensor::f_arange(visible, (Kind::Int64, device))?.f_view([1, 1, -1])?;
+        let mut allowed = k.f_le_tensor(&q)?;
+        if let Some(w) = window {
+            allowed = allowed.f_logical_and(&q.f_sub(&k)?.f_lt(w)?)?;
+        }
+        Ok(Self::Allowed(allowed.f_unsqueeze(1)?))
     }
 }
 
@@ -194,7 +208,12 @@ impl Attention {
         ])?)
     }
 
-    fn forward(&self, x: &Tensor, at: &Positions<'_>, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        at: &Positions<'_>,
+        cache: Option<(&mut (dyn LayerCache + '_), usize)>,
+    ) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
         let q = self.split_heads(&self.q_proj.forward(x)?, self.heads, self.q_norm.as_ref())?;
         let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref())?;
@@ -263,7 +282,12 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, at: &Positions<'_>, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        at: &Positions<'_>,
+        cache: Option<(&mut (dyn LayerCache + '_), usize)>,
+    ) -> Result<Tensor> {
         let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, at, cache)?;
         let h = x.f_add(&attn)?;
         Ok(h.f_add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
@@ -391,16 +415,47 @@ impl CausalLm {
         if let Some(cache) = &cache {
             cache.check(self.layers.len(), b, self.kind, self.device(), s)?;
         }
+        let hidden = self.run_layers(
+            input_ids,
+            &vec![past; b as usize],
+            past + s,
+            cache.as_deref_mut().map(|c| c as &mut dyn LayerCache),
+        )?;
+        if let Some(cache) = cache {
+            cache.advance(s);
+        }
+        Ok(hidden)
+    }
+
+    /// The decoder stack over `input_ids` [B, S] whose row b starts at position `offsets[b]`,
+    /// attending to `visible` keys (cached plus new).
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        offsets: &[i64],
+        visible: i64,
+        mut cache: Option<&mut dyn LayerCache>,
+    ) -> Result<Tensor> {
+        let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
         let device = self.device();
+        let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
         let positions =
-            Tensor::f_arange_start(past, past + s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
+            starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
         let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
+        let uniform = offsets.windows(2).all(|w| w[0] == w[1]);
         // One mask per distinct attention window (full layers share one, windowed layers another).
         let mut windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
         windows.dedup();
         let masks = windows
             .iter()
-            .map(|&w| Ok((w, Mask::new(s, past, w, device)?)))
+            .map(|&w| {
+                let mask = if uniform {
+                    Mask::new(s, offsets.first().copied().unwrap_or(0), w, device)?
+                } else {
+                    Mask::per_row(s, offsets, visible, w, device)?
+                };
+                Ok((w, mask))
+            })
             .collect::<Result<Vec<(Option<i64>, Mask)>>>()?;
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
@@ -408,10 +463,29 @@ impl CausalLm {
             let at = Positions { cos: &cos, sin: &sin, mask };
             x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)))?;
         }
-        if let Some(cache) = cache {
-            cache.advance(s);
-        }
         self.norm.forward(&x)
+    }
+
+    /// Logits [B, S, vocab] (inference, no gradients) for `input_ids` [B, S] continuing the
+    /// sequences held in `slots` of `cache` (row b of the input continues `slots[b]`); each
+    /// slot grows by S. Rows may hold different numbers of tokens: prefill one sequence,
+    /// decode many together.
+    pub fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
+        self.check_input(input_ids, None)?;
+        let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
+        if slots.len() as i64 != b {
+            return Err(Error::InvalidInput(format!("{} slots for a batch of {b}", slots.len())));
+        }
+        cache.check(slots, self.layers.len(), self.kind, self.device(), s)?;
+        let _no_grad = tch::no_grad_guard();
+        let offsets: Vec<i64> = slots.iter().map(|&slot| cache.len(slot)).collect();
+        let visible = offsets.iter().copied().max().unwrap_or(0) + s;
+        let index =
+            Tensor::from_slice(&slots.iter().map(|&x| x as i64).collect::<Vec<_>>()).f_to_device(self.device())?;
+        let mut view = SlotView { cache, slots, index, visible };
+        let hidden = self.run_layers(input_ids, &offsets, visible, Some(&mut view))?;
+        view.cache.advance(slots, s);
+        Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
     /// Logits [B, S, vocab] in the parameters' dtype. With a cache (inference only: runs

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use keel_model::{CausalLm, Error, Init, KvCache, ModelConfig, SaveOptions};
+use keel_model::{CausalLm, Error, Init, KvCache, ModelConfig, SaveOptions, SlotCache};
 use serde_json::{Value, json};
 use tch::{Device, Kind, Tensor};
 
@@ -56,6 +56,48 @@ fn kv_cache_decoding_matches_full_forward() {
     cached_vs_full(config("Qwen3ForCausalLM", json!({"head_dim": 16})));
     // A window of 5 is crossed by prefill, the chunk and every decode step.
     cached_vs_full(config("MistralForCausalLM", json!({"sliding_window": 5})));
+}
+
+/// Sequences of different lengths prefilled into slots one by one, then decoded together
+/// (with one slot copied from another, as n samples share a prefill), match each sequence's
+/// own full forward.
+fn slots_vs_full(cfg: ModelConfig) {
+    let model = random_model(cfg, Kind::Float);
+    let seqs: Vec<Vec<i64>> = [7usize, 12, 3]
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| (0..n + 5).map(|i| ((i + r * 11) as i64 * 29 + 1) % 97).collect())
+        .collect();
+    let mut cache = SlotCache::new(model.config(), 5, 24, Kind::Float, Device::Cpu).unwrap();
+    let slots = [4usize, 0, 2];
+    let prompt_len = |r: usize| seqs[r].len() - 5;
+    for (r, &slot) in slots.iter().enumerate() {
+        let prompt = Tensor::from_slice(&seqs[r][..prompt_len(r)]).unsqueeze(0);
+        let _ = model.forward_slots(&prompt, &mut cache, &[slot]).unwrap();
+    }
+    // Slot 1 shares sequence 1's prefill and decodes sequence 1 again.
+    cache.copy_slot(0, 1).unwrap();
+    let rows = [0usize, 1, 2, 1];
+    let decode_slots = [4usize, 0, 2, 1];
+    for step in 0..5 {
+        let next: Vec<i64> = rows.iter().map(|&r| seqs[r][prompt_len(r) + step]).collect();
+        let logits = model.forward_slots(&Tensor::from_slice(&next).unsqueeze(1), &mut cache, &decode_slots).unwrap();
+        for (b, &r) in rows.iter().enumerate() {
+            let upto = prompt_len(r) + step + 1;
+            let full = model.forward(&Tensor::from_slice(&seqs[r][..upto]).unsqueeze(0), None).unwrap();
+            let diff = (logits.get(b as i64).get(0) - full.get(0).get(upto as i64 - 1)).abs().max().double_value(&[]);
+            assert!(diff <= 1e-4, "row {b} step {step}: max logit diff {diff:e}");
+        }
+    }
+    assert_eq!((cache.len(4), cache.len(0), cache.len(1), cache.len(3)), (12, 17, 17, 0));
+    let err = model.forward_slots(&Tensor::from_slice(&[1i64, 2]).unsqueeze(1), &mut cache, &[0, 0]).unwrap_err();
+    assert!(err.to_string().contains("repeated"), "{err}");
+}
+
+#[test]
+fn slot_cache_decodes_rows_of_different_lengths_together() {
+    slots_vs_full(config("Qwen3ForCausalLM", json!({"head_dim": 16})));
+    slots_vs_full(config("MistralForCausalLM", json!({"sliding_window": 5})));
 }
 
 #[test]
