@@ -6,6 +6,7 @@ Every subcommand prints one JSON document on stdout.
   score MODEL INPUT.jsonl [--temperature T]          per-token logprobs, one sequence at a time
   render MODEL MESSAGES.json [--add-generation-prompt] chat template through the tokenizer
   tokenize MODEL TEXT                                 token ids (add_special_tokens=False)
+  generate MODEL IDS.json --max-new-tokens N          greedy `generate`, eos ignored
   render-template TEMPLATE.jinja MESSAGES.json VARS.json [--add-generation-prompt]
 """
 
@@ -101,6 +102,10 @@ def main():
     p = sub.add_parser("tokenize")
     p.add_argument("model")
     p.add_argument("text")
+    p = sub.add_parser("generate")
+    p.add_argument("model")
+    p.add_argument("ids")
+    p.add_argument("--max-new-tokens", type=int, required=True)
     p = sub.add_parser("render-template")
     p.add_argument("template")
     p.add_argument("messages")
@@ -117,6 +122,15 @@ def main():
         messages = json.load(open(args.messages))
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=args.add_generation_prompt)
         result = {"text": text}
+    elif args.cmd == "generate":
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        ids = torch.tensor([json.load(open(args.ids))])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                                 pad_token_id=0)
+        result = {"token_ids": out[0, ids.shape[1]:].tolist()}
     elif args.cmd == "tokenize":
         tok = AutoTokenizer.from_pretrained(args.model)
         result = {"ids": tok.encode(args.text, add_special_tokens=False)}

@@ -1,21 +1,115 @@
-//! keel-generator: the inference engine (KV cache, continuous batching) behind an OpenAI-compatible API.
+//! keel-generator: the inference engine behind an OpenAI-compatible API.
 //!
-//! So far the service starts, loads its configuration (an HTTP address, default
-//! 127.0.0.1:8081) and answers `GET /healthz`, tested with the binary in
-//! `tests/services_start.rs`.
+//! Layout:
+//! - [`engine`]: the scheduler thread — continuous batching over a preallocated slot KV
+//!   cache, one prefill shared by a request's n samples, per-sample seeded sampling, stops.
+//! - [`request`]: the validated request and the events the engine sends back.
+//! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
+//!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full.
+//! - [`text`]: stop strings and what a stream may show.
+//!
+//! Without a `model` configured the service starts and answers `/healthz` only.
+
+pub mod engine;
+pub mod openai;
+pub mod request;
+pub mod text;
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 pub const SERVICE: &str = "generator";
 
 /// Configuration: defaults, then `--config FILE`, then `KEEL_GENERATOR__<FIELD>`.
-pub type Config = keel_service::HttpConfig;
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    /// A Hugging Face model directory (none: health only).
+    pub model: Option<PathBuf>,
+    /// The name clients use in `model` (default: the directory's name).
+    pub served_model_name: Option<String>,
+    /// cpu, cuda or cuda:N.
+    pub device: String,
+    /// f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
+    pub dtype: Option<String>,
+    /// Sequences decoded together (KV-cache slots).
+    pub max_num_seqs: usize,
+    /// Tokens per sequence, prompt included (default: the model's context, at most 4096).
+    pub max_model_len: Option<i64>,
+    /// Requests waiting for slots before new ones get 429.
+    pub max_waiting: usize,
+}
+
+impl keel_service::ServiceConfig for Config {
+    fn validate(&self) -> Result<(), String> {
+        if self.max_num_seqs == 0 {
+            return Err("max_num_seqs: must be at least 1".into());
+        }
+        if self.max_model_len.is_some_and(|l| l < 2) {
+            return Err("max_model_len: must be at least 2".into());
+        }
+        Ok(())
+    }
+}
 
 pub fn default_config() -> Config {
-    Config::on_port(8081)
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+        model: None,
+        served_model_name: None,
+        device: "cpu".into(),
+        dtype: None,
+        max_num_seqs: 16,
+        max_model_len: None,
+        max_waiting: 64,
+    }
+}
+
+/// Loads the model and starts the engine; the handlers' state.
+pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppState, String> {
+    let device = keel_model::device::parse_device(&config.device).map_err(|e| e.to_string())?;
+    let kind = match &config.dtype {
+        Some(name) => keel_model::device::parse_kind(name).map_err(|e| e.to_string())?,
+        None if device == tch::Device::Cpu => tch::Kind::Float,
+        None => tch::Kind::BFloat16,
+    };
+    let model = keel_model::CausalLm::load(model_dir, device, kind).map_err(|e| e.to_string())?;
+    let tokenizer = keel_model::Tokenizer::load(model_dir).map_err(|e| e.to_string())?;
+    let context = model.config().max_position_embeddings;
+    let max_model_len = config.max_model_len.unwrap_or(context.min(4096));
+    if max_model_len > context {
+        return Err(format!("max_model_len {max_model_len} exceeds the model's context of {context}"));
+    }
+    let vocab_size = model.config().vocab_size;
+    let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
+    if eos_token_ids.is_empty() {
+        eos_token_ids = model.config().eos_token_ids.clone();
+    }
+    let model_name = config.served_model_name.clone().unwrap_or_else(|| {
+        model_dir.file_name().map_or_else(|| model_dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+    });
+    let tokenizer = Arc::new(tokenizer);
+    let engine = engine::Engine::start(model, Some(tokenizer.clone()), config.max_num_seqs, max_model_len)
+        .map_err(|e| e.to_string())?;
+    let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));
+    Ok(openai::AppState { engine, tokenizer, model_name, vocab_size, eos_token_ids, admission })
 }
 
 /// Serves until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), shutdown).await
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+    let mut app = keel_service::health_routes(SERVICE);
+    if let Some(dir) = config.model.clone() {
+        let loaded = {
+            let config = config.clone();
+            tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| e.to_string())??
+        };
+        tracing::info!(model = %loaded.model_name, slots = config.max_num_seqs, "model loaded");
+        app = openai::routes(loaded).merge(app);
+    }
+    keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string())
 }

@@ -200,8 +200,13 @@ fn generate_command(args: GenerateArgs) -> anyhow::Result<()> {
     if stop_ids.is_empty() {
         stop_ids = model.config().eos_token_ids.clone();
     }
-    let params =
-        SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: 0.0,
+        seed: args.seed,
+    };
     let generation = generate(&model, &prompt_ids, args.max_tokens, &stop_ids, params)?;
     let ids: Vec<u32> = generation.tokens.iter().map(|&t| t as u32).collect();
     let text = tokenizer.decode(&ids, true)?;

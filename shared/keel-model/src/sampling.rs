@@ -3,8 +3,9 @@
 //!
 //! Sampling: logits are divided by the temperature (0 = greedy); top-k keeps the k most
 //! likely tokens; top-p then keeps the smallest prefix of those whose probability,
-//! renormalised over the top k, reaches p (as transformers and vLLM apply them); the kept
-//! probabilities are renormalised and sampled with a ChaCha RNG seeded by `seed`. The
+//! renormalised over the top k, reaches p (as transformers and vLLM apply them); min-p then
+//! drops tokens less likely than min_p × the most likely one; the kept probabilities are
+//! renormalised and sampled with a ChaCha RNG seeded by `seed`. The
 //! reported logprob of each token is under the temperature-scaled distribution *before*
 //! top-k/top-p renormalisation, which is what the trainer recomputes (for greedy decoding,
 //! under the unscaled distribution).
@@ -22,12 +23,13 @@ pub struct SamplingParams {
     pub temperature: f64,
     pub top_p: f64,
     pub top_k: Option<usize>,
+    pub min_p: f64,
     pub seed: u64,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 1.0, top_p: 1.0, top_k: None, seed: 0 }
+        Self { temperature: 1.0, top_p: 1.0, top_k: None, min_p: 0.0, seed: 0 }
     }
 }
 
@@ -42,9 +44,15 @@ impl SamplingParams {
         if self.top_k == Some(0) {
             return Err(Error::InvalidInput("top_k must be at least 1".into()));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::InvalidInput(format!("min_p must be in [0, 1], got {}", self.min_p)));
+        }
         Ok(())
     }
 }
+
+/// The most likely tokens with their logprobs, most likely first.
+pub type TopLogprobs = Vec<(i64, f32)>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -77,6 +85,13 @@ impl Sampler {
 
     /// Picks a token from `logits` [vocab] and returns it with its logprob.
     pub fn sample(&mut self, logits: &Tensor) -> Result<(i64, f32)> {
+        let (token, logprob, _) = self.sample_with_top(logits, 0)?;
+        Ok((token, logprob))
+    }
+
+    /// [`Sampler::sample`], plus the `top` most likely tokens with their logprobs (under the
+    /// same distribution as the sampled token's logprob), most likely first.
+    pub fn sample_with_top(&mut self, logits: &Tensor, top: usize) -> Result<(i64, f32, TopLogprobs)> {
         let greedy = self.params.temperature == 0.0;
         let scaled = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?;
         let scaled = if greedy || self.params.temperature == 1.0 {
@@ -85,17 +100,26 @@ impl Sampler {
             scaled.f_div_scalar(self.params.temperature)?
         };
         let logprobs = Vec::<f32>::try_from(scaled.f_log_softmax(-1, Kind::Float)?)?;
+        let needs_order = !greedy || top > 0;
+        let mut order: Vec<usize> = Vec::new();
+        if needs_order {
+            order = (0..logprobs.len()).collect();
+            order.sort_unstable_by(|&a, &b| logprobs[b].total_cmp(&logprobs[a]).then(a.cmp(&b)));
+        }
+        let best: Vec<(i64, f32)> = order.iter().take(top).map(|&i| (i as i64, logprobs[i])).collect();
         let token = if greedy {
             argmax(&logprobs)
         } else {
-            let mut order: Vec<usize> = (0..logprobs.len()).collect();
-            order.sort_unstable_by(|&a, &b| logprobs[b].total_cmp(&logprobs[a]));
             order.truncate(self.params.top_k.unwrap_or(order.len()));
             let probs: Vec<(usize, f64)> = order.into_iter().map(|i| (i, f64::from(logprobs[i]).exp())).collect();
             let top_k_mass: f64 = probs.iter().map(|(_, p)| p).sum();
+            let floor = self.params.min_p * probs.first().map_or(0.0, |(_, p)| *p);
             let mut kept = Vec::with_capacity(probs.len());
             let mut mass = 0.0f64;
             for (index, p) in probs {
+                if p < floor {
+                    break;
+                }
                 kept.push((index, p));
                 mass += p;
                 if mass >= self.params.top_p * top_k_mass {
@@ -113,7 +137,7 @@ impl Sampler {
             }
             chosen
         };
-        Ok((token as i64, logprobs[token]))
+        Ok((token as i64, logprobs[token], best))
     }
 }
 
@@ -165,7 +189,7 @@ mod tests {
     use super::*;
 
     fn sampler(temperature: f64, top_p: f64, top_k: Option<usize>, seed: u64) -> Sampler {
-        Sampler::new(SamplingParams { temperature, top_p, top_k, seed }).unwrap()
+        Sampler::new(SamplingParams { temperature, top_p, top_k, min_p: 0.0, seed }).unwrap()
     }
 
     /// Token frequencies over many draws.
@@ -208,6 +232,19 @@ mod tests {
     }
 
     #[test]
+    fn min_p_drops_unlikely_tokens_and_top_logprobs_are_ordered() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.4 keeps tokens with p ≥ 0.2.
+        let logits = Tensor::from_slice(&[0.15f32, 0.5, 0.05, 0.3]).log();
+        let mut s = Sampler::new(SamplingParams { min_p: 0.4, seed: 3, ..Default::default() }).unwrap();
+        let f = frequencies(&mut s, &logits, 2000);
+        assert_eq!((f[0], f[2]), (0.0, 0.0), "{f:?}");
+        assert!((f[1] - 0.625).abs() < 0.04, "{f:?}");
+        let (_, _, top) = s.sample_with_top(&logits, 3).unwrap();
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 0]);
+        assert!((top[0].1 - 0.5f32.ln()).abs() < 1e-6);
+    }
+
+    #[test]
     fn same_seed_same_draws_and_logprobs_follow_temperature() {
         let logits = Tensor::from_slice(&[0.1f32, 0.4, 0.2, 0.3]);
         let draw = |seed| {
@@ -228,6 +265,7 @@ mod tests {
             SamplingParams { temperature: -1.0, ..Default::default() },
             SamplingParams { top_p: 0.0, ..Default::default() },
             SamplingParams { top_k: Some(0), ..Default::default() },
+            SamplingParams { min_p: 1.5, ..Default::default() },
         ] {
             assert!(Sampler::new(params).is_err());
         }

@@ -1,0 +1,299 @@
+//! The scheduler: one thread owns the model and a [`SlotCache`] of `slots` sequences of up to
+//! `max_model_len` tokens (preallocated, so memory use is fixed at start-up and admission can
+//! never run it out). Requests queue in arrival order; a request is admitted when `n` slots
+//! are free, prefilled once, and its prefill copied to the other n − 1 slots. Every step
+//! decodes one token for every running sample together (rows of different lengths, each
+//! masked to its own tokens); samples leave at token boundaries when they stop, and waiting
+//! requests join at the next step. Each sample has its own seeded sampler, so its output does
+//! not depend on what else is in the batch.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use keel_model::sampling::{Sampler, SamplingParams};
+use keel_model::{CausalLm, SlotCache, Tokenizer};
+use tch::Tensor;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::request::{Event, Finish, GenRequest, TokenOut};
+
+/// Counters the metrics endpoint reads.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub waiting: AtomicUsize,
+    pub running: AtomicUsize,
+    pub slots_used: AtomicUsize,
+    pub generated_tokens: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub requests_finished: AtomicU64,
+    /// Sum of time-to-first-token, microseconds, and how many requests it covers.
+    pub ttft_micros: AtomicU64,
+    pub ttft_count: AtomicU64,
+    /// Time spent in decode steps, microseconds.
+    pub decode_micros: AtomicU64,
+}
+
+struct Submission {
+    request: GenRequest,
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+}
+
+/// A handle to the scheduler thread.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    submit: mpsc::Sender<Submission>,
+    pub stats: Arc<Stats>,
+    pub slots: usize,
+    pub max_model_len: i64,
+}
+
+/// One running sample.
+struct Sample {
+    request: usize,
+    index: usize,
+    slot: usize,
+    sampler: Sampler,
+    generated: Vec<i64>,
+    /// The last sampled token, fed at the next step.
+    pending: i64,
+}
+
+struct Running {
+    request: GenRequest,
+    events: UnboundedSender<Event>,
+    live: usize,
+}
+
+struct Scheduler {
+    model: CausalLm,
+    tokenizer: Option<Arc<Tokenizer>>,
+    cache: SlotCache,
+    free: Vec<usize>,
+    waiting: VecDeque<Submission>,
+    requests: Vec<Option<Running>>,
+    samples: Vec<Sample>,
+    stats: Arc<Stats>,
+}
+
+impl Engine {
+    /// Starts the scheduler thread over `model` with `slots` sequences of `max_model_len` tokens.
+    pub fn start(
+        model: CausalLm,
+        tokenizer: Option<Arc<Tokenizer>>,
+        slots: usize,
+        max_model_len: i64,
+    ) -> keel_model::Result<Self> {
+        let cache = SlotCache::new(model.config(), slots, max_model_len, model.kind(), model.device())?;
+        let stats = Arc::new(Stats::default());
+        let (submit, intake) = mpsc::channel::<Submission>();
+        let mut scheduler = Scheduler {
+            model,
+            tokenizer,
+            cache,
+            free: (0..slots).rev().collect(),
+            waiting: VecDeque::new(),
+            requests: Vec::new(),
+            samples: Vec::new(),
+            stats: stats.clone(),
+        };
+        std::thread::Builder::new()
+            .name("keel-generator-scheduler".into())
+            .spawn(move || scheduler.run(intake))
+            .map_err(|e| keel_model::Error::InvalidInput(format!("cannot start the scheduler thread: {e}")))?;
+        Ok(Self { submit, stats, slots, max_model_len })
+    }
+
+    /// Queues `request`; its events arrive on `events`.
+    pub fn submit(&self, request: GenRequest, events: UnboundedSender<Event>) -> Result<(), String> {
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        self.submit
+            .send(Submission { request, events, arrived: Instant::now() })
+            .map_err(|_| "the scheduler has stopped".to_string())
+    }
+}
+
+impl Scheduler {
+    fn run(&mut self, intake: mpsc::Receiver<Submission>) {
+        loop {
+            if self.samples.is_empty() && self.waiting.is_empty() {
+                match intake.recv() {
+                    Ok(submission) => self.waiting.push_back(submission),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(submission) = intake.try_recv() {
+                self.waiting.push_back(submission);
+            }
+            self.admit();
+            if !self.samples.is_empty() {
+                self.step();
+            }
+        }
+    }
+
+    /// Admits waiting requests in arrival order while their samples fit in free slots.
+    fn admit(&mut self) {
+        while let Some(front) = self.waiting.front() {
+            if front.events.is_closed() {
+                self.waiting.pop_front();
+                self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            if front.request.n > self.free.len() {
+                break;
+            }
+            let Some(submission) = self.waiting.pop_front() else { break };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if let Err(e) = self.prefill(submission) {
+                tracing::warn!("prefill failed: {e}");
+            }
+        }
+    }
+
+    fn prefill(&mut self, submission: Submission) -> keel_model::Result<()> {
+        let Submission { request, events, arrived } = submission;
+        let slots: Vec<usize> = (0..request.n).filter_map(|_| self.free.pop()).collect();
+        let prompt = Tensor::from_slice(&request.prompt).f_unsqueeze(0)?;
+        let logits = match self.model.forward_slots(&prompt, &mut self.cache, &slots[..1]) {
+            Ok(logits) => logits,
+            Err(e) => {
+                for &slot in &slots {
+                    self.cache.reset(slot);
+                    self.free.push(slot);
+                }
+                let _ = events.send(Event::Failed(e.to_string()));
+                return Err(e);
+            }
+        };
+        let last = logits.f_select(0, 0)?.f_select(0, -1)?;
+        self.stats.prompt_tokens.fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
+        self.stats.ttft_micros.fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.stats.ttft_count.fetch_add(1, Ordering::Relaxed);
+        let id = self.requests.iter().position(Option::is_none).unwrap_or(self.requests.len());
+        let running = Running { request: request.clone(), events, live: request.n };
+        if id == self.requests.len() {
+            self.requests.push(Some(running));
+        } else {
+            self.requests[id] = Some(running);
+        }
+        for (index, &slot) in slots.iter().enumerate() {
+            if index > 0 {
+                self.cache.copy_slot(slots[0], slot)?;
+            }
+            let params =
+                SamplingParams { seed: request.sampling.seed.wrapping_add(index as u64), ..request.sampling.clone() };
+            let sampler = Sampler::new(params)?;
+            let mut sample = Sample { request: id, index, slot, sampler, generated: Vec::new(), pending: 0 };
+            let outcome = self.take_token(&mut sample, &last)?;
+            self.place(sample, outcome);
+        }
+        self.stats.running.store(self.samples.len(), Ordering::Relaxed);
+        self.stats.slots_used.store(self.cache.slots() - self.free.len(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Samples the next token of `sample` from `logits`, reports it, and says whether (and
+    /// why) the sample ends.
+    fn take_token(&self, sample: &mut Sample, logits: &Tensor) -> keel_model::Result<Option<(Finish, Option<String>)>> {
+        let Some(running) = self.requests[sample.request].as_ref() else { return Ok(Some((Finish::Abort, None))) };
+        let request = &running.request;
+        let (token, logprob, top) = sample.sampler.sample_with_top(logits, request.top_logprobs)?;
+        sample.generated.push(token);
+        sample.pending = token;
+        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let sent = running.events.send(Event::Token(TokenOut { index: sample.index, token, logprob, top }));
+        if sent.is_err() {
+            return Ok(Some((Finish::Abort, None)));
+        }
+        if request.stop_token_ids.contains(&token) {
+            return Ok(Some((Finish::Stop, None)));
+        }
+        if let Some(stop) = self.stop_string(request, &sample.generated) {
+            return Ok(Some((Finish::Stop, Some(stop))));
+        }
+        if sample.generated.len() >= request.max_tokens || self.cache.len(sample.slot) + 1 > self.cache.capacity() {
+            return Ok(Some((Finish::Length, None)));
+        }
+        Ok(None)
+    }
+
+    /// The first stop string the generated text contains.
+    fn stop_string(&self, request: &GenRequest, generated: &[i64]) -> Option<String> {
+        if request.stop.is_empty() {
+            return None;
+        }
+        let tokenizer = self.tokenizer.as_ref()?;
+        let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
+        let text = tokenizer.decode(&ids, false).ok()?;
+        request.stop.iter().find(|s| text.contains(s.as_str())).cloned()
+    }
+
+    /// Keeps a sample running, or ends it and frees its slot.
+    fn place(&mut self, sample: Sample, outcome: Option<(Finish, Option<String>)>) {
+        match outcome {
+            None => self.samples.push(sample),
+            Some((reason, stop)) => self.finish(sample, reason, stop),
+        }
+    }
+
+    fn finish(&mut self, sample: Sample, reason: Finish, stop: Option<String>) {
+        self.cache.reset(sample.slot);
+        self.free.push(sample.slot);
+        if let Some(running) = self.requests[sample.request].as_mut() {
+            let _ = running.events.send(Event::Finished { index: sample.index, reason, stop });
+            running.live -= 1;
+            if running.live == 0 {
+                self.requests[sample.request] = None;
+                self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// One decode step for every running sample.
+    fn step(&mut self) {
+        let started = Instant::now();
+        let samples = std::mem::take(&mut self.samples);
+        let slots: Vec<usize> = samples.iter().map(|s| s.slot).collect();
+        let tokens: Vec<i64> = samples.iter().map(|s| s.pending).collect();
+        let logits = Tensor::from_slice(&tokens)
+            .f_unsqueeze(1)
+            .map_err(keel_model::Error::from)
+            .and_then(|input| self.model.forward_slots(&input, &mut self.cache, &slots));
+        match logits {
+            Ok(logits) => {
+                for (row, mut sample) in samples.into_iter().enumerate() {
+                    let outcome = logits
+                        .f_select(0, row as i64)
+                        .and_then(|l| l.f_select(0, 0))
+                        .map_err(keel_model::Error::from)
+                        .and_then(|l| self.take_token(&mut sample, &l));
+                    match outcome {
+                        Ok(outcome) => self.place(sample, outcome),
+                        Err(e) => {
+                            if let Some(running) = self.requests[sample.request].as_ref() {
+                                let _ = running.events.send(Event::Failed(e.to_string()));
+                            }
+                            self.finish(sample, Finish::Abort, None);
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!("decode step failed: {e}");
+                for sample in samples {
+                    if let Some(running) = self.requests[sample.request].as_ref() {
+                        let _ = running.events.send(Event::Failed(e.to_string()));
+                    }
+                    self.finish(sample, Finish::Abort, None);
+                }
+            }
+        }
+        self.stats.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.stats.running.store(self.samples.len(), Ordering::Relaxed);
+        self.stats.slots_used.store(self.cache.slots() - self.free.len(), Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,354 @@
+//! The generator served in-process on a tiny `keel model init` model, driven over HTTP:
+//! greedy parity with `keel model generate` and transformers, seeded sampling independent of
+//! the batch, logprobs that agree with the scorer, streaming, stop strings, chat, errors and
+//! overload.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+
+use keel_generator::{Config, default_config, load, openai};
+use keel_model::init::{InitSpec, Preset, init_model};
+use keel_model::sampling::{SamplingParams, generate};
+use keel_model::{Architecture, CausalLm};
+use serde_json::{Value, json};
+use tch::{Device, Kind, Tensor};
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let out = dir.join("tiny");
+    init_model(&InitSpec {
+        architecture: Architecture::Qwen3,
+        preset: Preset::Tiny,
+        tokenizer_corpus: vec![keel_testkit::workspace_root().join("examples/tokenizer-corpus.txt")],
+        out: out.clone(),
+        seed: 3,
+    })
+    .unwrap();
+    out
+}
+
+struct Server {
+    url: String,
+    client: reqwest::Client,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn serve(model: &Path, tune: impl FnOnce(&mut Config)) -> Server {
+    let mut config = default_config();
+    config.max_num_seqs = 8;
+    config.max_model_len = Some(256);
+    tune(&mut config);
+    let state = load(&config, model).unwrap();
+    let app = openai::routes(state).merge(keel_service::health_routes("generator"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(keel_service::serve(listener, app, async move {
+        let _ = stopped.await;
+    }));
+    Server { url, client: reqwest::Client::new(), _stop: stop }
+}
+
+impl Server {
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let response = self.client.post(format!("{}{path}", self.url)).json(&body).send().await.unwrap();
+        (response.status().as_u16(), response.json().await.unwrap())
+    }
+
+    async fn ok(&self, path: &str, body: Value) -> Value {
+        let (status, body) = self.post(path, body).await;
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+}
+
+fn prompt_ids() -> Vec<i64> {
+    vec![5, 88, 17, 201, 33, 9]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn greedy_output_matches_keel_generate_and_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let body = server
+        .ok(
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": prompt_ids(), "max_tokens": 20, "temperature": 0,
+            "ignore_eos": true, "return_token_ids": true}),
+        )
+        .await;
+    let ids: Vec<i64> = serde_json::from_value(body["choices"][0]["token_ids"].clone()).unwrap();
+    assert_eq!(ids.len(), 20);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 20);
+
+    let local = CausalLm::load(&model, Device::Cpu, Kind::Float).unwrap();
+    let cli =
+        generate(&local, &prompt_ids(), 20, &[], SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
+    assert_eq!(ids, cli.tokens, "keel model generate");
+
+    let ids_file = dir.path().join("ids.json");
+    std::fs::write(&ids_file, json!(prompt_ids()).to_string()).unwrap();
+    let reference = keel_testkit::reference(&[
+        "generate",
+        model.to_str().unwrap(),
+        ids_file.to_str().unwrap(),
+        "--max-new-tokens",
+        "20",
+    ]);
+    let hf: Vec<i64> = serde_json::from_value(reference["token_ids"].clone()).unwrap();
+    assert_eq!(ids, hf, "transformers generate");
+}
+
+/// Mean of exp(|generator logprob − scorer logprob|) over a sample's tokens.
+fn logprob_error(model: &CausalLm, prompt: &[i64], tokens: &[i64], logprobs: &[f64], temperature: f64) -> f64 {
+    let full: Vec<i64> = prompt.iter().chain(tokens).copied().collect();
+    let ids = Tensor::from_slice(&full).unsqueeze(0);
+    let scored = model.token_logprobs(&ids, &[full.len() as i64], temperature).unwrap();
+    let scored = Vec::<f64>::try_from(scored.get(0).to_kind(Kind::Double)).unwrap();
+    let tail = &scored[prompt.len()..];
+    tail.iter().zip(logprobs).map(|(s, g)| (s - g).abs().exp()).sum::<f64>() / tokens.len() as f64
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn seeded_samples_do_not_depend_on_the_batch_and_logprobs_match_the_scorer() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let request = json!({"model": "tiny", "prompt": prompt_ids(), "max_tokens": 24, "temperature": 0.8, "top_p": 0.95,
+        "seed": 1234, "n": 3, "ignore_eos": true, "return_token_ids": true, "logprobs": 0});
+    let alone = server.ok("/v1/completions", request.clone()).await;
+
+    // The same request again while other requests of different lengths arrive and leave.
+    let others: Vec<_> = (0..6)
+        .map(|i| {
+            let body = json!({"model": "tiny", "prompt": [7 + i, 40, 41 + i], "max_tokens": 5 + 7 * i, "temperature": 1.0,
+                "ignore_eos": true});
+            let (client, url) = (server.client.clone(), server.url.clone());
+            tokio::spawn(async move { client.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().status() })
+        })
+        .collect();
+    let busy = server.ok("/v1/completions", request).await;
+    for other in others {
+        assert_eq!(other.await.unwrap(), 200);
+    }
+    let samples = |body: &Value| -> Vec<Vec<i64>> {
+        body["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| serde_json::from_value(c["token_ids"].clone()).unwrap())
+            .collect()
+    };
+    assert_eq!(samples(&alone), samples(&busy));
+    let distinct: std::collections::HashSet<_> = samples(&alone).into_iter().collect();
+    assert_eq!(distinct.len(), 3, "the n samples differ");
+
+    let local = CausalLm::load(&model, Device::Cpu, Kind::Float).unwrap();
+    for choice in alone["choices"].as_array().unwrap() {
+        let tokens: Vec<i64> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+        let logprobs: Vec<f64> = serde_json::from_value(choice["logprobs"]["token_logprobs"].clone()).unwrap();
+        let error = logprob_error(&local, &prompt_ids(), &tokens, &logprobs, 0.8);
+        assert!(error <= 1.001, "mean exp|Δ| = {error}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_arriving_together_match_requests_run_one_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let requests: Vec<Value> = (0..6)
+        .map(|i| {
+            json!({"model": "tiny", "prompt": [3 + i, 50 + 2 * i, 9, 12 + i], "max_tokens": 6 + 4 * i,
+            "temperature": if i % 2 == 0 { 0.0 } else { 0.9 }, "seed": i, "ignore_eos": true, "return_token_ids": true})
+        })
+        .collect();
+    let mut one_by_one = Vec::new();
+    for r in &requests {
+        one_by_one.push(server.ok("/v1/completions", r.clone()).await["choices"][0]["token_ids"].clone());
+    }
+    let together: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            let (client, url, body) = (server.client.clone(), server.url.clone(), r.clone());
+            tokio::spawn(async move {
+                let body: Value = client
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                body["choices"][0]["token_ids"].clone()
+            })
+        })
+        .collect();
+    for (i, handle) in together.into_iter().enumerate() {
+        assert_eq!(handle.await.unwrap(), one_by_one[i], "request {i}");
+    }
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_data(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streaming_chat_stops_and_the_openai_surface() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+
+    // Streaming equals non-streaming for the same seed, ends with [DONE], reports usage.
+    let request = json!({"model": "tiny", "prompt": "What is 2 + 3?", "max_tokens": 16, "temperature": 0.7, "seed": 5,
+        "ignore_eos": true});
+    let whole = server.ok("/v1/completions", request.clone()).await;
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let text = server
+        .client
+        .post(format!("{}/v1/completions", server.url))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let data = sse_data(&text);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let joined: String = chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str())).collect();
+    assert_eq!(joined, whole["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 16);
+
+    // A stop string ends the text before it (or keeps it, by flag).
+    let full = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    let cut: String = full.chars().skip(4).take(3).collect();
+    if !cut.trim().is_empty() {
+        let mut stopped = request.clone();
+        stopped["stop"] = json!([cut]);
+        let body = server.ok("/v1/completions", stopped.clone()).await;
+        let expected = &full[..full.find(&cut).unwrap()];
+        assert_eq!(body["choices"][0]["text"], expected);
+        assert_eq!(
+            (body["choices"][0]["finish_reason"].as_str(), body["choices"][0]["stop_reason"].as_str()),
+            (Some("stop"), Some(cut.as_str()))
+        );
+        stopped["include_stop_str_in_output"] = json!(true);
+        let body = server.ok("/v1/completions", stopped).await;
+        assert_eq!(body["choices"][0]["text"].as_str().unwrap(), format!("{expected}{cut}"));
+    }
+
+    // Chat through the model's template, with logprobs, n = 2, streamed too.
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Add 4 and 5."}], "max_tokens": 8,
+        "temperature": 0.9, "seed": 2, "n": 2, "logprobs": true, "top_logprobs": 3});
+    let body = server.ok("/v1/chat/completions", chat.clone()).await;
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    let first = &body["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 3);
+    let mut streamed_chat = chat.clone();
+    streamed_chat["stream"] = json!(true);
+    let text = server
+        .client
+        .post(format!("{}/v1/chat/completions", server.url))
+        .json(&streamed_chat)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let data = sse_data(&text);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let mut contents = [String::new(), String::new()];
+    for chunk in &data[..data.len() - 1] {
+        let chunk: Value = serde_json::from_str(chunk).unwrap();
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        for choice in chunk["choices"].as_array().unwrap() {
+            if let Some(piece) = choice["delta"]["content"].as_str() {
+                contents[choice["index"].as_u64().unwrap() as usize].push_str(piece);
+            }
+        }
+    }
+    for (i, content) in contents.iter().enumerate() {
+        assert_eq!(content, body["choices"][i]["message"]["content"].as_str().unwrap());
+    }
+
+    // Models, tokenize and detokenize round trip, metrics.
+    let models: Value =
+        server.client.get(format!("{}/v1/models", server.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny");
+    let tokens = server.ok("/tokenize", json!({"prompt": "12 + 30"})).await;
+    let back = server.ok("/detokenize", json!({"tokens": tokens["tokens"]})).await;
+    assert_eq!(back["prompt"], "12 + 30");
+    let metrics = server.client.get(format!("{}/metrics", server.url)).send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains("keel_generator_generated_tokens_total") && metrics.contains("keel_generator_queue_depth 0"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_requests_get_openai_errors_and_overload_gets_429() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |c| {
+        c.max_num_seqs = 1;
+        c.max_waiting = 1;
+    })
+    .await;
+    let (status, body) = server.post("/v1/completions", json!({"model": "tiny", "prompt": vec![5; 300]})).await;
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"].as_str().unwrap().contains("maximum context length is 256"), "{body}");
+    let (status, body) = server.post("/v1/completions", json!({"model": "other", "prompt": "hi"})).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (404, Some("model_not_found")));
+    let (status, body) =
+        server.post("/v1/completions", json!({"model": "tiny", "prompt": "hi", "temperature": -1})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("temperature")));
+    let (status, _) = server.post("/v1/completions", json!({"model": "tiny", "prompt": "hi", "n": 2})).await;
+    assert_eq!(status, 400, "n beyond the slots can never fit");
+    let response = server
+        .client
+        .post(format!("{}/v1/completions", server.url))
+        .body("{not json")
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+
+    // One running and one waiting fill the server: of a burst of eight long requests, those
+    // that find it full are turned away with a retry hint, the others complete.
+    let long = json!({"model": "tiny", "prompt": [5, 6], "max_tokens": 250, "ignore_eos": true, "temperature": 0});
+    let burst: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url, body) = (server.client.clone(), server.url.clone(), long.clone());
+            tokio::spawn(async move {
+                let response = client.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
+                let retry = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+                (response.status().as_u16(), retry)
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for handle in burst {
+        outcomes.push(handle.await.unwrap());
+    }
+    assert!(outcomes.iter().all(|o| o.0 == 200 || *o == (429, Some("1".to_string()))), "{outcomes:?}");
+    assert!(outcomes.iter().filter(|o| o.0 == 429).count() >= 1, "{outcomes:?}");
+    assert!(outcomes.iter().filter(|o| o.0 == 200).count() >= 2, "{outcomes:?}");
+    let health = server.client.get(format!("{}/healthz", server.url)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
