@@ -6,8 +6,14 @@
 //! masked to its own tokens); samples leave at token boundaries when they stop, and waiting
 //! requests join at the next step. Each sample has its own seeded sampler, so its output does
 //! not depend on what else is in the batch.
+//!
+//! Refit: new weights are copied into the model at a token boundary. In `drain` mode no new
+//! request is admitted until the running ones finish, so every sample comes from one weight
+//! version; in `pause` mode the running samples pause for the copy and continue on the new
+//! weights. Every finished sample reports the version it ended on.
 
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -17,6 +23,7 @@ use keel_model::sampling::{Sampler, SamplingParams};
 use keel_model::{CausalLm, SlotCache, Tokenizer};
 use tch::Tensor;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 
 use crate::request::{Event, Finish, GenRequest, TokenOut};
 
@@ -34,6 +41,34 @@ pub struct Stats {
     pub ttft_count: AtomicU64,
     /// Time spent in decode steps, microseconds.
     pub decode_micros: AtomicU64,
+    /// The weight version being served.
+    pub weight_version: AtomicU64,
+    pub refits: AtomicU64,
+    /// How long the last refit took (waiting for the drain included), microseconds.
+    pub last_refit_micros: AtomicU64,
+}
+
+/// How a refit treats running samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefitMode {
+    /// Admit nothing new until the running samples finish, then swap the weights.
+    #[default]
+    Drain,
+    /// Swap at the next token boundary; running samples continue on the new weights.
+    Pause,
+}
+
+struct Refit {
+    dir: PathBuf,
+    version: u64,
+    requested: Instant,
+    done: oneshot::Sender<Result<f64, String>>,
+}
+
+enum Command {
+    Generate(Submission),
+    Refit(Refit),
 }
 
 struct Submission {
@@ -45,7 +80,7 @@ struct Submission {
 /// A handle to the scheduler thread.
 #[derive(Debug, Clone)]
 pub struct Engine {
-    submit: mpsc::Sender<Submission>,
+    submit: mpsc::Sender<Command>,
     pub stats: Arc<Stats>,
     pub slots: usize,
     pub max_model_len: i64,
@@ -77,6 +112,8 @@ struct Scheduler {
     requests: Vec<Option<Running>>,
     samples: Vec<Sample>,
     stats: Arc<Stats>,
+    refit_mode: RefitMode,
+    refit: Option<Refit>,
 }
 
 impl Engine {
@@ -86,10 +123,11 @@ impl Engine {
         tokenizer: Option<Arc<Tokenizer>>,
         slots: usize,
         max_model_len: i64,
+        refit_mode: RefitMode,
     ) -> keel_model::Result<Self> {
         let cache = SlotCache::new(model.config(), slots, max_model_len, model.kind(), model.device())?;
         let stats = Arc::new(Stats::default());
-        let (submit, intake) = mpsc::channel::<Submission>();
+        let (submit, intake) = mpsc::channel::<Command>();
         let mut scheduler = Scheduler {
             model,
             tokenizer,
@@ -99,6 +137,8 @@ impl Engine {
             requests: Vec::new(),
             samples: Vec::new(),
             stats: stats.clone(),
+            refit_mode,
+            refit: None,
         };
         std::thread::Builder::new()
             .name("keel-generator-scheduler".into())
@@ -111,28 +151,77 @@ impl Engine {
     pub fn submit(&self, request: GenRequest, events: UnboundedSender<Event>) -> Result<(), String> {
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         self.submit
-            .send(Submission { request, events, arrived: Instant::now() })
+            .send(Command::Generate(Submission { request, events, arrived: Instant::now() }))
             .map_err(|_| "the scheduler has stopped".to_string())
+    }
+
+    /// The weight version being served.
+    pub fn weight_version(&self) -> u64 {
+        self.stats.weight_version.load(Ordering::Relaxed)
+    }
+
+    /// Loads the weights in `dir` as `version`; returns the seconds it took.
+    pub async fn refit(&self, dir: PathBuf, version: u64) -> Result<f64, String> {
+        let (done, result) = oneshot::channel();
+        let refit = Refit { dir, version, requested: Instant::now(), done };
+        self.submit.send(Command::Refit(refit)).map_err(|_| "the scheduler has stopped".to_string())?;
+        result.await.map_err(|_| "the scheduler dropped the refit".to_string())?
     }
 }
 
 impl Scheduler {
-    fn run(&mut self, intake: mpsc::Receiver<Submission>) {
+    fn run(&mut self, intake: mpsc::Receiver<Command>) {
         loop {
-            if self.samples.is_empty() && self.waiting.is_empty() {
+            if self.samples.is_empty() && self.waiting.is_empty() && self.refit.is_none() {
                 match intake.recv() {
-                    Ok(submission) => self.waiting.push_back(submission),
+                    Ok(command) => self.take(command),
                     Err(_) => return,
                 }
             }
-            while let Ok(submission) = intake.try_recv() {
-                self.waiting.push_back(submission);
+            while let Ok(command) = intake.try_recv() {
+                self.take(command);
             }
-            self.admit();
+            if self.refit.is_some() && (self.refit_mode == RefitMode::Pause || self.samples.is_empty()) {
+                self.apply_refit();
+            }
+            if self.refit.is_none() {
+                self.admit();
+            }
             if !self.samples.is_empty() {
                 self.step();
             }
         }
+    }
+
+    fn take(&mut self, command: Command) {
+        match command {
+            Command::Generate(submission) => self.waiting.push_back(submission),
+            Command::Refit(refit) => {
+                if let Some(previous) = self.refit.replace(refit) {
+                    let _ = previous.done.send(Err(format!(
+                        "superseded by a newer refit before version {} was loaded",
+                        previous.version
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Copies the new weights in (the model keeps its old weights if they do not fit).
+    fn apply_refit(&mut self) {
+        let Some(refit) = self.refit.take() else { return };
+        let outcome = self.model.reload_weights(&refit.dir).map_err(|e| e.to_string());
+        let seconds = refit.requested.elapsed().as_secs_f64();
+        match &outcome {
+            Ok(()) => {
+                self.stats.weight_version.store(refit.version, Ordering::Relaxed);
+                self.stats.refits.fetch_add(1, Ordering::Relaxed);
+                self.stats.last_refit_micros.store((seconds * 1e6) as u64, Ordering::Relaxed);
+                tracing::info!(version = refit.version, seconds, "refit done");
+            }
+            Err(e) => tracing::error!(version = refit.version, "refit failed, serving the previous weights: {e}"),
+        }
+        let _ = refit.done.send(outcome.map(|()| seconds));
     }
 
     /// Admits waiting requests in arrival order while their samples fit in free slots.
@@ -244,7 +333,8 @@ impl Scheduler {
         self.cache.reset(sample.slot);
         self.free.push(sample.slot);
         if let Some(running) = self.requests[sample.request].as_mut() {
-            let _ = running.events.send(Event::Finished { index: sample.index, reason, stop });
+            let version = self.stats.weight_version.load(Ordering::Relaxed);
+            let _ = running.events.send(Event::Finished { index: sample.index, reason, stop, version });
             running.live -= 1;
             if running.live == 0 {
                 self.requests[sample.request] = None;

@@ -6,6 +6,7 @@
 //! - [`request`]: the validated request and the events the engine sends back.
 //! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
 //!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full.
+//! - [`rollout`]: NATS rollout requests (queue group `generator`) and weights-updated refits.
 //! - [`text`]: stop strings and what a stream may show.
 //!
 //! Without a `model` configured the service starts and answers `/healthz` only.
@@ -13,6 +14,7 @@
 pub mod engine;
 pub mod openai;
 pub mod request;
+pub mod rollout;
 pub mod text;
 
 use std::future::Future;
@@ -43,6 +45,12 @@ pub struct Config {
     pub max_model_len: Option<i64>,
     /// Requests waiting for slots before new ones get 429.
     pub max_waiting: usize,
+    /// NATS server for rollouts and refits (default `KEEL_NATS_URL` or nats://127.0.0.1:4222).
+    pub nats_url: String,
+    /// Prefix of every subject (`keel.v1`).
+    pub subject_prefix: String,
+    /// `drain` (no sample mixes weight versions) or `pause` (swap at the next token).
+    pub refit_mode: engine::RefitMode,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -53,6 +61,7 @@ impl keel_service::ServiceConfig for Config {
         if self.max_model_len.is_some_and(|l| l < 2) {
             return Err("max_model_len: must be at least 2".into());
         }
+        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
         Ok(())
     }
 }
@@ -67,6 +76,9 @@ pub fn default_config() -> Config {
         max_num_seqs: 16,
         max_model_len: None,
         max_waiting: 64,
+        nats_url: keel_service::nats::default_url(),
+        subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
+        refit_mode: engine::RefitMode::Drain,
     }
 }
 
@@ -86,6 +98,7 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         return Err(format!("max_model_len {max_model_len} exceeds the model's context of {context}"));
     }
     let vocab_size = model.config().vocab_size;
+    let slots = config.max_num_seqs;
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     if eos_token_ids.is_empty() {
         eos_token_ids = model.config().eos_token_ids.clone();
@@ -94,22 +107,36 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         model_dir.file_name().map_or_else(|| model_dir.display().to_string(), |n| n.to_string_lossy().into_owned())
     });
     let tokenizer = Arc::new(tokenizer);
-    let engine = engine::Engine::start(model, Some(tokenizer.clone()), config.max_num_seqs, max_model_len)
+    let engine = engine::Engine::start(model, Some(tokenizer.clone()), slots, max_model_len, config.refit_mode)
         .map_err(|e| e.to_string())?;
+    let limits = request::Limits { vocab_size, max_model_len: max_model_len as usize, slots, eos_token_ids };
     let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));
-    Ok(openai::AppState { engine, tokenizer, model_name, vocab_size, eos_token_ids, admission })
+    Ok(openai::AppState { engine, tokenizer, model_name, limits, admission })
 }
 
-/// Serves until `shutdown` completes.
+/// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
+/// NATS rollout and refit subjects too.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
-    let mut app = keel_service::health_routes(SERVICE);
-    if let Some(dir) = config.model.clone() {
-        let loaded = {
-            let config = config.clone();
-            tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| e.to_string())??
-        };
-        tracing::info!(model = %loaded.model_name, slots = config.max_num_seqs, "model loaded");
-        app = openai::routes(loaded).merge(app);
-    }
-    keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string())
+    let Some(dir) = config.model.clone() else {
+        let app = keel_service::health_routes(SERVICE);
+        return keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string());
+    };
+    let loaded = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| e.to_string())??
+    };
+    tracing::info!(model = %loaded.model_name, slots = config.max_num_seqs, "model loaded");
+    let client = keel_service::nats::connect(&config.nats_url).await?;
+    let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let nats = tokio::spawn(rollout::serve(client, subjects, loaded.clone(), stopped(stop_rx.clone())));
+    let app = openai::routes(loaded).merge(keel_service::health_routes(SERVICE));
+    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, stopped(stop_rx)));
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    http.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    nats.await.map_err(|e| e.to_string())?
 }

@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::engine::Engine;
-use crate::request::{Event, Finish, GenRequest};
+use crate::request::{Draft, Event, Finish, GenRequest, Limits};
 use crate::text::{final_text, streamable_len};
 
 /// What the handlers share.
@@ -36,8 +36,7 @@ pub struct AppState {
     pub engine: Engine,
     pub tokenizer: Arc<Tokenizer>,
     pub model_name: String,
-    pub vocab_size: i64,
-    pub eos_token_ids: Vec<i64>,
+    pub limits: Limits,
     /// Requests in the system (running or queued); a request that finds none free gets 429.
     pub admission: Arc<Semaphore>,
 }
@@ -190,9 +189,6 @@ fn default_true() -> bool {
     true
 }
 
-/// Most top logprobs a request may ask for.
-const MAX_TOP_LOGPROBS: usize = 20;
-
 impl AppState {
     fn check_model(&self, name: &str) -> ApiResult<()> {
         if name == self.model_name {
@@ -228,51 +224,12 @@ impl AppState {
         top_logprobs: usize,
         default_max: Option<usize>,
     ) -> ApiResult<GenRequest> {
-        if prompt.is_empty() {
-            return Err(ApiError::bad("the prompt is empty", Some("prompt")));
-        }
-        if let Some((i, id)) = prompt.iter().enumerate().find(|(_, id)| !(0..self.vocab_size).contains(*id)) {
-            return Err(ApiError::bad(
-                format!("prompt token {i} ({id}) is out of the vocabulary (size {})", self.vocab_size),
-                Some("prompt"),
-            ));
-        }
         for (name, value) in
             [("presence_penalty", common.presence_penalty), ("frequency_penalty", common.frequency_penalty)]
         {
             if value.is_some_and(|v| v != 0.0) {
                 return Err(ApiError::bad(format!("{name} is not supported"), None));
             }
-        }
-        let limit = self.engine.max_model_len as usize;
-        let room = limit.saturating_sub(prompt.len());
-        let max_tokens = common.max_completion_tokens.or(common.max_tokens).or(default_max).unwrap_or(room);
-        if max_tokens == 0 {
-            return Err(ApiError::bad("max_tokens must be at least 1", Some("max_tokens")));
-        }
-        if prompt.len() + max_tokens > limit {
-            return Err(ApiError::bad(
-                format!(
-                    "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({} in the prompt, {max_tokens} for the completion).",
-                    prompt.len() + max_tokens,
-                    prompt.len()
-                ),
-                Some("max_tokens"),
-            ));
-        }
-        let n = common.n.unwrap_or(1);
-        if n == 0 || n > self.engine.slots {
-            return Err(ApiError::bad(
-                format!("n must be between 1 and {} (the server's sequence slots), got {n}", self.engine.slots),
-                Some("n"),
-            ));
-        }
-        let temperature = common.temperature.unwrap_or(1.0);
-        if !(temperature.is_finite() && (0.0..=100.0).contains(&temperature)) {
-            return Err(ApiError::bad(
-                format!("temperature must be in [0, 100], got {temperature}"),
-                Some("temperature"),
-            ));
         }
         let top_k = match common.top_k {
             None | Some(-1) | Some(0) => None,
@@ -281,43 +238,30 @@ impl AppState {
                 return Err(ApiError::bad(format!("top_k must be -1 (off) or at least 1, got {k}"), Some("top_k")));
             }
         };
-        let seed = common.seed.unwrap_or_else(rand::random);
         let sampling = SamplingParams {
-            temperature,
+            temperature: common.temperature.unwrap_or(1.0),
             top_p: common.top_p.unwrap_or(1.0),
             top_k,
             min_p: common.min_p.unwrap_or(0.0),
-            seed,
+            seed: common.seed.unwrap_or_else(rand::random),
         };
-        sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
-        if top_logprobs > MAX_TOP_LOGPROBS {
-            return Err(ApiError::bad(
-                format!("at most {MAX_TOP_LOGPROBS} top logprobs, got {top_logprobs}"),
-                Some("logprobs"),
-            ));
-        }
-        let mut stop_token_ids = common.stop_token_ids.clone().unwrap_or_default();
-        if !common.ignore_eos {
-            stop_token_ids.extend(&self.eos_token_ids);
-        }
         let stop = match &common.stop {
             None => Vec::new(),
             Some(OneOrMany::One(s)) => vec![s.clone()],
             Some(OneOrMany::Many(list)) => list.clone(),
         };
-        if stop.iter().any(String::is_empty) {
-            return Err(ApiError::bad("stop strings must not be empty", Some("stop")));
-        }
-        Ok(GenRequest {
+        let draft = Draft {
             prompt,
-            n,
-            max_tokens,
+            n: common.n.unwrap_or(1),
+            max_tokens: common.max_completion_tokens.or(common.max_tokens).or(default_max),
             sampling,
-            stop_token_ids,
+            stop_token_ids: common.stop_token_ids.clone().unwrap_or_default(),
             stop,
             include_stop_str_in_output: common.include_stop_str_in_output,
+            ignore_eos: common.ignore_eos,
             top_logprobs,
-        })
+        };
+        self.limits.check(draft).map_err(|e| ApiError::bad(e.message, Some(e.param)))
     }
 
     fn admit(&self) -> ApiResult<OwnedSemaphorePermit> {
@@ -353,7 +297,7 @@ async fn run_to_end(state: &AppState, request: GenRequest) -> ApiResult<Vec<Samp
                 s.logprobs.push(t.logprob);
                 s.top.push(t.top);
             }
-            Event::Finished { index, reason, stop } => samples[index].finish = Some((reason, stop)),
+            Event::Finished { index, reason, stop, .. } => samples[index].finish = Some((reason, stop)),
             Event::Failed(message) => return Err(ApiError::bad(message, None)),
         }
     }
@@ -580,7 +524,7 @@ fn stream(
                         s.top.push(t.top);
                         t.index
                     }
-                    Event::Finished { index, reason, stop } => {
+                    Event::Finished { index, reason, stop, .. } => {
                         samples[index].out.finish = Some((reason, stop));
                         samples[index].done = true;
                         index
@@ -673,9 +617,9 @@ async fn detokenize(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<DetokenizeRequest>,
 ) -> ApiResult<Json<Value>> {
-    if let Some(id) = body.tokens.iter().find(|id| !(0..state.vocab_size).contains(*id)) {
+    if let Some(id) = body.tokens.iter().find(|id| !(0..state.limits.vocab_size).contains(*id)) {
         return Err(ApiError::bad(
-            format!("token {id} is out of the vocabulary (size {})", state.vocab_size),
+            format!("token {id} is out of the vocabulary (size {})", state.limits.vocab_size),
             Some("tokens"),
         ));
     }

@@ -56,12 +56,124 @@ pub struct TokenOut {
 #[derive(Debug, Clone)]
 pub enum Event {
     Token(TokenOut),
-    /// Sample `index` ended; `stop` names the stop string that ended it.
+    /// Sample `index` ended on weight version `version`; `stop` names the stop string that
+    /// ended it.
     Finished {
         index: usize,
         reason: Finish,
         stop: Option<String>,
+        version: u64,
     },
     /// The request failed as a whole (e.g. the model rejected it).
     Failed(String),
+}
+
+/// What the engine can serve: requests are checked against these once, at the edge.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub vocab_size: i64,
+    pub max_model_len: usize,
+    pub slots: usize,
+    pub eos_token_ids: Vec<i64>,
+}
+
+/// A refused request: what is wrong and which field it concerns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Invalid {
+    pub message: String,
+    pub param: &'static str,
+}
+
+fn invalid(param: &'static str, message: String) -> Invalid {
+    Invalid { message, param }
+}
+
+/// A request as a client sent it, before checking.
+#[derive(Debug, Clone)]
+pub struct Draft {
+    pub prompt: Vec<i64>,
+    pub n: usize,
+    /// None: all the room the context leaves.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop_token_ids: Vec<i64>,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    pub ignore_eos: bool,
+    pub top_logprobs: usize,
+}
+
+/// Most top logprobs a request may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+impl Limits {
+    /// Checks `draft` and makes it a request the engine can always serve.
+    pub fn check(&self, draft: Draft) -> Result<GenRequest, Invalid> {
+        let prompt = draft.prompt;
+        if prompt.is_empty() {
+            return Err(invalid("prompt", "the prompt is empty".into()));
+        }
+        if let Some((i, id)) = prompt.iter().enumerate().find(|(_, id)| !(0..self.vocab_size).contains(*id)) {
+            return Err(invalid(
+                "prompt",
+                format!("prompt token {i} ({id}) is out of the vocabulary (size {})", self.vocab_size),
+            ));
+        }
+        let limit = self.max_model_len;
+        let max_tokens = draft.max_tokens.unwrap_or(limit.saturating_sub(prompt.len()));
+        if max_tokens == 0 {
+            return Err(invalid("max_tokens", "max_tokens must be at least 1".into()));
+        }
+        if prompt.len() + max_tokens > limit {
+            return Err(invalid(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({} in the prompt, {max_tokens} for the completion).",
+                    prompt.len() + max_tokens,
+                    prompt.len()
+                ),
+            ));
+        }
+        if draft.n == 0 || draft.n > self.slots {
+            return Err(invalid(
+                "n",
+                format!("n must be between 1 and {} (the server's sequence slots), got {}", self.slots, draft.n),
+            ));
+        }
+        let t = draft.sampling.temperature;
+        if !(t.is_finite() && (0.0..=100.0).contains(&t)) {
+            return Err(invalid("temperature", format!("temperature must be in [0, 100], got {t}")));
+        }
+        draft.sampling.validate().map_err(|e| {
+            let text = e.to_string();
+            let param = ["top_p", "top_k", "min_p"].into_iter().find(|p| text.contains(p)).unwrap_or("sampling");
+            invalid(param, text)
+        })?;
+        if draft.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(invalid(
+                "logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} top logprobs, got {}", draft.top_logprobs),
+            ));
+        }
+        if draft.stop.iter().any(String::is_empty) {
+            return Err(invalid("stop", "stop strings must not be empty".into()));
+        }
+        let mut stop_token_ids = draft.stop_token_ids;
+        if let Some(id) = stop_token_ids.iter().find(|id| !(0..self.vocab_size).contains(*id)) {
+            return Err(invalid("stop_token_ids", format!("stop token {id} is out of the vocabulary")));
+        }
+        if !draft.ignore_eos {
+            stop_token_ids.extend(&self.eos_token_ids);
+        }
+        Ok(GenRequest {
+            prompt,
+            n: draft.n,
+            max_tokens,
+            sampling: draft.sampling,
+            stop_token_ids,
+            stop: draft.stop,
+            include_stop_str_in_output: draft.include_stop_str_in_output,
+            top_logprobs: draft.top_logprobs,
+        })
+    }
 }

@@ -37,6 +37,40 @@ impl CausalLm {
         Ok(model)
     }
 
+    /// Replaces the weights with those in `dir`, which must hold the same architecture
+    /// (every tensor present, with the same shape). The new weights are read and checked in
+    /// full before any parameter changes, so on an error the current weights stay.
+    pub fn reload_weights(&self, dir: &Path) -> Result<()> {
+        let fresh = Self::load(dir, self.device(), self.kind())?;
+        let new = fresh.var_store().variables();
+        let current = self.var_store().variables();
+        let mut problems = Vec::new();
+        for (name, param) in &current {
+            match new.get(name) {
+                None => problems.push(crate::error::WeightProblem::Missing { name: name.clone() }),
+                Some(t) if t.size() != param.size() => problems.push(crate::error::WeightProblem::Shape {
+                    name: name.clone(),
+                    expected: param.size(),
+                    found: t.size(),
+                }),
+                Some(_) => {}
+            }
+        }
+        problems.extend(
+            new.keys()
+                .filter(|n| !current.contains_key(*n))
+                .map(|n| crate::error::WeightProblem::Unexpected { name: n.clone() }),
+        );
+        if !problems.is_empty() {
+            return Err(Error::Weights(problems));
+        }
+        let _no_grad = tch::no_grad_guard();
+        for (name, param) in current {
+            param.shallow_clone().f_copy_(&new[&name])?;
+        }
+        Ok(())
+    }
+
     /// Saves `config.json` and the weights (in the parameters' dtype) to `dir`, creating it.
     pub fn save(&self, dir: &Path, options: SaveOptions) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::io(dir))?;

@@ -8,9 +8,11 @@
 //! - [`reply`]: the `{"ok": ...}` / `{"error": {"type", "message"}}` reply envelope.
 //! - [`training`]: the training configuration (loss, optimiser, schedule, batching) with
 //!   validation that lists every problem with its field path.
+//! - [`generator`]: rollout requests and the weights-updated event.
 //! - [`trainer`]: the trainer worker's requests and replies (claim, load, logprobs, train,
 //!   score, save, heartbeat, release).
 
+pub mod generator;
 pub mod payload;
 pub mod reply;
 pub mod subjects;

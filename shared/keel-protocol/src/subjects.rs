@@ -5,6 +5,9 @@
 /// The queue group every free trainer worker joins on [`Subjects::trainer_claim`].
 pub const TRAINER_QUEUE_GROUP: &str = "trainer";
 
+/// The queue group of generators on [`Subjects::generate`].
+pub const GENERATOR_QUEUE_GROUP: &str = "generator";
+
 /// The operations a claimed trainer worker serves on its own subjects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TrainerOp {
@@ -79,6 +82,16 @@ impl Subjects {
         format!("{}.trainer.{worker}.{}", self.prefix, op.name())
     }
 
+    /// Rollout requests (queue group [`GENERATOR_QUEUE_GROUP`]).
+    pub fn generate(&self) -> String {
+        format!("{}.generate", self.prefix)
+    }
+
+    /// New weights for the generators (every generator hears it).
+    pub fn weights_updated(&self) -> String {
+        format!("{}.weights.updated", self.prefix)
+    }
+
     /// Every per-worker subject of `worker` (for subscribing).
     pub fn trainer_all(&self, worker: &str) -> String {
         format!("{}.trainer.{worker}.*", self.prefix)
@@ -98,6 +111,7 @@ mod tests {
     fn subjects_are_versioned_and_prefixed() {
         let s = Subjects::default();
         assert_eq!(s.trainer_claim(), "keel.v1.trainer.claim");
+        assert_eq!((s.generate(), s.weights_updated()), ("keel.v1.generate".into(), "keel.v1.weights.updated".into()));
         assert_eq!(s.trainer("w1", TrainerOp::Train), "keel.v1.trainer.w1.train");
         assert_eq!(Subjects::new("t.abc-1").unwrap().trainer_all("w"), "t.abc-1.trainer.w.*");
         assert!(Subjects::new("keel.*").is_err());

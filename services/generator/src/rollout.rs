@@ -1,0 +1,140 @@
+//! The NATS side: rollout requests on `<prefix>.generate` (queue group `generator`, so any
+//! replica may answer) and weights-updated events on `<prefix>.weights.updated` (every
+//! replica refits). Replies use the `{"ok"} / {"error": {type, message}}` envelope.
+
+use std::path::PathBuf;
+
+use futures::StreamExt;
+use keel_model::sampling::SamplingParams;
+use keel_protocol::generator::{RolloutReply, RolloutRequest, RolloutSample, WeightsUpdated, error_types};
+use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
+use keel_protocol::{Reply, Subjects};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::openai::AppState;
+use crate::request::{Draft, Event};
+
+async fn rollout(state: &AppState, payload: &[u8]) -> Reply<RolloutReply> {
+    let request: RolloutRequest = match serde_json::from_slice(payload) {
+        Ok(request) => request,
+        Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("malformed request: {e}")),
+    };
+    let serving = state.engine.weight_version();
+    if serving < request.min_weight_version {
+        return Reply::error(
+            error_types::STALE_WEIGHTS,
+            format!(
+                "this generator serves weight version {serving}; run {} needs {}",
+                request.run_id, request.min_weight_version
+            ),
+        );
+    }
+    let s = &request.sampling;
+    let draft = Draft {
+        prompt: request.prompt_token_ids,
+        n: request.n,
+        max_tokens: Some(request.max_tokens),
+        sampling: SamplingParams {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            min_p: s.min_p,
+            seed: s.seed.unwrap_or_else(rand::random),
+        },
+        stop_token_ids: request.stop_token_ids,
+        stop: request.stop,
+        include_stop_str_in_output: request.include_stop_str_in_output,
+        ignore_eos: request.ignore_eos,
+        top_logprobs: 0,
+    };
+    let generation = match state.limits.check(draft) {
+        Ok(generation) => generation,
+        Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("{}: {}", e.param, e.message)),
+    };
+    let Ok(_permit) = state.admission.clone().try_acquire_owned() else {
+        return Reply::error(error_types::UNAVAILABLE, "the generator's queue is full; retry another replica or later");
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let n = generation.n;
+    if let Err(e) = state.engine.submit(generation, tx) {
+        return Reply::error(error_types::UNAVAILABLE, e);
+    }
+    let mut samples: Vec<RolloutSample> = (0..n)
+        .map(|_| RolloutSample {
+            token_ids: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: String::new(),
+            stop_reason: None,
+        })
+        .collect();
+    let mut version = serving;
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Token(t) => {
+                samples[t.index].token_ids.push(t.token);
+                samples[t.index].logprobs.push(t.logprob);
+            }
+            Event::Finished { index, reason, stop, version: v } => {
+                samples[index].finish_reason = reason.as_str().to_string();
+                samples[index].stop_reason = stop;
+                version = version.max(v);
+            }
+            Event::Failed(message) => return Reply::error(error_types::INVALID_REQUEST, message),
+        }
+    }
+    Reply::Ok(RolloutReply { weight_version: version, samples })
+}
+
+/// Serves rollouts and refits until the subscriptions end or `shutdown` completes.
+pub async fn serve(
+    client: async_nats::Client,
+    subjects: Subjects,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    let mut requests = client
+        .queue_subscribe(subjects.generate(), GENERATOR_QUEUE_GROUP.to_string())
+        .await
+        .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.generate()))?;
+    let mut updates = client
+        .subscribe(subjects.weights_updated())
+        .await
+        .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.weights_updated()))?;
+    client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
+    info!(subject = %subjects.generate(), "serving rollouts");
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            message = requests.next() => {
+                let Some(message) = message else { return Err("the rollout subscription ended".into()) };
+                let (state, client) = (state.clone(), client.clone());
+                tokio::spawn(async move {
+                    let reply = rollout(&state, &message.payload).await;
+                    let body = serde_json::to_vec(&reply).unwrap_or_default();
+                    if let Some(to) = message.reply
+                        && let Err(e) = client.publish(to, body.into()).await
+                    {
+                        warn!("cannot send a rollout reply: {e}");
+                    }
+                });
+            }
+            message = updates.next() => {
+                let Some(message) = message else { return Err("the weights subscription ended".into()) };
+                match serde_json::from_slice::<WeightsUpdated>(&message.payload) {
+                    Ok(update) => {
+                        let engine = state.engine.clone();
+                        tokio::spawn(async move {
+                            match engine.refit(PathBuf::from(&update.path), update.version).await {
+                                Ok(seconds) => info!(version = update.version, run_id = %update.run_id, seconds, "weights updated"),
+                                Err(e) => warn!(version = update.version, "refit refused: {e}"),
+                            }
+                        });
+                    }
+                    Err(e) => warn!("malformed weights-updated event ignored: {e}"),
+                }
+            }
+        }
+    }
+}

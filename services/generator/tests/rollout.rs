@@ -1,0 +1,113 @@
+//! Rollouts over the real NATS (queue group `generator`): token ids in, token ids, logprobs
+//! and finish reasons out, stamped with the weight version; a weights-updated event refits
+//! the generator, and weights that do not fit are refused while serving goes on.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use keel_generator::{default_config, load, rollout};
+use keel_model::init::{InitSpec, Preset, init_model};
+use keel_model::sampling::{SamplingParams, generate};
+use keel_model::{Architecture, CausalLm};
+use keel_protocol::Subjects;
+use serde_json::{Value, json};
+use tch::{Device, Kind};
+
+fn model(dir: &Path, name: &str, preset: Preset, seed: i64) -> PathBuf {
+    let out = dir.join(name);
+    init_model(&InitSpec {
+        architecture: Architecture::Qwen3,
+        preset,
+        tokenizer_corpus: vec![keel_testkit::workspace_root().join("examples/tokenizer-corpus.txt")],
+        out: out.clone(),
+        seed,
+    })
+    .unwrap();
+    out
+}
+
+fn greedy(dir: &Path, prompt: &[i64], tokens: usize) -> Vec<i64> {
+    let local = CausalLm::load(dir, Device::Cpu, Kind::Float).unwrap();
+    generate(&local, prompt, tokens, &[], SamplingParams { temperature: 0.0, ..Default::default() }).unwrap().tokens
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = model(dir.path(), "first", Preset::Tiny, 1);
+    let second = model(dir.path(), "second", Preset::Tiny, 2);
+    let bigger = model(dir.path(), "bigger", Preset::Small, 3);
+    let mut config = default_config();
+    config.max_num_seqs = 4;
+    config.max_model_len = Some(128);
+    let state = load(&config, &first).unwrap();
+    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+    let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
+        let _ = stopped.await;
+    }));
+    let ask = |body: Value| {
+        let (client, subject) = (client.clone(), subjects.generate());
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match client.request(subject.clone(), body.to_string().into()).await {
+                    Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
+                    Err(e) => assert!(Instant::now() < deadline, "no generator answered: {e}"),
+                }
+            }
+        }
+    };
+    let prompt = vec![5i64, 88, 17, 201, 33];
+    let request = json!({"run_id": "r1", "prompt_token_ids": prompt, "n": 2, "max_tokens": 12,
+        "sampling": {"temperature": 0.0}, "ignore_eos": true});
+    let reply = ask(request.clone()).await;
+    let ok = &reply["ok"];
+    assert_eq!(ok["weight_version"], 0, "{reply}");
+    for sample in ok["samples"].as_array().unwrap() {
+        let ids: Vec<i64> = serde_json::from_value(sample["token_ids"].clone()).unwrap();
+        assert_eq!(ids, greedy(&first, &prompt, 12));
+        assert_eq!(sample["logprobs"].as_array().unwrap().len(), 12);
+        assert_eq!(sample["finish_reason"], "length");
+    }
+
+    let mut needs_newer = request.clone();
+    needs_newer["min_weight_version"] = json!(1);
+    assert_eq!(ask(needs_newer.clone()).await["error"]["type"], "stale_weights");
+    let reply = ask(json!({"run_id": "r1", "prompt_token_ids": [], "max_tokens": 3})).await;
+    assert_eq!(reply["error"]["type"], "invalid_request");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("prompt"), "{reply}");
+    let reply = client.request(subjects.generate(), "{oops".into()).await.unwrap();
+    let reply: Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(reply["error"]["type"], "invalid_request");
+
+    // New weights: once refitted, replies carry version 1 and come from the new model.
+    let update = json!({"run_id": "r1", "version": 1, "path": second});
+    client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let refitted = loop {
+        let reply = ask(needs_newer.clone()).await;
+        if reply.get("ok").is_some() {
+            break reply;
+        }
+        assert_eq!(reply["error"]["type"], "stale_weights");
+        assert!(Instant::now() < deadline, "never refitted");
+    };
+    assert_eq!(refitted["ok"]["weight_version"], 1);
+    let ids: Vec<i64> = serde_json::from_value(refitted["ok"]["samples"][0]["token_ids"].clone()).unwrap();
+    assert_eq!(ids, greedy(&second, &prompt, 12));
+
+    // Weights of another shape are refused; the generator keeps serving version 1.
+    let update = json!({"run_id": "r1", "version": 2, "path": bigger});
+    client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
+    client.flush().await.unwrap();
+    for _ in 0..3 {
+        let reply = ask(needs_newer.clone()).await;
+        assert_eq!(reply["ok"]["weight_version"], 1, "{reply}");
+    }
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

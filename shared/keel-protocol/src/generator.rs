@@ -1,0 +1,87 @@
+//! Rollout requests to the generator queue group (`<prefix>.generate`) and the
+//! weights-updated event (`<prefix>.weights.updated`) every generator hears. Token ids in,
+//! token ids, logprobs and finish reasons out; the reply names the weight version that
+//! served it.
+
+use serde::{Deserialize, Serialize};
+
+/// Sampling settings (temperature 0 = greedy; seed for sample i is seed + i).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Sampling {
+    pub temperature: f64,
+    pub top_p: f64,
+    /// None = off.
+    pub top_k: Option<usize>,
+    pub min_p: f64,
+    pub seed: Option<u64>,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self { temperature: 1.0, top_p: 1.0, top_k: None, min_p: 0.0, seed: None }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutRequest {
+    pub run_id: String,
+    /// The oldest weight version the run accepts (a generator on an older one refuses with
+    /// `stale_weights`).
+    #[serde(default)]
+    pub min_weight_version: u64,
+    pub prompt_token_ids: Vec<i64>,
+    #[serde(default = "one")]
+    pub n: usize,
+    pub max_tokens: usize,
+    #[serde(default)]
+    pub sampling: Sampling,
+    /// Extra stop tokens (eos ids stop too unless `ignore_eos`).
+    #[serde(default)]
+    pub stop_token_ids: Vec<i64>,
+    #[serde(default)]
+    pub stop: Vec<String>,
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutSample {
+    pub token_ids: Vec<i64>,
+    /// Logprob of each token under the distribution it was sampled from (after temperature,
+    /// before top-k/top-p/min-p).
+    pub logprobs: Vec<f32>,
+    /// `stop`, `length` or `abort`.
+    pub finish_reason: String,
+    /// The stop string that ended the sample, if one did.
+    pub stop_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutReply {
+    pub weight_version: u64,
+    pub samples: Vec<RolloutSample>,
+}
+
+/// Stable error codes of rollout replies.
+pub mod error_types {
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    pub const STALE_WEIGHTS: &str = "stale_weights";
+    pub const UNAVAILABLE: &str = "unavailable";
+}
+
+/// New policy weights to serve: a HF directory and its version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightsUpdated {
+    pub run_id: String,
+    pub version: u64,
+    pub path: String,
+}
