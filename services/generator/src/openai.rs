@@ -640,7 +640,10 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
          # HELP keel_generator_prompt_tokens_total Prompt tokens prefilled.\n# TYPE keel_generator_prompt_tokens_total counter\nkeel_generator_prompt_tokens_total {}\n\
          # HELP keel_generator_requests_finished_total Requests finished.\n# TYPE keel_generator_requests_finished_total counter\nkeel_generator_requests_finished_total {}\n\
          # HELP keel_generator_time_to_first_token_seconds Time from arrival to the first token.\n# TYPE keel_generator_time_to_first_token_seconds summary\nkeel_generator_time_to_first_token_seconds_sum {}\nkeel_generator_time_to_first_token_seconds_count {}\n\
-         # HELP keel_generator_decode_seconds_total Time spent in decode steps.\n# TYPE keel_generator_decode_seconds_total counter\nkeel_generator_decode_seconds_total {}\n",
+         # HELP keel_generator_decode_seconds_total Time spent in decode steps.\n# TYPE keel_generator_decode_seconds_total counter\nkeel_generator_decode_seconds_total {}\n\
+         # HELP keel_generator_weight_version The weight version being served.\n# TYPE keel_generator_weight_version gauge\nkeel_generator_weight_version {}\n\
+         # HELP keel_generator_refits_total Weight refits done.\n# TYPE keel_generator_refits_total counter\nkeel_generator_refits_total {}\n\
+         # HELP keel_generator_last_refit_seconds How long the last refit took, drain included.\n# TYPE keel_generator_last_refit_seconds gauge\nkeel_generator_last_refit_seconds {}\n",
         s.waiting.load(Ordering::Relaxed),
         s.running.load(Ordering::Relaxed),
         s.slots_used.load(Ordering::Relaxed) as f64 / state.engine.slots as f64,
@@ -650,6 +653,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         load(&s.ttft_micros) as f64 / 1e6,
         ttft_count,
         load(&s.decode_micros) as f64 / 1e6,
+        load(&s.weight_version),
+        load(&s.refits),
+        load(&s.last_refit_micros) as f64 / 1e6,
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }

@@ -43,6 +43,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     config.max_num_seqs = 4;
     config.max_model_len = Some(128);
     let state = load(&config, &first).unwrap();
+    let stats = state.engine.stats.clone();
     let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
     let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -99,6 +100,9 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     assert_eq!(refitted["ok"]["weight_version"], 1);
     let ids: Vec<i64> = serde_json::from_value(refitted["ok"]["samples"][0]["token_ids"].clone()).unwrap();
     assert_eq!(ids, greedy(&second, &prompt, 12));
+    let refits = |s: &keel_generator::engine::Stats| s.refits.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(refits(&stats), 1);
+    assert!(stats.last_refit_micros.load(std::sync::atomic::Ordering::Relaxed) > 0, "the refit time is exported");
 
     // Weights of another shape are refused; the generator keeps serving version 1.
     let update = json!({"run_id": "r1", "version": 2, "path": bigger});
@@ -108,6 +112,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
         let reply = ask(needs_newer.clone()).await;
         assert_eq!(reply["ok"]["weight_version"], 1, "{reply}");
     }
+    assert_eq!(refits(&stats), 1, "a refused refit is not counted");
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }

@@ -1,10 +1,12 @@
 //! The `keel` command line.
 //!
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
-//! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`.
+//! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`; [`generate`] holds
+//! `keel generate bench`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
 pub mod bench;
+pub mod generate;
 pub mod model;
 pub mod train;
 
@@ -22,6 +24,9 @@ pub enum Command {
     /// Make, score with and sample from Hugging Face model directories.
     #[command(subcommand)]
     Model(model::ModelCommand),
+    /// The generator's engine outside the service.
+    #[command(subcommand)]
+    Generate(generate::GenerateCommand),
     /// The training engine outside the service.
     #[command(subcommand)]
     Train(train::TrainCommand),
@@ -31,5 +36,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model(command) => model::run(command),
         Command::Train(command) => train::run(command),
+        Command::Generate(command) => generate::run(command),
     }
 }

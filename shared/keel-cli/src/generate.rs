@@ -1,0 +1,123 @@
+//! `keel generate bench`: the generator's engine (continuous batching scheduler, slot KV
+//! cache) on B simultaneous greedy requests, measured the way `bench/hf_generate.py`
+//! measures transformers' batched `generate`: time until every request has its first token,
+//! then decode tokens/s over the remaining tokens.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use keel_generator::engine::{Engine, RefitMode};
+use keel_generator::request::{Event, GenRequest};
+use keel_model::CausalLm;
+use keel_model::sampling::SamplingParams;
+use serde_json::json;
+
+#[derive(Debug, Subcommand)]
+pub enum GenerateCommand {
+    /// Measure time to first token and decode tokens/s of the generator engine.
+    Bench(GenerateBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateBenchArgs {
+    #[arg(long)]
+    model: std::path::PathBuf,
+    /// Simultaneous requests.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// Timed runs after one warm-up; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    #[arg(long)]
+    threads: Option<i32>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+pub fn run(command: GenerateCommand) -> anyhow::Result<()> {
+    match command {
+        GenerateCommand::Bench(args) => bench(args),
+    }
+}
+
+/// Seconds until every request has its first token, and until all are done.
+fn one_run(engine: &Engine, args: &GenerateBenchArgs, vocab: i64) -> anyhow::Result<(f64, f64)> {
+    let start = Instant::now();
+    let mut receivers = Vec::new();
+    for row in 0..args.batch {
+        let prompt: Vec<i64> =
+            (0..args.prompt_tokens).map(|i| ((row * args.prompt_tokens + i) as i64 * 37 + 5) % vocab).collect();
+        let request = GenRequest {
+            prompt,
+            n: 1,
+            max_tokens: args.decode_tokens,
+            sampling: SamplingParams { temperature: 0.0, ..Default::default() },
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            include_stop_str_in_output: false,
+            top_logprobs: 0,
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        engine.submit(request, tx).map_err(anyhow::Error::msg)?;
+        receivers.push(rx);
+    }
+    for rx in &mut receivers {
+        match rx.blocking_recv() {
+            Some(Event::Token(_)) => {}
+            other => bail!("expected a first token, got {other:?}"),
+        }
+    }
+    let first = start.elapsed().as_secs_f64();
+    for rx in &mut receivers {
+        while let Some(event) = rx.blocking_recv() {
+            if let Event::Failed(message) = event {
+                bail!("generation failed: {message}");
+            }
+        }
+    }
+    Ok((first, start.elapsed().as_secs_f64()))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
+    if args.batch < 1 || args.prompt_tokens < 1 || args.decode_tokens < 2 || args.repeats < 1 {
+        bail!("--batch, --prompt-tokens and --repeats must be at least 1, --decode-tokens at least 2");
+    }
+    match args.threads {
+        Some(threads) if threads < 1 => bail!("--threads must be at least 1"),
+        Some(threads) => tch::set_num_threads(threads),
+        None => {}
+    }
+    let device = keel_model::device::parse_device(&args.device)?;
+    let kind = keel_model::device::parse_kind(&args.dtype)?;
+    let model = CausalLm::load(&args.model, device, kind).context("loading the model")?;
+    let vocab = model.config().vocab_size;
+    let length = (args.prompt_tokens + args.decode_tokens) as i64;
+    let engine = Engine::start(model, None, args.batch, length, RefitMode::Drain)?;
+    one_run(&engine, &args, vocab)?;
+    let runs = (0..args.repeats).map(|_| one_run(&engine, &args, vocab)).collect::<anyhow::Result<Vec<_>>>()?;
+    let ttft = median(runs.iter().map(|r| r.0).collect());
+    let decode = median(runs.iter().map(|r| r.1 - r.0).collect());
+    println!(
+        "{}",
+        json!({
+            "engine": "keel", "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens, "dtype": args.dtype, "threads": tch::get_num_threads(),
+            "ttft_s": ttft, "decode_tokens_per_s": (args.batch * (args.decode_tokens - 1)) as f64 / decode,
+        })
+    );
+    Ok(())
+}
