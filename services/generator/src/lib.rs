@@ -1,6 +1,7 @@
 //! keel-generator: the inference engine behind an OpenAI-compatible API.
 //!
 //! Layout:
+//! - [`api`]: the OpenAI-compatible wire types and the OpenAPI document they generate.
 //! - [`engine`]: the scheduler thread — continuous batching over a preallocated slot KV
 //!   cache, one prefill shared by a request's n samples, per-sample seeded sampling, stops.
 //! - [`request`]: the validated request and the events the engine sends back.
@@ -11,6 +12,7 @@
 //!
 //! Without a `model` configured the service starts and answers `/healthz` only.
 
+pub mod api;
 pub mod engine;
 pub mod openai;
 pub mod request;

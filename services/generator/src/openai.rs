@@ -22,10 +22,10 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use keel_model::Tokenizer;
 use keel_model::sampling::SamplingParams;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
+use crate::api::*;
 use crate::engine::Engine;
 use crate::request::{Draft, Event, Finish, GenRequest, Limits};
 use crate::text::{final_text, streamable_len};
@@ -59,11 +59,18 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let code = match self.status {
-            StatusCode::NOT_FOUND => json!("model_not_found"),
-            StatusCode::TOO_MANY_REQUESTS => json!("rate_limit_exceeded"),
-            _ => Value::Null,
+            StatusCode::NOT_FOUND => Some("model_not_found".to_string()),
+            StatusCode::TOO_MANY_REQUESTS => Some("rate_limit_exceeded".to_string()),
+            _ => None,
         };
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}});
+        let body = ErrorResponse {
+            error: ErrorDetail {
+                message: self.message,
+                kind: self.kind.into(),
+                param: self.param.map(Into::into),
+                code,
+            },
+        };
         let mut response = (self.status, Json(body)).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -98,95 +105,6 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
             Err(rejection) => Err(ApiError::bad(rejection.body_text(), None)),
         }
     }
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum OneOrMany {
-    One(String),
-    Many(Vec<String>),
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Prompt {
-    Text(String),
-    Texts(Vec<String>),
-    Ids(Vec<i64>),
-    IdLists(Vec<Vec<i64>>),
-}
-
-#[derive(Debug, Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
-}
-
-/// Sampling and stopping fields shared by both endpoints.
-#[derive(Debug, Deserialize)]
-struct Common {
-    model: String,
-    #[serde(default)]
-    max_tokens: Option<usize>,
-    #[serde(default)]
-    max_completion_tokens: Option<usize>,
-    #[serde(default)]
-    temperature: Option<f64>,
-    #[serde(default)]
-    top_p: Option<f64>,
-    #[serde(default)]
-    top_k: Option<i64>,
-    #[serde(default)]
-    min_p: Option<f64>,
-    #[serde(default)]
-    n: Option<usize>,
-    #[serde(default)]
-    stop: Option<OneOrMany>,
-    #[serde(default)]
-    stop_token_ids: Option<Vec<i64>>,
-    #[serde(default)]
-    seed: Option<u64>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    ignore_eos: bool,
-    #[serde(default)]
-    include_stop_str_in_output: bool,
-    #[serde(default)]
-    return_token_ids: bool,
-    #[serde(default)]
-    presence_penalty: Option<f64>,
-    #[serde(default)]
-    frequency_penalty: Option<f64>,
-}
-
-#[derive(Debug, Deserialize)]
-struct CompletionRequest {
-    prompt: Prompt,
-    /// Number of top logprobs per token (0 = only the sampled token's).
-    #[serde(default)]
-    logprobs: Option<usize>,
-    #[serde(flatten)]
-    common: Common,
-}
-
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
-    messages: Value,
-    #[serde(default)]
-    logprobs: bool,
-    #[serde(default)]
-    top_logprobs: Option<usize>,
-    #[serde(default = "default_true")]
-    add_generation_prompt: bool,
-    #[serde(flatten)]
-    common: Common,
-}
-
-fn default_true() -> bool {
-    true
 }
 
 impl AppState {
@@ -283,6 +201,22 @@ struct SampleOut {
     finish: Option<(Finish, Option<String>)>,
 }
 
+impl SampleOut {
+    fn push(&mut self, token: crate::request::TokenOut) {
+        self.tokens.push(token.token);
+        self.logprobs.push(token.logprob);
+        self.top.push(token.top);
+    }
+
+    fn stop(&self) -> Option<&str> {
+        self.finish.as_ref().and_then(|f| f.1.as_deref())
+    }
+
+    fn finish_reason(&self) -> Option<String> {
+        self.finish.as_ref().map(|f| f.0.as_str().to_string())
+    }
+}
+
 /// Runs `request` to completion.
 async fn run_to_end(state: &AppState, request: GenRequest) -> ApiResult<Vec<SampleOut>> {
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -291,12 +225,7 @@ async fn run_to_end(state: &AppState, request: GenRequest) -> ApiResult<Vec<Samp
     let mut samples = vec![SampleOut::default(); n];
     while let Some(event) = rx.recv().await {
         match event {
-            Event::Token(t) => {
-                let s = &mut samples[t.index];
-                s.tokens.push(t.token);
-                s.logprobs.push(t.logprob);
-                s.top.push(t.top);
-            }
+            Event::Token(t) => samples[t.index].push(t),
             Event::Finished { index, reason, stop, .. } => samples[index].finish = Some((reason, stop)),
             Event::Failed(message) => return Err(ApiError::bad(message, None)),
         }
@@ -322,50 +251,39 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
-fn finish_fields(finish: &Option<(Finish, Option<String>)>) -> (Value, Value) {
-    match finish {
-        Some((reason, stop)) => (json!(reason.as_str()), json!(stop)),
-        None => (Value::Null, Value::Null),
-    }
-}
-
-/// Completion-style logprobs of `tokens` (text offsets relative to the completion).
-fn completion_logprobs(state: &AppState, s: &SampleOut, from: usize, offset: usize) -> Value {
-    let mut offsets = Vec::new();
-    let mut at = offset;
+/// Completion-style logprobs of tokens `from..`, text offsets starting at `offset`.
+fn completion_logprobs(state: &AppState, s: &SampleOut, from: usize, offset: usize) -> CompletionLogprobs {
     let tokens: Vec<String> = s.tokens[from..].iter().map(|&t| state.token_text(t)).collect();
+    let mut text_offset = Vec::with_capacity(tokens.len());
+    let mut at = offset;
     for t in &tokens {
-        offsets.push(at);
+        text_offset.push(at);
         at += t.len();
     }
-    let top: Vec<Value> = s.top[from..]
+    let top_logprobs = s.top[from..]
         .iter()
-        .map(|alts| Value::Object(alts.iter().map(|(id, lp)| (state.token_text(*id), json!(lp))).collect()))
+        .map(|alts| alts.iter().map(|(id, lp)| (state.token_text(*id), Value::from(*lp))).collect())
         .collect();
-    json!({"tokens": tokens, "token_logprobs": s.logprobs[from..], "top_logprobs": top, "text_offset": offsets})
+    CompletionLogprobs { tokens, token_logprobs: s.logprobs[from..].to_vec(), top_logprobs, text_offset }
 }
 
 /// Chat-style logprobs of tokens `from..`.
-fn chat_logprobs(state: &AppState, s: &SampleOut, from: usize) -> Value {
-    let entry = |id: i64, lp: f32| {
-        let text = state.token_text(id);
-        json!({"token": text, "logprob": lp, "bytes": text.as_bytes()})
+fn chat_logprobs(state: &AppState, s: &SampleOut, from: usize) -> ChatLogprobs {
+    let top = |id: i64, logprob: f32| {
+        let token = state.token_text(id);
+        TopLogprob { bytes: token.as_bytes().to_vec(), token, logprob }
     };
-    let content: Vec<Value> = (from..s.tokens.len())
+    let content = (from..s.tokens.len())
         .map(|i| {
-            let mut e = entry(s.tokens[i], s.logprobs[i]);
-            e["top_logprobs"] = Value::Array(s.top[i].iter().map(|(id, lp)| entry(*id, *lp)).collect());
-            e
+            let TopLogprob { token, logprob, bytes } = top(s.tokens[i], s.logprobs[i]);
+            ChatLogprob { token, logprob, bytes, top_logprobs: s.top[i].iter().map(|(id, lp)| top(*id, *lp)).collect() }
         })
         .collect();
-    json!({"content": content})
+    ChatLogprobs { content }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
-}
-
-async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<CompletionRequest>) -> ApiResult<Response> {
+/// Validates a completion request into the prompt's generation request.
+fn completion_request(state: &AppState, body: &CompletionRequest) -> ApiResult<GenRequest> {
     state.check_model(&body.common.model)?;
     let prompts: Vec<Vec<i64>> = match &body.prompt {
         Prompt::Text(text) => vec![state.encode(text, true)?],
@@ -373,46 +291,13 @@ async fn completions(State(state): State<AppState>, ApiJson(body): ApiJson<Compl
         Prompt::Ids(ids) => vec![ids.clone()],
         Prompt::IdLists(lists) => lists.clone(),
     };
-    if prompts.len() != 1 {
-        return Err(ApiError::bad("one prompt per request is supported; send several requests", Some("prompt")));
-    }
-    let prompt = prompts.into_iter().next().unwrap_or_default();
-    let top = body.logprobs.unwrap_or(0);
-    let request = state.gen_request(&body.common, prompt, top, Some(16))?;
-    let permit = state.admit()?;
-    let id = request_id("cmpl");
-    if body.common.stream {
-        return Ok(stream(state, request, body.common, id, body.logprobs.is_some(), false, permit));
-    }
-    let prompt_len = request.prompt.len();
-    let prompt_ids = request.prompt.clone();
-    let include = request.include_stop_str_in_output;
-    let samples = run_to_end(&state, request).await?;
-    drop(permit);
-    let mut completion_tokens = 0;
-    let choices: Vec<Value> = samples
-        .iter()
-        .enumerate()
-        .map(|(index, s)| {
-            completion_tokens += s.tokens.len();
-            let stop = s.finish.as_ref().and_then(|f| f.1.as_deref());
-            let text = final_text(&state.decode(&s.tokens), stop, include);
-            let (finish_reason, stop_reason) = finish_fields(&s.finish);
-            let mut choice = json!({"index": index, "text": text, "finish_reason": finish_reason, "stop_reason": stop_reason,
-                "logprobs": if body.logprobs.is_some() { completion_logprobs(&state, s, 0, 0) } else { Value::Null }});
-            if body.common.return_token_ids {
-                choice["token_ids"] = json!(s.tokens);
-                choice["prompt_token_ids"] = json!(prompt_ids);
-            }
-            choice
-        })
-        .collect();
-    Ok(Json(json!({"id": id, "object": "text_completion", "created": now(), "model": state.model_name,
-        "choices": choices, "usage": usage(prompt_len, completion_tokens)}))
-    .into_response())
+    let [prompt] = <[Vec<i64>; 1]>::try_from(prompts)
+        .map_err(|_| ApiError::bad("one prompt per request is supported; send several requests", Some("prompt")))?;
+    state.gen_request(&body.common, prompt, body.logprobs.unwrap_or(0), Some(16))
 }
 
-async fn chat_completions(State(state): State<AppState>, ApiJson(body): ApiJson<ChatRequest>) -> ApiResult<Response> {
+/// Validates a chat request: the messages through the chat template.
+fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<GenRequest> {
     state.check_model(&body.common.model)?;
     if body.messages.as_array().is_none_or(|m| m.is_empty()) {
         return Err(ApiError::bad("messages must be a non-empty list", Some("messages")));
@@ -423,41 +308,117 @@ async fn chat_completions(State(state): State<AppState>, ApiJson(body): ApiJson<
         .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), Some("messages")))?;
     let prompt = state.encode(&text, false)?;
     let top = if body.logprobs { body.top_logprobs.unwrap_or(0) } else { 0 };
-    let request = state.gen_request(&body.common, prompt, top, None)?;
+    state.gen_request(&body.common, prompt, top, None)
+}
+
+/// Text completion.
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest,
+    responses((status = 200, description = "A completion; with `stream`, SSE chunks of the same object", body = CompletionResponse),
+        (status = 400, description = "Invalid request", body = ErrorResponse),
+        (status = 404, description = "Unknown model", body = ErrorResponse),
+        (status = 429, description = "Queue full; see Retry-After", body = ErrorResponse)))]
+pub async fn completions(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<CompletionRequest>,
+) -> ApiResult<Response> {
+    let request = completion_request(&state, &body)?;
     let permit = state.admit()?;
-    let id = request_id("chatcmpl");
+    let id = request_id("cmpl");
     if body.common.stream {
-        return Ok(stream(state, request, body.common, id, body.logprobs, true, permit));
+        let options = StreamSettings::of(&body.common, body.logprobs.is_some(), false);
+        return Ok(stream(state, request, options, id, permit));
     }
-    let prompt_len = request.prompt.len();
     let prompt_ids = request.prompt.clone();
     let include = request.include_stop_str_in_output;
     let samples = run_to_end(&state, request).await?;
     drop(permit);
-    let mut completion_tokens = 0;
-    let choices: Vec<Value> = samples
+    let choices = samples
         .iter()
         .enumerate()
-        .map(|(index, s)| {
-            completion_tokens += s.tokens.len();
-            let stop = s.finish.as_ref().and_then(|f| f.1.as_deref());
-            let content = final_text(&state.decode(&s.tokens), stop, include);
-            let (finish_reason, stop_reason) = finish_fields(&s.finish);
-            let mut choice = json!({"index": index, "message": {"role": "assistant", "content": content},
-                "finish_reason": finish_reason, "stop_reason": stop_reason,
-                "logprobs": if body.logprobs { chat_logprobs(&state, s, 0) } else { Value::Null }});
-            if body.common.return_token_ids {
-                choice["token_ids"] = json!(s.tokens);
-            }
-            choice
+        .map(|(index, s)| CompletionChoice {
+            index,
+            text: final_text(&state.decode(&s.tokens), s.stop(), include),
+            logprobs: body.logprobs.map(|_| completion_logprobs(&state, s, 0, 0)),
+            finish_reason: s.finish_reason(),
+            stop_reason: s.stop().map(str::to_string),
+            token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
+            prompt_token_ids: body.common.return_token_ids.then(|| prompt_ids.clone()),
         })
         .collect();
-    let mut response = json!({"id": id, "object": "chat.completion", "created": now(), "model": state.model_name,
-        "choices": choices, "usage": usage(prompt_len, completion_tokens)});
-    if body.common.return_token_ids {
-        response["prompt_token_ids"] = json!(prompt_ids);
+    let completion_tokens = samples.iter().map(|s| s.tokens.len()).sum();
+    Ok(Json(CompletionResponse {
+        id,
+        object: "text_completion".into(),
+        created: now(),
+        model: state.model_name.clone(),
+        choices,
+        usage: Some(Usage::new(prompt_ids.len(), completion_tokens)),
+    })
+    .into_response())
+}
+
+/// Chat completion through the model's chat template.
+#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatRequest,
+    responses((status = 200, description = "A chat completion; with `stream`, SSE chunks (`chat.completion.chunk`)", body = ChatResponse),
+        (status = 400, description = "Invalid request", body = ErrorResponse),
+        (status = 404, description = "Unknown model", body = ErrorResponse),
+        (status = 429, description = "Queue full; see Retry-After", body = ErrorResponse)))]
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<ChatRequest>,
+) -> ApiResult<Response> {
+    let request = chat_request(&state, &body)?;
+    let permit = state.admit()?;
+    let id = request_id("chatcmpl");
+    if body.common.stream {
+        let options = StreamSettings::of(&body.common, body.logprobs, true);
+        return Ok(stream(state, request, options, id, permit));
     }
-    Ok(Json(response).into_response())
+    let prompt_ids = request.prompt.clone();
+    let include = request.include_stop_str_in_output;
+    let samples = run_to_end(&state, request).await?;
+    drop(permit);
+    let choices = samples
+        .iter()
+        .enumerate()
+        .map(|(index, s)| ChatChoice {
+            index,
+            message: Some(ChatMessage {
+                role: "assistant".into(),
+                content: final_text(&state.decode(&s.tokens), s.stop(), include),
+            }),
+            delta: None,
+            logprobs: body.logprobs.then(|| chat_logprobs(&state, s, 0)),
+            finish_reason: s.finish_reason(),
+            stop_reason: s.stop().map(str::to_string),
+            token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
+        })
+        .collect();
+    let completion_tokens = samples.iter().map(|s| s.tokens.len()).sum();
+    Ok(Json(ChatResponse {
+        id,
+        object: "chat.completion".into(),
+        created: now(),
+        model: state.model_name.clone(),
+        choices,
+        usage: Some(Usage::new(prompt_ids.len(), completion_tokens)),
+        prompt_token_ids: body.common.return_token_ids.then_some(prompt_ids),
+    })
+    .into_response())
+}
+
+/// What a stream needs to know about its request.
+#[derive(Debug, Clone)]
+struct StreamSettings {
+    logprobs: bool,
+    chat: bool,
+    include_usage: bool,
+}
+
+impl StreamSettings {
+    fn of(common: &Common, logprobs: bool, chat: bool) -> Self {
+        Self { logprobs, chat, include_usage: common.stream_options.as_ref().is_some_and(|o| o.include_usage) }
+    }
 }
 
 /// Per-sample streaming state.
@@ -470,130 +431,201 @@ struct StreamSample {
     done: bool,
 }
 
-/// Streams a request as SSE chunks; the permit is held until the stream ends.
+/// Builds the chunks of one stream.
+#[derive(Clone)]
+struct Chunks {
+    state: AppState,
+    settings: StreamSettings,
+    id: String,
+    created: u64,
+    prompt_len: usize,
+    stops: Vec<String>,
+    include_stop: bool,
+}
+
+impl Chunks {
+    fn completion(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Value {
+        let chunk = CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.state.model_name.clone(),
+            choices,
+            usage,
+        };
+        serde_json::to_value(chunk).unwrap_or_default()
+    }
+
+    fn chat(&self, choices: Vec<ChatChoice>, usage: Option<Usage>) -> Value {
+        let chunk = ChatResponse {
+            id: self.id.clone(),
+            object: "chat.completion.chunk".into(),
+            created: self.created,
+            model: self.state.model_name.clone(),
+            choices,
+            usage,
+            prompt_token_ids: None,
+        };
+        serde_json::to_value(chunk).unwrap_or_default()
+    }
+
+    /// The opening chunk of a chat stream: every choice's role.
+    fn opening(&self, n: usize) -> Option<Value> {
+        self.settings.chat.then(|| {
+            let choices = (0..n)
+                .map(|index| ChatChoice {
+                    index,
+                    message: None,
+                    delta: Some(ChatDelta { role: Some("assistant".into()), content: String::new() }),
+                    logprobs: None,
+                    finish_reason: None,
+                    stop_reason: None,
+                    token_ids: None,
+                })
+                .collect();
+            self.chat(choices, None)
+        })
+    }
+
+    /// The usage chunk, when asked for.
+    fn closing(&self, samples: &[StreamSample]) -> Option<Value> {
+        let total = samples.iter().map(|s| s.out.tokens.len()).sum();
+        let usage = Some(Usage::new(self.prompt_len, total));
+        self.settings
+            .include_usage
+            .then(|| if self.settings.chat { self.chat(Vec::new(), usage) } else { self.completion(Vec::new(), usage) })
+    }
+
+    /// The chunk for sample `index` after its latest event, if there is anything new to show.
+    fn update(&self, index: usize, sample: &mut StreamSample) -> Option<Value> {
+        let text = self.state.decode(&sample.out.tokens);
+        let (visible, finish) = if sample.done {
+            (final_text(&text, sample.out.stop(), self.include_stop), sample.out.finish_reason())
+        } else {
+            let end = streamable_len(&text, &self.stops);
+            (text[..end].to_string(), None)
+        };
+        if visible.len() < sample.sent_text || !visible.is_char_boundary(sample.sent_text) {
+            return None;
+        }
+        let delta = visible[sample.sent_text..].to_string();
+        if delta.is_empty() && finish.is_none() {
+            return None;
+        }
+        let (from, offset) = (sample.sent_tokens, sample.sent_text);
+        sample.sent_text = visible.len();
+        sample.sent_tokens = sample.out.tokens.len();
+        let stop_reason = sample.out.stop().map(str::to_string);
+        Some(if self.settings.chat {
+            let logprobs = self.settings.logprobs.then(|| chat_logprobs(&self.state, &sample.out, from));
+            let choice = ChatChoice {
+                index,
+                message: None,
+                delta: Some(ChatDelta { role: None, content: delta }),
+                logprobs,
+                finish_reason: finish,
+                stop_reason,
+                token_ids: None,
+            };
+            self.chat(vec![choice], None)
+        } else {
+            let logprobs = self.settings.logprobs.then(|| completion_logprobs(&self.state, &sample.out, from, offset));
+            let choice = CompletionChoice {
+                index,
+                text: delta,
+                logprobs,
+                finish_reason: finish,
+                stop_reason,
+                token_ids: None,
+                prompt_token_ids: None,
+            };
+            self.completion(vec![choice], None)
+        })
+    }
+}
+
+/// Streams a request as SSE chunks ending with `data: [DONE]`; the permit is held until the
+/// stream ends.
 fn stream(
     state: AppState,
     request: GenRequest,
-    common: Common,
+    settings: StreamSettings,
     id: String,
-    logprobs: bool,
-    chat: bool,
     permit: OwnedSemaphorePermit,
 ) -> Response {
     let (tx, rx) = mpsc::unbounded_channel();
     let n = request.n;
-    let prompt_len = request.prompt.len();
-    let stops = request.stop.clone();
-    let include = request.include_stop_str_in_output;
+    let chunks = Chunks {
+        state: state.clone(),
+        settings,
+        id,
+        created: now(),
+        prompt_len: request.prompt.len(),
+        stops: request.stop.clone(),
+        include_stop: request.include_stop_str_in_output,
+    };
     if let Err(e) = state.engine.submit(request, tx) {
         return internal(e).into_response();
     }
-    let include_usage = common.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let created = now();
-    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-    let model_name = state.model_name.clone();
-    let header = move |choices: Vec<Value>| json!({"id": id, "object": object, "created": created, "model": model_name, "choices": choices});
+    let opening = chunks.opening(n);
     let samples = vec![StreamSample::default(); n];
-    let first = chat.then(|| {
-        let choices = (0..n).map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})).collect();
-        header(choices)
-    });
-    let events =
-        futures::stream::unfold((rx, samples, false, permit), move |(mut rx, mut samples, finished, permit)| {
-            let state = state.clone();
-            let stops = stops.clone();
-            let header = header.clone();
-            async move {
-                if finished {
-                    return None;
-                }
-                let Some(event) = rx.recv().await else {
-                    let total: usize = samples.iter().map(|s| s.out.tokens.len()).sum();
-                    let tail = include_usage.then(|| {
-                        let mut chunk = header(Vec::new());
-                        chunk["usage"] = usage(prompt_len, total);
-                        chunk
-                    });
-                    return Some((tail, (rx, samples, true, permit)));
-                };
-                let index = match event {
-                    Event::Token(t) => {
-                        let s = &mut samples[t.index].out;
-                        s.tokens.push(t.token);
-                        s.logprobs.push(t.logprob);
-                        s.top.push(t.top);
-                        t.index
-                    }
-                    Event::Finished { index, reason, stop, .. } => {
-                        samples[index].out.finish = Some((reason, stop));
-                        samples[index].done = true;
-                        index
-                    }
-                    Event::Failed(message) => {
-                        let chunk = json!({"error": {"message": message, "type": "server_error"}});
-                        return Some((Some(chunk), (rx, samples, false, permit)));
-                    }
-                };
-                let sample = &mut samples[index];
-                let text = state.decode(&sample.out.tokens);
-                let (visible, finish) = if sample.done {
-                    let stop = sample.out.finish.as_ref().and_then(|f| f.1.as_deref());
-                    (final_text(&text, stop, include), finish_fields(&sample.out.finish).0)
-                } else {
-                    let end = streamable_len(&text, &stops);
-                    (text[..end].to_string(), Value::Null)
-                };
-                if visible.len() < sample.sent_text || !visible.is_char_boundary(sample.sent_text.min(visible.len())) {
-                    return Some((None, (rx, samples, false, permit)));
-                }
-                let delta = visible[sample.sent_text..].to_string();
-                if delta.is_empty() && finish.is_null() {
-                    return Some((None, (rx, samples, false, permit)));
-                }
-                let lp = if !logprobs {
-                    Value::Null
-                } else if chat {
-                    chat_logprobs(&state, &sample.out, sample.sent_tokens)
-                } else {
-                    completion_logprobs(&state, &sample.out, sample.sent_tokens, sample.sent_text)
-                };
-                sample.sent_text = visible.len();
-                sample.sent_tokens = sample.out.tokens.len();
-                let choice = if chat {
-                    json!({"index": index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": finish})
-                } else {
-                    json!({"index": index, "text": delta, "logprobs": lp, "finish_reason": finish})
-                };
-                Some((Some(header(vec![choice])), (rx, samples, false, permit)))
+    let events = futures::stream::unfold((rx, samples, false, permit), move |(mut rx, mut samples, ended, permit)| {
+        let chunks = chunks.clone();
+        async move {
+            if ended {
+                return None;
             }
-        })
-        .filter_map(|chunk| async move { chunk })
-        .map(|chunk| Ok::<_, Infallible>(SseEvent::default().data(chunk.to_string())));
-    let opening = futures::stream::iter(first.map(|c| Ok::<_, Infallible>(SseEvent::default().data(c.to_string()))));
-    let done = futures::stream::once(async { Ok::<_, Infallible>(SseEvent::default().data("[DONE]")) });
-    Sse::new(opening.chain(events).chain(done)).into_response()
+            let Some(event) = rx.recv().await else {
+                let closing = chunks.closing(&samples);
+                return Some((closing, (rx, samples, true, permit)));
+            };
+            let chunk = match event {
+                Event::Token(t) => {
+                    let index = t.index;
+                    samples[index].out.push(t);
+                    chunks.update(index, &mut samples[index])
+                }
+                Event::Finished { index, reason, stop, .. } => {
+                    samples[index].out.finish = Some((reason, stop));
+                    samples[index].done = true;
+                    chunks.update(index, &mut samples[index])
+                }
+                Event::Failed(message) => {
+                    let error = ErrorDetail { message, kind: "server_error".into(), param: None, code: None };
+                    serde_json::to_value(ErrorResponse { error }).ok()
+                }
+            };
+            Some((chunk, (rx, samples, false, permit)))
+        }
+    })
+    .filter_map(|chunk| async move { chunk });
+    let data = futures::stream::iter(opening)
+        .chain(events)
+        .map(|chunk| Ok::<_, Infallible>(SseEvent::default().data(chunk.to_string())))
+        .chain(futures::stream::once(async { Ok::<_, Infallible>(SseEvent::default().data("[DONE]")) }));
+    Sse::new(data).into_response()
 }
 
-async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(), "owned_by": "keel",
-        "max_model_len": state.engine.max_model_len}]}),
-    )
+/// The served model.
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
+pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    let card = ModelCard {
+        id: state.model_name.clone(),
+        object: "model".into(),
+        created: now(),
+        owned_by: "keel".into(),
+        max_model_len: state.engine.max_model_len,
+    };
+    Json(ModelList { object: "list".into(), data: vec![card] })
 }
 
-#[derive(Debug, Deserialize)]
-struct TokenizeRequest {
-    #[serde(default)]
-    prompt: Option<String>,
-    #[serde(default)]
-    messages: Option<Value>,
-    #[serde(default = "default_true")]
-    add_special_tokens: bool,
-    #[serde(default = "default_true")]
-    add_generation_prompt: bool,
-}
-
-async fn tokenize(State(state): State<AppState>, ApiJson(body): ApiJson<TokenizeRequest>) -> ApiResult<Json<Value>> {
+/// Token ids of a prompt, or of messages through the chat template.
+#[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest,
+    responses((status = 200, body = TokenizeResponse), (status = 400, body = ErrorResponse)))]
+pub async fn tokenize(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<TokenizeRequest>,
+) -> ApiResult<Json<TokenizeResponse>> {
     let tokens = match (&body.prompt, &body.messages) {
         (Some(prompt), None) => state.encode(prompt, body.add_special_tokens)?,
         (None, Some(messages)) => {
@@ -605,57 +637,89 @@ async fn tokenize(State(state): State<AppState>, ApiJson(body): ApiJson<Tokenize
         }
         _ => return Err(ApiError::bad("give exactly one of `prompt` and `messages`", None)),
     };
-    Ok(Json(json!({"count": tokens.len(), "max_model_len": state.engine.max_model_len, "tokens": tokens})))
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: state.engine.max_model_len, tokens }))
 }
 
-#[derive(Debug, Deserialize)]
-struct DetokenizeRequest {
-    tokens: Vec<i64>,
-}
-
-async fn detokenize(
+/// The text of token ids.
+#[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest,
+    responses((status = 200, body = DetokenizeResponse), (status = 400, body = ErrorResponse)))]
+pub async fn detokenize(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<DetokenizeRequest>,
-) -> ApiResult<Json<Value>> {
-    if let Some(id) = body.tokens.iter().find(|id| !(0..state.limits.vocab_size).contains(*id)) {
-        return Err(ApiError::bad(
-            format!("token {id} is out of the vocabulary (size {})", state.limits.vocab_size),
-            Some("tokens"),
-        ));
+) -> ApiResult<Json<DetokenizeResponse>> {
+    let vocab = state.limits.vocab_size;
+    if let Some(id) = body.tokens.iter().find(|id| !(0..vocab).contains(*id)) {
+        return Err(ApiError::bad(format!("token {id} is out of the vocabulary (size {vocab})"), Some("tokens")));
     }
     let ids: Vec<u32> = body.tokens.iter().map(|&t| t as u32).collect();
     let prompt = state.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), None))?;
-    Ok(Json(json!({"prompt": prompt})))
+    Ok(Json(DetokenizeResponse { prompt }))
 }
 
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+/// One Prometheus metric.
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
+    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
+}
+
+/// Prometheus metrics: queue depth, running sequences, KV use, tokens, time to first token,
+/// decode time, weight version and refits.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
+pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let s = &state.engine.stats;
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let ttft_count = load(&s.ttft_count);
-    let body = format!(
-        "# HELP keel_generator_queue_depth Requests waiting for slots.\n# TYPE keel_generator_queue_depth gauge\nkeel_generator_queue_depth {}\n\
-         # HELP keel_generator_running_sequences Samples decoding now.\n# TYPE keel_generator_running_sequences gauge\nkeel_generator_running_sequences {}\n\
-         # HELP keel_generator_kv_slots_used_ratio Fraction of KV-cache slots in use.\n# TYPE keel_generator_kv_slots_used_ratio gauge\nkeel_generator_kv_slots_used_ratio {}\n\
-         # HELP keel_generator_generated_tokens_total Tokens generated.\n# TYPE keel_generator_generated_tokens_total counter\nkeel_generator_generated_tokens_total {}\n\
-         # HELP keel_generator_prompt_tokens_total Prompt tokens prefilled.\n# TYPE keel_generator_prompt_tokens_total counter\nkeel_generator_prompt_tokens_total {}\n\
-         # HELP keel_generator_requests_finished_total Requests finished.\n# TYPE keel_generator_requests_finished_total counter\nkeel_generator_requests_finished_total {}\n\
-         # HELP keel_generator_time_to_first_token_seconds Time from arrival to the first token.\n# TYPE keel_generator_time_to_first_token_seconds summary\nkeel_generator_time_to_first_token_seconds_sum {}\nkeel_generator_time_to_first_token_seconds_count {}\n\
-         # HELP keel_generator_decode_seconds_total Time spent in decode steps.\n# TYPE keel_generator_decode_seconds_total counter\nkeel_generator_decode_seconds_total {}\n\
-         # HELP keel_generator_weight_version The weight version being served.\n# TYPE keel_generator_weight_version gauge\nkeel_generator_weight_version {}\n\
-         # HELP keel_generator_refits_total Weight refits done.\n# TYPE keel_generator_refits_total counter\nkeel_generator_refits_total {}\n\
-         # HELP keel_generator_last_refit_seconds How long the last refit took, drain included.\n# TYPE keel_generator_last_refit_seconds gauge\nkeel_generator_last_refit_seconds {}\n",
-        s.waiting.load(Ordering::Relaxed),
-        s.running.load(Ordering::Relaxed),
-        s.slots_used.load(Ordering::Relaxed) as f64 / state.engine.slots as f64,
-        load(&s.generated_tokens),
-        load(&s.prompt_tokens),
-        load(&s.requests_finished),
-        load(&s.ttft_micros) as f64 / 1e6,
-        ttft_count,
-        load(&s.decode_micros) as f64 / 1e6,
-        load(&s.weight_version),
-        load(&s.refits),
-        load(&s.last_refit_micros) as f64 / 1e6,
+    let count = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    let gauge = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
+    let mut out = String::new();
+    let p = "keel_generator";
+    metric(&mut out, &format!("{p}_queue_depth"), "gauge", "Requests waiting for slots.", gauge(&s.waiting));
+    metric(&mut out, &format!("{p}_running_sequences"), "gauge", "Samples decoding now.", gauge(&s.running));
+    let used = gauge(&s.slots_used) / state.engine.slots as f64;
+    metric(&mut out, &format!("{p}_kv_slots_used_ratio"), "gauge", "Fraction of KV-cache slots in use.", used);
+    metric(
+        &mut out,
+        &format!("{p}_generated_tokens_total"),
+        "counter",
+        "Tokens generated.",
+        count(&s.generated_tokens),
     );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
+    metric(
+        &mut out,
+        &format!("{p}_prompt_tokens_total"),
+        "counter",
+        "Prompt tokens prefilled.",
+        count(&s.prompt_tokens),
+    );
+    metric(
+        &mut out,
+        &format!("{p}_requests_finished_total"),
+        "counter",
+        "Requests finished.",
+        count(&s.requests_finished),
+    );
+    let ttft = format!("{p}_time_to_first_token_seconds");
+    out.push_str(&format!("# HELP {ttft} Time from arrival to the first token.\n# TYPE {ttft} summary\n"));
+    out.push_str(&format!("{ttft}_sum {}\n{ttft}_count {}\n", count(&s.ttft_micros) / 1e6, count(&s.ttft_count)));
+    metric(
+        &mut out,
+        &format!("{p}_decode_seconds_total"),
+        "counter",
+        "Time spent in decode steps.",
+        count(&s.decode_micros) / 1e6,
+    );
+    metric(
+        &mut out,
+        &format!("{p}_weight_version"),
+        "gauge",
+        "The weight version being served.",
+        count(&s.weight_version),
+    );
+    metric(&mut out, &format!("{p}_refits_total"), "counter", "Weight refits done.", count(&s.refits));
+    let refit = count(&s.last_refit_micros) / 1e6;
+    metric(
+        &mut out,
+        &format!("{p}_last_refit_seconds"),
+        "gauge",
+        "How long the last refit took, drain included.",
+        refit,
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }

@@ -1,0 +1,304 @@
+//! The OpenAI-compatible wire types: request bodies as clients send them and the responses,
+//! stream chunks and errors the server writes. `openapi/generator.json` is generated from
+//! these (see [`ApiDoc`]) and a test keeps the committed file current.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::{OpenApi, ToSchema};
+
+/// A string or a list of strings.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Text, texts, token ids or lists of token ids (one prompt per request is served).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<i64>),
+    IdLists(Vec<Vec<i64>>),
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    /// Send a last chunk with the token usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling and stopping fields both endpoints take.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct Common {
+    pub model: String,
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<usize>,
+    /// 0 is greedy (default 1).
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// -1 or absent: off.
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    #[serde(default)]
+    pub n: Option<usize>,
+    #[serde(default)]
+    pub stop: Option<OneOrMany>,
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<i64>>,
+    /// Sample i of the request uses seed + i; the same seed gives the same output whatever
+    /// else the server is doing.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    /// Add `token_ids` (and `prompt_token_ids`) to the response (vLLM's extension).
+    #[serde(default)]
+    pub return_token_ids: bool,
+    /// Only 0 is supported.
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Only 0 is supported.
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// Top logprobs per token (0 = only the sampled token's).
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ChatRequest {
+    /// Chat messages (`role`, `content`), rendered with the model's chat template.
+    #[schema(value_type = Vec<Object>)]
+    pub messages: Value,
+    #[serde(default)]
+    pub logprobs: bool,
+    #[serde(default)]
+    pub top_logprobs: Option<usize>,
+    #[serde(default = "default_true")]
+    pub add_generation_prompt: bool,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+pub fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+/// Legacy completion logprobs: per token its text, logprob, the top alternatives by text,
+/// and its offset in the completion text.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    #[schema(value_type = Vec<Object>)]
+    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop`, `length` or `abort`; null while streaming.
+    pub finish_reason: Option<String>,
+    /// The stop string that ended the sample.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<i64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<i64>>,
+}
+
+/// A completion, or (object `text_completion` too) one chunk of a stream.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// In a stream: the role first, then pieces of content.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatChoice {
+    pub index: usize,
+    /// Set in a full response.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChatMessage>,
+    /// Set in a stream chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChatDelta>,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<i64>>,
+}
+
+/// A chat completion (object `chat.completion`) or a stream chunk (`chat.completion.chunk`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<i64>>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+    pub max_model_len: i64,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+/// Exactly one of `prompt` and `messages`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct TokenizeRequest {
+    #[serde(default)]
+    pub prompt: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub messages: Option<Value>,
+    #[serde(default = "default_true")]
+    pub add_special_tokens: bool,
+    #[serde(default = "default_true")]
+    pub add_generation_prompt: bool,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenizeResponse {
+    pub count: usize,
+    pub max_model_len: i64,
+    pub tokens: Vec<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<i64>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    pub message: String,
+    /// `invalid_request_error`, `rate_limit_error` or `server_error`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    /// `model_not_found`, `rate_limit_exceeded` or null.
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorResponse {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(
+        title = "Keel generator",
+        description = "OpenAI-compatible text generation with continuous batching. Streams are server-sent events of the response objects, ended by `data: [DONE]`."
+    ),
+    paths(
+        crate::openai::completions,
+        crate::openai::chat_completions,
+        crate::openai::models,
+        crate::openai::tokenize,
+        crate::openai::detokenize,
+        crate::openai::metrics,
+    )
+)]
+pub struct ApiDoc;
