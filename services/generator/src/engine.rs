@@ -86,6 +86,14 @@ pub struct Engine {
     pub max_model_len: i64,
 }
 
+/// Row-wise log-softmax of `logits` [B, vocab] after dividing row b by `divisors[b]`, as one
+/// flat vector on the CPU (one pass for the whole batch).
+fn row_logprobs(logits: &Tensor, divisors: &[f32]) -> keel_model::Result<Vec<f32>> {
+    let divisors = Tensor::from_slice(divisors).f_unsqueeze(1)?;
+    let scaled = logits.f_to_kind(tch::Kind::Float)?.f_to_device(tch::Device::Cpu)?.f_div(&divisors)?;
+    Ok(Vec::<f32>::try_from(scaled.f_log_softmax(-1, tch::Kind::Float)?.f_flatten(0, -1)?)?)
+}
+
 /// One running sample.
 struct Sample {
     request: usize,
@@ -258,7 +266,8 @@ impl Scheduler {
                 return Err(e);
             }
         };
-        let last = logits.f_select(0, 0)?.f_select(0, -1)?;
+        let divisor = Sampler::new(request.sampling.clone())?.logit_divisor() as f32;
+        let last = row_logprobs(&logits.f_select(1, -1)?, &[divisor])?;
         self.stats.prompt_tokens.fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
         self.stats.ttft_micros.fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.stats.ttft_count.fetch_add(1, Ordering::Relaxed);
@@ -285,12 +294,16 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Samples the next token of `sample` from `logits`, reports it, and says whether (and
-    /// why) the sample ends.
-    fn take_token(&self, sample: &mut Sample, logits: &Tensor) -> keel_model::Result<Option<(Finish, Option<String>)>> {
+    /// Samples the next token of `sample` from its row's `logprobs`, reports it, and says
+    /// whether (and why) the sample ends.
+    fn take_token(
+        &self,
+        sample: &mut Sample,
+        logprobs: &[f32],
+    ) -> keel_model::Result<Option<(Finish, Option<String>)>> {
         let Some(running) = self.requests[sample.request].as_ref() else { return Ok(Some((Finish::Abort, None))) };
         let request = &running.request;
-        let (token, logprob, top) = sample.sampler.sample_with_top(logits, request.top_logprobs)?;
+        let (token, logprob, top) = sample.sampler.sample_logprobs(logprobs, request.top_logprobs)?;
         sample.generated.push(token);
         sample.pending = token;
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
@@ -346,22 +359,22 @@ impl Scheduler {
     /// One decode step for every running sample.
     fn step(&mut self) {
         let started = Instant::now();
-        let samples = std::mem::take(&mut self.samples);
+        let mut samples = std::mem::take(&mut self.samples);
+        // Ascending slots: a run of consecutive slots is read from the cache without a copy.
+        samples.sort_by_key(|s| s.slot);
         let slots: Vec<usize> = samples.iter().map(|s| s.slot).collect();
         let tokens: Vec<i64> = samples.iter().map(|s| s.pending).collect();
-        let logits = Tensor::from_slice(&tokens)
+        let divisors: Vec<f32> = samples.iter().map(|s| s.sampler.logit_divisor() as f32).collect();
+        let logprobs = Tensor::from_slice(&tokens)
             .f_unsqueeze(1)
             .map_err(keel_model::Error::from)
-            .and_then(|input| self.model.forward_slots(&input, &mut self.cache, &slots));
-        match logits {
-            Ok(logits) => {
+            .and_then(|input| self.model.forward_slots(&input, &mut self.cache, &slots))
+            .and_then(|logits| row_logprobs(&logits.f_select(1, 0)?, &divisors));
+        match logprobs {
+            Ok(logprobs) => {
+                let vocab = logprobs.len() / samples.len().max(1);
                 for (row, mut sample) in samples.into_iter().enumerate() {
-                    let outcome = logits
-                        .f_select(0, row as i64)
-                        .and_then(|l| l.f_select(0, 0))
-                        .map_err(keel_model::Error::from)
-                        .and_then(|l| self.take_token(&mut sample, &l));
-                    match outcome {
+                    match self.take_token(&mut sample, &logprobs[row * vocab..(row + 1) * vocab]) {
                         Ok(outcome) => self.place(sample, outcome),
                         Err(e) => {
                             if let Some(running) = self.requests[sample.request].as_ref() {

@@ -217,15 +217,36 @@ pub(crate) struct SlotView<'a> {
 impl LayerCache for SlotView<'_> {
     fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let new = k.size()[2];
-        for (row, &slot) in self.slots.iter().enumerate() {
-            let at = self.cache.lens[slot];
-            for (store, value) in [(&self.cache.keys[layer], k), (&self.cache.values[layer], v)] {
-                store.f_narrow(0, slot as i64, 1)?.f_narrow(2, at, new)?.f_copy_(&value.f_narrow(0, row as i64, 1)?)?;
+        if new == 1 {
+            // One token per row: a single indexed write per tensor at (slot, position).
+            let positions: Vec<i64> = self.slots.iter().map(|&slot| self.cache.lens[slot]).collect();
+            let positions = Tensor::from_slice(&positions).f_to_device(self.index.device())?;
+            let at = [Some(self.index.shallow_clone()), None, Some(positions), None];
+            for (store, value) in [(&mut self.cache.keys[layer], k), (&mut self.cache.values[layer], v)] {
+                let _ = store.f_index_put_(&at, &value.f_squeeze_dim(2)?, false)?;
+            }
+        } else {
+            for (row, &slot) in self.slots.iter().enumerate() {
+                let at = self.cache.lens[slot];
+                for (store, value) in [(&self.cache.keys[layer], k), (&self.cache.values[layer], v)] {
+                    store
+                        .f_narrow(0, slot as i64, 1)?
+                        .f_narrow(2, at, new)?
+                        .f_copy_(&value.f_narrow(0, row as i64, 1)?)?;
+                }
             }
         }
-        let gather = |store: &Tensor| -> Result<Tensor> {
-            Ok(store.f_index_select(0, &self.index)?.f_narrow(2, 0, self.visible)?)
+        // Consecutive ascending slots are a view of the storage; others are gathered.
+        let first = self.slots[0];
+        let consecutive = self.slots.iter().enumerate().all(|(i, &slot)| slot == first + i);
+        let rows = |store: &Tensor| -> Result<Tensor> {
+            let selected = if consecutive {
+                store.f_narrow(0, first as i64, self.slots.len() as i64)?
+            } else {
+                store.f_index_select(0, &self.index)?
+            };
+            Ok(selected.f_narrow(2, 0, self.visible)?)
         };
-        Ok((gather(&self.cache.keys[layer])?, gather(&self.cache.values[layer])?))
+        Ok((rows(&self.cache.keys[layer])?, rows(&self.cache.values[layer])?))
     }
 }

@@ -92,14 +92,25 @@ impl Sampler {
     /// [`Sampler::sample`], plus the `top` most likely tokens with their logprobs (under the
     /// same distribution as the sampled token's logprob), most likely first.
     pub fn sample_with_top(&mut self, logits: &Tensor, top: usize) -> Result<(i64, f32, TopLogprobs)> {
-        let greedy = self.params.temperature == 0.0;
         let scaled = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?;
-        let scaled = if greedy || self.params.temperature == 1.0 {
-            scaled
-        } else {
-            scaled.f_div_scalar(self.params.temperature)?
-        };
+        let scaled = scaled.f_div_scalar(self.logit_divisor())?;
         let logprobs = Vec::<f32>::try_from(scaled.f_log_softmax(-1, Kind::Float)?)?;
+        self.sample_logprobs(&logprobs, top)
+    }
+
+    /// What the logits are divided by before the log-softmax: the temperature, or 1 when
+    /// greedy.
+    pub fn logit_divisor(&self) -> f64 {
+        if self.params.temperature == 0.0 { 1.0 } else { self.params.temperature }
+    }
+
+    /// [`Sampler::sample_with_top`] from `logprobs`, the log-softmax of the logits divided by
+    /// [`Sampler::logit_divisor`] (callers that batch rows compute it once for all of them).
+    pub fn sample_logprobs(&mut self, logprobs: &[f32], top: usize) -> Result<(i64, f32, TopLogprobs)> {
+        if logprobs.is_empty() {
+            return Err(Error::InvalidInput("no logits to sample from".into()));
+        }
+        let greedy = self.params.temperature == 0.0;
         let needs_order = !greedy || top > 0;
         let mut order: Vec<usize> = Vec::new();
         if needs_order {
