@@ -119,7 +119,7 @@ impl Sampler {
         }
         let best: Vec<(i64, f32)> = order.iter().take(top).map(|&i| (i as i64, logprobs[i])).collect();
         let token = if greedy {
-            argmax(&logprobs)
+            argmax(logprobs)
         } else {
             order.truncate(self.params.top_k.unwrap_or(order.len()));
             let probs: Vec<(usize, f64)> = order.into_iter().map(|i| (i, f64::from(logprobs[i]).exp())).collect();
