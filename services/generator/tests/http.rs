@@ -55,6 +55,14 @@ impl Server {
         (response.status().as_u16(), response.json().await.unwrap())
     }
 
+    /// The JSON chunks of a streamed request (checking that `[DONE]` ends the stream).
+    async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let response = self.client.post(format!("{}{path}", self.url)).json(body).send().await.unwrap();
+        let data = sse_data(&response.text().await.unwrap());
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+    }
+
     async fn ok(&self, path: &str, body: Value) -> Value {
         let (status, body) = self.post(path, body).await;
         assert_eq!(status, 200, "{body}");
@@ -213,19 +221,7 @@ async fn streaming_chat_stops_and_the_openai_surface() {
     let mut streamed = request.clone();
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
-    let text = server
-        .client
-        .post(format!("{}/v1/completions", server.url))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let data = sse_data(&text);
-    assert_eq!(data.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let chunks = server.stream("/v1/completions", &streamed).await;
     let joined: String = chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str())).collect();
     assert_eq!(joined, whole["choices"][0]["text"].as_str().unwrap());
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 16);
@@ -258,21 +254,8 @@ async fn streaming_chat_stops_and_the_openai_surface() {
     assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 3);
     let mut streamed_chat = chat.clone();
     streamed_chat["stream"] = json!(true);
-    let text = server
-        .client
-        .post(format!("{}/v1/chat/completions", server.url))
-        .json(&streamed_chat)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let data = sse_data(&text);
-    assert_eq!(data.last().unwrap(), "[DONE]");
     let mut contents = [String::new(), String::new()];
-    for chunk in &data[..data.len() - 1] {
-        let chunk: Value = serde_json::from_str(chunk).unwrap();
+    for chunk in server.stream("/v1/chat/completions", &streamed_chat).await {
         assert_eq!(chunk["object"], "chat.completion.chunk");
         for choice in chunk["choices"].as_array().unwrap() {
             if let Some(piece) = choice["delta"]["content"].as_str() {
