@@ -160,13 +160,17 @@ impl Shared {
     }
 
     /// Ends an admitted request; the lease runs from now.
-    fn finish(&self, run_id: &str, loaded: Option<bool>) {
+    fn finish(&self, run_id: &str) {
         if let Some(held) = self.lock().as_mut().filter(|c| c.run_id == run_id) {
             held.in_flight = held.in_flight.saturating_sub(1);
             held.deadline = Instant::now() + held.lease;
-            if let Some(loaded) = loaded {
-                held.loaded = loaded;
-            }
+        }
+    }
+
+    /// Records whether `run_id`'s models are loaded (reported by heartbeats).
+    fn set_loaded(&self, run_id: &str, loaded: bool) {
+        if let Some(held) = self.lock().as_mut().filter(|c| c.run_id == run_id) {
+            held.loaded = loaded;
         }
     }
 
@@ -206,15 +210,14 @@ impl Shared {
     ) -> Answer<Rep>
     where
         Req: DeserializeOwned,
-        Fut: std::future::Future<Output = Answer<(Rep, Option<bool>)>>,
+        Fut: std::future::Future<Output = Answer<Rep>>,
     {
         let request: Req = parse(payload)?;
         let run_id = run_of(&request).to_string();
         self.admit(&run_id)?;
         let outcome = work(self.clone(), request).await;
-        let loaded = outcome.as_ref().ok().and_then(|(_, loaded)| *loaded);
-        self.finish(&run_id, loaded);
-        outcome.map(|(reply, _)| reply)
+        self.finish(&run_id);
+        outcome
     }
 
     async fn handle(self: Arc<Self>, op: TrainerOp, payload: Bytes) -> Vec<u8> {
@@ -263,19 +266,20 @@ fn encode<T: Serialize>(answer: Answer<T>) -> Vec<u8> {
     })
 }
 
-async fn heartbeat(shared: Arc<Shared>, _: RunRequest) -> Answer<(HeartbeatReply, Option<bool>)> {
+async fn heartbeat(shared: Arc<Shared>, _: RunRequest) -> Answer<HeartbeatReply> {
     let claim = shared.lock();
     let held = claim.as_ref().ok_or_else(|| refuse(error_types::WRONG_RUN, "the claim was released"))?;
-    Ok((HeartbeatReply { lease_seconds: held.lease.as_secs_f64(), loaded: held.loaded }, None))
+    Ok(HeartbeatReply { lease_seconds: held.lease.as_secs_f64(), loaded: held.loaded })
 }
 
-async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<(LoadReply, Option<bool>)> {
+async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
     let problems = request.training.problems("training");
     if !problems.is_empty() {
         return Err(Error::InvalidConfig(join_problems(&problems)).into());
     }
     let started = Instant::now();
     let device = shared.device.clone();
+    let run_id = request.run_id.clone();
     let span = info_span!("load", run_id = %request.run_id, policy = %request.policy.path);
     let loaded = shared
         .engine
@@ -288,23 +292,11 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<(LoadReply, O
         })
         .instrument(span)
         .await;
-    let (parameters, step, has_reference, has_value_head) = match loaded {
-        Ok(summary) => summary,
-        Err(e) => {
-            shared.finish_loaded(false);
-            return Err(e.into());
-        }
-    };
+    // A failed load leaves no models (the old ones were dropped first).
+    shared.set_loaded(&run_id, loaded.is_ok());
+    let (parameters, step, has_reference, has_value_head) = loaded?;
     let timing = Timing::from([("load".to_string(), started.elapsed().as_secs_f64())]);
-    Ok((LoadReply { parameters, step, has_reference, has_value_head, timing, memory: memory() }, Some(true)))
-}
-
-impl Shared {
-    fn finish_loaded(&self, loaded: bool) {
-        if let Some(held) = self.lock().as_mut() {
-            held.loaded = loaded;
-        }
-    }
+    Ok(LoadReply { parameters, step, has_reference, has_value_head, timing, memory: memory() })
 }
 
 fn loaded(slot: &mut Option<Engine>) -> Result<&mut Engine> {
@@ -315,7 +307,7 @@ async fn fetch<T: DeserializeOwned>(shared: &Shared, payload: keel_protocol::Pay
     shared.bulk.fetch(payload).await.map_err(|e| refuse(error_types::PAYLOAD, e))
 }
 
-async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<(LogprobsReply, Option<bool>)> {
+async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<LogprobsReply> {
     let started = Instant::now();
     let sequences = fetch(&shared, request.batch).await?;
     let (scorer, temperature) = (request.model, request.temperature);
@@ -326,10 +318,10 @@ async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<(Logp
         .await?;
     let logprobs = shared.bulk.wrap(Logprobs { logprobs: rows }).await.map_err(|e| refuse(error_types::PAYLOAD, e))?;
     let timing = Timing::from([("logprobs".to_string(), started.elapsed().as_secs_f64())]);
-    Ok((LogprobsReply { logprobs, timing, memory: memory() }, None))
+    Ok(LogprobsReply { logprobs, timing, memory: memory() })
 }
 
-async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<(TrainReply, Option<bool>)> {
+async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply> {
     let batch = fetch(&shared, request.batch).await?;
     let temperature = request.temperature;
     if !(temperature.is_finite() && temperature > 0.0) {
@@ -344,10 +336,10 @@ async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<(TrainReply
         })
         .instrument(info_span!("train", run_id = %request.run_id))
         .await?;
-    Ok((TrainReply { steps: trained.steps, tokens: trained.tokens, timing: trained.timing, memory: memory() }, None))
+    Ok(TrainReply { steps: trained.steps, tokens: trained.tokens, timing: trained.timing, memory: memory() })
 }
 
-async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<(ScoreReply, Option<bool>)> {
+async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<ScoreReply> {
     let started = Instant::now();
     let sequences = fetch(&shared, request.batch).await?;
     let scores = shared
@@ -356,10 +348,10 @@ async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<(ScoreReply
         .instrument(info_span!("score", run_id = %request.run_id))
         .await?;
     let timing = Timing::from([("score".to_string(), started.elapsed().as_secs_f64())]);
-    Ok((ScoreReply { scores, timing }, None))
+    Ok(ScoreReply { scores, timing })
 }
 
-async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<(SaveReply, Option<bool>)> {
+async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
     let started = Instant::now();
     let path = request.path.clone();
     let (step, files) = shared
@@ -372,7 +364,7 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<(SaveReply, O
         .instrument(info_span!("save", path = %path))
         .await?;
     let timing = Timing::from([("save".to_string(), started.elapsed().as_secs_f64())]);
-    Ok((SaveReply { path, step, files, timing }, None))
+    Ok(SaveReply { path, step, files, timing })
 }
 
 /// A running worker; dropping the shutdown future's sender or completing it stops it.

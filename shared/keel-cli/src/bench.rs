@@ -59,9 +59,20 @@ fn one_run(model: &CausalLm, args: &BenchArgs) -> anyhow::Result<(f64, f64)> {
     Ok((prefill, start.elapsed().as_secs_f64()))
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
+/// The median of timed runs.
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
+}
+
+/// Applies `--threads` (intra-op CPU threads; default: libtorch's choice).
+pub(crate) fn set_threads(threads: Option<i32>) -> anyhow::Result<()> {
+    match threads {
+        Some(threads) if threads < 1 => bail!("--threads must be at least 1"),
+        Some(threads) => tch::set_num_threads(threads),
+        None => {}
+    }
+    Ok(())
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
@@ -71,11 +82,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.batch.checked_mul(args.prompt_tokens + args.decode_tokens).is_none_or(|tokens| tokens > 1 << 24) {
         bail!("--batch × (--prompt-tokens + --decode-tokens) must stay below 2^24 tokens");
     }
-    match args.threads {
-        Some(threads) if threads < 1 => bail!("--threads must be at least 1"),
-        Some(threads) => tch::set_num_threads(threads),
-        None => {}
-    }
+    set_threads(args.threads)?;
     let model = args.runtime.load()?;
     let _no_grad = tch::no_grad_guard();
     one_run(&model, &args)?;

@@ -13,6 +13,8 @@ use keel_model::CausalLm;
 use keel_model::sampling::SamplingParams;
 use serde_json::json;
 
+use crate::bench::median;
+
 #[derive(Debug, Subcommand)]
 pub enum GenerateCommand {
     /// Measure time to first token and decode tokens/s of the generator engine.
@@ -87,20 +89,11 @@ fn one_run(engine: &Engine, args: &GenerateBenchArgs, vocab: i64) -> anyhow::Res
     Ok((first, start.elapsed().as_secs_f64()))
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
     if args.batch < 1 || args.prompt_tokens < 1 || args.decode_tokens < 2 || args.repeats < 1 {
         bail!("--batch, --prompt-tokens and --repeats must be at least 1, --decode-tokens at least 2");
     }
-    match args.threads {
-        Some(threads) if threads < 1 => bail!("--threads must be at least 1"),
-        Some(threads) => tch::set_num_threads(threads),
-        None => {}
-    }
+    crate::bench::set_threads(args.threads)?;
     let device = keel_model::device::parse_device(&args.device)?;
     let kind = keel_model::device::parse_kind(&args.dtype)?;
     let model = CausalLm::load(&args.model, device, kind).context("loading the model")?;

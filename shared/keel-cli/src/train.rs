@@ -55,11 +55,7 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
     if args.batch < 1 || args.seq_len < 2 || args.repeats < 1 || micro < 1 || micro > args.batch {
         bail!("--batch ≥ 1, 1 ≤ --micro-batch ≤ --batch, --seq-len ≥ 2 and --repeats ≥ 1 are required");
     }
-    match args.threads {
-        Some(threads) if threads < 1 => bail!("--threads must be at least 1"),
-        Some(threads) => tch::set_num_threads(threads),
-        None => {}
-    }
+    crate::bench::set_threads(args.threads)?;
     let request: LoadRequest = serde_json::from_value(json!({
         "run_id": "bench",
         "policy": {"path": args.model},
@@ -91,9 +87,7 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
         Ok(start.elapsed().as_secs_f64())
     };
     step()?;
-    let mut times = (0..args.repeats).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?;
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
+    let median = crate::bench::median((0..args.repeats).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?);
     println!(
         "{}",
         json!({

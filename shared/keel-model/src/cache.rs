@@ -129,11 +129,6 @@ impl SlotCache {
         Ok(Self { keys: alloc()?, values: alloc()?, lens: vec![0; slots], capacity })
     }
 
-    /// Bytes one cached token takes (keys and values of every layer).
-    pub fn bytes_per_token(cfg: &ModelConfig, kind: Kind) -> usize {
-        2 * (cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim) as usize * kind.elt_size_in_bytes()
-    }
-
     pub fn slots(&self) -> usize {
         self.lens.len()
     }

@@ -27,11 +27,4 @@ impl<T> Reply<T> {
     pub fn error(kind: impl Into<String>, message: impl Into<String>) -> Self {
         Self::Error(ErrorBody { kind: kind.into(), message: message.into() })
     }
-
-    pub fn into_result(self) -> Result<T, ErrorBody> {
-        match self {
-            Self::Ok(value) => Ok(value),
-            Self::Error(error) => Err(error),
-        }
-    }
 }
