@@ -26,6 +26,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::request::{Event, Finish, GenRequest, TokenOut};
+use crate::text::Detokenizer;
 
 /// Counters the metrics endpoint reads.
 #[derive(Debug, Default)]
@@ -101,6 +102,8 @@ struct Sample {
     slot: usize,
     sampler: Sampler,
     generated: Vec<i64>,
+    /// The generated text, kept only when the request has stop strings.
+    text: Detokenizer,
     /// The last sampled token, fed at the next step.
     pending: i64,
 }
@@ -285,7 +288,15 @@ impl Scheduler {
             let params =
                 SamplingParams { seed: request.sampling.seed.wrapping_add(index as u64), ..request.sampling.clone() };
             let sampler = Sampler::new(params)?;
-            let mut sample = Sample { request: id, index, slot, sampler, generated: Vec::new(), pending: 0 };
+            let mut sample = Sample {
+                request: id,
+                index,
+                slot,
+                sampler,
+                generated: Vec::new(),
+                text: Detokenizer::default(),
+                pending: 0,
+            };
             let outcome = self.take_token(&mut sample, &last)?;
             self.place(sample, outcome);
         }
@@ -314,7 +325,7 @@ impl Scheduler {
         if request.stop_token_ids.contains(&token) {
             return Ok(Some((Finish::Stop, None)));
         }
-        if let Some(stop) = self.stop_string(request, &sample.generated) {
+        if let Some(stop) = self.stop_string(request, sample) {
             return Ok(Some((Finish::Stop, Some(stop))));
         }
         if sample.generated.len() >= request.max_tokens || self.cache.len(sample.slot) + 1 > self.cache.capacity() {
@@ -323,15 +334,20 @@ impl Scheduler {
         Ok(None)
     }
 
-    /// The first stop string the generated text contains.
-    fn stop_string(&self, request: &GenRequest, generated: &[i64]) -> Option<String> {
+    /// A stop string that the sample's newest text completes. Only the new text and the
+    /// stop strings' length before it are searched: earlier text was searched already.
+    fn stop_string(&self, request: &GenRequest, sample: &mut Sample) -> Option<String> {
         if request.stop.is_empty() {
             return None;
         }
-        let tokenizer = self.tokenizer.as_ref()?;
-        let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
-        let text = tokenizer.decode(&ids, false).ok()?;
-        request.stop.iter().find(|s| text.contains(s.as_str())).cloned()
+        let added = sample.text.update(self.tokenizer.as_ref()?, &sample.generated);
+        let text = sample.text.text();
+        let longest = request.stop.iter().map(String::len).max().unwrap_or(0);
+        let mut from = text.len().saturating_sub(added + longest);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        request.stop.iter().find(|s| text[from..].contains(s.as_str())).cloned()
     }
 
     /// Keeps a sample running, or ends it and frees its slot.

@@ -27,8 +27,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::api::*;
 use crate::engine::Engine;
-use crate::request::{Draft, Event, Finish, GenRequest, Limits};
-use crate::text::{final_text, streamable_len};
+use crate::request::{Draft, Event, GenRequest, Limits, SampleOut, collect};
+use crate::text::{Detokenizer, final_text, streamable_len};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -192,45 +192,12 @@ impl AppState {
     }
 }
 
-/// Everything one sample produced.
-#[derive(Debug, Default, Clone)]
-struct SampleOut {
-    tokens: Vec<i64>,
-    logprobs: Vec<f32>,
-    top: Vec<Vec<(i64, f32)>>,
-    finish: Option<(Finish, Option<String>)>,
-}
-
-impl SampleOut {
-    fn push(&mut self, token: crate::request::TokenOut) {
-        self.tokens.push(token.token);
-        self.logprobs.push(token.logprob);
-        self.top.push(token.top);
-    }
-
-    fn stop(&self) -> Option<&str> {
-        self.finish.as_ref().and_then(|f| f.1.as_deref())
-    }
-
-    fn finish_reason(&self) -> Option<String> {
-        self.finish.as_ref().map(|f| f.0.as_str().to_string())
-    }
-}
-
 /// Runs `request` to completion.
 async fn run_to_end(state: &AppState, request: GenRequest) -> ApiResult<Vec<SampleOut>> {
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     let n = request.n;
     state.engine.submit(request, tx).map_err(internal)?;
-    let mut samples = vec![SampleOut::default(); n];
-    while let Some(event) = rx.recv().await {
-        match event {
-            Event::Token(t) => samples[t.index].push(t),
-            Event::Finished { index, reason, stop, .. } => samples[index].finish = Some((reason, stop)),
-            Event::Failed(message) => return Err(ApiError::bad(message, None)),
-        }
-    }
-    Ok(samples)
+    collect(rx, n).await.map_err(|message| ApiError::bad(message, None))
 }
 
 fn internal(message: String) -> ApiError {
@@ -425,6 +392,8 @@ impl StreamSettings {
 #[derive(Default, Clone)]
 struct StreamSample {
     out: SampleOut,
+    /// The text so far, decoded incrementally.
+    text: Detokenizer,
     /// Bytes of text already sent, and tokens whose logprobs were sent.
     sent_text: usize,
     sent_tokens: usize,
@@ -498,12 +467,13 @@ impl Chunks {
 
     /// The chunk for sample `index` after its latest event, if there is anything new to show.
     fn update(&self, index: usize, sample: &mut StreamSample) -> Option<Value> {
-        let text = self.state.decode(&sample.out.tokens);
         let (visible, finish) = if sample.done {
+            let text = self.state.decode(&sample.out.tokens);
             (final_text(&text, sample.out.stop(), self.include_stop), sample.out.finish_reason())
         } else {
-            let end = streamable_len(&text, &self.stops);
-            (text[..end].to_string(), None)
+            sample.text.update(&self.state.tokenizer, &sample.out.tokens);
+            let text = sample.text.text();
+            (text[..streamable_len(text, &self.stops)].to_string(), None)
         };
         if visible.len() < sample.sent_text || !visible.is_char_boundary(sample.sent_text) {
             return None;

@@ -1,7 +1,8 @@
 //! A generation request after validation at the edge (HTTP or NATS): nothing downstream
 //! checks it again.
 
-use keel_model::sampling::SamplingParams;
+use keel_model::sampling::{SamplingParams, TopLogprobs};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 /// What one prompt asks for; `n` samples share its prefill.
 #[derive(Debug, Clone)]
@@ -176,4 +177,49 @@ impl Limits {
             top_logprobs: draft.top_logprobs,
         })
     }
+}
+
+/// Everything one sample produced.
+#[derive(Debug, Default, Clone)]
+pub struct SampleOut {
+    pub tokens: Vec<i64>,
+    pub logprobs: Vec<f32>,
+    pub top: Vec<TopLogprobs>,
+    /// Why it ended and the stop string that ended it.
+    pub finish: Option<(Finish, Option<String>)>,
+    /// The weight version it ended on.
+    pub version: u64,
+}
+
+impl SampleOut {
+    pub fn push(&mut self, token: TokenOut) {
+        self.tokens.push(token.token);
+        self.logprobs.push(token.logprob);
+        self.top.push(token.top);
+    }
+
+    pub fn stop(&self) -> Option<&str> {
+        self.finish.as_ref().and_then(|f| f.1.as_deref())
+    }
+
+    pub fn finish_reason(&self) -> Option<String> {
+        self.finish.as_ref().map(|f| f.0.as_str().to_string())
+    }
+}
+
+/// The `n` samples of a request, once the engine is done with it (the failure message if
+/// the request failed).
+pub async fn collect(mut events: UnboundedReceiver<Event>, n: usize) -> Result<Vec<SampleOut>, String> {
+    let mut samples = vec![SampleOut::default(); n];
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Token(t) => samples[t.index].push(t),
+            Event::Finished { index, reason, stop, version } => {
+                samples[index].finish = Some((reason, stop));
+                samples[index].version = version;
+            }
+            Event::Failed(message) => return Err(message),
+        }
+    }
+    Ok(samples)
 }

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::openai::AppState;
-use crate::request::{Draft, Event};
+use crate::request::{Draft, collect};
 
 async fn rollout(state: &AppState, payload: &[u8]) -> Reply<RolloutReply> {
     let request: RolloutRequest = match serde_json::from_slice(payload) {
@@ -55,35 +55,26 @@ async fn rollout(state: &AppState, payload: &[u8]) -> Reply<RolloutReply> {
     let Ok(_permit) = state.admission.clone().try_acquire_owned() else {
         return Reply::error(error_types::UNAVAILABLE, "the generator's queue is full; retry another replica or later");
     };
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     let n = generation.n;
     if let Err(e) = state.engine.submit(generation, tx) {
         return Reply::error(error_types::UNAVAILABLE, e);
     }
-    let mut samples: Vec<RolloutSample> = (0..n)
-        .map(|_| RolloutSample {
-            token_ids: Vec::new(),
-            logprobs: Vec::new(),
-            finish_reason: String::new(),
-            stop_reason: None,
+    let samples = match collect(rx, n).await {
+        Ok(samples) => samples,
+        Err(message) => return Reply::error(error_types::INVALID_REQUEST, message),
+    };
+    let weight_version = samples.iter().map(|s| s.version).max().unwrap_or(serving);
+    let samples = samples
+        .into_iter()
+        .map(|s| RolloutSample {
+            finish_reason: s.finish_reason().unwrap_or_else(|| "abort".into()),
+            stop_reason: s.stop().map(str::to_string),
+            token_ids: s.tokens,
+            logprobs: s.logprobs,
         })
         .collect();
-    let mut version = serving;
-    while let Some(event) = rx.recv().await {
-        match event {
-            Event::Token(t) => {
-                samples[t.index].token_ids.push(t.token);
-                samples[t.index].logprobs.push(t.logprob);
-            }
-            Event::Finished { index, reason, stop, version: v } => {
-                samples[index].finish_reason = reason.as_str().to_string();
-                samples[index].stop_reason = stop;
-                version = version.max(v);
-            }
-            Event::Failed(message) => return Reply::error(error_types::INVALID_REQUEST, message),
-        }
-    }
-    Reply::Ok(RolloutReply { weight_version: version, samples })
+    Reply::Ok(RolloutReply { weight_version, samples })
 }
 
 /// Serves rollouts and refits until the subscriptions end or `shutdown` completes.

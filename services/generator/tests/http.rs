@@ -228,21 +228,24 @@ async fn streaming_chat_stops_and_the_openai_surface() {
 
     // A stop string ends the text before it (or keeps it, by flag).
     let full = whole["choices"][0]["text"].as_str().unwrap().to_string();
-    let cut: String = full.chars().skip(4).take(3).collect();
-    if !cut.trim().is_empty() {
-        let mut stopped = request.clone();
-        stopped["stop"] = json!([cut]);
-        let body = server.ok("/v1/completions", stopped.clone()).await;
-        let expected = &full[..full.find(&cut).unwrap()];
-        assert_eq!(body["choices"][0]["text"], expected);
-        assert_eq!(
-            (body["choices"][0]["finish_reason"].as_str(), body["choices"][0]["stop_reason"].as_str()),
-            (Some("stop"), Some(cut.as_str()))
-        );
-        stopped["include_stop_str_in_output"] = json!(true);
-        let body = server.ok("/v1/completions", stopped).await;
-        assert_eq!(body["choices"][0]["text"].as_str().unwrap(), format!("{expected}{cut}"));
-    }
+    // The first 3 characters past the fourth that are not all whitespace.
+    let chars: Vec<char> = full.chars().collect();
+    let cut: String = (4..chars.len().saturating_sub(3))
+        .map(|i| chars[i..i + 3].iter().collect::<String>())
+        .find(|c| !c.trim().is_empty())
+        .expect("the 16-token completion has a stop candidate");
+    let mut stopped = request.clone();
+    stopped["stop"] = json!([cut]);
+    let body = server.ok("/v1/completions", stopped.clone()).await;
+    let expected = &full[..full.find(&cut).unwrap()];
+    assert_eq!(body["choices"][0]["text"], expected);
+    assert_eq!(
+        (body["choices"][0]["finish_reason"].as_str(), body["choices"][0]["stop_reason"].as_str()),
+        (Some("stop"), Some(cut.as_str()))
+    );
+    stopped["include_stop_str_in_output"] = json!(true);
+    let body = server.ok("/v1/completions", stopped).await;
+    assert_eq!(body["choices"][0]["text"].as_str().unwrap(), format!("{expected}{cut}"));
 
     // Chat through the model's template, with logprobs, n = 2, streamed too.
     let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Add 4 and 5."}], "max_tokens": 8,

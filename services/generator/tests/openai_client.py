@@ -48,11 +48,11 @@ def main():
     # A stop string taken from the text cuts it there.
     text = choice.text
     stop = next((text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip()), None)
-    if stop:
-        stopped = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.7, seed=11,
-                                            stop=[stop], extra_body={"ignore_eos": True})
-        check(stopped.choices[0].text == text[:text.index(stop)], f"stop {stop!r}: {stopped.choices[0].text!r}")
-        check(stopped.choices[0].finish_reason == "stop", "finish_reason stop")
+    check(stop is not None, f"no stop candidate in {text!r}")
+    stopped = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.7, seed=11,
+                                        stop=[stop], extra_body={"ignore_eos": True})
+    check(stopped.choices[0].text == text[:text.index(stop)], f"stop {stop!r}: {stopped.choices[0].text!r}")
+    check(stopped.choices[0].finish_reason == "stop", "finish_reason stop")
 
     # Chat with n = 3 and logprobs; streamed chat equals the same request not streamed.
     messages = [{"role": "user", "content": "Add 4 and 5."}]
