@@ -626,15 +626,11 @@ pub async fn detokenize(
     Ok(Json(DetokenizeResponse { prompt }))
 }
 
-/// One Prometheus metric.
-fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
-    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
-}
-
 /// Prometheus metrics: queue depth, running sequences, KV use, tokens, time to first token,
 /// decode time, weight version and refits.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    use keel_service::metrics::metric;
     let s = &state.engine.stats;
     let count = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
     let gauge = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
@@ -666,7 +662,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         count(&s.requests_finished),
     );
     let ttft = format!("{p}_time_to_first_token_seconds");
-    out.push_str(&format!("# HELP {ttft} Time from arrival to the first token.\n# TYPE {ttft} summary\n"));
+    keel_service::metrics::header(&mut out, &ttft, "summary", "Time from arrival to the first token.");
     out.push_str(&format!("{ttft}_sum {}\n{ttft}_count {}\n", count(&s.ttft_micros) / 1e6, count(&s.ttft_count)));
     metric(
         &mut out,
@@ -691,5 +687,5 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         "How long the last refit took, drain included.",
         refit,
     );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+    ([(header::CONTENT_TYPE, keel_service::metrics::CONTENT_TYPE)], out)
 }

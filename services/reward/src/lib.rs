@@ -1,21 +1,107 @@
-//! keel-reward: environments and scorers, and external HTTP reward plugins.
+//! keel-reward: environments and scorers behind NATS and REST.
 //!
-//! So far the service starts, loads its configuration (an HTTP address, default
-//! 127.0.0.1:8082) and answers `GET /healthz`, tested with the binary in
-//! `tests/services_start.rs`.
+//! Layout:
+//! - [`env`]: the [`env::Environment`] trait (a batched step: observation, reward or named
+//!   rewards, termination, stop strings, metadata), the registry that builds one from its
+//!   typed configuration, and the cache of built environments.
+//! - [`envs`]: the built-in environments: `math`, `code`, `sliding_puzzle`, `exact_match`,
+//!   `regex`, `multiple_choice`, `http` (a user's reward service), `reward_model`.
+//! - [`math`]: answer extraction and mathematical equivalence.
+//! - [`sandbox`]: bubblewrap-isolated runs of untrusted programs with resource limits.
+//! - [`scoring`]: validation, the `on_error` policy, batch metrics and counters, shared by
+//!   [`api`] (REST, OpenAPI) and [`nats`] (queue group `reward`).
+
+pub mod api;
+pub mod env;
+pub mod envs;
+pub mod math;
+pub mod nats;
+pub mod sandbox;
+pub mod scoring;
 
 use std::future::Future;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
 
 pub const SERVICE: &str = "reward";
 
 /// Configuration: defaults, then `--config FILE`, then `KEEL_REWARD__<FIELD>`.
-pub type Config = keel_service::HttpConfig;
-
-pub fn default_config() -> Config {
-    Config::on_port(8082)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    /// NATS server for the queue group and trainer requests (empty: REST only).
+    pub nats_url: String,
+    /// Prefix of every subject (`keel.v1`).
+    pub subject_prefix: String,
+    /// Requests scored at once before new ones get 503 / `unavailable`.
+    pub max_in_flight: usize,
+    /// Samples per request.
+    pub max_samples: usize,
+    pub sandbox: sandbox::SandboxConfig,
 }
 
-/// Serves until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), shutdown).await
+impl keel_service::ServiceConfig for Config {
+    fn validate(&self) -> Result<(), String> {
+        if self.max_in_flight == 0 {
+            return Err("max_in_flight: must be at least 1".into());
+        }
+        if self.max_samples == 0 {
+            return Err("max_samples: must be at least 1".into());
+        }
+        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        self.sandbox.validate()
+    }
+}
+
+pub fn default_config() -> Config {
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 8082)),
+        nats_url: keel_service::nats::default_url(),
+        subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
+        max_in_flight: 64,
+        max_samples: 4096,
+        sandbox: sandbox::SandboxConfig::default(),
+    }
+}
+
+/// The handlers' state for `config`, connected to `nats` when given.
+pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::AppState, String> {
+    let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+    let http = reqwest::Client::builder().build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+    let ctx = env::EnvContext { http, nats, subjects, sandbox: sandbox::Sandbox::new(config.sandbox.clone()) };
+    let scorer = scoring::Scorer::new(ctx, config.max_in_flight, config.max_samples);
+    Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
+}
+
+/// Serves REST and, with a NATS URL, the reward queue group, until `shutdown` completes.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+    let client = match config.nats_url.as_str() {
+        "" => None,
+        url => Some(keel_service::nats::connect(url).await?),
+    };
+    let state = state(&config, client.clone())?;
+    if let Err(e) = state.scorer.sandbox().available().await {
+        tracing::warn!("the code environment will refuse samples: {e}");
+    }
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let nats = client.map(|client| {
+        let subjects = keel_protocol::Subjects::new(&config.subject_prefix);
+        let scorer = state.scorer.clone();
+        let stop = stopped(stop_rx.clone());
+        tokio::spawn(async move { nats::serve(client, subjects?, scorer, stop).await })
+    });
+    let app = api::routes(state).merge(keel_service::health_routes(SERVICE));
+    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, stopped(stop_rx)));
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    http.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    match nats {
+        Some(task) => task.await.map_err(|e| e.to_string())?,
+        None => Ok(()),
+    }
 }

@@ -9,12 +9,15 @@
 //! - [`training`]: the training configuration (loss, optimiser, schedule, batching) with
 //!   validation that lists every problem with its field path.
 //! - [`generator`]: rollout requests and the weights-updated event.
+//! - [`reward`]: environment steps and scoring (environment configs, samples, results) and
+//!   the contract of a user's HTTP reward service.
 //! - [`trainer`]: the trainer worker's requests and replies (claim, load, logprobs, train,
 //!   score, save, heartbeat, release).
 
 pub mod generator;
 pub mod payload;
 pub mod reply;
+pub mod reward;
 pub mod subjects;
 pub mod trainer;
 pub mod training;

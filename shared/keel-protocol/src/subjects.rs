@@ -87,6 +87,16 @@ impl Subjects {
         format!("{}.generate", self.prefix)
     }
 
+    /// Direct scoring of completions (queue group [`crate::reward::REWARD_QUEUE_GROUP`]).
+    pub fn reward_score(&self) -> String {
+        format!("{}.reward.score", self.prefix)
+    }
+
+    /// Environment steps (queue group [`crate::reward::REWARD_QUEUE_GROUP`]).
+    pub fn reward_env_step(&self) -> String {
+        format!("{}.reward.env.step", self.prefix)
+    }
+
     /// New weights for the generators (every generator hears it).
     pub fn weights_updated(&self) -> String {
         format!("{}.weights.updated", self.prefix)
@@ -112,6 +122,10 @@ mod tests {
         let s = Subjects::default();
         assert_eq!(s.trainer_claim(), "keel.v1.trainer.claim");
         assert_eq!((s.generate(), s.weights_updated()), ("keel.v1.generate".into(), "keel.v1.weights.updated".into()));
+        assert_eq!(
+            (s.reward_score(), s.reward_env_step()),
+            ("keel.v1.reward.score".into(), "keel.v1.reward.env.step".into())
+        );
         assert_eq!(s.trainer("w1", TrainerOp::Train), "keel.v1.trainer.w1.train");
         assert_eq!(Subjects::new("t.abc-1").unwrap().trainer_all("w"), "t.abc-1.trainer.w.*");
         assert!(Subjects::new("keel.*").is_err());

@@ -5,11 +5,13 @@
 //! - [`http`]: the `/healthz` route, the JSON error body and 404 fallback, serving with
 //!   graceful shutdown.
 //! - [`entry`]: what a service's `main.rs` calls: flags, config, logging, runtime, signals.
+//! - [`metrics`]: the Prometheus text format for `GET /metrics`.
 //! - [`nats`]: connecting to NATS and moving bulk payloads through the JetStream object store.
 
 pub mod config;
 pub mod entry;
 pub mod http;
+pub mod metrics;
 pub mod nats;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};

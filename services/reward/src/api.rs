@@ -1,0 +1,198 @@
+//! REST: `POST /v1/score`, `POST /v1/env/step`, `GET /metrics` (plus `/healthz` from
+//! keel-service). Errors are `{"error": {"type", "message"}}`: 400 for a body that is not
+//! JSON, 422 for one that does not fit (the message names the field path), 422 or 502 for a
+//! sample that failed under `on_error: fail` (its own fault, or an upstream's), 503 with
+//! `Retry-After` when too many requests are in flight.
+//!
+//! [`ApiDoc`] generates `openapi/reward.json`; [`plugin_document`] generates
+//! `openapi/reward-plugin.json`, the contract a user's reward service implements.
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use keel_protocol::reward::{
+    EnvStepReply, EnvStepRequest, PluginBatchRequest, PluginBatchResponse, PluginRequest, PluginResponse, ScoreReply,
+    ScoreRequest,
+};
+use keel_service::ApiError;
+use keel_service::metrics::{CONTENT_TYPE, header as metric_header, metric, sample};
+use utoipa::OpenApi;
+
+use crate::scoring::{Error, Scorer, parse};
+
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub scorer: Scorer,
+    pub max_in_flight: usize,
+}
+
+pub fn routes(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/score", post(score))
+        .route("/v1/env/step", post(env_step))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// The JSON error body of this service.
+struct Failure(Error);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let status = match &self.0 {
+            Error::InvalidRequest(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::SampleFailed { error, .. } if error.kind == "invalid_sample" => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::SampleFailed { .. } => StatusCode::BAD_GATEWAY,
+            Error::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let retry = matches!(self.0, Error::Unavailable);
+        let mut response = ApiError { status, error_type: self.0.kind(), message: self.0.to_string() }.into_response();
+        if retry {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+/// Decodes the body; a body that is not JSON at all is a 400, one that does not fit a 422.
+fn decode<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
+    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+        let message = format!("the body is not JSON: {e}");
+        return Err(ApiError { status: StatusCode::BAD_REQUEST, error_type: "invalid_json", message }.into_response());
+    }
+    parse(body).map_err(|e| Failure(e).into_response())
+}
+
+/// Scores finished completions with an environment (one step each).
+#[utoipa::path(
+    post,
+    path = "/v1/score",
+    request_body = ScoreRequest,
+    responses(
+        (status = 200, description = "One result per sample, in order, and batch metrics", body = ScoreReply),
+        (status = 400, description = "The body is not JSON"),
+        (status = 422, description = "A field is missing or wrong (the message names it), or a sample is invalid under `on_error: fail`"),
+        (status = 502, description = "A sample's scoring failed upstream under `on_error: fail`"),
+        (status = 503, description = "Too many requests in flight; retry after the `Retry-After` seconds"),
+    )
+)]
+pub async fn score(State(state): State<AppState>, body: Bytes) -> Response {
+    let request: ScoreRequest = match decode(&body) {
+        Ok(request) => request,
+        Err(response) => return response,
+    };
+    match state.scorer.score(request).await {
+        Ok(reply) => axum::Json(reply).into_response(),
+        Err(e) => Failure(e).into_response(),
+    }
+}
+
+/// One environment step of each sample's conversation.
+#[utoipa::path(
+    post,
+    path = "/v1/env/step",
+    request_body = EnvStepRequest,
+    responses(
+        (status = 200, description = "Observation, reward, termination, stop strings and metadata per sample", body = EnvStepReply),
+        (status = 400, description = "The body is not JSON"),
+        (status = 422, description = "A field is missing or wrong (the message names it), or a sample is invalid under `on_error: fail`"),
+        (status = 502, description = "A sample's scoring failed upstream under `on_error: fail`"),
+        (status = 503, description = "Too many requests in flight; retry after the `Retry-After` seconds"),
+    )
+)]
+pub async fn env_step(State(state): State<AppState>, body: Bytes) -> Response {
+    let request: EnvStepRequest = match decode(&body) {
+        Ok(request) => request,
+        Err(response) => return response,
+    };
+    match state.scorer.step(request).await {
+        Ok(reply) => axum::Json(reply).into_response(),
+        Err(e) => Failure(e).into_response(),
+    }
+}
+
+/// Prometheus metrics: requests, samples, sample errors, reward and time per environment,
+/// and requests in flight.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
+pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let mut out = String::new();
+    let p = "keel_reward";
+    let in_flight = state.scorer.in_flight(state.max_in_flight) as f64;
+    metric(&mut out, &format!("{p}_requests_in_flight"), "gauge", "Requests being scored now.", in_flight);
+    let stats = state.scorer.stats();
+    let families: [(&str, &str, &str, fn(&crate::scoring::EnvStats) -> f64); 5] = [
+        ("requests_total", "counter", "Requests per environment.", |s| s.requests as f64),
+        ("samples_total", "counter", "Samples scored per environment.", |s| s.samples as f64),
+        ("sample_errors_total", "counter", "Samples whose scoring failed.", |s| s.errors as f64),
+        ("reward_sum", "counter", "Sum of the rewards given.", |s| s.reward_sum),
+        ("seconds_total", "counter", "Time spent scoring.", |s| s.seconds),
+    ];
+    for (name, kind, help, value) in families {
+        let name = format!("{p}_{name}");
+        metric_header(&mut out, &name, kind, help);
+        for (env, s) in &stats {
+            sample(&mut out, &name, &[("env", env)], value(s));
+        }
+    }
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], out)
+}
+
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(
+        title = "Keel reward",
+        description = "Environments and scorers: math, code (sandboxed), sliding_puzzle, exact_match, regex, multiple_choice, http (your own reward service) and reward_model. The same request and reply bodies travel over NATS on `<prefix>.reward.score` and `<prefix>.reward.env.step` (queue group `reward`), wrapped in `{\"ok\": ...}` or `{\"error\": {\"type\", \"message\"}}`."
+    ),
+    paths(score, env_step, metrics)
+)]
+pub struct ApiDoc;
+
+/// The contract of a user's reward service: `POST` to the configured URL.
+pub fn plugin_document() -> utoipa::openapi::OpenApi {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    use utoipa::openapi::request_body::RequestBodyBuilder;
+    use utoipa::openapi::{
+        ContentBuilder, InfoBuilder, OneOfBuilder, OpenApiBuilder, PathsBuilder, Ref, ResponseBuilder,
+    };
+
+    let either = |one: &str, many: &str| {
+        let schema = OneOfBuilder::new().item(Ref::from_schema_name(one)).item(Ref::from_schema_name(many)).build();
+        ContentBuilder::new().schema(Some(utoipa::openapi::Schema::OneOf(schema))).build()
+    };
+    let operation = OperationBuilder::new()
+        .summary(Some("Score samples"))
+        .description(Some(
+            "Keel sends one PluginRequest (batch_size 1) or a PluginBatchRequest and expects a PluginResponse or a PluginBatchResponse with one result per sample, in order. Timeouts, connection errors, 429 and 5xx are retried with backoff; other statuses, malformed JSON, a missing or non-finite reward, or a reply over the configured size fail the sample. The `Authorization` header is sent when configured.",
+        ))
+        .request_body(Some(
+            RequestBodyBuilder::new()
+                .content("application/json", either("PluginRequest", "PluginBatchRequest"))
+                .required(Some(utoipa::openapi::Required::True))
+                .build(),
+        ))
+        .response(
+            "200",
+            ResponseBuilder::new()
+                .description("The reward(s)")
+                .content("application/json", either("PluginResponse", "PluginBatchResponse")),
+        )
+        .build();
+    #[derive(OpenApi)]
+    #[openapi(components(schemas(PluginRequest, PluginBatchRequest, PluginResponse, PluginBatchResponse)))]
+    struct Schemas;
+    let mut doc = OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("Keel reward plugin")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some("What a user's own reward service implements for Keel's `http` environment."))
+                .build(),
+        )
+        .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, operation)))
+        .build();
+    doc.components = Schemas::openapi().components;
+    doc
+}

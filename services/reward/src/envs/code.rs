@@ -1,0 +1,297 @@
+//! `code`: the model's Python program run against the task's tests in the [`Sandbox`].
+//!
+//! The program is the last fenced code block of the model's turn (```` ```python ````,
+//! ```` ```py ```` or untagged), else the whole turn. `metadata.tests` lists the tests, each
+//! run as its own sandboxed process so that no test (or the program) can forge another's
+//! result:
+//! - `{"stdin": "...", "stdout": "..."}`: the program reads the input; it passes when it exits
+//!   0 and its output equals the expected one (trailing spaces of lines and trailing blank
+//!   lines ignored);
+//! - `{"assert": "assert add(1, 2) == 3"}`: the statement runs in a script that imports the
+//!   program as the module `solution` (so its `if __name__ == "__main__"` part does not run);
+//!   it passes when the process exits 0.
+//!
+//! Reward: the fraction of tests passed, or 1/0 with `all_or_nothing`. With `feedback` the
+//! test report comes back as an observation and the episode goes on until every test passes
+//! or `max_attempts` is reached (attempts are counted in `metadata.attempts`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::{BoxFuture, join_all};
+use keel_protocol::reward::{CodeConfig, EnvSample, EnvStepResult, Message, SampleError};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::env::{Environment, Outcome, last_turn};
+use crate::sandbox::{Limits, RunReport, Sandbox, Termination};
+
+/// The largest program accepted.
+const MAX_PROGRAM_BYTES: usize = 256 * 1024;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Test {
+    Io { stdin: String, stdout: String },
+    Assert(String),
+}
+
+/// The tests of a sample; the error names the bad entry.
+pub fn parse_tests(metadata: &Value) -> Result<Vec<Test>, SampleError> {
+    let bad = |m: String| SampleError::new("invalid_sample", m);
+    let tests = metadata
+        .get("tests")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("metadata.tests: a list of tests is required".into()))?;
+    if tests.is_empty() {
+        return Err(bad("metadata.tests: is empty".into()));
+    }
+    tests
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let text = |key: &str| t.get(key).map(|v| v.as_str().map(str::to_string));
+            match (text("assert"), text("stdin"), text("stdout")) {
+                (Some(Some(a)), None, None) => Ok(Test::Assert(a)),
+                (None, stdin, Some(Some(stdout))) => match stdin {
+                    None => Ok(Test::Io { stdin: String::new(), stdout }),
+                    Some(Some(stdin)) => Ok(Test::Io { stdin, stdout }),
+                    Some(None) => Err(bad(format!("metadata.tests[{i}].stdin: must be a string"))),
+                },
+                _ => Err(bad(format!(
+                    "metadata.tests[{i}]: expected {{\"stdin\", \"stdout\"}} or {{\"assert\"}} with strings"
+                ))),
+            }
+        })
+        .collect()
+}
+
+/// The program in a model's turn.
+pub fn extract_program(response: &str) -> String {
+    let mut blocks = Vec::new();
+    let mut rest = response;
+    while let Some(start) = rest.find("```") {
+        let after = &rest[start + 3..];
+        let Some(line_end) = after.find('\n') else { break };
+        let tag = after[..line_end].trim().to_lowercase();
+        let body = &after[line_end + 1..];
+        let Some(end) = body.find("```") else { break };
+        if matches!(tag.as_str(), "" | "python" | "py" | "python3") {
+            blocks.push(&body[..end]);
+        }
+        rest = &body[end + 3..];
+    }
+    blocks.last().map_or_else(|| response.to_string(), |b| b.to_string())
+}
+
+fn same_output(got: &str, expected: &str) -> bool {
+    let lines = |s: &str| {
+        let mut lines: Vec<String> = s.lines().map(|l| l.trim_end().to_string()).collect();
+        while lines.last().is_some_and(String::is_empty) {
+            lines.pop();
+        }
+        lines
+    };
+    lines(got) == lines(expected)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TestOutcome {
+    pub passed: bool,
+    /// `passed`, `wrong_answer`, `runtime_error`, `memory_limit`, `cpu_limit` or `timeout`.
+    pub status: &'static str,
+    pub termination: Termination,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub stdout: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub stderr: String,
+}
+
+fn judge(test: &Test, report: RunReport) -> TestOutcome {
+    let status = match report.termination {
+        Termination::TimedOut => "timeout",
+        Termination::Signaled(9 | 24) => "cpu_limit",
+        Termination::Exited(0) => match test {
+            Test::Io { stdout, .. } if !same_output(&report.stdout, stdout) => "wrong_answer",
+            _ => "passed",
+        },
+        _ if report.stderr.contains("MemoryError") => "memory_limit",
+        _ => "runtime_error",
+    };
+    let tail = |s: &str| {
+        let start = s.char_indices().rev().nth(1999).map_or(0, |(i, _)| i);
+        s[start..].to_string()
+    };
+    TestOutcome {
+        passed: status == "passed",
+        status,
+        termination: report.termination,
+        stdout: tail(&report.stdout),
+        stderr: tail(&report.stderr),
+    }
+}
+
+#[derive(Debug)]
+pub struct CodeEnv {
+    config: CodeConfig,
+    limits: Limits,
+    sandbox: Arc<Sandbox>,
+}
+
+impl CodeEnv {
+    pub fn new(config: &CodeConfig, sandbox: Arc<Sandbox>) -> Result<Self, String> {
+        let positive = [
+            ("cpu_seconds", config.cpu_seconds),
+            ("memory_mb", config.memory_mb),
+            ("max_processes", config.max_processes),
+            ("max_file_mb", config.max_file_mb),
+            ("max_attempts", u64::from(config.max_attempts)),
+        ];
+        if let Some((field, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("env.{field}: must be at least 1"));
+        }
+        if !(config.wall_seconds > 0.0 && config.wall_seconds <= 600.0) {
+            return Err("env.wall_seconds: must be in (0, 600]".into());
+        }
+        let limits = Limits {
+            cpu_seconds: config.cpu_seconds,
+            wall: Duration::from_secs_f64(config.wall_seconds),
+            memory_bytes: config.memory_mb << 20,
+            processes: config.max_processes,
+            file_bytes: config.max_file_mb << 20,
+            output_bytes: config.max_output_bytes,
+        };
+        Ok(Self { config: config.clone(), limits, sandbox })
+    }
+
+    /// Runs every test of one sample.
+    pub async fn run_tests(&self, program: &str, tests: &[Test]) -> Result<Vec<TestOutcome>, SampleError> {
+        let runs = tests.iter().map(|test| async move {
+            let report = match test {
+                Test::Io { stdin, .. } => {
+                    self.sandbox
+                        .run_python(&[("solution.py", program)], "solution.py", stdin.as_bytes(), &self.limits)
+                        .await
+                }
+                Test::Assert(statement) => {
+                    // `python -I` leaves the script's directory off the path.
+                    let main =
+                        format!("import sys\nsys.path.insert(0, '/sandbox')\nfrom solution import *\n\n{statement}\n");
+                    let files = [("solution.py", program), ("test_main.py", main.as_str())];
+                    self.sandbox.run_python(&files, "test_main.py", b"", &self.limits).await
+                }
+            };
+            report.map(|r| judge(test, r)).map_err(|e| SampleError::new("sandbox", e.to_string()))
+        });
+        join_all(runs).await.into_iter().collect()
+    }
+
+    async fn step_one(&self, sample: &EnvSample) -> Outcome {
+        let response = last_turn(sample)?;
+        let tests = parse_tests(&sample.metadata)?;
+        let program = extract_program(response);
+        let outcomes =
+            if program.len() > MAX_PROGRAM_BYTES { None } else { Some(self.run_tests(&program, &tests).await?) };
+        let passed = outcomes.as_ref().map_or(0, |o| o.iter().filter(|t| t.passed).count());
+        let total = tests.len();
+        let fraction = passed as f64 / total as f64;
+        let reward = if self.config.all_or_nothing { f64::from(u8::from(passed == total)) } else { fraction };
+        let attempts = sample.metadata.get("attempts").and_then(Value::as_u64).unwrap_or(0) + 1;
+        let mut metadata = match &sample.metadata {
+            Value::Object(map) => map.clone(),
+            _ => serde_json::Map::new(),
+        };
+        metadata.insert("attempts".into(), json!(attempts));
+        let mut result = EnvStepResult::done(reward, Value::Object(metadata));
+        result.info =
+            json!({"passed": passed, "total": total, "tests": outcomes, "program_too_long": outcomes.is_none()});
+        if self.config.feedback {
+            result.terminated = passed == total || attempts >= u64::from(self.config.max_attempts);
+            if !result.terminated {
+                result.observation = Some(Message::new("user", report(&tests, outcomes.as_deref())));
+            }
+        }
+        Ok(result)
+    }
+}
+
+/// The test report a model reads in feedback mode.
+fn report(tests: &[Test], outcomes: Option<&[TestOutcome]>) -> String {
+    let Some(outcomes) = outcomes else {
+        return format!("The program is longer than {MAX_PROGRAM_BYTES} bytes and was not run.");
+    };
+    let passed = outcomes.iter().filter(|o| o.passed).count();
+    let mut text = format!("{passed} of {} tests passed.", tests.len());
+    if let Some((test, outcome)) = tests.iter().zip(outcomes).find(|(_, o)| !o.passed) {
+        match test {
+            Test::Io { stdin, stdout } => {
+                text.push_str(&format!("\nFailed ({}) on input:\n{stdin}\nExpected:\n{stdout}", outcome.status));
+                text.push_str(&format!("\nGot:\n{}", outcome.stdout));
+            }
+            Test::Assert(statement) => text.push_str(&format!("\nFailed ({}): {statement}", outcome.status)),
+        }
+        if !outcome.stderr.is_empty() {
+            text.push_str(&format!("\nstderr:\n{}", outcome.stderr));
+        }
+    }
+    text
+}
+
+impl Environment for CodeEnv {
+    fn step<'a>(&'a self, samples: &'a [EnvSample]) -> BoxFuture<'a, Vec<Outcome>> {
+        Box::pin(join_all(samples.iter().map(|s| self.step_one(s))))
+    }
+
+    fn metrics(&self, results: &[EnvStepResult]) -> std::collections::BTreeMap<String, f64> {
+        let statuses: Vec<&str> = results
+            .iter()
+            .filter_map(|r| r.info.get("tests").and_then(Value::as_array))
+            .flatten()
+            .filter_map(|t| t.get("status").and_then(Value::as_str))
+            .collect();
+        let mut metrics = std::collections::BTreeMap::new();
+        if !statuses.is_empty() {
+            let share = |s: &str| statuses.iter().filter(|x| **x == s).count() as f64 / statuses.len() as f64;
+            for status in ["passed", "timeout", "runtime_error", "memory_limit"] {
+                metrics.insert(format!("code/{status}_rate"), share(status));
+            }
+        }
+        metrics
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn programs_come_from_the_last_python_block() {
+        let response = "First:\n```python\nprint(1)\n```\nthen\n```text\nnot code\n```\nfinal:\n```py\nprint(2)\n```\n";
+        assert_eq!(extract_program(response), "print(2)\n");
+        assert_eq!(extract_program("print(3)"), "print(3)");
+        assert_eq!(extract_program("```\nx = 1\n```"), "x = 1\n");
+        assert_eq!(extract_program("```python\nunterminated"), "```python\nunterminated");
+    }
+
+    #[test]
+    fn tests_are_validated_with_their_index() {
+        let ok = parse_tests(
+            &json!({"tests": [{"stdin": "1\n", "stdout": "2"}, {"assert": "assert f()"}, {"stdout": "x"}]}),
+        );
+        assert_eq!(ok.unwrap().len(), 3);
+        for (metadata, needle) in [
+            (json!({}), "metadata.tests"),
+            (json!({"tests": []}), "is empty"),
+            (json!({"tests": [{"assert": "assert 1"}, {"stdin": "1"}]}), "metadata.tests[1]"),
+            (json!({"tests": [{"stdin": 1, "stdout": "x"}]}), "metadata.tests[0].stdin"),
+        ] {
+            assert!(parse_tests(&metadata).unwrap_err().message.contains(needle), "{metadata}");
+        }
+    }
+
+    #[test]
+    fn output_comparison_ignores_trailing_space() {
+        assert!(same_output("1 2 \n3\n\n", "1 2\n3"));
+        assert!(!same_output("1 2\n3", "1 2\n4"));
+        assert!(!same_output(" 1", "1"));
+    }
+}

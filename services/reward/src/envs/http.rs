@@ -1,0 +1,248 @@
+//! `http`: the user's own reward service. Each sample is sent as a [`PluginRequest`] (or
+//! `batch_size` of them as a [`PluginBatchRequest`]) with `POST` to the configured URL; the
+//! answer is a [`PluginResponse`] (or a [`PluginBatchResponse`] with one result per sample, in
+//! order). The contract is `openapi/reward-plugin.json`.
+//!
+//! Each attempt has a timeout covering the whole exchange; timeouts, connection errors, 429
+//! and 5xx are retried up to `max_retries` times with exponential backoff and jitter; other
+//! answers are final. At most `max_concurrency` requests are in flight from this replica. A
+//! reply over `max_response_bytes` is cut off and refused. A failure never escapes as a
+//! panic or a failed request: every sample of the failed call carries the error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::{BoxFuture, join_all};
+use keel_protocol::reward::{
+    EnvSample, EnvStepResult, HttpRewardConfig, PluginBatchRequest, PluginBatchResponse, PluginRequest, PluginResponse,
+    SampleError,
+};
+use rand::Rng;
+use reqwest::StatusCode;
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use serde::de::DeserializeOwned;
+use tokio::sync::Semaphore;
+
+use crate::env::{Environment, Outcome, last_turn, prompt_of};
+
+const MAX_BATCH: usize = 1024;
+
+#[derive(Debug)]
+pub struct HttpEnv {
+    config: HttpRewardConfig,
+    client: reqwest::Client,
+    url: reqwest::Url,
+    authorization: Option<HeaderValue>,
+    permits: Arc<Semaphore>,
+}
+
+/// Whether another attempt may help.
+enum Failure {
+    Retry(SampleError),
+    Final(SampleError),
+}
+
+impl HttpEnv {
+    pub fn new(config: &HttpRewardConfig, client: reqwest::Client) -> Result<Self, String> {
+        let url =
+            reqwest::Url::parse(&config.url).map_err(|e| format!("env.url: `{}` is not a URL: {e}", config.url))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(format!("env.url: `{}` must be http or https", config.url));
+        }
+        if config.timeout_ms == 0 {
+            return Err("env.timeout_ms: must be at least 1".into());
+        }
+        if config.max_concurrency == 0 {
+            return Err("env.max_concurrency: must be at least 1".into());
+        }
+        if !(1..=MAX_BATCH).contains(&config.batch_size) {
+            return Err(format!("env.batch_size: must be 1 to {MAX_BATCH}"));
+        }
+        if config.max_response_bytes < 16 {
+            return Err("env.max_response_bytes: must be at least 16".into());
+        }
+        let token = match (&config.authorization, &config.authorization_env) {
+            (Some(_), Some(_)) => {
+                return Err("env.authorization_env: give authorization or authorization_env, not both".into());
+            }
+            (Some(value), None) => Some(value.clone()),
+            (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
+                format!("env.authorization_env: `{var}` is not set in the reward service's environment")
+            })?),
+            (None, None) => None,
+        };
+        let authorization = token
+            .map(|t| HeaderValue::from_str(&t).map_err(|_| "env.authorization: not a valid header value".to_string()))
+            .transpose()?
+            .map(|mut v| {
+                v.set_sensitive(true);
+                v
+            });
+        Ok(Self {
+            permits: Arc::new(Semaphore::new(config.max_concurrency)),
+            config: config.clone(),
+            client,
+            url,
+            authorization,
+        })
+    }
+
+    fn request_of(sample: &EnvSample) -> Result<PluginRequest, SampleError> {
+        Ok(PluginRequest {
+            completion: last_turn(sample)?.to_string(),
+            prompt: prompt_of(&sample.messages).to_string(),
+            messages: sample.messages.clone(),
+            metadata: sample.metadata.clone(),
+        })
+    }
+
+    /// Scores one chunk of samples with one call.
+    async fn score_chunk(&self, samples: &[EnvSample]) -> Vec<Outcome> {
+        let requests: Result<Vec<PluginRequest>, SampleError> = samples.iter().map(Self::request_of).collect();
+        let requests = match requests {
+            Ok(requests) => requests,
+            // One bad sample fails alone: score the rest one by one.
+            Err(_) if samples.len() > 1 => {
+                return join_all(samples.chunks(1).map(|one| self.score_chunk(one))).await.concat();
+            }
+            Err(e) => return vec![Err(e)],
+        };
+        let responses = if self.config.batch_size == 1 {
+            self.call::<PluginResponse>(&requests[0]).await.map(|r| vec![r])
+        } else {
+            let body = PluginBatchRequest { samples: requests };
+            self.call::<PluginBatchResponse>(&body).await.and_then(|b| {
+                if b.results.len() == samples.len() {
+                    Ok(b.results)
+                } else {
+                    Err(SampleError::new(
+                        "malformed_reply",
+                        format!("{} results for {} samples", b.results.len(), samples.len()),
+                    ))
+                }
+            })
+        };
+        match responses {
+            Ok(responses) => samples.iter().zip(responses).map(|(s, r)| outcome(s, r)).collect(),
+            Err(e) => vec![Err(e); samples.len()],
+        }
+    }
+
+    /// One call with retries.
+    async fn call<T: DeserializeOwned>(&self, body: &impl serde::Serialize) -> Result<T, SampleError> {
+        let body = serde_json::to_vec(body).map_err(|e| SampleError::new("invalid_sample", e.to_string()))?;
+        let mut attempt = 0;
+        loop {
+            let result = {
+                let _permit = self.permits.acquire().await.map_err(|e| SampleError::new("internal", e.to_string()))?;
+                let timeout = Duration::from_millis(self.config.timeout_ms);
+                match tokio::time::timeout(timeout, self.attempt(&body)).await {
+                    Ok(result) => result,
+                    Err(_) => Err(Failure::Retry(SampleError::new(
+                        "timeout",
+                        format!("{} did not answer within {} ms", self.url, self.config.timeout_ms),
+                    ))),
+                }
+            };
+            let error = match result {
+                Ok(bytes) => {
+                    return serde_json::from_slice(&bytes).map_err(|e| {
+                        SampleError::new(
+                            "malformed_reply",
+                            format!("{} answered something that is not a reward: {e}", self.url),
+                        )
+                    });
+                }
+                Err(Failure::Final(e)) => return Err(e),
+                Err(Failure::Retry(e)) => e,
+            };
+            if attempt >= self.config.max_retries {
+                let tries = attempt + 1;
+                return Err(SampleError::new(&error.kind, format!("{} (after {tries} attempts)", error.message)));
+            }
+            tokio::time::sleep(self.backoff(attempt)).await;
+            attempt += 1;
+        }
+    }
+
+    /// `backoff_ms · 2^attempt`, capped, times a random factor in [0.5, 1].
+    fn backoff(&self, attempt: u32) -> Duration {
+        let base = self.config.backoff_ms.saturating_mul(1u64 << attempt.min(20)).min(self.config.max_backoff_ms);
+        Duration::from_millis((base as f64 * rand::rng().random_range(0.5..=1.0)) as u64)
+    }
+
+    async fn attempt(&self, body: &[u8]) -> Result<Vec<u8>, Failure> {
+        let mut request =
+            self.client.post(self.url.clone()).header(CONTENT_TYPE, "application/json").body(body.to_vec());
+        if let Some(auth) = &self.authorization {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        let mut response = request.send().await.map_err(|e| {
+            Failure::Retry(SampleError::new("unreachable", format!("cannot reach {}: {}", self.url, error_chain(&e))))
+        })?;
+        let status = response.status();
+        if !status.is_success() {
+            let error = SampleError::new("http_status", format!("{} answered {status}", self.url));
+            let retry = status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS;
+            return Err(if retry { Failure::Retry(error) } else { Failure::Final(error) });
+        }
+        let limit = self.config.max_response_bytes;
+        let too_large = || {
+            Failure::Final(SampleError::new("too_large", format!("{}'s reply is larger than {limit} bytes", self.url)))
+        };
+        if response.content_length().is_some_and(|n| n > limit as u64) {
+            return Err(too_large());
+        }
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| {
+            Failure::Retry(SampleError::new(
+                "unreachable",
+                format!("reading {}'s reply failed: {}", self.url, error_chain(&e)),
+            ))
+        })? {
+            if bytes.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
+    }
+}
+
+/// reqwest's error with its causes (the cause says "connection refused").
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
+}
+
+/// A plugin's answer as a step result; the reward must be there and finite.
+fn outcome(sample: &EnvSample, response: PluginResponse) -> Outcome {
+    let malformed = |m: &str| SampleError::new("malformed_reply", m.to_string());
+    let rewards = response.rewards.unwrap_or_default();
+    if rewards.values().any(|v| !v.is_finite()) {
+        return Err(malformed("a named reward is not a finite number"));
+    }
+    let reward = match response.reward {
+        Some(r) if r.is_finite() => r,
+        Some(_) => return Err(malformed("reward is not a finite number")),
+        None if !rewards.is_empty() => rewards.values().sum(),
+        None => return Err(malformed("the reply has neither `reward` nor `rewards`")),
+    };
+    let mut result = EnvStepResult::done(reward, sample.metadata.clone());
+    result.rewards = rewards;
+    result.info = response.info;
+    Ok(result)
+}
+
+impl Environment for HttpEnv {
+    fn step<'a>(&'a self, samples: &'a [EnvSample]) -> BoxFuture<'a, Vec<Outcome>> {
+        Box::pin(async move {
+            join_all(samples.chunks(self.config.batch_size).map(|chunk| self.score_chunk(chunk))).await.concat()
+        })
+    }
+}

@@ -1,0 +1,66 @@
+//! The NATS side: `<prefix>.reward.score` and `<prefix>.reward.env.step` in the queue group
+//! `reward`, so any replica may answer. Bodies are the REST bodies; replies use the
+//! `{"ok": ...}` / `{"error": {"type", "message"}}` envelope. A bad message gets an error
+//! reply and never stops the subscription.
+
+use futures::StreamExt;
+use keel_protocol::reward::{EnvStepRequest, REWARD_QUEUE_GROUP, ScoreRequest};
+use keel_protocol::{Reply, Subjects};
+use serde::Serialize;
+use tracing::{info, warn};
+
+use crate::scoring::{Scorer, parse};
+
+fn envelope<T: Serialize>(result: crate::scoring::Result<T>) -> Vec<u8> {
+    let reply = match result {
+        Ok(value) => Reply::Ok(value),
+        Err(e) => Reply::error(e.kind(), e.to_string()),
+    };
+    serde_json::to_vec(&reply).unwrap_or_default()
+}
+
+/// Serves both subjects until they end or `shutdown` completes.
+pub async fn serve(
+    client: async_nats::Client,
+    subjects: Subjects,
+    scorer: Scorer,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    let subscribe = |subject: String| {
+        let client = client.clone();
+        async move {
+            client
+                .queue_subscribe(subject.clone(), REWARD_QUEUE_GROUP.to_string())
+                .await
+                .map_err(|e| format!("cannot subscribe to {subject}: {e}"))
+        }
+    };
+    let mut scores = subscribe(subjects.reward_score()).await?;
+    let mut steps = subscribe(subjects.reward_env_step()).await?;
+    client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
+    info!(score = %subjects.reward_score(), step = %subjects.reward_env_step(), "serving rewards");
+    tokio::pin!(shutdown);
+    loop {
+        let (message, is_step) = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            message = scores.next() => (message, false),
+            message = steps.next() => (message, true),
+        };
+        let Some(message) = message else { return Err("a reward subscription ended".into()) };
+        let (scorer, client) = (scorer.clone(), client.clone());
+        tokio::spawn(async move {
+            let body = if is_step {
+                let request = parse::<EnvStepRequest>(&message.payload);
+                envelope(async { scorer.step(request?).await }.await)
+            } else {
+                let request = parse::<ScoreRequest>(&message.payload);
+                envelope(async { scorer.score(request?).await }.await)
+            };
+            if let Some(to) = message.reply
+                && let Err(e) = client.publish(to, body.into()).await
+            {
+                warn!("cannot send a reward reply: {e}");
+            }
+        });
+    }
+}

@@ -1,0 +1,205 @@
+//! The `code` environment and its sandbox against hostile programs: each must be stopped or
+//! denied, and reported, while correct programs pass. Needs bubblewrap (`scripts/setup`
+//! installs it); without it these tests fail rather than pass vacuously.
+
+#![allow(clippy::unwrap_used)]
+
+use keel_protocol::reward::{CodeConfig, EnvConfig, EnvSample, EnvStepRequest, EnvStepResult, Message, OnError};
+use keel_reward::scoring::Scorer;
+use serde_json::{Value, json};
+
+/// A scorer whose sandbox uses uids of its own (tests run in parallel processes).
+fn scorer(first_uid: u32) -> Scorer {
+    let mut config = keel_reward::default_config();
+    config.sandbox.first_uid = first_uid;
+    config.sandbox.slots = 4;
+    keel_reward::state(&config, None).unwrap().scorer
+}
+
+fn program(code: &str) -> String {
+    format!("Here is my solution:\n```python\n{code}\n```\n")
+}
+
+async fn run(scorer: &Scorer, config: CodeConfig, code: &str, tests: Value) -> EnvStepResult {
+    let sample = EnvSample {
+        messages: vec![Message::new("user", "write it"), Message::new("assistant", program(code))],
+        metadata: json!({"tests": tests}),
+        token_ids: None,
+    };
+    let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
+    let mut reply = scorer.step(request).await.unwrap();
+    reply.results.remove(0)
+}
+
+fn statuses(result: &EnvStepResult) -> Vec<String> {
+    result.info["tests"].as_array().unwrap().iter().map(|t| t["status"].as_str().unwrap().to_string()).collect()
+}
+
+fn output(result: &EnvStepResult) -> String {
+    let test = &result.info["tests"][0];
+    format!("{}{}", test["stdout"].as_str().unwrap_or(""), test["stderr"].as_str().unwrap_or(""))
+}
+
+#[tokio::test]
+async fn correct_programs_pass_and_partial_credit_counts() {
+    let scorer = scorer(62_000);
+    let code = "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    a, b = map(int, input().split())\n    print(add(a, b))";
+    let tests = json!([
+        {"stdin": "1 2\n", "stdout": "3\n"},
+        {"stdin": "10 -4", "stdout": "6"},
+        {"assert": "assert add(2, 2) == 4"},
+        {"assert": "assert add(2, 2) == 5"},
+    ]);
+    let result = run(&scorer, CodeConfig::default(), code, tests.clone()).await;
+    assert_eq!(statuses(&result), ["passed", "passed", "passed", "runtime_error"]);
+    assert_eq!(result.reward, 0.75);
+    assert!(result.terminated);
+    let strict = run(&scorer, CodeConfig { all_or_nothing: true, ..CodeConfig::default() }, code, tests).await;
+    assert_eq!(strict.reward, 0.0);
+
+    let wrong = run(&scorer, CodeConfig::default(), "print(41)", json!([{"stdout": "42"}])).await;
+    assert_eq!((statuses(&wrong), wrong.reward), (vec!["wrong_answer".to_string()], 0.0));
+}
+
+#[tokio::test]
+async fn feedback_mode_returns_the_report_as_an_observation() {
+    let scorer = scorer(62_100);
+    let config = CodeConfig { feedback: true, max_attempts: 2, ..CodeConfig::default() };
+    let tests = json!([{"stdin": "3", "stdout": "9"}]);
+    let first = run(&scorer, config.clone(), "print(int(input()) * 2)", tests.clone()).await;
+    assert!(!first.terminated);
+    let text = first.observation.unwrap().content;
+    assert!(
+        text.contains("0 of 1 tests passed") && text.contains("Expected:\n9") && text.contains("Got:\n6"),
+        "{text}"
+    );
+    assert_eq!(first.metadata["attempts"], 1);
+    let sample = EnvSample {
+        messages: vec![Message::new("assistant", program("print(int(input()) ** 2)"))],
+        metadata: first.metadata,
+        token_ids: None,
+    };
+    let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
+    let second = scorer.step(request).await.unwrap().results.remove(0);
+    assert_eq!((second.reward, second.terminated, second.observation), (1.0, true, None));
+}
+
+#[tokio::test]
+async fn an_infinite_loop_is_killed_at_the_cpu_or_wall_limit() {
+    let scorer = scorer(62_200);
+    let config = CodeConfig { cpu_seconds: 1, wall_seconds: 3.0, ..CodeConfig::default() };
+    let result = run(&scorer, config.clone(), "while True:\n    pass", json!([{"stdout": "x"}])).await;
+    assert_eq!(statuses(&result), ["cpu_limit"], "{:?}", result.info);
+    // Sleeping burns no CPU: the wall-clock limit kills it.
+    let result = run(&scorer, config, "import time\ntime.sleep(60)", json!([{"stdout": "x"}])).await;
+    assert_eq!(statuses(&result), ["timeout"], "{:?}", result.info);
+    assert_eq!(result.reward, 0.0);
+}
+
+#[tokio::test]
+async fn a_fork_bomb_is_contained() {
+    let scorer = scorer(62_300);
+    let config = CodeConfig { max_processes: 8, wall_seconds: 5.0, ..CodeConfig::default() };
+    let bomb = "import os\nwhile True:\n    os.fork()";
+    let result = run(&scorer, config, bomb, json!([{"stdout": "x"}])).await;
+    let status = &statuses(&result)[0];
+    assert!(["runtime_error", "timeout", "cpu_limit"].contains(&status.as_str()), "{:?}", result.info);
+    assert_eq!(result.reward, 0.0);
+    // Contained: the sandbox still works right after.
+    let after = run(&scorer, CodeConfig::default(), "print('ok')", json!([{"stdout": "ok"}])).await;
+    assert_eq!(after.reward, 1.0, "{:?}", after.info);
+}
+
+#[tokio::test]
+async fn a_10_gb_allocation_is_refused() {
+    let scorer = scorer(62_400);
+    let result = run(
+        &scorer,
+        CodeConfig::default(),
+        "x = bytearray(10 * 1024**3)\nprint('allocated')",
+        json!([{"stdout": "allocated"}]),
+    )
+    .await;
+    assert_eq!(statuses(&result), ["memory_limit"], "{:?}", result.info);
+    assert!(output(&result).contains("MemoryError"));
+}
+
+#[tokio::test]
+async fn network_connections_fail() {
+    let scorer = scorer(62_500);
+    // A listener on the host's loopback: the sandbox must not reach it either.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let code = format!(
+        "import socket\nfor host in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n    try:\n        socket.create_connection(host, timeout=2)\n        print('connected', host)\n    except OSError as e:\n        print('refused', host, type(e).__name__)"
+    );
+    let result = run(&scorer, CodeConfig::default(), &code, json!([{"stdout": "never"}])).await;
+    let out = output(&result);
+    assert!(!out.contains("connected"), "{out}");
+    assert_eq!(out.matches("refused").count(), 3, "{out}");
+}
+
+#[tokio::test]
+async fn files_outside_the_directory_are_out_of_reach() {
+    let scorer = scorer(62_600);
+    let service_pid = std::process::id();
+    let code = format!(
+        r#"import os
+def attempt(name, action):
+    try:
+        action()
+        print(name, 'ALLOWED')
+    except OSError as e:
+        print(name, 'denied', type(e).__name__)
+attempt('shadow', lambda: open('/etc/shadow').read())
+attempt('passwd', lambda: open('/etc/passwd').read())
+attempt('service_environ', lambda: open('/proc/{service_pid}/environ').read())
+attempt('root_home', lambda: os.listdir('/root'))
+attempt('write_usr', lambda: open('/usr/evil', 'w').write('x'))
+attempt('write_root', lambda: open('/evil', 'w').write('x'))
+attempt('write_tmp', lambda: open('/tmp/evil', 'w').write('x'))
+open('mine.txt', 'w').write('fine')
+print('own_dir', open('mine.txt').read())
+print('env', sorted(os.environ))
+"#
+    );
+    let result = run(&scorer, CodeConfig::default(), &code, json!([{"stdout": "never"}])).await;
+    let out = output(&result);
+    assert!(!out.contains("ALLOWED"), "{out}");
+    for name in ["shadow", "passwd", "service_environ", "root_home", "write_usr", "write_root", "write_tmp"] {
+        assert!(out.contains(&format!("{name} denied")), "{name}: {out}");
+    }
+    assert!(out.contains("own_dir fine"), "{out}");
+    assert!(
+        out.contains("env ['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']"),
+        "nothing of the service's environment: {out}"
+    );
+    assert!(!std::path::Path::new("/usr/evil").exists() && !std::path::Path::new("/evil").exists());
+}
+
+#[tokio::test]
+async fn huge_output_and_big_files_are_capped() {
+    let scorer = scorer(62_700);
+    let config = CodeConfig { max_output_bytes: 1000, max_file_mb: 1, ..CodeConfig::default() };
+    let code = "import sys\nsys.stdout.write('y' * 10_000_000)\nsys.stdout.flush()\ntry:\n    open('big', 'wb').write(b'0' * (5 << 20))\nexcept OSError as e:\n    print('file errno', e.errno, file=sys.stderr)";
+    let result = run(&scorer, config, code, json!([{"stdout": "never"}])).await;
+    let test = &result.info["tests"][0];
+    assert!(test["stdout"].as_str().unwrap().len() <= 1000);
+    assert!(test["stderr"].as_str().unwrap().contains("file errno 27"), "EFBIG expected: {test}");
+}
+
+#[tokio::test]
+async fn samples_without_tests_carry_an_error() {
+    let scorer = scorer(62_800);
+    let sample = EnvSample {
+        messages: vec![Message::new("assistant", "print(1)")],
+        metadata: json!({"tests": [{"stdin": 3}]}),
+        token_ids: None,
+    };
+    let request =
+        EnvStepRequest { env: EnvConfig::Code(CodeConfig::default()), on_error: OnError::Zero, samples: vec![sample] };
+    let result = scorer.step(request).await.unwrap().results.remove(0);
+    let error = result.error.unwrap();
+    assert_eq!((error.kind.as_str(), result.reward), ("invalid_sample", 0.0));
+    assert!(error.message.contains("metadata.tests[0]"), "{}", error.message);
+}
