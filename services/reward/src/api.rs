@@ -43,27 +43,20 @@ struct Failure(Error);
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
         let status = match &self.0 {
+            Error::InvalidJson(_) => StatusCode::BAD_REQUEST,
             Error::InvalidRequest(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Error::SampleFailed { error, .. } if error.kind == "invalid_sample" => StatusCode::UNPROCESSABLE_ENTITY,
             Error::SampleFailed { .. } => StatusCode::BAD_GATEWAY,
             Error::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         };
         let retry = matches!(self.0, Error::Unavailable);
-        let mut response = ApiError { status, error_type: self.0.kind(), message: self.0.to_string() }.into_response();
+        let error_type = if matches!(self.0, Error::InvalidJson(_)) { "invalid_json" } else { self.0.kind() };
+        let mut response = ApiError { status, error_type, message: self.0.to_string() }.into_response();
         if retry {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }
-}
-
-/// Decodes the body; a body that is not JSON at all is a 400, one that does not fit a 422.
-fn decode<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
-    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-        let message = format!("the body is not JSON: {e}");
-        return Err(ApiError { status: StatusCode::BAD_REQUEST, error_type: "invalid_json", message }.into_response());
-    }
-    parse(body).map_err(|e| Failure(e).into_response())
 }
 
 /// Scores finished completions with an environment (one step each).
@@ -80,9 +73,9 @@ fn decode<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
     )
 )]
 pub async fn score(State(state): State<AppState>, body: Bytes) -> Response {
-    let request: ScoreRequest = match decode(&body) {
+    let request: ScoreRequest = match parse(&body) {
         Ok(request) => request,
-        Err(response) => return response,
+        Err(e) => return Failure(e).into_response(),
     };
     match state.scorer.score(request).await {
         Ok(reply) => axum::Json(reply).into_response(),
@@ -104,9 +97,9 @@ pub async fn score(State(state): State<AppState>, body: Bytes) -> Response {
     )
 )]
 pub async fn env_step(State(state): State<AppState>, body: Bytes) -> Response {
-    let request: EnvStepRequest = match decode(&body) {
+    let request: EnvStepRequest = match parse(&body) {
         Ok(request) => request,
-        Err(response) => return response,
+        Err(e) => return Failure(e).into_response(),
     };
     match state.scorer.step(request).await {
         Ok(reply) => axum::Json(reply).into_response(),
@@ -123,7 +116,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let in_flight = state.scorer.in_flight(state.max_in_flight) as f64;
     metric(&mut out, &format!("{p}_requests_in_flight"), "gauge", "Requests being scored now.", in_flight);
     let stats = state.scorer.stats();
-    let families: [(&str, &str, &str, fn(&crate::scoring::EnvStats) -> f64); 5] = [
+    type Value = fn(&crate::scoring::EnvStats) -> f64;
+    let families: [(&str, &str, &str, Value); 5] = [
         ("requests_total", "counter", "Requests per environment.", |s| s.requests as f64),
         ("samples_total", "counter", "Samples scored per environment.", |s| s.samples as f64),
         ("sample_errors_total", "counter", "Samples whose scoring failed.", |s| s.errors as f64),

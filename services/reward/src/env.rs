@@ -73,6 +73,10 @@ impl std::fmt::Debug for EnvContext {
 
 /// Builds the environment `config` names; the error names the bad field (`env.pattern: ...`).
 pub fn build(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
+    build_unprefixed(config, ctx).map_err(|e| format!("env.{e}"))
+}
+
+fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
     let env: Arc<dyn Environment> = match config {
         EnvConfig::Math(c) => Arc::new(Blocking(Arc::new(envs::math::MathEnv::new(c)?))),
         EnvConfig::Code(c) => Arc::new(envs::code::CodeEnv::new(c, ctx.sandbox.clone())?),
@@ -92,8 +96,11 @@ pub fn build(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment
 /// dropped when full).
 #[derive(Clone, Default)]
 pub struct EnvCache {
-    built: Arc<Mutex<(u64, HashMap<String, (u64, Arc<dyn Environment>)>)>>,
+    built: Arc<Mutex<Built>>,
 }
+
+/// A use counter, and each environment with the count of its last use.
+type Built = (u64, HashMap<String, (u64, Arc<dyn Environment>)>);
 
 impl std::fmt::Debug for EnvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -151,14 +158,14 @@ pub fn metadata_text(metadata: &Value, key: &str) -> Result<String, SampleError>
     }
 }
 
-/// A compiled answer pattern: one capture group; the error names `field`.
+/// A compiled pattern (with one capture group when `groups`); the error names `field`.
 pub fn compile_pattern(field: &str, pattern: &str, groups: bool) -> Result<regex::Regex, String> {
     let regex = regex::RegexBuilder::new(pattern)
         .size_limit(1 << 20)
         .build()
-        .map_err(|e| format!("env.{field}: not a valid regex: {e}"))?;
+        .map_err(|e| format!("{field}: not a valid regex: {e}"))?;
     if groups && regex.captures_len() < 2 {
-        return Err(format!("env.{field}: needs one capture group around the answer"));
+        return Err(format!("{field}: needs one capture group around the answer"));
     }
     Ok(regex)
 }

@@ -17,6 +17,9 @@ use crate::env::{EnvCache, EnvContext};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The body is not JSON at all.
+    #[error("the body is not JSON: {0}")]
+    InvalidJson(String),
     /// The request is malformed or inconsistent; the message names the field.
     #[error("{0}")]
     InvalidRequest(String),
@@ -31,7 +34,7 @@ impl Error {
     /// The stable `type` code.
     pub fn kind(&self) -> &'static str {
         match self {
-            Self::InvalidRequest(_) => error_types::INVALID_REQUEST,
+            Self::InvalidJson(_) | Self::InvalidRequest(_) => error_types::INVALID_REQUEST,
             Self::SampleFailed { .. } => error_types::SAMPLE_FAILED,
             Self::Unavailable => error_types::UNAVAILABLE,
         }
@@ -42,6 +45,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Decodes a JSON body; the error names the field path (`samples[0].messages: ...`).
 pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+        return Err(Error::InvalidJson(e.to_string()));
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let path = e.path().to_string();

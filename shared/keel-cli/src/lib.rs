@@ -2,12 +2,13 @@
 //!
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
 //! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`; [`generate`] holds
-//! `keel generate bench`.
+//! `keel generate bench`; [`reward`] holds `keel reward bench`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
 pub mod bench;
 pub mod generate;
 pub mod model;
+pub mod reward;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -27,6 +28,9 @@ pub enum Command {
     /// The generator's engine outside the service.
     #[command(subcommand)]
     Generate(generate::GenerateCommand),
+    /// Reward environments outside the service.
+    #[command(subcommand)]
+    Reward(reward::RewardCommand),
     /// The training engine outside the service.
     #[command(subcommand)]
     Train(train::TrainCommand),
@@ -37,5 +41,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Model(command) => model::run(command),
         Command::Train(command) => train::run(command),
         Command::Generate(command) => generate::run(command),
+        Command::Reward(command) => reward::run(command),
     }
 }

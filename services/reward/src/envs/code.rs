@@ -147,10 +147,10 @@ impl CodeEnv {
             ("max_attempts", u64::from(config.max_attempts)),
         ];
         if let Some((field, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("env.{field}: must be at least 1"));
+            return Err(format!("{field}: must be at least 1"));
         }
         if !(config.wall_seconds > 0.0 && config.wall_seconds <= 600.0) {
-            return Err("env.wall_seconds: must be in (0, 600]".into());
+            return Err("wall_seconds: must be in (0, 600]".into());
         }
         let limits = Limits {
             cpu_seconds: config.cpu_seconds,

@@ -44,35 +44,35 @@ enum Failure {
 
 impl HttpEnv {
     pub fn new(config: &HttpRewardConfig, client: reqwest::Client) -> Result<Self, String> {
-        let url =
-            reqwest::Url::parse(&config.url).map_err(|e| format!("env.url: `{}` is not a URL: {e}", config.url))?;
+        let url = reqwest::Url::parse(&config.url).map_err(|e| format!("url: `{}` is not a URL: {e}", config.url))?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(format!("env.url: `{}` must be http or https", config.url));
+            return Err(format!("url: `{}` must be http or https", config.url));
         }
         if config.timeout_ms == 0 {
-            return Err("env.timeout_ms: must be at least 1".into());
+            return Err("timeout_ms: must be at least 1".into());
         }
         if config.max_concurrency == 0 {
-            return Err("env.max_concurrency: must be at least 1".into());
+            return Err("max_concurrency: must be at least 1".into());
         }
         if !(1..=MAX_BATCH).contains(&config.batch_size) {
-            return Err(format!("env.batch_size: must be 1 to {MAX_BATCH}"));
+            return Err(format!("batch_size: must be 1 to {MAX_BATCH}"));
         }
         if config.max_response_bytes < 16 {
-            return Err("env.max_response_bytes: must be at least 16".into());
+            return Err("max_response_bytes: must be at least 16".into());
         }
-        let token = match (&config.authorization, &config.authorization_env) {
-            (Some(_), Some(_)) => {
-                return Err("env.authorization_env: give authorization or authorization_env, not both".into());
-            }
-            (Some(value), None) => Some(value.clone()),
-            (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
-                format!("env.authorization_env: `{var}` is not set in the reward service's environment")
-            })?),
-            (None, None) => None,
-        };
+        let token =
+            match (&config.authorization, &config.authorization_env) {
+                (Some(_), Some(_)) => {
+                    return Err("authorization_env: give authorization or authorization_env, not both".into());
+                }
+                (Some(value), None) => Some(value.clone()),
+                (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
+                    format!("authorization_env: `{var}` is not set in the reward service's environment")
+                })?),
+                (None, None) => None,
+            };
         let authorization = token
-            .map(|t| HeaderValue::from_str(&t).map_err(|_| "env.authorization: not a valid header value".to_string()))
+            .map(|t| HeaderValue::from_str(&t).map_err(|_| "authorization: not a valid header value".to_string()))
             .transpose()?
             .map(|mut v| {
                 v.set_sensitive(true);

@@ -79,7 +79,7 @@ impl SampleEnv for RegexEnv {
             Some(_) => {
                 let text = metadata_text(&sample.metadata, "pattern")?;
                 own = compile_pattern("pattern", &anchor(&text, self.full_match), false)
-                    .map_err(|e| SampleError::new("invalid_sample", e.replacen("env.", "metadata.", 1)))?;
+                    .map_err(|e| SampleError::new("invalid_sample", format!("metadata.{e}")))?;
                 &own
             }
             None => self
@@ -102,7 +102,7 @@ impl MultipleChoice {
     pub fn new(config: &MultipleChoiceConfig) -> Result<Self, String> {
         let choices: Vec<char> = config.choices.chars().collect();
         if choices.is_empty() || !choices.iter().all(char::is_ascii_uppercase) {
-            return Err("env.choices: must be upper-case letters, e.g. ABCD".into());
+            return Err("choices: must be upper-case letters, e.g. ABCD".into());
         }
         let set: String = choices.iter().collect();
         // Most explicit first: a boxed letter, `Answer: X`, `(X)`, then a letter standing alone.
@@ -174,7 +174,7 @@ mod tests {
         assert!(err.message.contains("metadata.ground_truth"), "{err}");
         let err = ExactMatch::new(&ExactMatchConfig { answer_pattern: Some("no group".into()), ..Default::default() })
             .unwrap_err();
-        assert!(err.contains("env.answer_pattern"), "{err}");
+        assert!(err.starts_with("answer_pattern:"), "{err}");
     }
 
     #[test]
@@ -192,7 +192,7 @@ mod tests {
         assert!(
             RegexEnv::new(&RegexConfig { pattern: Some("(".into()), full_match: false })
                 .unwrap_err()
-                .contains("env.pattern")
+                .starts_with("pattern:")
         );
     }
 
@@ -208,7 +208,7 @@ mod tests {
         }
         assert!(env.step_one(&sample("A", json!({"ground_truth": "Z"}))).is_err());
         assert!(
-            MultipleChoice::new(&MultipleChoiceConfig { choices: "ab".into() }).unwrap_err().contains("env.choices")
+            MultipleChoice::new(&MultipleChoiceConfig { choices: "ab".into() }).unwrap_err().starts_with("choices:")
         );
     }
 }

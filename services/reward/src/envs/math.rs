@@ -15,7 +15,7 @@ pub struct MathEnv {
 
 impl MathEnv {
     pub fn new(config: &MathConfig) -> Result<Self, String> {
-        Ok(Self { verifier: MathVerifier::new(config).map_err(|e| format!("env.{e}"))? })
+        Ok(Self { verifier: MathVerifier::new(config)? })
     }
 }
 

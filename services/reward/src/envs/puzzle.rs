@@ -225,7 +225,7 @@ pub struct PuzzleEnv {
 impl PuzzleEnv {
     pub fn new(config: &SlidingPuzzleConfig) -> Result<Self, String> {
         if config.max_moves == 0 {
-            return Err("env.max_moves: must be at least 1".into());
+            return Err("max_moves: must be at least 1".into());
         }
         Ok(Self { max_moves: config.max_moves })
     }

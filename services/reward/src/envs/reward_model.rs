@@ -32,12 +32,12 @@ impl RewardModelEnv {
         subjects: Subjects,
     ) -> Result<Self, String> {
         if !is_subject_token(&config.worker_id) {
-            return Err("env.worker_id: must name a trainer worker (letters, digits, `-`, `_`)".into());
+            return Err("worker_id: must name a trainer worker (letters, digits, `-`, `_`)".into());
         }
         if config.run_id.is_empty() {
-            return Err("env.run_id: must name the run that holds the worker".into());
+            return Err("run_id: must name the run that holds the worker".into());
         }
-        let nats = nats.ok_or("env: reward_model needs the service connected to NATS (nats_url)")?;
+        let nats = nats.ok_or("name: reward_model needs the service connected to NATS (its nats_url is empty)")?;
         let timeout = Duration::from_millis(if config.timeout_ms == 0 { 30_000 } else { config.timeout_ms });
         Ok(Self {
             run_id: config.run_id.clone(),
