@@ -87,10 +87,11 @@ async fn feedback_mode_returns_the_report_as_an_observation() {
 #[tokio::test]
 async fn an_infinite_loop_is_killed_at_the_cpu_or_wall_limit() {
     let scorer = scorer(62_200);
-    let config = CodeConfig { cpu_seconds: 1, wall_seconds: 3.0, ..CodeConfig::default() };
-    let result = run(&scorer, config.clone(), "while True:\n    pass", json!([{"stdout": "x"}])).await;
+    let config = CodeConfig { cpu_seconds: 1, wall_seconds: 60.0, ..CodeConfig::default() };
+    let result = run(&scorer, config, "while True:\n    pass", json!([{"stdout": "x"}])).await;
     assert_eq!(statuses(&result), ["cpu_limit"], "{:?}", result.info);
     // Sleeping burns no CPU: the wall-clock limit kills it.
+    let config = CodeConfig { cpu_seconds: 60, wall_seconds: 1.0, ..CodeConfig::default() };
     let result = run(&scorer, config, "import time\ntime.sleep(60)", json!([{"stdout": "x"}])).await;
     assert_eq!(statuses(&result), ["timeout"], "{:?}", result.info);
     assert_eq!(result.reward, 0.0);
@@ -202,4 +203,90 @@ async fn samples_without_tests_carry_an_error() {
     let error = result.error.unwrap();
     assert_eq!((error.kind.as_str(), result.reward), ("invalid_sample", 0.0));
     assert!(error.message.contains("metadata.tests[0]"), "{}", error.message);
+}
+
+#[tokio::test]
+async fn a_program_cannot_fake_passing_assert_tests() {
+    let scorer = scorer(62_900);
+    let tests = json!([{"assert": "assert answer() == 42"}]);
+    let honest = run(&scorer, CodeConfig::default(), "def answer():\n    return 42", tests.clone()).await;
+    assert_eq!(honest.reward, 1.0, "{:?}", honest.info);
+    for cheat in [
+        "import sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\ndef answer():\n    return 0",
+        "import sys\nprint(sys.stdin.readline().strip())\nsys.exit(0)",
+    ] {
+        let result = run(&scorer, CodeConfig::default(), cheat, tests.clone()).await;
+        assert_eq!(
+            (result.reward, statuses(&result)),
+            (0.0, vec!["runtime_error".to_string()]),
+            "{cheat}: {:?}",
+            result.info
+        );
+    }
+}
+
+#[tokio::test]
+async fn no_namespaces_mounts_or_shared_memory_and_only_its_own_processes() {
+    let scorer = scorer(63_000);
+    let code = r#"import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+print('unshare_user', libc.unshare(0x10000000), ctypes.get_errno())
+print('unshare_net', libc.unshare(0x40000000), ctypes.get_errno())
+print('mount', libc.mount(b'x', b'/sandbox', b'tmpfs', 0, None), ctypes.get_errno())
+r = subprocess.run(['unshare', '-r', 'true'], capture_output=True)
+print('unshare_cmd', r.returncode)
+for path in ['/dev/shm/x', '/dev/x']:
+    try:
+        open(path, 'w').write('x')
+        print(path, 'ALLOWED')
+    except OSError as e:
+        print(path, 'denied')
+pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+print('pids', len(pids), max(pids))
+"#;
+    let result = run(&scorer, CodeConfig::default(), code, json!([{"stdout": "never"}])).await;
+    let out = output(&result);
+    for line in ["unshare_user -1 1", "unshare_net -1 1", "mount -1 1", "/dev/shm/x denied", "/dev/x denied"] {
+        assert!(out.contains(line), "{line}: {out}");
+    }
+    assert!(!out.contains("unshare_cmd 0") && out.contains("unshare_cmd"), "{out}");
+    let pids = out.lines().find(|l| l.starts_with("pids ")).unwrap();
+    let counts: Vec<u32> = pids.split_whitespace().skip(1).map(|n| n.parse().unwrap()).collect();
+    assert!(counts[0] <= 4 && counts[1] < 100, "the sandbox sees only its own processes: {pids}");
+}
+
+#[tokio::test]
+async fn the_writable_directory_is_small_and_private() {
+    let scorer = scorer(63_100);
+    let code = "import os\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'0' * (1 << 20))\n        n += 1\nexcept OSError as e:\n    print('stopped', e.errno, n)\ntry:\n    open('/code/solution.py', 'a').write('x')\nexcept OSError:\n    print('code read-only')";
+    let result = run(&scorer, CodeConfig::default(), code, json!([{"stdout": "never"}])).await;
+    let out = output(&result);
+    let stopped =
+        out.lines().find(|l| l.starts_with("stopped 28 ")).unwrap_or_else(|| panic!("ENOSPC expected: {out}"));
+    let files: u64 = stopped.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(files <= 64, "the tmpfs holds at most disk_mb (64) MiB: {files} files of 1 MiB");
+    assert!(out.contains("code read-only"), "{out}");
+}
+
+#[tokio::test]
+async fn limits_above_the_ceilings_are_refused() {
+    let scorer = scorer(63_200);
+    for (config, field) in [
+        (CodeConfig { memory_mb: 1 << 40, ..CodeConfig::default() }, "memory_mb"),
+        (CodeConfig { max_output_bytes: 4_000_000_000, ..CodeConfig::default() }, "max_output_bytes"),
+        (CodeConfig { wall_seconds: 1e9, ..CodeConfig::default() }, "wall_seconds"),
+        (CodeConfig { max_processes: 0, ..CodeConfig::default() }, "max_processes"),
+    ] {
+        let sample =
+            EnvSample { messages: vec![Message::new("assistant", "print(1)")], metadata: json!({}), token_ids: None };
+        let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
+        match scorer.step(request).await {
+            Err(keel_reward::scoring::Error::InvalidRequest(message)) => {
+                assert!(message.starts_with(&format!("env.{field}:")), "{message}")
+            }
+            other => panic!("{field}: expected an invalid request, got {other:?}"),
+        }
+    }
 }

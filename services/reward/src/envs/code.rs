@@ -8,8 +8,12 @@
 //!   0 and its output equals the expected one (trailing spaces of lines and trailing blank
 //!   lines ignored);
 //! - `{"assert": "assert add(1, 2) == 3"}`: the statement runs in a script that imports the
-//!   program as the module `solution` (so its `if __name__ == "__main__"` part does not run);
-//!   it passes when the process exits 0.
+//!   program as the module `solution` (so its `if __name__ == "__main__"` part does not run)
+//!   and then prints a random token it read from its input; it passes when the process exits
+//!   0 and the token is the last line of its output, so a program that exits early with
+//!   status 0 (`sys.exit(0)` at import) fails. (A program that digs the token out of the
+//!   harness's frames could still forge a pass; every assert test is its own process, so it
+//!   could not forge another test's.)
 //!
 //! Reward: the fraction of tests passed, or 1/0 with `all_or_nothing`. With `feedback` the
 //! test report comes back as an observation and the episode goes on until every test passes
@@ -33,6 +37,13 @@ const MAX_PROGRAM_BYTES: usize = 256 * 1024;
 pub enum Test {
     Io { stdin: String, stdout: String },
     Assert(String),
+}
+
+/// The script an assert test runs: the token from stdin, the program, the statement, the token.
+fn assert_harness(statement: &str) -> String {
+    format!(
+        "import sys\n_keel_token = sys.stdin.readline().strip()\nsys.path.insert(0, '/code')\nfrom solution import *\n\n{statement}\n\nprint(_keel_token, flush=True)\n"
+    )
 }
 
 /// The tests of a sample; the error names the bad entry.
@@ -106,12 +117,16 @@ pub struct TestOutcome {
     pub stderr: String,
 }
 
-fn judge(test: &Test, report: RunReport) -> TestOutcome {
+/// `token`: what an assert test's harness prints last when the statement held.
+fn judge(test: &Test, report: RunReport, token: &str) -> TestOutcome {
     let status = match report.termination {
         Termination::TimedOut => "timeout",
         Termination::Signaled(9 | 24) => "cpu_limit",
         Termination::Exited(0) => match test {
             Test::Io { stdout, .. } if !same_output(&report.stdout, stdout) => "wrong_answer",
+            Test::Assert(_) if report.stdout.lines().rev().find(|l| !l.trim().is_empty()) != Some(token) => {
+                "runtime_error"
+            }
             _ => "passed",
         },
         _ if report.stderr.contains("MemoryError") => "memory_limit",
@@ -139,25 +154,30 @@ pub struct CodeEnv {
 
 impl CodeEnv {
     pub fn new(config: &CodeConfig, sandbox: Arc<Sandbox>) -> Result<Self, String> {
-        let positive = [
-            ("cpu_seconds", config.cpu_seconds),
-            ("memory_mb", config.memory_mb),
-            ("max_processes", config.max_processes),
-            ("max_file_mb", config.max_file_mb),
-            ("max_attempts", u64::from(config.max_attempts)),
+        let most = &sandbox.config().ceilings;
+        let bounded = [
+            ("cpu_seconds", config.cpu_seconds, most.cpu_seconds),
+            ("memory_mb", config.memory_mb, most.memory_mb),
+            ("max_processes", config.max_processes, most.processes),
+            ("max_file_mb", config.max_file_mb, most.file_mb),
+            ("max_output_bytes", config.max_output_bytes as u64, most.output_bytes as u64),
+            ("max_attempts", u64::from(config.max_attempts), u64::from(u32::MAX)),
         ];
-        if let Some((field, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("{field}: must be at least 1"));
+        if let Some((field, _, most)) = bounded.iter().find(|(_, v, most)| *v == 0 || v > most) {
+            return Err(format!("{field}: must be 1 to {most} (this service's ceiling)"));
         }
-        if !(config.wall_seconds > 0.0 && config.wall_seconds <= 600.0) {
-            return Err("wall_seconds: must be in (0, 600]".into());
+        if !(config.wall_seconds > 0.0 && config.wall_seconds <= most.wall_seconds) {
+            return Err(format!(
+                "wall_seconds: must be more than 0 and at most {} (this service's ceiling)",
+                most.wall_seconds
+            ));
         }
         let limits = Limits {
             cpu_seconds: config.cpu_seconds,
             wall: Duration::from_secs_f64(config.wall_seconds),
-            memory_bytes: config.memory_mb << 20,
+            memory_bytes: config.memory_mb.saturating_mul(1 << 20),
             processes: config.max_processes,
-            file_bytes: config.max_file_mb << 20,
+            file_bytes: config.max_file_mb.saturating_mul(1 << 20),
             output_bytes: config.max_output_bytes,
         };
         Ok(Self { config: config.clone(), limits, sandbox })
@@ -166,6 +186,7 @@ impl CodeEnv {
     /// Runs every test of one sample.
     pub async fn run_tests(&self, program: &str, tests: &[Test]) -> Result<Vec<TestOutcome>, SampleError> {
         let runs = tests.iter().map(|test| async move {
+            let token = format!("keel-pass-{:032x}", rand::random::<u128>());
             let report = match test {
                 Test::Io { stdin, .. } => {
                     self.sandbox
@@ -173,14 +194,13 @@ impl CodeEnv {
                         .await
                 }
                 Test::Assert(statement) => {
-                    // `python -I` leaves the script's directory off the path.
-                    let main =
-                        format!("import sys\nsys.path.insert(0, '/sandbox')\nfrom solution import *\n\n{statement}\n");
+                    let main = assert_harness(statement);
                     let files = [("solution.py", program), ("test_main.py", main.as_str())];
-                    self.sandbox.run_python(&files, "test_main.py", b"", &self.limits).await
+                    let input = format!("{token}\n");
+                    self.sandbox.run_python(&files, "test_main.py", input.as_bytes(), &self.limits).await
                 }
             };
-            report.map(|r| judge(test, r)).map_err(|e| SampleError::new("sandbox", e.to_string()))
+            report.map(|r| judge(test, r, &token)).map_err(|e| SampleError::new("sandbox", e.to_string()))
         });
         join_all(runs).await.into_iter().collect()
     }
