@@ -7,28 +7,29 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use keel_protocol::Subjects;
+use keel_protocol::subjects::TrainerOp;
 use keel_testkit::{ServiceProcess, binary, workspace_root};
 use serde_json::{Value, json};
 
-struct Nats {
-    client: async_nats::Client,
-    prefix: String,
-}
-
-impl Nats {
-    /// Asks `<prefix>.<suffix>` until someone answers (a process subscribes after it starts).
-    async fn ask(&self, suffix: &str, body: Value) -> Value {
-        let subject = format!("{}.{suffix}", self.prefix);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let request = self.client.request(subject.clone(), body.to_string().into());
-            match tokio::time::timeout(Duration::from_secs(30), request).await {
-                Ok(Ok(message)) => return serde_json::from_slice(&message.payload).unwrap(),
-                _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
-                other => panic!("no answer on {subject}: {other:?}"),
-            }
+/// Asks `subject` until someone answers: the worker subscribes after it starts listening, and
+/// a claim is safe to repeat (the same run renews it).
+async fn ask_until_answered(client: &async_nats::Client, subject: String, body: Value) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.request(subject.clone(), body.to_string().into()).await {
+            Ok(message) => return serde_json::from_slice(&message.payload).unwrap(),
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("no answer on {subject}: {e}"),
         }
     }
+}
+
+/// Asks once (for requests that must not be repeated), with room for a slow model load.
+async fn ask(client: &async_nats::Client, subject: String, body: Value) -> Value {
+    let request = client.request(subject.clone(), body.to_string().into());
+    let message = tokio::time::timeout(Duration::from_secs(120), request).await.unwrap().unwrap();
+    serde_json::from_slice(&message.payload).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -52,23 +53,23 @@ async fn reward_model_rewards_are_the_trainers_scores() {
         &[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix), ("KEEL_TRAINER__WORKER_ID", worker)],
     );
     let reward = ServiceProcess::start("reward", &[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)]);
-    let nats = Nats { client: async_nats::connect("127.0.0.1:4222").await.unwrap(), prefix };
+    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+    let subjects = Subjects::new(&prefix).unwrap();
+    let op = |op| subjects.trainer(worker, op);
 
-    let run = json!({"run_id": "rm-run"});
-    let claimed = nats.ask(&format!("trainer.{worker}.claim"), run.clone()).await;
+    let claimed = ask_until_answered(&client, op(TrainerOp::Claim), json!({"run_id": "rm-run"})).await;
     assert!(claimed.get("ok").is_some(), "{claimed}");
     let load = json!({
         "run_id": "rm-run",
         "policy": {"path": model},
         "training": {"loss": {"type": "bradley_terry"}, "global_batch_size": 2, "micro_batch_size": 2},
     });
-    let loaded = nats.ask(&format!("trainer.{worker}.load"), load).await;
+    let loaded = ask(&client, op(TrainerOp::Load), load).await;
     assert_eq!(loaded["ok"]["has_value_head"], true, "{loaded}");
 
     let ids = [vec![5, 6, 7, 8], vec![9, 10], vec![11, 12, 13, 14, 15, 16]];
-    let direct = nats
-        .ask(&format!("trainer.{worker}.score"), json!({"run_id": "rm-run", "batch": {"inline": {"input_ids": ids}}}))
-        .await;
+    let score = json!({"run_id": "rm-run", "batch": {"inline": {"input_ids": ids}}});
+    let direct = ask(&client, op(TrainerOp::Score), score).await;
     let expected: Vec<f64> = direct["ok"]["scores"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap()).collect();
 
     let samples: Vec<Value> = ids

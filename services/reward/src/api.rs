@@ -45,14 +45,26 @@ impl IntoResponse for Failure {
         let status = match &self.0 {
             Error::InvalidJson(_) => StatusCode::BAD_REQUEST,
             Error::InvalidRequest(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            Error::SampleFailed { error, .. } if error.kind == "invalid_sample" => StatusCode::UNPROCESSABLE_ENTITY,
-            Error::SampleFailed { .. } => StatusCode::BAD_GATEWAY,
+            Error::SampleFailed { error, .. } => match error.kind.as_str() {
+                "invalid_sample" => StatusCode::UNPROCESSABLE_ENTITY,
+                "sandbox" => StatusCode::SERVICE_UNAVAILABLE,
+                "internal" => StatusCode::INTERNAL_SERVER_ERROR,
+                // The user's reward service, or a trainer, failed.
+                _ => StatusCode::BAD_GATEWAY,
+            },
             Error::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         };
-        let retry = matches!(self.0, Error::Unavailable);
         let error_type = if matches!(self.0, Error::InvalidJson(_)) { "invalid_json" } else { self.0.kind() };
-        let mut response = ApiError { status, error_type, message: self.0.to_string() }.into_response();
-        if retry {
+        // This service's own failures are logged, not sent.
+        let message = match &self.0 {
+            Error::SampleFailed { index, error } if matches!(error.kind.as_str(), "sandbox" | "internal") => {
+                tracing::error!(sample = index, %error, "scoring failed");
+                format!("samples[{index}]: {}: this reward replica could not score it (see its log)", error.kind)
+            }
+            other => other.to_string(),
+        };
+        let mut response = ApiError { status, error_type, message }.into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
@@ -68,8 +80,9 @@ impl IntoResponse for Failure {
         (status = 200, description = "One result per sample, in order, and batch metrics", body = ScoreReply),
         (status = 400, description = "The body is not JSON"),
         (status = 422, description = "A field is missing or wrong (the message names it), or a sample is invalid under `on_error: fail`"),
-        (status = 502, description = "A sample's scoring failed upstream under `on_error: fail`"),
-        (status = 503, description = "Too many requests in flight; retry after the `Retry-After` seconds"),
+        (status = 500, description = "This replica failed to score a sample under `on_error: fail` (details in its log)"),
+        (status = 502, description = "A sample's scoring failed upstream (the user's reward service, a trainer) under `on_error: fail`"),
+        (status = 503, description = "Too many requests in flight, or the code sandbox is unavailable; retry after the `Retry-After` seconds"),
     )
 )]
 pub async fn score(State(state): State<AppState>, body: Bytes) -> Response {
@@ -92,8 +105,9 @@ pub async fn score(State(state): State<AppState>, body: Bytes) -> Response {
         (status = 200, description = "Observation, reward, termination, stop strings and metadata per sample", body = EnvStepReply),
         (status = 400, description = "The body is not JSON"),
         (status = 422, description = "A field is missing or wrong (the message names it), or a sample is invalid under `on_error: fail`"),
-        (status = 502, description = "A sample's scoring failed upstream under `on_error: fail`"),
-        (status = 503, description = "Too many requests in flight; retry after the `Retry-After` seconds"),
+        (status = 500, description = "This replica failed to score a sample under `on_error: fail` (details in its log)"),
+        (status = 502, description = "A sample's scoring failed upstream (the user's reward service, a trainer) under `on_error: fail`"),
+        (status = 503, description = "Too many requests in flight, or the code sandbox is unavailable; retry after the `Retry-After` seconds"),
     )
 )]
 pub async fn env_step(State(state): State<AppState>, body: Bytes) -> Response {

@@ -62,6 +62,8 @@ pub struct EnvContext {
     /// For `reward_model` (trainer requests); none when the service runs without NATS.
     pub nats: Option<async_nats::Client>,
     pub subjects: Subjects,
+    /// The JetStream object-store bucket for bodies over 1 MiB (the trainers' bucket).
+    pub bulk_bucket: String,
     pub sandbox: Arc<Sandbox>,
 }
 
@@ -85,9 +87,12 @@ fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Envi
         EnvConfig::Regex(c) => Arc::new(Blocking(Arc::new(envs::matching::RegexEnv::new(c)?))),
         EnvConfig::MultipleChoice(c) => Arc::new(Blocking(Arc::new(envs::matching::MultipleChoice::new(c)?))),
         EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone())?),
-        EnvConfig::RewardModel(c) => {
-            Arc::new(envs::reward_model::RewardModelEnv::new(c, ctx.nats.clone(), ctx.subjects.clone())?)
-        }
+        EnvConfig::RewardModel(c) => Arc::new(envs::reward_model::RewardModelEnv::new(
+            c,
+            ctx.nats.clone(),
+            ctx.subjects.clone(),
+            &ctx.bulk_bucket,
+        )?),
     };
     Ok(env)
 }

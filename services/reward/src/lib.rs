@@ -39,6 +39,8 @@ pub struct Config {
     pub max_in_flight: usize,
     /// Samples per request.
     pub max_samples: usize,
+    /// The JetStream object-store bucket for bodies over 1 MiB (the trainers' `bulk_bucket`).
+    pub bulk_bucket: String,
     pub sandbox: sandbox::SandboxConfig,
 }
 
@@ -62,6 +64,7 @@ pub fn default_config() -> Config {
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
         max_in_flight: 64,
         max_samples: 4096,
+        bulk_bucket: "keel-bulk".into(),
         sandbox: sandbox::SandboxConfig::default(),
     }
 }
@@ -70,7 +73,8 @@ pub fn default_config() -> Config {
 pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::AppState, String> {
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let http = reqwest::Client::builder().build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-    let ctx = env::EnvContext { http, nats, subjects, sandbox: sandbox::Sandbox::new(config.sandbox.clone()) };
+    let sandbox = sandbox::Sandbox::new(config.sandbox.clone());
+    let ctx = env::EnvContext { http, nats, subjects, bulk_bucket: config.bulk_bucket.clone(), sandbox };
     let scorer = scoring::Scorer::new(ctx, config.max_in_flight, config.max_samples);
     Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
 }
@@ -96,8 +100,20 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         tokio::spawn(async move { nats::serve(client, subjects?, scorer, stop).await })
     });
     let app = api::routes(state).merge(keel_service::health_routes(SERVICE));
-    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, stopped(stop_rx)));
-    shutdown.await;
+    let mut http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, stopped(stop_rx)));
+    let mut nats = nats;
+    let nats_ended = async {
+        match nats.as_mut() {
+            Some(task) => task.await,
+            None => std::future::pending().await,
+        }
+    };
+    // A part that stops before shutdown (a port in use, a lost subscription) stops the service.
+    tokio::select! {
+        () = shutdown => {}
+        ended = &mut http => return Err(ended.map_err(|e| e.to_string())?.err().map_or("the HTTP server stopped".into(), |e| e.to_string())),
+        ended = nats_ended => return Err(ended.map_err(|e| e.to_string())?.err().unwrap_or_else(|| "the NATS side stopped".into())),
+    }
     let _ = stop_tx.send(true);
     http.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
     match nats {

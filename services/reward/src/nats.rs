@@ -4,7 +4,7 @@
 //! reply and never stops the subscription.
 
 use futures::StreamExt;
-use keel_protocol::reward::{EnvStepRequest, REWARD_QUEUE_GROUP, ScoreRequest};
+use keel_protocol::reward::{EnvStepRequest, REWARD_QUEUE_GROUP, ScoreRequest, error_types};
 use keel_protocol::{Reply, Subjects};
 use serde::Serialize;
 use tracing::{info, warn};
@@ -55,6 +55,14 @@ pub async fn serve(
             } else {
                 let request = parse::<ScoreRequest>(&message.payload);
                 envelope(async { scorer.score(request?).await }.await)
+            };
+            let limit = client.server_info().max_payload;
+            let body = if body.len() > limit {
+                let message =
+                    format!("the reply is {} bytes, over NATS's {limit}: send fewer samples per request", body.len());
+                serde_json::to_vec(&Reply::<()>::error(error_types::TOO_LARGE, message)).unwrap_or_default()
+            } else {
+                body
             };
             if let Some(to) = message.reply
                 && let Err(e) = client.publish(to, body.into()).await

@@ -27,6 +27,8 @@ pub mod error_types {
     pub const SAMPLE_FAILED: &str = "sample_failed";
     /// Too many requests in flight on this replica; retry another or later.
     pub const UNAVAILABLE: &str = "unavailable";
+    /// The reply would exceed NATS's message size: send fewer samples per request.
+    pub const TOO_LARGE: &str = "too_large";
 }
 
 /// One chat message.
@@ -224,7 +226,7 @@ pub struct HttpRewardConfig {
     /// The `Authorization` header value (e.g. `Bearer abc`).
     pub authorization: Option<String>,
     /// Or: the reward service's environment variable holding it (keeps secrets out of run
-    /// specs).
+    /// specs); its name must start with `KEEL_REWARD_SECRET_`.
     pub authorization_env: Option<String>,
     /// Samples per request: 1 sends one sample per request, more sends `{"samples": [...]}`.
     pub batch_size: usize,

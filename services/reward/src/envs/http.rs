@@ -27,6 +27,18 @@ use crate::env::{Environment, Outcome, last_turn, prompt_of};
 
 const MAX_BATCH: usize = 1024;
 
+/// Environment variables `authorization_env` may name: a request must not be able to send
+/// any other of the service's variables (a database URL, cloud credentials) to a URL it
+/// chooses.
+pub const SECRET_PREFIX: &str = "KEEL_REWARD_SECRET_";
+
+/// Upper bounds, so that no request holds a slot for ever.
+const MAX_RETRIES: u32 = 10;
+const MAX_TIMEOUT_MS: u64 = 600_000;
+const MAX_BACKOFF_MS: u64 = 60_000;
+const MAX_CONCURRENCY: usize = 1024;
+const MAX_RESPONSE_BYTES: usize = 64 << 20;
+
 #[derive(Debug)]
 pub struct HttpEnv {
     config: HttpRewardConfig,
@@ -48,17 +60,17 @@ impl HttpEnv {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(format!("url: `{}` must be http or https", config.url));
         }
-        if config.timeout_ms == 0 {
-            return Err("timeout_ms: must be at least 1".into());
-        }
-        if config.max_concurrency == 0 {
-            return Err("max_concurrency: must be at least 1".into());
-        }
-        if !(1..=MAX_BATCH).contains(&config.batch_size) {
-            return Err(format!("batch_size: must be 1 to {MAX_BATCH}"));
-        }
-        if config.max_response_bytes < 16 {
-            return Err("max_response_bytes: must be at least 16".into());
+        let bounded = [
+            ("timeout_ms", config.timeout_ms, 1, MAX_TIMEOUT_MS),
+            ("max_retries", u64::from(config.max_retries), 0, u64::from(MAX_RETRIES)),
+            ("backoff_ms", config.backoff_ms, 0, MAX_BACKOFF_MS),
+            ("max_backoff_ms", config.max_backoff_ms, 0, MAX_BACKOFF_MS),
+            ("max_concurrency", config.max_concurrency as u64, 1, MAX_CONCURRENCY as u64),
+            ("batch_size", config.batch_size as u64, 1, MAX_BATCH as u64),
+            ("max_response_bytes", config.max_response_bytes as u64, 16, MAX_RESPONSE_BYTES as u64),
+        ];
+        if let Some((field, _, least, most)) = bounded.iter().find(|(_, v, least, most)| v < least || v > most) {
+            return Err(format!("{field}: must be {least} to {most}"));
         }
         let token =
             match (&config.authorization, &config.authorization_env) {
@@ -66,6 +78,9 @@ impl HttpEnv {
                     return Err("authorization_env: give authorization or authorization_env, not both".into());
                 }
                 (Some(value), None) => Some(value.clone()),
+                (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => {
+                    return Err(format!("authorization_env: must name a variable starting with {SECRET_PREFIX}"));
+                }
                 (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
                     format!("authorization_env: `{var}` is not set in the reward service's environment")
                 })?),
@@ -220,18 +235,13 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
-/// A plugin's answer as a step result; the reward must be there and finite.
+/// A plugin's answer as a step result; the reward must be there (JSON numbers are finite).
 fn outcome(sample: &EnvSample, response: PluginResponse) -> Outcome {
-    let malformed = |m: &str| SampleError::new("malformed_reply", m.to_string());
     let rewards = response.rewards.unwrap_or_default();
-    if rewards.values().any(|v| !v.is_finite()) {
-        return Err(malformed("a named reward is not a finite number"));
-    }
     let reward = match response.reward {
-        Some(r) if r.is_finite() => r,
-        Some(_) => return Err(malformed("reward is not a finite number")),
+        Some(r) => r,
         None if !rewards.is_empty() => rewards.values().sum(),
-        None => return Err(malformed("the reply has neither `reward` nor `rewards`")),
+        None => return Err(SampleError::new("malformed_reply", "the reply has neither `reward` nor `rewards`")),
     };
     let mut result = EnvStepResult::done(reward, sample.metadata.clone());
     result.rewards = rewards;

@@ -2,7 +2,8 @@
 //! trainer worker that the run has claimed and loaded the model on (`<prefix>.trainer.
 //! <worker>.score`). Samples must carry their conversation's `token_ids` (the orchestrator
 //! keeps token ids end to end; nothing is re-tokenised here). The reward is the model's score
-//! on the last token.
+//! on the last token. A batch too large for one NATS message travels through the JetStream
+//! object store, as every trainer request does.
 
 use std::time::Duration;
 
@@ -10,12 +11,11 @@ use futures::future::BoxFuture;
 use keel_protocol::reward::{EnvSample, EnvStepResult, RewardModelConfig, SampleError};
 use keel_protocol::subjects::{TrainerOp, is_subject_token};
 use keel_protocol::trainer::{ScoreReply, ScoreRequest, Sequences};
-use keel_protocol::{Payload, Reply, Subjects};
+use keel_protocol::{Reply, Subjects};
+use keel_service::nats::Bulk;
+use tokio::sync::OnceCell;
 
 use crate::env::{Environment, Outcome};
-
-/// Tokens per trainer request, so that a request stays well under NATS's 1 MiB.
-const TOKENS_PER_REQUEST: usize = 100_000;
 
 #[derive(Debug)]
 pub struct RewardModelEnv {
@@ -23,6 +23,8 @@ pub struct RewardModelEnv {
     subject: String,
     timeout: Duration,
     nats: async_nats::Client,
+    bucket: String,
+    bulk: OnceCell<Bulk>,
 }
 
 impl RewardModelEnv {
@@ -30,6 +32,7 @@ impl RewardModelEnv {
         config: &RewardModelConfig,
         nats: Option<async_nats::Client>,
         subjects: Subjects,
+        bucket: &str,
     ) -> Result<Self, String> {
         if !is_subject_token(&config.worker_id) {
             return Err("worker_id: must name a trainer worker (letters, digits, `-`, `_`)".into());
@@ -44,12 +47,21 @@ impl RewardModelEnv {
             subject: subjects.trainer(&config.worker_id, TrainerOp::Score),
             timeout,
             nats,
+            bucket: bucket.to_string(),
+            bulk: OnceCell::new(),
         })
     }
 
     async fn score(&self, input_ids: Vec<Vec<i64>>) -> Result<Vec<f32>, SampleError> {
         let n = input_ids.len();
-        let request = ScoreRequest { run_id: self.run_id.clone(), batch: Payload::Inline(Sequences { input_ids }) };
+        let trainer = |m: String| SampleError::new("trainer", m);
+        let bulk = self
+            .bulk
+            .get_or_try_init(|| Bulk::open(self.nats.clone(), &self.bucket))
+            .await
+            .map_err(|e| trainer(e.to_string()))?;
+        let batch = bulk.wrap(Sequences { input_ids }).await.map_err(trainer)?;
+        let request = ScoreRequest { run_id: self.run_id.clone(), batch };
         let body = serde_json::to_vec(&request).map_err(|e| SampleError::new("internal", e.to_string()))?;
         let ask = self.nats.request(self.subject.clone(), body.into());
         let message = tokio::time::timeout(self.timeout, ask)
@@ -57,14 +69,12 @@ impl RewardModelEnv {
             .map_err(|_| {
                 SampleError::new("timeout", format!("{} did not answer within {:?}", self.subject, self.timeout))
             })?
-            .map_err(|e| SampleError::new("trainer", format!("{}: {e}", self.subject)))?;
+            .map_err(|e| trainer(format!("{}: {e}", self.subject)))?;
         match serde_json::from_slice::<Reply<ScoreReply>>(&message.payload) {
             Ok(Reply::Ok(reply)) if reply.scores.len() == n => Ok(reply.scores),
-            Ok(Reply::Ok(reply)) => {
-                Err(SampleError::new("trainer", format!("{} scores for {n} sequences", reply.scores.len())))
-            }
-            Ok(Reply::Error(e)) => Err(SampleError::new("trainer", e.to_string())),
-            Err(e) => Err(SampleError::new("trainer", format!("malformed trainer reply: {e}"))),
+            Ok(Reply::Ok(reply)) => Err(trainer(format!("{} scores for {n} sequences", reply.scores.len()))),
+            Ok(Reply::Error(e)) => Err(trainer(e.to_string())),
+            Err(e) => Err(trainer(format!("malformed trainer reply: {e}"))),
         }
     }
 }
@@ -82,35 +92,21 @@ impl Environment for RewardModelEnv {
                 })
                 .collect();
             let ready: Vec<usize> = (0..samples.len()).filter(|i| outcomes[*i].is_ok()).collect();
-            let mut start = 0;
-            while start < ready.len() {
-                let mut end = start;
-                let mut tokens = 0;
-                while end < ready.len()
-                    && (end == start || tokens + ids_len(&samples[ready[end]]) <= TOKENS_PER_REQUEST)
-                {
-                    tokens += ids_len(&samples[ready[end]]);
-                    end += 1;
-                }
-                let chunk = &ready[start..end];
-                let ids = chunk.iter().map(|i| samples[*i].token_ids.clone().unwrap_or_default()).collect();
-                match self.score(ids).await {
-                    Ok(scores) => {
-                        for (i, score) in chunk.iter().zip(scores) {
-                            if let Ok(result) = &mut outcomes[*i] {
-                                result.reward = f64::from(score);
-                            }
+            if ready.is_empty() {
+                return outcomes;
+            }
+            let ids = ready.iter().map(|i| samples[*i].token_ids.clone().unwrap_or_default()).collect();
+            match self.score(ids).await {
+                Ok(scores) => {
+                    for (i, score) in ready.iter().zip(scores) {
+                        if let Ok(result) = &mut outcomes[*i] {
+                            result.reward = f64::from(score);
                         }
                     }
-                    Err(e) => chunk.iter().for_each(|i| outcomes[*i] = Err(e.clone())),
                 }
-                start = end;
+                Err(e) => ready.iter().for_each(|i| outcomes[*i] = Err(e.clone())),
             }
             outcomes
         })
     }
-}
-
-fn ids_len(sample: &EnvSample) -> usize {
-    sample.token_ids.as_ref().map_or(0, Vec::len)
 }
