@@ -1,7 +1,8 @@
 //! The NATS side: `<prefix>.reward.score` and `<prefix>.reward.env.step` in the queue group
 //! `reward`, so any replica may answer. Bodies are the REST bodies; replies use the
 //! `{"ok": ...}` / `{"error": {"type", "message"}}` envelope. A bad message gets an error
-//! reply and never stops the subscription.
+//! reply and never stops the subscription. On shutdown the subscriptions stop taking
+//! messages and the requests being scored are finished and answered.
 
 use futures::StreamExt;
 use keel_protocol::reward::{EnvStepRequest, REWARD_QUEUE_GROUP, ScoreRequest, error_types};
@@ -40,15 +41,17 @@ pub async fn serve(
     client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
     info!(score = %subjects.reward_score(), step = %subjects.reward_env_step(), "serving rewards");
     tokio::pin!(shutdown);
+    let mut in_flight = tokio::task::JoinSet::new();
     loop {
+        while in_flight.try_join_next().is_some() {}
         let (message, is_step) = tokio::select! {
-            () = &mut shutdown => return Ok(()),
+            () = &mut shutdown => break,
             message = scores.next() => (message, false),
             message = steps.next() => (message, true),
         };
         let Some(message) = message else { return Err("a reward subscription ended".into()) };
         let (scorer, client) = (scorer.clone(), client.clone());
-        tokio::spawn(async move {
+        in_flight.spawn(async move {
             let body = if is_step {
                 let request = parse::<EnvStepRequest>(&message.payload);
                 envelope(async { scorer.step(request?).await }.await)
@@ -71,4 +74,11 @@ pub async fn serve(
             }
         });
     }
+    for subscription in [&mut scores, &mut steps] {
+        if let Err(e) = subscription.unsubscribe().await {
+            warn!("cannot unsubscribe: {e}");
+        }
+    }
+    while in_flight.join_next().await.is_some() {}
+    client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))
 }
