@@ -1,21 +1,129 @@
-//! keel-checkpoint: the checkpoint store: blobs and Postgres metadata, retention, HF export.
+//! keel-checkpoint: the checkpoint store.
 //!
-//! So far the service starts, loads its configuration (an HTTP address, default
-//! 127.0.0.1:8083) and answers `GET /healthz`, tested with the binary in
-//! `tests/services_start.rs`.
+//! Layout:
+//! - [`api`]: the REST routes and their OpenAPI document.
+//! - [`service`]: the operations: create, verified uploads, commit, retention, deletion,
+//!   garbage collection, JetStream events.
+//! - [`db`]: metadata in Postgres (schema `checkpoint`, migrations in `migrations/`).
+//! - [`store`]: content-addressed blobs on an `object_store` backend (local directory, or
+//!   S3 with the `s3` feature).
+//! - [`retention`]: which checkpoints a policy keeps. [`paths`]: which file names are allowed.
+
+pub mod api;
+pub mod db;
+pub mod paths;
+pub mod retention;
+pub mod service;
+pub mod store;
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
 
 pub const SERVICE: &str = "checkpoint";
 
-/// Configuration: defaults, then `--config FILE`, then `KEEL_CHECKPOINT__<FIELD>`.
-pub type Config = keel_service::HttpConfig;
-
-pub fn default_config() -> Config {
-    Config::on_port(8083)
+/// Where blobs live.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Storage {
+    /// A local directory.
+    Local { root: PathBuf },
+    /// An S3-compatible bucket (needs the `s3` build feature); credentials from the usual
+    /// `AWS_*` environment variables.
+    S3 { bucket: String, endpoint: Option<String>, region: Option<String> },
 }
 
-/// Serves until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), shutdown).await
+/// Configuration: defaults, then `--config FILE`, then `KEEL_CHECKPOINT__<FIELD>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub database_url: String,
+    pub storage: Storage,
+    /// NATS for the checkpoint events (empty: no events).
+    pub nats_url: String,
+    pub subject_prefix: String,
+    /// A pending checkpoint not committed within this many seconds is deleted.
+    pub pending_expiry_seconds: f64,
+}
+
+impl keel_service::ServiceConfig for Config {
+    fn validate(&self) -> Result<(), String> {
+        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        if !(self.pending_expiry_seconds > 0.0) {
+            return Err("pending_expiry_seconds: must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+pub fn default_config() -> Config {
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 8083)),
+        database_url: std::env::var("KEEL_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/keel".into()),
+        storage: Storage::Local { root: PathBuf::from(".keel/checkpoints") },
+        nats_url: keel_service::nats::default_url(),
+        subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
+        pending_expiry_seconds: 24.0 * 3600.0,
+    }
+}
+
+fn blob_store(storage: &Storage) -> Result<store::BlobStore, String> {
+    match storage {
+        Storage::Local { root } => store::BlobStore::local(root),
+        #[cfg(feature = "s3")]
+        Storage::S3 { bucket, endpoint, region } => {
+            let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+            if let Some(endpoint) = endpoint {
+                builder = builder.with_endpoint(endpoint).with_allow_http(true);
+            }
+            if let Some(region) = region {
+                builder = builder.with_region(region);
+            }
+            let s3 = builder.build().map_err(|e| format!("storage: {e}"))?;
+            Ok(store::BlobStore::new(std::sync::Arc::new(s3)))
+        }
+        #[cfg(not(feature = "s3"))]
+        Storage::S3 { .. } => Err("storage: kind s3 needs keel-checkpoint built with the `s3` feature".into()),
+    }
+}
+
+/// Connects to Postgres, the blob store and NATS.
+pub async fn open(config: &Config) -> Result<service::Checkpoints, String> {
+    let pool = db::connect(&config.database_url).await?;
+    let blobs = blob_store(&config.storage)?;
+    let events = match config.nats_url.as_str() {
+        "" => None,
+        url => {
+            let client = keel_service::nats::connect(url).await?;
+            let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+            Some(service::Events::open(client, subjects).await?)
+        }
+    };
+    Ok(service::Checkpoints { pool, blobs, events })
+}
+
+/// Serves until `shutdown` completes, sweeping abandoned uploads at start and hourly.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+    let checkpoints = open(&config).await?;
+    let sweeper = {
+        let checkpoints = checkpoints.clone();
+        let expiry = config.pending_expiry_seconds;
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(3600));
+            loop {
+                every.tick().await;
+                if let Err(e) = checkpoints.sweep(expiry).await {
+                    tracing::warn!("sweep failed: {e}");
+                }
+            }
+        })
+    };
+    let app = api::routes(checkpoints).merge(keel_service::health_routes(SERVICE));
+    let served = keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string());
+    sweeper.abort();
+    served
 }

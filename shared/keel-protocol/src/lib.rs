@@ -8,12 +8,14 @@
 //! - [`reply`]: the `{"ok": ...}` / `{"error": {"type", "message"}}` reply envelope.
 //! - [`training`]: the training configuration (loss, optimiser, schedule, batching) with
 //!   validation that lists every problem with its field path.
+//! - [`checkpoint`]: the checkpoint service's bodies and events.
 //! - [`generator`]: rollout requests and the weights-updated event.
 //! - [`reward`]: environment steps and scoring (environment configs, samples, results) and
 //!   the contract of a user's HTTP reward service.
 //! - [`trainer`]: the trainer worker's requests and replies (claim, load, logprobs, train,
 //!   score, save, heartbeat, release).
 
+pub mod checkpoint;
 pub mod generator;
 pub mod payload;
 pub mod reply;

@@ -97,6 +97,21 @@ impl Subjects {
         format!("{}.reward.env.step", self.prefix)
     }
 
+    /// A checkpoint was committed (JetStream).
+    pub fn checkpoint_created(&self) -> String {
+        format!("{}.checkpoint.created", self.prefix)
+    }
+
+    /// A checkpoint was deleted (JetStream).
+    pub fn checkpoint_deleted(&self) -> String {
+        format!("{}.checkpoint.deleted", self.prefix)
+    }
+
+    /// The JetStream stream holding this prefix's checkpoint events.
+    pub fn checkpoint_stream(&self) -> String {
+        format!("KEEL_CHECKPOINTS_{}", self.prefix.replace(['.', '-'], "_").to_uppercase())
+    }
+
     /// New weights for the generators (every generator hears it).
     pub fn weights_updated(&self) -> String {
         format!("{}.weights.updated", self.prefix)

@@ -1,0 +1,81 @@
+//! Test support: a database of the test's own on the real Postgres (dropped afterwards), a
+//! blob directory, a NATS subject prefix, and the service's routes on a free port.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+
+use keel_protocol::checkpoint::FileEntry;
+use sha2::{Digest, Sha256};
+
+pub struct Stack {
+    pub url: String,
+    pub root: PathBuf,
+    pub prefix: String,
+    pub database_url: String,
+    pub checkpoints: keel_checkpoint::service::Checkpoints,
+    _dir: tempfile::TempDir,
+}
+
+pub fn admin_url() -> String {
+    std::env::var("KEEL_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+impl Stack {
+    pub async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let name = format!("keel_ckpt_{}", uuid::Uuid::new_v4().simple());
+        let prefix = format!("test.{}", uuid::Uuid::new_v4().simple());
+        let mut config = keel_checkpoint::default_config();
+        config.database_url = format!("{}/{name}", admin_url());
+        config.storage = keel_checkpoint::Storage::Local { root: dir.path().join("blobs") };
+        config.subject_prefix = prefix.clone();
+        let checkpoints = keel_checkpoint::open(&config).await.unwrap();
+        let app = keel_checkpoint::api::routes(checkpoints.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(keel_service::serve(listener, app, std::future::pending()));
+        Self { url, root: dir.path().join("blobs"), prefix, database_url: config.database_url, checkpoints, _dir: dir }
+    }
+
+    /// Stored blob files (what is on disk under `blobs/`).
+    pub fn blob_count(&self) -> usize {
+        count_files(&self.root.join("blobs"))
+    }
+
+    pub fn staging_count(&self) -> usize {
+        count_files(&self.root.join("staging"))
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        let name = self.database_url.rsplit('/').next().unwrap_or_default().to_string();
+        let admin = format!("{}/postgres", admin_url());
+        // Another runtime may be shutting down: drop the database from a thread of our own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                use sqlx::Connection;
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&admin).await {
+                    let drop = sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+                    let _ = sqlx::query(drop).execute(&mut conn).await;
+                }
+            })
+        })
+        .join();
+    }
+}
+
+fn count_files(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries.filter_map(Result::ok).map(|e| if e.path().is_dir() { count_files(&e.path()) } else { 1 }).sum()
+}
+
+pub fn sha256(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+pub fn entry(path: &str, content: &[u8]) -> FileEntry {
+    FileEntry { path: path.into(), sha256: sha256(content), size: content.len() as u64 }
+}
