@@ -52,7 +52,7 @@ pub struct Config {
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), String> {
         keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
-        if !(self.pending_expiry_seconds > 0.0) {
+        if self.pending_expiry_seconds.is_nan() || self.pending_expiry_seconds <= 0.0 {
             return Err("pending_expiry_seconds: must be positive".into());
         }
         Ok(())

@@ -20,7 +20,12 @@ fn the_committed_openapi_document_matches_the_code() {
         path.display()
     );
     let document: serde_json::Value = serde_json::from_str(&generated).unwrap();
-    for path in ["/v1/checkpoints", "/v1/checkpoints/{id}/files/{path}", "/v1/checkpoints/{id}/archive", "/v1/runs/{run_id}/checkpoints/best"] {
+    for path in [
+        "/v1/checkpoints",
+        "/v1/checkpoints/{id}/files/{path}",
+        "/v1/checkpoints/{id}/archive",
+        "/v1/runs/{run_id}/checkpoints/best",
+    ] {
         assert!(document["paths"].get(path).is_some(), "{path} is not documented");
     }
 }

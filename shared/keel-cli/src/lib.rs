@@ -2,10 +2,12 @@
 //!
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
 //! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`; [`generate`] holds
-//! `keel generate bench`; [`reward`] holds `keel reward bench`.
+//! `keel generate bench`; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
+//! `keel checkpoint list|upload|download|export`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod generate;
 pub mod model;
 pub mod reward;
@@ -28,6 +30,9 @@ pub enum Command {
     /// The generator's engine outside the service.
     #[command(subcommand)]
     Generate(generate::GenerateCommand),
+    /// The checkpoint service: list, upload, download as an HF directory, export as tar.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCommand),
     /// Reward environments outside the service.
     #[command(subcommand)]
     Reward(reward::RewardCommand),
@@ -42,5 +47,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(command) => train::run(command),
         Command::Generate(command) => generate::run(command),
         Command::Reward(command) => reward::run(command),
+        Command::Checkpoint(command) => checkpoint::run(command),
     }
 }

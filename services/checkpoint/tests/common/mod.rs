@@ -12,9 +12,22 @@ pub struct Stack {
     pub url: String,
     pub root: PathBuf,
     pub prefix: String,
-    pub database_url: String,
+    pub database: Database,
     pub checkpoints: keel_checkpoint::service::Checkpoints,
     _dir: tempfile::TempDir,
+}
+
+/// A database name of the test's own, dropped with this guard.
+pub struct Database {
+    pub url: String,
+    name: String,
+}
+
+impl Database {
+    pub fn new() -> Self {
+        let name = format!("keel_ckpt_{}", uuid::Uuid::new_v4().simple());
+        Self { url: format!("{}/{name}", admin_url()), name }
+    }
 }
 
 pub fn admin_url() -> String {
@@ -24,10 +37,10 @@ pub fn admin_url() -> String {
 impl Stack {
     pub async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let name = format!("keel_ckpt_{}", uuid::Uuid::new_v4().simple());
+        let database = Database::new();
         let prefix = format!("test.{}", uuid::Uuid::new_v4().simple());
         let mut config = keel_checkpoint::default_config();
-        config.database_url = format!("{}/{name}", admin_url());
+        config.database_url = database.url.clone();
         config.storage = keel_checkpoint::Storage::Local { root: dir.path().join("blobs") };
         config.subject_prefix = prefix.clone();
         let checkpoints = keel_checkpoint::open(&config).await.unwrap();
@@ -35,7 +48,7 @@ impl Stack {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(keel_service::serve(listener, app, std::future::pending()));
-        Self { url, root: dir.path().join("blobs"), prefix, database_url: config.database_url, checkpoints, _dir: dir }
+        Self { url, root: dir.path().join("blobs"), prefix, database, checkpoints, _dir: dir }
     }
 
     /// Stored blob files (what is on disk under `blobs/`).
@@ -48,9 +61,9 @@ impl Stack {
     }
 }
 
-impl Drop for Stack {
+impl Drop for Database {
     fn drop(&mut self) {
-        let name = self.database_url.rsplit('/').next().unwrap_or_default().to_string();
+        let name = self.name.clone();
         let admin = format!("{}/postgres", admin_url());
         // Another runtime may be shutting down: drop the database from a thread of our own.
         let _ = std::thread::spawn(move || {
