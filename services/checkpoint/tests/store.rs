@@ -307,3 +307,49 @@ async fn retention_keeps_the_best_and_the_latest_and_spares_leased_ones() {
     }
     assert_eq!(seen, [("created".to_string(), 1), ("created".into(), 2), ("created".into(), 3), ("deleted".into(), 2)]);
 }
+
+/// A small tmpfs mounted for one test (the test suite runs as root, as CI does here).
+struct Mount(std::path::PathBuf);
+
+impl Mount {
+    fn tmpfs(at: &std::path::Path, size: &str) -> Self {
+        std::fs::create_dir_all(at).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .status();
+        assert!(status.is_ok_and(|s| s.success()), "cannot mount a tmpfs at {} (this test needs root)", at.display());
+        Self(at.to_path_buf())
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_refuses_the_upload_and_keeps_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("small");
+    let _mount = Mount::tmpfs(&root, "4m");
+    let stack = Stack::start_with(dir, root).await;
+    let c = Client::new(&stack);
+    let big = vec![7u8; 8 << 20];
+    let (status, created) =
+        c.create(json!({"run_id": "run-e", "step": 1, "files": [entry("model.safetensors", &big)]})).await;
+    assert_eq!(status, 201);
+    let id = created["id"].as_str().unwrap().to_string();
+    let (status, text) = c.put(&id, "model.safetensors", &big).await;
+    assert_eq!(status, 507, "{text}");
+    assert!(text.contains("storage_full"), "{text}");
+    assert_eq!((stack.staging_count(), stack.blob_count()), (0, 0), "nothing staged or stored is left");
+    assert_eq!(c.commit(&id).await.0, 409);
+    let listed = c.get("/v1/checkpoints?run_id=run-e").await.json::<Vec<Checkpoint>>().await.unwrap();
+    assert!(listed.is_empty());
+    // Room again (a small file): the store works.
+    let small = b"fits".to_vec();
+    let done = c.checkpoint("run-e", 2, json!({}), &[("config.json", &small)], Value::Null).await;
+    assert_eq!(done.status, "complete");
+}

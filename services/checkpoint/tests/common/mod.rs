@@ -37,18 +37,24 @@ pub fn admin_url() -> String {
 impl Stack {
     pub async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("blobs");
+        Self::start_with(dir, root).await
+    }
+
+    /// The store's blobs under `root` (inside `dir`, which the stack keeps).
+    pub async fn start_with(dir: tempfile::TempDir, root: PathBuf) -> Self {
         let database = Database::new();
         let prefix = format!("test.{}", uuid::Uuid::new_v4().simple());
         let mut config = keel_checkpoint::default_config();
         config.database_url = database.url.clone();
-        config.storage = keel_checkpoint::Storage::Local { root: dir.path().join("blobs") };
+        config.storage = keel_checkpoint::Storage::Local { root: root.clone() };
         config.subject_prefix = prefix.clone();
         let checkpoints = keel_checkpoint::open(&config).await.unwrap();
         let app = keel_checkpoint::api::routes(checkpoints.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(keel_service::serve(listener, app, std::future::pending()));
-        Self { url, root: dir.path().join("blobs"), prefix, database, checkpoints, _dir: dir }
+        Self { url, root, prefix, database, checkpoints, _dir: dir }
     }
 
     /// Stored blob files (what is on disk under `blobs/`).
