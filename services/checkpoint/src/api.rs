@@ -10,15 +10,15 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use futures::{StreamExt, TryStreamExt, stream};
-use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry, Lease, LeaseRequest};
+use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry, Lease, LeaseRequest, check_path};
 use keel_service::ApiError;
 use serde::Deserialize;
 use utoipa::{IntoParams, OpenApi};
 use uuid::Uuid;
 
+use crate::db;
 use crate::service::{Checkpoints, Error};
 use crate::store::StoreError;
-use crate::{db, paths};
 
 pub fn routes(state: Checkpoints) -> Router {
     Router::new()
@@ -60,7 +60,7 @@ impl IntoResponse for Failure {
             Error::Store(StoreError::TooLarge(_)) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
             Error::Store(StoreError::Interrupted(_)) => (StatusCode::BAD_REQUEST, "interrupted"),
             Error::Store(StoreError::Full) => (StatusCode::INSUFFICIENT_STORAGE, "storage_full"),
-            Error::Store(StoreError::Backend(_)) | Error::Database(_) | Error::Events(_) => {
+            Error::Store(StoreError::Backend(_)) | Error::Database(_) | Error::Events(_) | Error::Internal(_) => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "internal")
             }
         };
@@ -173,7 +173,7 @@ pub async fn download(
     Path((id, path)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Answer<Response> {
-    paths::check(&path).map_err(|e| Failure(Error::NotFound(e)))?;
+    check_path(&path).map_err(|e| Failure(Error::NotFound(e)))?;
     let checkpoint = s.complete(parse_id(&id)?).await?;
     let file = file_of(&checkpoint, &path)?;
     let mut builder = Response::builder()
@@ -212,7 +212,7 @@ pub async fn download(
         .status(status)
         .header(header::CONTENT_LENGTH, length)
         .body(Body::from_stream(stream))
-        .map_err(|e| Failure(Error::Invalid(e.to_string())))
+        .map_err(|e| Failure(Error::Internal(e.to_string())))
 }
 
 /// One tar member's header (ustar; long paths are split into prefix and name).
@@ -254,7 +254,7 @@ pub async fn archive(State(s): State<Checkpoints>, Path(id): Path<String>) -> An
         .header(header::CONTENT_TYPE, "application/x-tar")
         .header(header::CONTENT_DISPOSITION, name)
         .body(Body::from_stream(body))
-        .map_err(|e| Failure(Error::Invalid(e.to_string())))
+        .map_err(|e| Failure(Error::Internal(e.to_string())))
 }
 
 /// Promises to read the checkpoint: neither retention nor `DELETE` removes it meanwhile.
@@ -318,7 +318,7 @@ pub async fn best(
     let best = all.into_iter().filter(|c| c.metrics.contains_key(&q.metric)).max_by(|a, b| {
         let (x, y) = (a.metrics[&q.metric], b.metrics[&q.metric]);
         let order = if higher { x.total_cmp(&y) } else { y.total_cmp(&x) };
-        order.then(a.created_at.total_cmp(&b.created_at))
+        order.then((a.step, a.created_at).partial_cmp(&(b.step, b.created_at)).unwrap_or(std::cmp::Ordering::Equal))
     });
     best.map(axum::Json).ok_or_else(|| {
         Failure(Error::NotFound(format!("run {run_id} has no complete checkpoint with metric `{}`", q.metric)))

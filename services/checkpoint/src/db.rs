@@ -100,19 +100,26 @@ pub async fn pending_file(
     row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?))).transpose()
 }
 
-/// Marks the file uploaded (first, so that the collector waits) and records its blob.
-pub async fn record_upload(tx: &mut PgConnection, id: Uuid, path: &str, sha256: &str, size: u64) -> sqlx::Result<()> {
-    sqlx::query("UPDATE files SET uploaded = true WHERE checkpoint_id = $1 AND path = $2")
-        .bind(id)
-        .bind(path)
-        .execute(&mut *tx)
-        .await?;
+/// Marks the file of a still pending checkpoint uploaded (first, so that the collector
+/// waits) and records its blob; false when the checkpoint is gone or committed meanwhile.
+pub async fn record_upload(tx: &mut PgConnection, id: Uuid, path: &str, sha256: &str, size: u64) -> sqlx::Result<bool> {
+    let updated = sqlx::query(
+        "UPDATE files f SET uploaded = true FROM checkpoints c \
+         WHERE f.checkpoint_id = $1 AND f.path = $2 AND c.id = f.checkpoint_id AND c.status = 'pending'",
+    )
+    .bind(id)
+    .bind(path)
+    .execute(&mut *tx)
+    .await?;
+    if updated.rows_affected() != 1 {
+        return Ok(false);
+    }
     sqlx::query("INSERT INTO blobs (sha256, size) VALUES ($1, $2) ON CONFLICT (sha256) DO NOTHING")
         .bind(sha256)
         .bind(size as i64)
         .execute(&mut *tx)
         .await?;
-    Ok(())
+    Ok(true)
 }
 
 /// Makes a pending checkpoint complete when every file is uploaded; else the missing paths.
@@ -240,6 +247,11 @@ pub async fn remove_lease(conn: &mut PgConnection, id: Uuid, lease: Uuid) -> sql
     Ok(done.rows_affected() == 1)
 }
 
+/// Locks a checkpoint's row for the rest of the transaction; its status, if it exists.
+pub async fn lock(conn: &mut PgConnection, id: Uuid) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar("SELECT status FROM checkpoints WHERE id = $1 FOR UPDATE").bind(id).fetch_optional(conn).await
+}
+
 /// Deletes a checkpoint's rows (files and leases go with it).
 pub async fn delete(conn: &mut PgConnection, id: Uuid) -> sqlx::Result<bool> {
     let done = sqlx::query("DELETE FROM checkpoints WHERE id = $1").bind(id).execute(conn).await?;
@@ -256,14 +268,25 @@ pub async fn stale_pending(conn: &mut PgConnection, seconds: f64) -> sqlx::Resul
     .await
 }
 
-/// Deletes the rows of blobs no file references and returns their hashes; the caller removes
-/// the stored objects before committing `tx`.
-pub async fn collect_garbage(tx: &mut PgConnection) -> sqlx::Result<Vec<String>> {
-    sqlx::query("LOCK TABLE files IN SHARE MODE").execute(&mut *tx).await?;
+/// Blobs no uploaded file references (candidates for [`unreference`]).
+pub async fn unreferenced(conn: &mut PgConnection) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
-        "DELETE FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM files f WHERE f.sha256 = b.sha256 AND f.uploaded) \
-         RETURNING sha256",
+        "SELECT sha256 FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM files f WHERE f.sha256 = b.sha256 AND f.uploaded)",
     )
-    .fetch_all(&mut *tx)
+    .fetch_all(conn)
     .await
+}
+
+/// Deletes one blob's row if still nothing references it, holding `files` so that no new
+/// reference appears until `tx` ends; the caller removes the stored object before committing.
+pub async fn unreference(tx: &mut PgConnection, sha256: &str) -> sqlx::Result<bool> {
+    sqlx::query("LOCK TABLE files IN SHARE MODE").execute(&mut *tx).await?;
+    let gone = sqlx::query(
+        "DELETE FROM blobs b WHERE b.sha256 = $1 \
+         AND NOT EXISTS (SELECT 1 FROM files f WHERE f.sha256 = b.sha256 AND f.uploaded)",
+    )
+    .bind(sha256)
+    .execute(&mut *tx)
+    .await?;
+    Ok(gone.rows_affected() == 1)
 }

@@ -7,11 +7,11 @@
 //! - [`db`]: metadata in Postgres (schema `checkpoint`, migrations in `migrations/`).
 //! - [`store`]: content-addressed blobs on an `object_store` backend (local directory, or
 //!   S3 with the `s3` feature).
-//! - [`retention`]: which checkpoints a policy keeps. [`paths`]: which file names are allowed.
+//! - [`retention`]: which checkpoints a policy keeps (file names are checked by
+//!   `keel_protocol::checkpoint::check_path`).
 
 pub mod api;
 pub mod db;
-pub mod paths;
 pub mod retention;
 pub mod service;
 pub mod store;
@@ -52,8 +52,8 @@ pub struct Config {
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), String> {
         keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
-        if self.pending_expiry_seconds.is_nan() || self.pending_expiry_seconds <= 0.0 {
-            return Err("pending_expiry_seconds: must be positive".into());
+        if !(1.0..=1e8).contains(&self.pending_expiry_seconds) {
+            return Err("pending_expiry_seconds: must be 1 to 100000000".into());
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Which checkpoints of a run retention keeps: the latest (highest step, then newest), and
 //! the `keep_top_k` best by the metric, ties going to the newer. Checkpoints without the
-//! metric rank last.
+//! metric are not ranked: they stay only while they are the latest.
 
 use keel_protocol::checkpoint::{Checkpoint, Retention};
 use uuid::Uuid;

@@ -7,12 +7,12 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use futures::Stream;
 use keel_protocol::Subjects;
-use keel_protocol::checkpoint::{Checkpoint, CheckpointEvent, CreateCheckpoint};
+use keel_protocol::checkpoint::{Checkpoint, CheckpointEvent, CreateCheckpoint, check_path, is_sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::store::{BlobStore, StoreError};
-use crate::{db, paths, retention};
+use crate::{db, retention};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -31,6 +31,8 @@ pub enum Error {
     Database(#[from] sqlx::Error),
     #[error("events: {0}")]
     Events(String),
+    #[error("internal: {0}")]
+    Internal(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -92,18 +94,22 @@ fn event(c: &Checkpoint) -> CheckpointEvent {
 
 fn validate(request: &CreateCheckpoint) -> Result<()> {
     let mut problems = Vec::new();
-    if request.run_id.is_empty() || request.run_id.len() > 200 {
-        problems.push("run_id: must be 1 to 200 characters".to_string());
+    let run_chars = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    if request.run_id.is_empty() || request.run_id.len() > 200 || !request.run_id.chars().all(run_chars) {
+        problems.push("run_id: must be 1 to 200 letters, digits, `-`, `_`, `.` or `:`".to_string());
+    }
+    if request.step > i64::MAX as u64 {
+        problems.push(format!("step: at most {}", i64::MAX));
     }
     if request.files.is_empty() {
         problems.push("files: a checkpoint holds at least one file".into());
     }
     let mut seen = std::collections::BTreeSet::new();
     for (i, f) in request.files.iter().enumerate() {
-        if let Err(e) = paths::check(&f.path) {
+        if let Err(e) = check_path(&f.path) {
             problems.push(format!("files[{i}].path: {e}"));
         }
-        if !paths::is_sha256(&f.sha256) {
+        if !is_sha256(&f.sha256) {
             problems.push(format!("files[{i}].sha256: must be 64 lower-case hex digits"));
         }
         if f.size > MAX_FILE_BYTES {
@@ -159,7 +165,7 @@ impl Checkpoints {
         path: &str,
         body: impl Stream<Item = Result<Bytes, E>>,
     ) -> Result<()> {
-        paths::check(path).map_err(Error::Invalid)?;
+        check_path(path).map_err(Error::Invalid)?;
         let mut conn = self.pool.acquire().await?;
         let Some((sha256, size, _, status)) = db::pending_file(&mut conn, id, path).await? else {
             return Err(Error::NotFound(format!("checkpoint {id} declares no file `{path}`")));
@@ -176,7 +182,9 @@ impl Checkpoints {
         }
         let result = async {
             let mut tx = self.pool.begin().await?;
-            db::record_upload(&mut tx, id, path, &staged.sha256, staged.size).await?;
+            if !db::record_upload(&mut tx, id, path, &staged.sha256, staged.size).await? {
+                return Err(Error::Conflict(format!("checkpoint {id} was committed or deleted during the upload")));
+            }
             self.blobs.promote(&staged).await?;
             tx.commit().await?;
             Ok::<_, Error>(())
@@ -189,13 +197,11 @@ impl Checkpoints {
     }
 
     /// Makes a checkpoint visible (every file present), announces it, applies retention.
+    /// Once the commit is in the database it stands: a failed announcement or retention pass
+    /// is logged, not answered as a failure.
     pub async fn commit(&self, id: Uuid) -> Result<Checkpoint> {
         let mut tx = self.pool.begin().await?;
-        let status: Option<String> = sqlx::query_scalar("SELECT status FROM checkpoints WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        match status.as_deref() {
+        match db::lock(&mut tx, id).await?.as_deref() {
             None => return Err(Error::NotFound(format!("no checkpoint {id}"))),
             Some("complete") => return Err(Error::Conflict(format!("checkpoint {id} is already committed"))),
             Some(_) => {}
@@ -205,10 +211,14 @@ impl Checkpoints {
         }
         tx.commit().await?;
         let checkpoint = self.get(id).await?;
-        if let Some(events) = &self.events {
-            events.publish(events.subjects.checkpoint_created(), &event(&checkpoint)).await?;
+        if let Some(events) = &self.events
+            && let Err(e) = events.publish(events.subjects.checkpoint_created(), &event(&checkpoint)).await
+        {
+            tracing::error!(%id, "checkpoint committed but its created event was not sent: {e}");
         }
-        self.apply_retention(&checkpoint.run_id).await?;
+        if let Err(e) = self.apply_retention(&checkpoint.run_id).await {
+            tracing::error!(run_id = %checkpoint.run_id, "retention failed: {e}");
+        }
         Ok(checkpoint)
     }
 
@@ -220,7 +230,7 @@ impl Checkpoints {
         drop(conn);
         let mut deleted = Vec::new();
         for id in retention::to_delete(&all, &policy) {
-            match self.delete(id).await {
+            match self.delete_if(id, false).await {
                 Ok(()) => deleted.push(id),
                 Err(Error::Conflict(reason)) => tracing::info!(%id, "retention keeps it for now: {reason}"),
                 Err(e) => return Err(e),
@@ -231,32 +241,54 @@ impl Checkpoints {
 
     /// Deletes a checkpoint nobody is reading, then the blobs nothing references any more.
     pub async fn delete(&self, id: Uuid) -> Result<()> {
+        self.delete_if(id, false).await
+    }
+
+    /// Deletes a checkpoint (only while still pending, with `only_pending`) unless a lease
+    /// holds it; its status is read under the row lock, so a commit cannot slip in between.
+    async fn delete_if(&self, id: Uuid, only_pending: bool) -> Result<()> {
         let checkpoint = self.get(id).await?;
         let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT 1 FROM checkpoints WHERE id = $1 FOR UPDATE").bind(id).execute(&mut *tx).await?;
+        let status = db::lock(&mut tx, id).await?.ok_or_else(|| Error::NotFound(format!("no checkpoint {id}")))?;
+        if only_pending && status != "pending" {
+            return Err(Error::Conflict(format!("checkpoint {id} was committed")));
+        }
         if db::leased(&mut tx, id).await? {
             return Err(Error::Conflict(format!("checkpoint {id} is being read (a lease holds it)")));
         }
         db::delete(&mut tx, id).await?;
         tx.commit().await?;
-        if checkpoint.status == "complete"
+        if status == "complete"
             && let Some(events) = &self.events
+            && let Err(e) = events.publish(events.subjects.checkpoint_deleted(), &event(&checkpoint)).await
         {
-            events.publish(events.subjects.checkpoint_deleted(), &event(&checkpoint)).await?;
+            tracing::error!(%id, "checkpoint deleted but its deleted event was not sent: {e}");
         }
         self.collect_garbage().await?;
         Ok(())
     }
 
-    /// Removes blobs no file references (see [`db`] for why this cannot race an upload).
+    /// Removes blobs no file references, one short transaction each (see [`db`] for why this
+    /// cannot race an upload). It runs as a task of its own, so a client that goes away
+    /// cannot cut it off between removing an object and committing.
     pub async fn collect_garbage(&self) -> Result<usize> {
-        let mut tx = self.pool.begin().await?;
-        let unreferenced = db::collect_garbage(&mut tx).await?;
-        for sha in &unreferenced {
-            self.blobs.delete(sha).await?;
-        }
-        tx.commit().await?;
-        Ok(unreferenced.len())
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let mut conn = this.pool.acquire().await?;
+            let candidates = db::unreferenced(&mut conn).await?;
+            drop(conn);
+            let mut removed = 0;
+            for sha in candidates {
+                let mut tx = this.pool.begin().await?;
+                if db::unreference(&mut tx, &sha).await? {
+                    this.blobs.delete(&sha).await?;
+                    removed += 1;
+                }
+                tx.commit().await?;
+            }
+            Ok::<_, Error>(removed)
+        });
+        task.await.map_err(|e| Error::Internal(e.to_string()))?
     }
 
     /// Start-up and periodic sweep: abandoned pending checkpoints and staging leftovers.
@@ -265,7 +297,9 @@ impl Checkpoints {
         let stale = db::stale_pending(&mut conn, pending_seconds).await?;
         drop(conn);
         for id in stale {
-            self.delete(id).await?;
+            if let Err(e) = self.delete_if(id, true).await {
+                tracing::info!(%id, "sweep left it: {e}");
+            }
         }
         self.blobs.sweep_staging(std::time::Duration::from_secs_f64(pending_seconds)).await?;
         self.collect_garbage().await?;

@@ -53,6 +53,8 @@ pub struct Staged {
 #[derive(Clone)]
 pub struct BlobStore {
     store: Arc<dyn ObjectStore>,
+    /// The directory of a local store (its unfinished uploads are files `list` does not show).
+    local_root: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for BlobStore {
@@ -63,15 +65,16 @@ impl std::fmt::Debug for BlobStore {
 
 impl BlobStore {
     pub fn new(store: Arc<dyn ObjectStore>) -> Self {
-        Self { store }
+        Self { store, local_root: None }
     }
 
-    /// Blobs under a local directory (created when missing).
+    /// Blobs under a local directory (created when missing), written durably (fsync).
     pub fn local(root: &std::path::Path) -> Result<Self, String> {
         std::fs::create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
         let fs = object_store::local::LocalFileSystem::new_with_prefix(root)
-            .map_err(|e| format!("cannot use {}: {e}", root.display()))?;
-        Ok(Self::new(Arc::new(fs)))
+            .map_err(|e| format!("cannot use {}: {e}", root.display()))?
+            .with_fsync(true);
+        Ok(Self { store: Arc::new(fs), local_root: Some(root.to_path_buf()) })
     }
 
     fn blob_path(sha256: &str) -> ObjectPath {
@@ -148,7 +151,26 @@ impl BlobStore {
 
     /// Removes staging objects older than `age` (uploads a crash left behind).
     pub async fn sweep_staging(&self, age: Duration) -> Result<usize, StoreError> {
-        let cutoff = std::time::SystemTime::now() - age;
+        let cutoff = std::time::SystemTime::now().checked_sub(age).unwrap_or(std::time::UNIX_EPOCH);
+        if let Some(root) = &self.local_root {
+            // Unfinished local uploads are `staging/<id>#<n>` files, which listing hides.
+            let dir = root.join("staging");
+            let sweep = move || -> std::io::Result<usize> {
+                let mut removed = 0;
+                let Ok(entries) = std::fs::read_dir(&dir) else { return Ok(0) };
+                for entry in entries.filter_map(Result::ok) {
+                    if entry.metadata()?.modified()? < cutoff {
+                        std::fs::remove_file(entry.path())?;
+                        removed += 1;
+                    }
+                }
+                Ok(removed)
+            };
+            return tokio::task::spawn_blocking(sweep)
+                .await
+                .map_err(|e| StoreError::Backend(e.to_string()))?
+                .map_err(|e| StoreError::Backend(e.to_string()));
+        }
         let prefix = ObjectPath::from("staging");
         let stale: Vec<ObjectPath> = self
             .store

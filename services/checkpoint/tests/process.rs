@@ -138,7 +138,14 @@ async fn an_exported_checkpoint_loads_in_transformers() {
     cli(&["download", id, "--out", restored.to_str().unwrap()]);
     let tar = dir.path().join("export.tar");
     cli(&["export", id, "--out", tar.to_str().unwrap()]);
-    assert!(std::fs::metadata(&tar).unwrap().len() > 512);
+    let unpacked = dir.path().join("unpacked");
+    tar::Archive::new(std::fs::File::open(&tar).unwrap()).unpack(&unpacked).unwrap();
+    for entry in std::fs::read_dir(&model).unwrap() {
+        let name = entry.unwrap().file_name();
+        let original = std::fs::read(model.join(&name)).unwrap();
+        assert_eq!(std::fs::read(unpacked.join(&name)).unwrap(), original, "{name:?} in the tar");
+        assert_eq!(std::fs::read(restored.join(&name)).unwrap(), original, "{name:?} downloaded");
+    }
 
     let script = r#"
 import sys, torch

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use futures::StreamExt;
-use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry};
+use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry, check_path};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
@@ -97,17 +97,22 @@ async fn list(url: &str, run: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every file under `dir`, relative, sorted.
+/// Every regular file under `dir`, relative, sorted; hidden entries (`.gitattributes`,
+/// `.cache/`) are left out and symbolic links are not followed.
 fn files_under(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     let mut pending = vec![dir.to_path_buf()];
     while let Some(next) = pending.pop() {
         for entry in std::fs::read_dir(&next).with_context(|| format!("cannot read {}", next.display()))? {
-            let path = entry?.path();
-            if path.is_dir() {
-                pending.push(path);
-            } else {
-                out.push(path.strip_prefix(dir)?.to_path_buf());
+            let entry = entry?;
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                pending.push(entry.path());
+            } else if kind.is_file() {
+                out.push(entry.path().strip_prefix(dir)?.to_path_buf());
             }
         }
     }
@@ -160,7 +165,8 @@ async fn upload(args: UploadArgs) -> anyhow::Result<()> {
     };
     let response = client.post(format!("{url}/v1/checkpoints")).json(&request).send().await?;
     let created: Checkpoint = checked(response, "create").await?.json().await?;
-    for path in &created.missing {
+    // Only files listed here are ever read, whatever the service names as missing.
+    for path in request.files.iter().map(|f| &f.path).filter(|p| created.missing.contains(p)) {
         let file = tokio::fs::File::open(args.dir.join(path)).await?;
         let body = reqwest::Body::wrap_stream(tokio_util_stream(file));
         let response =
@@ -202,6 +208,7 @@ async fn download(url: &str, id: &str, out: &Path) -> anyhow::Result<()> {
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let staging = tempfile::Builder::new().prefix(".keel-download-").tempdir_in(parent)?;
     for file in &checkpoint.files {
+        check_path(&file.path).map_err(|e| anyhow::anyhow!("the service sent a bad file name: {e}"))?;
         let target = staging.path().join(&file.path);
         if let Some(dir) = target.parent() {
             tokio::fs::create_dir_all(dir).await?;

@@ -99,3 +99,68 @@ pub struct CheckpointEvent {
     pub step: u64,
     pub metrics: BTreeMap<String, f64>,
 }
+
+/// Which file names a checkpoint may hold: relative paths of at most 8 parts and 255
+/// characters (100 per part, as tar's header holds), each part letters, digits, `.`, `-`, `_` (not starting with `.`), so nothing
+/// can climb out of the directory a download writes (`..`, absolute paths, odd characters
+/// and hidden files are refused). The service checks them on the way in, the CLI on the way
+/// out.
+pub fn check_path(path: &str) -> Result<(), String> {
+    if path.is_empty() || path.len() > 255 {
+        return Err(format!("file name `{path}` must be 1 to 255 characters"));
+    }
+    if path.starts_with('/') {
+        return Err(format!("file name `{path}` must be relative"));
+    }
+    let parts: Vec<&str> = path.split('/').collect();
+    if parts.len() > 8 {
+        return Err(format!("file name `{path}` is nested more than 8 deep"));
+    }
+    for part in parts {
+        if part.len() > 100 {
+            return Err(format!("file name `{path}` has a part longer than 100 characters"));
+        }
+        if part.is_empty() || part.starts_with('.') {
+            return Err(format!("file name `{path}` has an empty, `.`, `..` or hidden part"));
+        }
+        if !part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')) {
+            return Err(format!("file name `{path}` may hold only letters, digits, `.`, `-`, `_` and `/`"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `sha` is a lower-case hex sha256.
+pub fn is_sha256(sha: &str) -> bool {
+    sha.len() == 64 && sha.chars().all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traversal_and_odd_names_are_refused() {
+        for good in ["model.safetensors", "tokenizer.json", "optimizer/state-0.pt", "a/b_c/d.e"] {
+            assert!(check_path(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "../etc/passwd",
+            "a/../../b",
+            "/abs",
+            "a//b",
+            ".hidden",
+            "a/./b",
+            "sp ace",
+            "semi;colon",
+            "ü",
+            "a\\b",
+            "x\0y",
+        ] {
+            assert!(check_path(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_path("a/".repeat(9).trim_end_matches('/')).is_err());
+        assert!(is_sha256(&"ab".repeat(32)) && !is_sha256(&"AB".repeat(32)) && !is_sha256("abc"));
+    }
+}
