@@ -43,3 +43,4 @@ CREATE TABLE leases (
     holder text NOT NULL,
     expires_at timestamptz NOT NULL
 );
+CREATE INDEX leases_by_checkpoint ON leases (checkpoint_id, expires_at);

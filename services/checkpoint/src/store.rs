@@ -137,6 +137,9 @@ impl BlobStore {
         sha256: &str,
         range: Option<Range<u64>>,
     ) -> Result<BoxStream<'static, Result<Bytes, StoreError>>, StoreError> {
+        if let Some(root) = &self.local_root {
+            return read_local(root.join(Self::blob_path(sha256).as_ref()), range).await;
+        }
         let options = GetOptions { range: range.map(GetRange::Bounded), ..GetOptions::default() };
         let result = self.store.get_opts(&Self::blob_path(sha256), options).await.map_err(backend)?;
         Ok(result.into_stream().map_err(backend).boxed())
@@ -185,4 +188,35 @@ impl BlobStore {
         }
         Ok(stale.len())
     }
+}
+
+/// Bytes read per step from a local blob. `object_store`'s local reader reads 8 KiB at a
+/// time; reading 1 MiB at a time made downloads several times faster (bench/checkpoint-throughput).
+const READ_BYTES: usize = 1 << 20;
+
+/// A local blob (or a range of it) as a stream of [`READ_BYTES`] chunks.
+async fn read_local(
+    path: std::path::PathBuf,
+    range: Option<Range<u64>>,
+) -> Result<BoxStream<'static, Result<Bytes, StoreError>>, StoreError> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let mut file =
+        tokio::fs::File::open(&path).await.map_err(|e| StoreError::Backend(format!("{}: {e}", path.display())))?;
+    let length = file.metadata().await.map_err(|e| StoreError::Backend(e.to_string()))?.len();
+    let range = range.unwrap_or(0..length);
+    file.seek(std::io::SeekFrom::Start(range.start)).await.map_err(|e| StoreError::Backend(e.to_string()))?;
+    let left = range.end.saturating_sub(range.start);
+    let stream = futures::stream::try_unfold((file, left), |(mut file, left)| async move {
+        if left == 0 {
+            return Ok(None);
+        }
+        let mut buf = vec![0u8; READ_BYTES.min(left as usize)];
+        let n = file.read(&mut buf).await.map_err(|e| StoreError::Backend(e.to_string()))?;
+        if n == 0 {
+            return Err(StoreError::Backend("the blob is shorter than recorded".into()));
+        }
+        buf.truncate(n);
+        Ok(Some((Bytes::from(buf), (file, left - n as u64))))
+    });
+    Ok(stream.boxed())
 }

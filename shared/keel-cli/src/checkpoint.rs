@@ -215,14 +215,15 @@ async fn download(url: &str, id: &str, out: &Path) -> anyhow::Result<()> {
         }
         let response = client.get(format!("{url}/v1/checkpoints/{id}/files/{}", file.path)).send().await?;
         let mut body = checked(response, &format!("download {}", file.path)).await?.bytes_stream();
-        let mut writer = tokio::fs::File::create(&target).await?;
+        let mut writer = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::create(&target).await?);
         let mut hasher = Sha256::new();
         while let Some(chunk) = body.next().await {
             let chunk = chunk?;
             hasher.update(&chunk);
             writer.write_all(&chunk).await?;
         }
-        writer.sync_all().await?;
+        writer.flush().await?;
+        writer.get_ref().sync_all().await?;
         let sha = hex::encode(hasher.finalize());
         if sha != file.sha256 {
             bail!("{} arrived with sha256 {sha}, expected {}", file.path, file.sha256);
@@ -238,11 +239,12 @@ async fn export(url: &str, id: &str, out: &Path) -> anyhow::Result<()> {
     let response = reqwest::Client::new().get(format!("{url}/v1/checkpoints/{id}/archive")).send().await?;
     let mut body = checked(response, "export").await?.bytes_stream();
     let partial = out.with_extension("tar.partial");
-    let mut writer = tokio::fs::File::create(&partial).await?;
+    let mut writer = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::create(&partial).await?);
     while let Some(chunk) = body.next().await {
         writer.write_all(&chunk?).await?;
     }
-    writer.sync_all().await?;
+    writer.flush().await?;
+    writer.get_ref().sync_all().await?;
     std::fs::rename(&partial, out)?;
     println!("{}", out.display());
     Ok(())

@@ -67,6 +67,22 @@ impl Stack {
     }
 }
 
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // Each test's event stream goes with it, so streams do not pile up on the shared NATS.
+        let stream = keel_protocol::Subjects::new(&self.prefix).unwrap().checkpoint_stream();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                if let Ok(client) = keel_service::nats::connect(&keel_service::nats::default_url()).await {
+                    let _ = async_nats::jetstream::new(client).delete_stream(&stream).await;
+                }
+            })
+        })
+        .join();
+    }
+}
+
 impl Drop for Database {
     fn drop(&mut self) {
         let name = self.name.clone();
