@@ -81,15 +81,7 @@ fn parse_id(id: &str) -> Result<Uuid, Failure> {
 }
 
 fn json_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Failure> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        Failure(Error::Invalid(if path == "." {
-            e.into_inner().to_string()
-        } else {
-            format!("{path}: {}", e.into_inner())
-        }))
-    })
+    keel_service::json::parse(bytes).map_err(|e| Failure(Error::Invalid(e.to_string())))
 }
 
 /// Creates a pending checkpoint; `missing` lists the files to upload (content the store

@@ -9,6 +9,7 @@ use keel_protocol::reward::{
     EnvSample, EnvStepReply, EnvStepRequest, EnvStepResult, Message, OnError, SampleError, ScoreReply, ScoreRequest,
     ScoreResult, error_types,
 };
+use keel_service::json::BodyError;
 use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
@@ -45,14 +46,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Decodes a JSON body; the error names the field path (`samples[0].messages: ...`).
 pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
-    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
-        return Err(Error::InvalidJson(e.to_string()));
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        Error::InvalidRequest(if path == "." { inner.to_string() } else { format!("{path}: {inner}") })
+    keel_service::json::parse(bytes).map_err(|e| match e {
+        BodyError::NotJson(m) => Error::InvalidJson(m),
+        BodyError::Invalid(m) => Error::InvalidRequest(m),
     })
 }
 

@@ -5,12 +5,14 @@
 //! - [`http`]: the `/healthz` route, the JSON error body and 404 fallback, serving with
 //!   graceful shutdown.
 //! - [`entry`]: what a service's `main.rs` calls: flags, config, logging, runtime, signals.
+//! - [`json`]: decoding request bodies with errors that name the field path.
 //! - [`metrics`]: the Prometheus text format for `GET /metrics`.
 //! - [`nats`]: connecting to NATS and moving bulk payloads through the JetStream object store.
 
 pub mod config;
 pub mod entry;
 pub mod http;
+pub mod json;
 pub mod metrics;
 pub mod nats;
 
