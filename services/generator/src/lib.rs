@@ -130,15 +130,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     tracing::info!(model = %loaded.model_name, slots = config.max_num_seqs, "model loaded");
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
-    let nats = tokio::spawn(rollout::serve(client, subjects, loaded.clone(), stopped(stop_rx.clone())));
+    let mut parts = keel_service::parts::Parts::default();
+    parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), parts.stopped()));
     let app = openai::routes(loaded).merge(keel_service::health_routes(SERVICE));
-    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, stopped(stop_rx)));
-    shutdown.await;
-    let _ = stop_tx.send(true);
-    http.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
-    nats.await.map_err(|e| e.to_string())?
+    let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
+    parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
+    parts.run_until(shutdown).await
 }

@@ -89,35 +89,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     if let Err(e) = state.scorer.sandbox().available().await {
         tracing::warn!("the code environment will refuse samples: {e}");
     }
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
-    let nats = client.map(|client| {
-        let subjects = keel_protocol::Subjects::new(&config.subject_prefix);
-        let scorer = state.scorer.clone();
-        let stop = stopped(stop_rx.clone());
-        tokio::spawn(async move { nats::serve(client, subjects?, scorer, stop).await })
-    });
+    let mut parts = keel_service::parts::Parts::default();
+    if let Some(client) = client {
+        let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+        parts.spawn("nats", nats::serve(client, subjects, state.scorer.clone(), parts.stopped()));
+    }
     let app = api::routes(state).merge(keel_service::health_routes(SERVICE));
-    let mut http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, stopped(stop_rx)));
-    let mut nats = nats;
-    let nats_ended = async {
-        match nats.as_mut() {
-            Some(task) => task.await,
-            None => std::future::pending().await,
-        }
-    };
-    // A part that stops before shutdown (a port in use, a lost subscription) stops the service.
-    tokio::select! {
-        () = shutdown => {}
-        ended = &mut http => return Err(ended.map_err(|e| e.to_string())?.err().map_or("the HTTP server stopped".into(), |e| e.to_string())),
-        ended = nats_ended => return Err(ended.map_err(|e| e.to_string())?.err().unwrap_or_else(|| "the NATS side stopped".into())),
-    }
-    let _ = stop_tx.send(true);
-    http.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
-    match nats {
-        Some(task) => task.await.map_err(|e| e.to_string())?,
-        None => Ok(()),
-    }
+    let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
+    parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
+    parts.run_until(shutdown).await
 }

@@ -7,6 +7,7 @@
 //! - [`entry`]: what a service's `main.rs` calls: flags, config, logging, runtime, signals.
 //! - [`json`]: decoding request bodies with errors that name the field path.
 //! - [`metrics`]: the Prometheus text format for `GET /metrics`.
+//! - [`parts`]: a service's concurrent parts, stopped together.
 //! - [`nats`]: connecting to NATS and moving bulk payloads through the JetStream object store.
 
 pub mod config;
@@ -15,6 +16,7 @@ pub mod http;
 pub mod json;
 pub mod metrics;
 pub mod nats;
+pub mod parts;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
