@@ -60,6 +60,7 @@ impl IntoResponse for Failure {
             Error::Store(StoreError::TooLarge(_)) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
             Error::Store(StoreError::Interrupted(_)) => (StatusCode::BAD_REQUEST, "interrupted"),
             Error::Store(StoreError::Full) => (StatusCode::INSUFFICIENT_STORAGE, "storage_full"),
+            Error::Busy => (StatusCode::SERVICE_UNAVAILABLE, "busy"),
             Error::Store(StoreError::Backend(_)) | Error::Database(_) | Error::Events(_) | Error::Internal(_) => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "internal")
             }
@@ -70,7 +71,11 @@ impl IntoResponse for Failure {
         } else {
             self.0.to_string()
         };
-        ApiError { status, error_type, message }.into_response()
+        let mut response = ApiError { status, error_type, message }.into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 
@@ -127,7 +132,7 @@ pub async fn commit(State(s): State<Checkpoints>, Path(id): Path<String>) -> Ans
 
 /// Streams one declared file in; it must hash to its declared sha256 and size.
 #[utoipa::path(put, path = "/v1/checkpoints/{id}/files/{path}", request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 204), (status = 404), (status = 409), (status = 413), (status = 422, description = "sha256 mismatch"), (status = 507)))]
+    responses((status = 204), (status = 404), (status = 409), (status = 413), (status = 422, description = "sha256 mismatch"), (status = 503, description = "Every upload slot is taken; retry after `Retry-After`"), (status = 507)))]
 pub async fn upload(
     State(s): State<Checkpoints>,
     Path((id, path)): Path<(String, String)>,

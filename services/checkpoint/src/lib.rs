@@ -47,11 +47,16 @@ pub struct Config {
     pub subject_prefix: String,
     /// A pending checkpoint not committed within this many seconds is deleted.
     pub pending_expiry_seconds: f64,
+    /// Uploads at once (each holds about 24 MiB of buffers); more get 503 with `Retry-After`.
+    pub max_uploads: usize,
 }
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), String> {
         keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        if self.max_uploads == 0 {
+            return Err("max_uploads: must be at least 1".into());
+        }
         if !(1.0..=1e8).contains(&self.pending_expiry_seconds) {
             return Err("pending_expiry_seconds: must be 1 to 100000000".into());
         }
@@ -68,6 +73,7 @@ pub fn default_config() -> Config {
         nats_url: keel_service::nats::default_url(),
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
         pending_expiry_seconds: 24.0 * 3600.0,
+        max_uploads: 16,
     }
 }
 
@@ -103,7 +109,8 @@ pub async fn open(config: &Config) -> Result<service::Checkpoints, String> {
             Some(service::Events::open(client, subjects).await?)
         }
     };
-    Ok(service::Checkpoints { pool, blobs, events })
+    let uploads = std::sync::Arc::new(tokio::sync::Semaphore::new(config.max_uploads));
+    Ok(service::Checkpoints { pool, blobs, events, uploads })
 }
 
 /// Serves until `shutdown` completes, sweeping abandoned uploads at start and hourly.

@@ -33,6 +33,9 @@ pub enum Error {
     Events(String),
     #[error("internal: {0}")]
     Internal(String),
+    /// Every upload slot is taken.
+    #[error("too many uploads in progress; retry shortly")]
+    Busy,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -45,6 +48,8 @@ pub struct Checkpoints {
     pub pool: PgPool,
     pub blobs: BlobStore,
     pub events: Option<Events>,
+    /// Upload slots (each upload holds part buffers and a database connection).
+    pub uploads: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Checkpoints {
@@ -166,6 +171,7 @@ impl Checkpoints {
         body: impl Stream<Item = Result<Bytes, E>>,
     ) -> Result<()> {
         check_path(path).map_err(Error::Invalid)?;
+        let _slot = self.uploads.clone().try_acquire_owned().map_err(|_| Error::Busy)?;
         let mut conn = self.pool.acquire().await?;
         let Some((sha256, size, _, status)) = db::pending_file(&mut conn, id, path).await? else {
             return Err(Error::NotFound(format!("checkpoint {id} declares no file `{path}`")));

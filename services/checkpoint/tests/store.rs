@@ -341,7 +341,7 @@ async fn a_full_disk_refuses_the_upload_and_keeps_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("small");
     let _mount = Mount::tmpfs(&root, "4m");
-    let stack = Stack::start_with(dir, root).await;
+    let stack = Stack::start_with(dir, root, 16).await;
     let c = Client::new(&stack);
     let big = vec![7u8; 8 << 20];
     let (status, created) =
@@ -359,4 +359,34 @@ async fn a_full_disk_refuses_the_upload_and_keeps_nothing() {
     let small = b"fits".to_vec();
     let done = c.checkpoint("run-e", 2, json!({}), &[("config.json", &small)], Value::Null).await;
     assert_eq!(done.status, "complete");
+}
+
+#[tokio::test]
+async fn uploads_beyond_the_slots_get_503_until_one_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("blobs");
+    let stack = Stack::start_with(dir, root, 1).await;
+    let c = Client::new(&stack);
+    let (a, b) = (vec![1u8; 1000], vec![2u8; 1000]);
+    let (_, created) =
+        c.create(json!({"run_id": "run-f", "step": 1, "files": [entry("a.bin", &a), entry("b.bin", &b)]})).await;
+    let id = created["id"].as_str().unwrap().to_string();
+    // The first upload holds its slot while its body trickles in.
+    let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Vec<u8>, std::io::Error>>();
+    let url = format!("{}/v1/checkpoints/{id}/files/a.bin", c.url);
+    let slow = tokio::spawn(c.http.put(url).body(reqwest::Body::wrap_stream(rx)).send());
+    tx.unbounded_send(Ok(a[..10].to_vec())).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stack.staging_count() == 0 {
+        assert!(Instant::now() < deadline, "the first upload never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, text) = c.put(&id, "b.bin", &b).await;
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("busy"), "{text}");
+    tx.unbounded_send(Ok(a[10..].to_vec())).unwrap();
+    drop(tx);
+    assert_eq!(slow.await.unwrap().unwrap().status(), 204);
+    assert_eq!(c.put(&id, "b.bin", &b).await.0, 204, "the slot is free again");
+    assert_eq!(c.commit(&id).await.0, 200);
 }

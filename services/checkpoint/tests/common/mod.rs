@@ -38,17 +38,18 @@ impl Stack {
     pub async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("blobs");
-        Self::start_with(dir, root).await
+        Self::start_with(dir, root, 16).await
     }
 
     /// The store's blobs under `root` (inside `dir`, which the stack keeps).
-    pub async fn start_with(dir: tempfile::TempDir, root: PathBuf) -> Self {
+    pub async fn start_with(dir: tempfile::TempDir, root: PathBuf, max_uploads: usize) -> Self {
         let database = Database::new();
         let prefix = format!("test.{}", uuid::Uuid::new_v4().simple());
         let mut config = keel_checkpoint::default_config();
         config.database_url = database.url.clone();
         config.storage = keel_checkpoint::Storage::Local { root: root.clone() };
         config.subject_prefix = prefix.clone();
+        config.max_uploads = max_uploads;
         let checkpoints = keel_checkpoint::open(&config).await.unwrap();
         let app = keel_checkpoint::api::routes(checkpoints.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
