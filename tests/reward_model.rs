@@ -4,12 +4,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use keel_protocol::Subjects;
 use keel_protocol::subjects::TrainerOp;
-use keel_testkit::{ServiceProcess, binary, workspace_root};
+use keel_testkit::{ServiceProcess, keel_model_init};
 use serde_json::{Value, json};
 
 /// Asks `subject` until someone answers: the worker subscribes after it starts listening, and
@@ -36,15 +35,7 @@ async fn ask(client: &async_nats::Client, subject: String, body: Value) -> Value
 async fn reward_model_rewards_are_the_trainers_scores() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
-    let corpus = workspace_root().join("examples/tokenizer-corpus.txt");
-    let init = Command::new(binary("keel"))
-        .args(["model", "init", "--arch", "qwen3", "--preset", "tiny", "--train-tokenizer"])
-        .arg(&corpus)
-        .arg("--out")
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
+    keel_model_init(&model);
 
     let prefix = format!("e2e.{}", uuid::Uuid::new_v4().simple());
     let worker = "rm-worker";

@@ -11,7 +11,7 @@ use std::process::Command;
 use bytes::Bytes;
 use common::{Database, Stack};
 use futures::StreamExt;
-use keel_testkit::{ServiceProcess, binary, workspace_root};
+use keel_testkit::{ServiceProcess, binary, keel_model_init};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -114,16 +114,8 @@ async fn an_exported_checkpoint_loads_in_transformers() {
     let stack = Stack::start().await;
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
+    keel_model_init(&model);
     let keel = binary("keel");
-    let corpus = workspace_root().join("examples/tokenizer-corpus.txt");
-    let init = Command::new(&keel)
-        .args(["model", "init", "--arch", "qwen3", "--preset", "tiny", "--train-tokenizer"])
-        .arg(&corpus)
-        .arg("--out")
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(init.status.success(), "{}", String::from_utf8_lossy(&init.stderr));
 
     let cli = |args: &[&str]| {
         let out =

@@ -4,11 +4,12 @@
 //! - [`reference`]: runs `tests/reference/hf_reference.py` (transformers, the oracle for
 //!   model numerics) and parses its JSON.
 //! - [`sequences`], [`write_jsonl`], [`max_abs_diff`]: inputs and comparisons.
-//! - [`ServiceProcess`]: a service binary started as a process on a free port.
+//! - [`ServiceProcess`]: a service binary started as a process on a free port;
+//!   [`keel_model_init`]: a tiny model made with the `keel` binary.
 
 mod process;
 
-pub use process::{ServiceProcess, binary};
+pub use process::{ServiceProcess, binary, keel_model_init};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -10,6 +10,20 @@ use std::time::Duration;
 /// How long a service may take to start listening.
 const START_DEADLINE: Duration = Duration::from_secs(60);
 
+/// Makes a tiny Qwen3 model directory at `out` with the `keel` binary (`keel model init`,
+/// tokenizer trained on the shipped corpus), as a user would.
+pub fn keel_model_init(out: &std::path::Path) {
+    let corpus = crate::workspace_root().join("examples/tokenizer-corpus.txt");
+    let init = Command::new(binary("keel"))
+        .args(["model", "init", "--arch", "qwen3", "--preset", "tiny", "--train-tokenizer"])
+        .arg(&corpus)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("run keel model init");
+    assert!(init.status.success(), "keel model init: {}", String::from_utf8_lossy(&init.stderr));
+}
+
 /// A binary of this workspace, next to the running test's `deps/` directory.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
