@@ -107,6 +107,9 @@ async fn a_multi_gb_file_round_trips_with_flat_memory() {
     let peak = peak_rss(service.pid());
     println!("service peak RSS: {} MiB at start, {} MiB after 2 GiB up and down", started_rss >> 20, peak >> 20);
     assert!(peak < started_rss + (128 << 20), "peak RSS grew from {started_rss} to {peak} bytes");
+    let stream = keel_protocol::Subjects::new(&prefix).unwrap().checkpoint_stream();
+    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+    async_nats::jetstream::new(client).delete_stream(&stream).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
