@@ -16,9 +16,9 @@ use serde::Deserialize;
 use utoipa::{IntoParams, OpenApi};
 use uuid::Uuid;
 
-use crate::db;
 use crate::service::{Checkpoints, Error};
 use crate::store::StoreError;
+use crate::{db, retention};
 
 pub fn routes(state: Checkpoints) -> Router {
     Router::new()
@@ -290,9 +290,7 @@ pub async fn release(State(s): State<Checkpoints>, Path((id, lease)): Path<(Stri
 #[utoipa::path(get, path = "/v1/runs/{run_id}/checkpoints/latest", responses((status = 200, body = Checkpoint), (status = 404)))]
 pub async fn latest(State(s): State<Checkpoints>, Path(run_id): Path<String>) -> Answer<axum::Json<Checkpoint>> {
     let all = s.list(&run_id).await?;
-    let newest = all.into_iter().max_by(|a, b| {
-        (a.step, a.created_at).partial_cmp(&(b.step, b.created_at)).unwrap_or(std::cmp::Ordering::Equal)
-    });
+    let newest = retention::latest(&all).cloned();
     newest.map(axum::Json).ok_or_else(|| Failure(Error::NotFound(format!("run {run_id} has no complete checkpoint"))))
 }
 
@@ -312,11 +310,7 @@ pub async fn best(
 ) -> Answer<axum::Json<Checkpoint>> {
     let higher = q.higher_is_better.unwrap_or(true);
     let all = s.list(&run_id).await?;
-    let best = all.into_iter().filter(|c| c.metrics.contains_key(&q.metric)).max_by(|a, b| {
-        let (x, y) = (a.metrics[&q.metric], b.metrics[&q.metric]);
-        let order = if higher { x.total_cmp(&y) } else { y.total_cmp(&x) };
-        order.then((a.step, a.created_at).partial_cmp(&(b.step, b.created_at)).unwrap_or(std::cmp::Ordering::Equal))
-    });
+    let best = retention::ranked(&all, &q.metric, higher).first().copied().cloned();
     best.map(axum::Json).ok_or_else(|| {
         Failure(Error::NotFound(format!("run {run_id} has no complete checkpoint with metric `{}`", q.metric)))
     })

@@ -5,18 +5,33 @@
 use keel_protocol::checkpoint::{Checkpoint, Retention};
 use uuid::Uuid;
 
+use std::cmp::Ordering;
+
+/// Orders by step, then by age: the greater is the newer.
+fn newer(a: &Checkpoint, b: &Checkpoint) -> Ordering {
+    (a.step, a.created_at).partial_cmp(&(b.step, b.created_at)).unwrap_or(Ordering::Equal)
+}
+
+/// The latest checkpoint (highest step, then newest).
+pub fn latest(checkpoints: &[Checkpoint]) -> Option<&Checkpoint> {
+    checkpoints.iter().max_by(|a, b| newer(a, b))
+}
+
+/// The checkpoints that have `metric`, best first, ties going to the newer.
+pub fn ranked<'a>(checkpoints: &'a [Checkpoint], metric: &str, higher_is_better: bool) -> Vec<&'a Checkpoint> {
+    let mut ranked: Vec<&Checkpoint> = checkpoints.iter().filter(|c| c.metrics.contains_key(metric)).collect();
+    ranked.sort_by(|a, b| {
+        let (x, y) = (a.metrics[metric], b.metrics[metric]);
+        let better = if higher_is_better { y.total_cmp(&x) } else { x.total_cmp(&y) };
+        better.then_with(|| newer(b, a))
+    });
+    ranked
+}
+
 /// The checkpoints to delete (those not kept), oldest first.
 pub fn to_delete(checkpoints: &[Checkpoint], policy: &Retention) -> Vec<Uuid> {
-    let newer = |a: &Checkpoint, b: &Checkpoint| (a.step, a.created_at).partial_cmp(&(b.step, b.created_at));
-    let Some(latest) = checkpoints.iter().max_by(|a, b| newer(a, b).unwrap_or(std::cmp::Ordering::Equal)) else {
-        return Vec::new();
-    };
-    let mut ranked: Vec<&Checkpoint> = checkpoints.iter().filter(|c| c.metrics.contains_key(&policy.metric)).collect();
-    ranked.sort_by(|a, b| {
-        let (x, y) = (a.metrics[&policy.metric], b.metrics[&policy.metric]);
-        let better = if policy.higher_is_better { y.total_cmp(&x) } else { x.total_cmp(&y) };
-        better.then_with(|| newer(b, a).unwrap_or(std::cmp::Ordering::Equal))
-    });
+    let Some(latest) = latest(checkpoints) else { return Vec::new() };
+    let ranked = ranked(checkpoints, &policy.metric, policy.higher_is_better);
     let mut keep: Vec<Uuid> = ranked.iter().take(policy.keep_top_k).map(|c| c.id).collect();
     keep.push(latest.id);
     checkpoints.iter().filter(|c| !keep.contains(&c.id)).map(|c| c.id).collect()
