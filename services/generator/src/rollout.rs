@@ -3,6 +3,7 @@
 //! replica refits). Replies use the `{"ok"} / {"error": {type, message}}` envelope.
 
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use keel_model::sampling::SamplingParams;
@@ -15,11 +16,26 @@ use tracing::{info, warn};
 use crate::openai::AppState;
 use crate::request::{Draft, collect};
 
-async fn rollout(state: &AppState, payload: &[u8]) -> Reply<RolloutReply> {
+/// The run whose weights this generator serves (None: its start-up model).
+type ServingRun = Arc<Mutex<Option<String>>>;
+
+async fn rollout(state: &AppState, serving_run: &ServingRun, payload: &[u8]) -> Reply<RolloutReply> {
     let request: RolloutRequest = match serde_json::from_slice(payload) {
         Ok(request) => request,
         Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("malformed request: {e}")),
     };
+    if let Some(wanted) = &request.weights_of {
+        let serving = serving_run.lock().map(|run| run.clone()).unwrap_or_default();
+        if serving.as_ref() != Some(wanted) {
+            return Reply::error(
+                error_types::STALE_WEIGHTS,
+                format!(
+                    "this generator serves the weights of {}, not of run {wanted}",
+                    serving.map_or_else(|| "its start-up model".to_string(), |run| format!("run {run}"))
+                ),
+            );
+        }
+    }
     let serving = state.engine.weight_version();
     if serving < request.min_weight_version {
         return Reply::error(
@@ -94,15 +110,16 @@ pub async fn serve(
         .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.weights_updated()))?;
     client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
     info!(subject = %subjects.generate(), "serving rollouts");
+    let serving_run = ServingRun::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => return Ok(()),
             message = requests.next() => {
                 let Some(message) = message else { return Err("the rollout subscription ended".into()) };
-                let (state, client) = (state.clone(), client.clone());
+                let (state, client, serving_run) = (state.clone(), client.clone(), serving_run.clone());
                 tokio::spawn(async move {
-                    let reply = rollout(&state, &message.payload).await;
+                    let reply = rollout(&state, &serving_run, &message.payload).await;
                     let body = serde_json::to_vec(&reply).unwrap_or_default();
                     if let Some(to) = message.reply
                         && let Err(e) = client.publish(to, body.into()).await
@@ -115,10 +132,15 @@ pub async fn serve(
                 let Some(message) = message else { return Err("the weights subscription ended".into()) };
                 match serde_json::from_slice::<WeightsUpdated>(&message.payload) {
                     Ok(update) => {
-                        let engine = state.engine.clone();
+                        let (engine, serving_run) = (state.engine.clone(), serving_run.clone());
                         tokio::spawn(async move {
                             match engine.refit(PathBuf::from(&update.path), update.version).await {
-                                Ok(seconds) => info!(version = update.version, run_id = %update.run_id, seconds, "weights updated"),
+                                Ok(seconds) => {
+                                    if let Ok(mut run) = serving_run.lock() {
+                                        *run = Some(update.run_id.clone());
+                                    }
+                                    info!(version = update.version, run_id = %update.run_id, seconds, "weights updated");
+                                }
                                 Err(e) => warn!(version = update.version, "refit refused: {e}"),
                             }
                         });

@@ -1,21 +1,147 @@
-//! keel-orchestrator: the public REST API: runs, algorithm drivers (GRPO, SFT, DPO, RM, eval), datasets and metrics in Postgres.
+//! keel-orchestrator: the public run API and the drivers that carry runs out over the other
+//! services — the trainer (claimed per run over NATS), the generator and reward queue
+//! groups, and the checkpoint store (REST).
 //!
-//! So far the service starts, loads its configuration (an HTTP address, default
-//! 127.0.0.1:8080) and answers `GET /healthz`, tested with the binary in
-//! `tests/services_start.rs`.
+//! Layout:
+//! - [`api`]: the REST routes and their OpenAPI document (`openapi/keel.yaml`, with the run
+//!   spec's JSON Schema in `openapi/run-spec.schema.json`).
+//! - [`spec`]: a submitted spec parsed and checked, every problem with its field path.
+//! - [`db`]: runs, events, metrics, samples and dataloader state in Postgres (schema
+//!   `orchestrator`, migrations in `migrations/`), with run ownership by lease.
+//! - [`scheduler`]: takes queued (or orphaned) runs, claims trainers, starts drivers.
+//! - [`driver`]: the algorithms (GRPO, SFT, DPO, RM, eval), resume and checkpoints.
+//! - [`clients`]: the NATS protocols of the trainer, generator and reward services.
+//! - [`data`]: datasets (JSONL, the built-in arithmetic generator) and the dataloader.
+//!
+//! Several orchestrators may share one database: a run belongs to the instance holding its
+//! lease, and a run whose instance died is resumed by another (or the restarted one) from
+//! its latest checkpoint.
+
+pub mod api;
+pub mod clients;
+pub mod data;
+pub mod db;
+pub mod driver;
+pub mod scheduler;
+pub mod spec;
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 pub const SERVICE: &str = "orchestrator";
 
 /// Configuration: defaults, then `--config FILE`, then `KEEL_ORCHESTRATOR__<FIELD>`.
-pub type Config = keel_service::HttpConfig;
-
-pub fn default_config() -> Config {
-    Config::on_port(8080)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub database_url: String,
+    pub nats_url: String,
+    pub subject_prefix: String,
+    /// The trainer's bulk bucket (training batches above 1 MiB go through it).
+    pub bulk_bucket: String,
+    pub checkpoint_url: String,
+    /// Scratch space for runs (saved weights the generators load, downloaded checkpoints).
+    /// It must be the same path on the trainer and generator machines (a shared volume).
+    pub work_dir: PathBuf,
+    /// Bearer token the API requires (unset: no auth).
+    pub api_token: Option<String>,
+    /// A run whose orchestrator has not renewed it for this long is resumed by another.
+    pub run_lease_seconds: f64,
+    /// The trainer claim's lease (renewed by the run's heartbeat).
+    pub trainer_lease_seconds: f64,
+    /// How often the scheduler looks for runs to start.
+    pub poll_seconds: f64,
+    pub max_concurrent_runs: usize,
+    /// How long one request to a trainer, generator or reward replica may take.
+    pub request_timeout_seconds: f64,
+    /// Retries of a generator or reward request that got no answer.
+    pub request_retries: u32,
+    /// Starts of a run (the first and resumes after failures) before it ends `failed`.
+    pub max_attempts: i32,
 }
 
-/// Serves until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), shutdown).await
+impl keel_service::ServiceConfig for Config {
+    fn validate(&self) -> Result<(), String> {
+        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 { Ok(()) } else { Err(format!("{name}: must be positive, got {v}")) }
+        };
+        positive("run_lease_seconds", self.run_lease_seconds)?;
+        positive("trainer_lease_seconds", self.trainer_lease_seconds)?;
+        positive("poll_seconds", self.poll_seconds)?;
+        positive("request_timeout_seconds", self.request_timeout_seconds)?;
+        if self.max_concurrent_runs == 0 {
+            return Err("max_concurrent_runs: must be at least 1".into());
+        }
+        if self.max_attempts < 1 {
+            return Err("max_attempts: must be at least 1".into());
+        }
+        if self.api_token.as_deref() == Some("") {
+            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+        }
+        Ok(())
+    }
+}
+
+pub fn default_config() -> Config {
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+        database_url: std::env::var("KEEL_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/keel".into()),
+        nats_url: keel_service::nats::default_url(),
+        subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
+        bulk_bucket: "keel-bulk".into(),
+        checkpoint_url: std::env::var("KEEL_CHECKPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:8083".into()),
+        work_dir: PathBuf::from(".keel/orchestrator"),
+        api_token: None,
+        run_lease_seconds: 20.0,
+        trainer_lease_seconds: 60.0,
+        poll_seconds: 1.0,
+        max_concurrent_runs: 4,
+        request_timeout_seconds: 600.0,
+        request_retries: 5,
+        max_attempts: 3,
+    }
+}
+
+/// Serves the API and runs the scheduler until `shutdown` completes.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+    let pool = db::connect(&config.database_url).await?;
+    let client = keel_service::nats::connect(&config.nats_url).await?;
+    let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+    let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
+    let nats = clients::Nats {
+        client,
+        subjects,
+        bulk,
+        timeout: Duration::from_secs_f64(config.request_timeout_seconds),
+        retries: config.request_retries,
+    };
+    let work_dir = std::path::absolute(&config.work_dir).map_err(|e| format!("work_dir: {e}"))?;
+    std::fs::create_dir_all(&work_dir).map_err(|e| format!("work_dir {}: {e}", work_dir.display()))?;
+    let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url);
+    let scheduler = scheduler::Scheduler {
+        pool: pool.clone(),
+        nats,
+        checkpoints: checkpoints.clone(),
+        work_dir,
+        owner: uuid::Uuid::new_v4(),
+        run_lease: Duration::from_secs_f64(config.run_lease_seconds),
+        trainer_lease: Duration::from_secs_f64(config.trainer_lease_seconds),
+        poll: Duration::from_secs_f64(config.poll_seconds),
+        max_concurrent_runs: config.max_concurrent_runs,
+        max_attempts: config.max_attempts,
+    };
+    let mut parts = keel_service::parts::Parts::default();
+    parts.spawn("scheduler", scheduler.run(parts.stopped()));
+    let state = api::AppState { pool, checkpoints, token: config.api_token.clone() };
+    let app = api::routes(state).merge(keel_service::health_routes(SERVICE));
+    let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
+    parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
+    parts.run_until(shutdown).await
 }

@@ -3,7 +3,7 @@
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
 //! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`; [`generate`] holds
 //! `keel generate bench`; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
-//! `keel checkpoint list|upload|download|export`.
+//! `keel checkpoint list|upload|download|export`; [`run`] holds `keel run submit|list|show|watch|cancel|samples`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
 pub mod bench;
@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod generate;
 pub mod model;
 pub mod reward;
+pub mod run;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,8 @@ pub enum Command {
     /// The training engine outside the service.
     #[command(subcommand)]
     Train(train::TrainCommand),
+    /// Runs on the orchestrator: submit, list, show, watch, cancel, samples.
+    Run(run::RunArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -48,5 +51,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(command) => generate::run(command),
         Command::Reward(command) => reward::run(command),
         Command::Checkpoint(command) => checkpoint::run(command),
+        Command::Run(args) => run::run(args),
     }
 }

@@ -31,6 +31,11 @@ pub struct RolloutRequest {
     /// `stale_weights`).
     #[serde(default)]
     pub min_weight_version: u64,
+    /// The run whose weights must serve this request: a generator serving another run's
+    /// weights (or its start-up model) refuses with `stale_weights`, so concurrent runs never
+    /// sample from each other's policies. None: whatever is loaded.
+    #[serde(default)]
+    pub weights_of: Option<String>,
     pub prompt_token_ids: Vec<i64>,
     #[serde(default = "one")]
     pub n: usize,

@@ -12,6 +12,8 @@
 //! - [`generator`]: rollout requests and the weights-updated event.
 //! - [`reward`]: environment steps and scoring (environment configs, samples, results) and
 //!   the contract of a user's HTTP reward service.
+//! - [`run`]: the run spec users submit to the orchestrator (validated with every problem's
+//!   field path) and the orchestrator's REST bodies (runs, metrics, samples, events).
 //! - [`trainer`]: the trainer worker's requests and replies (claim, load, logprobs, train,
 //!   score, save, heartbeat, release).
 
@@ -20,6 +22,7 @@ pub mod generator;
 pub mod payload;
 pub mod reply;
 pub mod reward;
+pub mod run;
 pub mod subjects;
 pub mod trainer;
 pub mod training;

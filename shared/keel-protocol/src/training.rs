@@ -5,11 +5,12 @@
 //! mid-run.
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::FieldError;
 
 /// The loss a run trains with (`{"type": "clipped_pg", ...}`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum LossConfig {
     /// GRPO / PPO family: clipped policy gradient with a KL penalty to the reference.
@@ -48,7 +49,7 @@ impl LossConfig {
 }
 
 /// Which estimator of KL(policy ‖ reference) the penalty uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum KlType {
     K1,
@@ -58,7 +59,7 @@ pub enum KlType {
 }
 
 /// How the importance weight exp(prev − gen) is truncated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub enum TruncationType {
     /// Clamp the weight to [min, max].
     #[serde(rename = "tis")]
@@ -71,7 +72,7 @@ pub enum TruncationType {
     SeqMaskTis,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClippedPgConfig {
     /// ε_low: the ratio is clamped below at 1 − ε_low.
@@ -123,7 +124,7 @@ impl Default for ClippedPgConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DpoConfig {
     /// β.
@@ -146,7 +147,7 @@ impl Default for DpoConfig {
 }
 
 /// AdamW (decoupled weight decay; norms and biases are not decayed).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerConfig {
     pub lr: f64,
@@ -162,7 +163,7 @@ impl Default for OptimizerConfig {
 }
 
 /// What the learning rate does after warm-up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Decay {
     #[default]
@@ -173,7 +174,7 @@ pub enum Decay {
 
 /// Linear warm-up from `warmup_start_factor × lr` over `warmup_steps`, then `decay` to
 /// `min_lr_ratio × lr` at `total_steps` (needed by cosine and linear).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     pub warmup_steps: u64,
@@ -189,7 +190,7 @@ impl Default for SchedulerConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingConfig {
     pub loss: LossConfig,

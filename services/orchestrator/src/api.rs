@@ -1,0 +1,312 @@
+//! The public REST API (`openapi/keel.yaml`): submit, list, show and cancel runs; a run's
+//! metrics, samples, checkpoints and live events (SSE). When a token is configured every
+//! `/v1` route wants `Authorization: Bearer <token>`.
+//!
+//! Errors are `{"error": {"type", "message"}}`; a refused spec (422, `invalid_spec`) also
+//! lists every problem as `problems: [{field, message}]`.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use keel_client::checkpoint::CheckpointClient;
+use keel_protocol::FieldError;
+use keel_protocol::checkpoint::Checkpoint;
+use keel_protocol::run::{Metrics, Run, RunList, RunSpec, RunStatus, Samples};
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::PgPool;
+use utoipa::{IntoParams, OpenApi};
+use uuid::Uuid;
+
+use crate::{db, spec};
+
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub pool: PgPool,
+    pub checkpoints: CheckpointClient,
+    pub token: Option<String>,
+}
+
+/// What a request can fail with.
+#[derive(Debug)]
+pub enum Failure {
+    InvalidSpec(Vec<FieldError>),
+    BadRequest(String),
+    Unauthorized,
+    NotFound(String),
+    Conflict(String),
+    Upstream(String),
+    Internal(String),
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Internal(format!("database: {e}"))
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let (status, kind, message, problems) = match self {
+            Self::InvalidSpec(problems) => {
+                let message = keel_protocol::join_problems(&problems);
+                (StatusCode::UNPROCESSABLE_ENTITY, "invalid_spec", message, Some(problems))
+            }
+            Self::BadRequest(m) => (StatusCode::BAD_REQUEST, "invalid_request", m, None),
+            Self::Unauthorized => {
+                (StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer <token>".into(), None)
+            }
+            Self::NotFound(m) => (StatusCode::NOT_FOUND, "not_found", m, None),
+            Self::Conflict(m) => (StatusCode::CONFLICT, "conflict", m, None),
+            Self::Upstream(m) => (StatusCode::BAD_GATEWAY, "upstream", m, None),
+            Self::Internal(m) => {
+                tracing::error!("internal error: {m}");
+                (StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error (see the orchestrator's log)".into(), None)
+            }
+        };
+        let mut error = json!({"type": kind, "message": message});
+        if let Some(problems) = problems {
+            error["problems"] = json!(problems);
+        }
+        (status, Json(json!({ "error": error }))).into_response()
+    }
+}
+
+type Answer<T> = Result<T, Failure>;
+
+pub fn routes(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/runs", post(submit).get(list))
+        .route("/v1/runs/{id}", get(show))
+        .route("/v1/runs/{id}/metrics", get(metrics))
+        .route("/v1/runs/{id}/samples", get(samples))
+        .route("/v1/runs/{id}/events", get(events))
+        .route("/v1/runs/{id}/cancel", post(cancel))
+        .route("/v1/runs/{id}/checkpoints", get(checkpoints))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+    api.with_state(state)
+}
+
+async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(token) = &state.token {
+        let sent = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if sent.and_then(|v| v.strip_prefix("Bearer ")) != Some(token.as_str()) {
+            return Failure::Unauthorized.into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn parse_id(id: &str) -> Answer<Uuid> {
+    Uuid::parse_str(id).map_err(|_| Failure::NotFound(format!("no run `{id}` (run ids are UUIDs)")))
+}
+
+async fn find(pool: &PgPool, id: Uuid) -> Answer<Run> {
+    db::get_run(&mut *pool.acquire().await?, id).await?.ok_or_else(|| Failure::NotFound(format!("no run {id}")))
+}
+
+/// Submits a run (YAML or JSON, by `Content-Type`). It waits in `queued` until a trainer is
+/// free.
+#[utoipa::path(post, path = "/v1/runs", request_body(content((RunSpec = "application/yaml"), (RunSpec = "application/json"))),
+    responses((status = 201, body = Run), (status = 422, description = "every problem of the spec, each with its field path")))]
+pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Answer<(StatusCode, Json<Run>)> {
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let spec = spec::parse(&body, content_type).map_err(|p| Failure::InvalidSpec(vec![p]))?;
+    let problems = spec::problems(&spec, &state.checkpoints).await;
+    if !problems.is_empty() {
+        return Err(Failure::InvalidSpec(problems));
+    }
+    let run = db::insert_run(&mut *state.pool.acquire().await?, &spec).await?;
+    tracing::info!(run_id = %run.id, algorithm = run.algorithm.name(), "run submitted");
+    Ok((StatusCode::CREATED, Json(run)))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct ListQuery {
+    /// queued, running, succeeded, failed or cancelled.
+    pub status: Option<String>,
+    /// Runs per page (1 to 200, default 50).
+    pub limit: Option<i64>,
+    /// The last run id of the previous page.
+    pub after: Option<Uuid>,
+}
+
+/// Runs, newest first.
+#[utoipa::path(get, path = "/v1/runs", params(ListQuery), responses((status = 200, body = RunList)))]
+pub async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Answer<Json<RunList>> {
+    let status = match q.status.as_deref() {
+        None => None,
+        Some(s) => Some(RunStatus::from_name(s).ok_or_else(|| {
+            Failure::BadRequest(format!("status: `{s}` is not one of queued, running, succeeded, failed, cancelled"))
+        })?),
+    };
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=200).contains(&limit) {
+        return Err(Failure::BadRequest(format!("limit: must be 1 to 200, got {limit}")));
+    }
+    let runs = db::list_runs(&mut *state.pool.acquire().await?, status, limit, q.after).await?;
+    let next = (runs.len() as i64 == limit).then(|| runs.last().map(|r| r.id.to_string())).flatten();
+    Ok(Json(RunList { runs, next }))
+}
+
+/// A run with its latest metrics.
+#[utoipa::path(get, path = "/v1/runs/{id}", responses((status = 200, body = Run), (status = 404)))]
+pub async fn show(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Run>> {
+    Ok(Json(find(&state.pool, parse_id(&id)?).await?))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct MetricsQuery {
+    /// Comma-separated metric names (default: all).
+    pub names: Option<String>,
+    pub from_step: Option<u64>,
+    pub to_step: Option<u64>,
+}
+
+/// A run's metrics by step.
+#[utoipa::path(get, path = "/v1/runs/{id}/metrics", params(MetricsQuery), responses((status = 200, body = Metrics), (status = 404)))]
+pub async fn metrics(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<MetricsQuery>,
+) -> Answer<Json<Metrics>> {
+    let run = find(&state.pool, parse_id(&id)?).await?;
+    let names: Option<Vec<String>> = q.names.map(|n| n.split(',').map(|s| s.trim().to_string()).collect());
+    let (from, to) = (q.from_step.unwrap_or(0), q.to_step.unwrap_or(u64::MAX));
+    let metrics = db::metrics(&mut *state.pool.acquire().await?, run.id, names.as_deref(), from, to).await?;
+    Ok(Json(Metrics { metrics }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct SamplesQuery {
+    pub step: Option<u64>,
+    /// `train` or `validation`.
+    pub split: Option<String>,
+    /// Default 50, at most 1000.
+    pub limit: Option<i64>,
+}
+
+/// Recorded prompts, completions and rewards, latest step first.
+#[utoipa::path(get, path = "/v1/runs/{id}/samples", params(SamplesQuery), responses((status = 200, body = Samples), (status = 404)))]
+pub async fn samples(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<SamplesQuery>,
+) -> Answer<Json<Samples>> {
+    let run = find(&state.pool, parse_id(&id)?).await?;
+    let limit = q.limit.unwrap_or(50).clamp(1, 1000);
+    let samples = db::samples(&mut *state.pool.acquire().await?, run.id, q.step, q.split.as_deref(), limit).await?;
+    Ok(Json(Samples { samples }))
+}
+
+/// Status changes and step metrics as server-sent events (`id` = sequence number; send
+/// `Last-Event-ID` to continue). The stream ends after the run's final status.
+#[utoipa::path(get, path = "/v1/runs/{id}/events", responses((status = 200, description = "text/event-stream of RunEventRecord"), (status = 404)))]
+pub async fn events(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Answer<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    let run = find(&state.pool, parse_id(&id)?).await?;
+    let after: i64 =
+        headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let stream = futures::stream::unfold(
+        (state.pool.clone(), run.id, after, Vec::new(), false),
+        |(pool, run_id, mut after, mut pending, mut finished)| async move {
+            loop {
+                if let Some(record) = (!pending.is_empty()).then(|| pending.remove(0)) {
+                    let record: keel_protocol::run::RunEventRecord = record;
+                    after = record.seq;
+                    if let keel_protocol::run::RunEvent::Status { status, .. } = &record.event {
+                        finished |= status.is_final();
+                    }
+                    let kind = match &record.event {
+                        keel_protocol::run::RunEvent::Status { .. } => "status",
+                        keel_protocol::run::RunEvent::Step { .. } => "step",
+                        keel_protocol::run::RunEvent::Checkpoint { .. } => "checkpoint",
+                    };
+                    let event = Event::default()
+                        .id(record.seq.to_string())
+                        .event(kind)
+                        .data(serde_json::to_string(&record).unwrap_or_default());
+                    return Some((Ok(event), (pool, run_id, after, pending, finished)));
+                }
+                if finished {
+                    return None;
+                }
+                match pool.acquire().await {
+                    Ok(mut db) => match db::events_after(&mut db, run_id, after).await {
+                        Ok(records) if !records.is_empty() => {
+                            pending = records;
+                            continue;
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(%run_id, "event stream: {e}"),
+                    },
+                    Err(e) => tracing::warn!(%run_id, "event stream: {e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        },
+    );
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+/// Cancels a run: a queued run at once, a running one at its next phase boundary (its
+/// trainer is then released).
+#[utoipa::path(post, path = "/v1/runs/{id}/cancel", responses((status = 200, body = Run), (status = 404), (status = 409, description = "the run has already ended")))]
+pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Run>> {
+    let run = find(&state.pool, parse_id(&id)?).await?;
+    if !db::request_cancel(&mut *state.pool.acquire().await?, run.id).await? {
+        return Err(Failure::Conflict(format!("run {} has already ended ({})", run.id, run.status.name())));
+    }
+    Ok(Json(find(&state.pool, run.id).await?))
+}
+
+/// The run's checkpoints in the checkpoint store (those retention kept).
+#[utoipa::path(get, path = "/v1/runs/{id}/checkpoints", responses((status = 200, body = Vec<Checkpoint>), (status = 404)))]
+pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Vec<Checkpoint>>> {
+    let run = find(&state.pool, parse_id(&id)?).await?;
+    let list = state.checkpoints.list(&run.id.to_string()).await.map_err(|e| Failure::Upstream(e.to_string()))?;
+    Ok(Json(list))
+}
+
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(
+        title = "Keel",
+        description = "Keel's run API: submit post-training runs (GRPO, SFT, DPO, reward model, eval), follow their metrics, samples and checkpoints. Bearer-token auth when the orchestrator has a token."
+    ),
+    paths(submit, list, show, metrics, samples, events, cancel, checkpoints),
+    components(schemas(keel_protocol::run::RunEventRecord))
+)]
+pub struct ApiDoc;
+
+/// The OpenAPI document as YAML (`openapi/keel.yaml`).
+pub fn openapi_yaml() -> String {
+    serde_yaml::to_string(&ApiDoc::openapi()).unwrap_or_default()
+}
+
+/// The run spec's JSON Schema (`openapi/run-spec.schema.json`): the OpenAPI components
+/// with references rewritten to `$defs`.
+pub fn run_spec_schema() -> serde_json::Value {
+    let document = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    let defs = serde_json::to_string(&document["components"]["schemas"])
+        .unwrap_or_default()
+        .replace("#/components/schemas/", "#/$defs/");
+    json!({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "Keel run spec",
+        "$ref": "#/$defs/RunSpec",
+        "$defs": serde_json::from_str::<serde_json::Value>(&defs).unwrap_or_default(),
+    })
+}

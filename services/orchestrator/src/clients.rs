@@ -1,0 +1,155 @@
+//! The orchestrator's side of the NATS protocols: a claimed trainer worker, rollouts from
+//! the generator queue group and environment steps from the reward queue group. Requests to
+//! a queue group that time out, find nobody, or are refused as `unavailable` are retried
+//! with backoff, so a dead or overloaded replica's work goes to another.
+
+use std::time::Duration;
+
+use keel_protocol::generator::{RolloutReply, RolloutRequest};
+use keel_protocol::reward::{EnvStepReply, EnvStepRequest};
+use keel_protocol::subjects::TrainerOp;
+use keel_protocol::trainer::{ClaimReply, ClaimRequest, HeartbeatReply, RunRequest};
+use keel_protocol::{ErrorBody, Reply, Subjects};
+use keel_service::nats::Bulk;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Why a request got no useful answer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CallError {
+    /// Nobody answered in time, or nobody listens (worth another try).
+    #[error("{subject}: no answer: {message}")]
+    NoAnswer { subject: String, message: String },
+    /// The service refused with a typed error.
+    #[error("{subject}: {body}")]
+    Refused { subject: String, body: ErrorBody },
+    #[error("{subject}: {message}")]
+    Malformed { subject: String, message: String },
+}
+
+impl CallError {
+    /// The refusal's error type, if the service refused.
+    pub fn kind(&self) -> Option<&str> {
+        match self {
+            Self::Refused { body, .. } => Some(&body.kind),
+            _ => None,
+        }
+    }
+
+    fn retryable(&self) -> bool {
+        matches!(self, Self::NoAnswer { .. }) || self.kind() == Some("unavailable")
+    }
+}
+
+/// NATS with the run's subjects, bulk bucket and limits.
+#[derive(Debug, Clone)]
+pub struct Nats {
+    pub client: async_nats::Client,
+    pub subjects: Subjects,
+    pub bulk: Bulk,
+    pub timeout: Duration,
+    pub retries: u32,
+}
+
+impl Nats {
+    /// One request and its `{"ok"}`/`{"error"}` reply.
+    pub async fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        subject: String,
+        body: &Req,
+        timeout: Duration,
+    ) -> Result<Rep, CallError> {
+        let bytes = serde_json::to_vec(body)
+            .map_err(|e| CallError::Malformed { subject: subject.clone(), message: format!("cannot encode: {e}") })?;
+        let request = self.client.request(subject.clone(), bytes.into());
+        let message = match tokio::time::timeout(timeout, request).await {
+            Err(_) => {
+                let message = format!("no reply within {:.0} s", timeout.as_secs_f64());
+                return Err(CallError::NoAnswer { subject, message });
+            }
+            Ok(Err(e)) => return Err(CallError::NoAnswer { subject, message: e.to_string() }),
+            Ok(Ok(message)) => message,
+        };
+        match serde_json::from_slice::<Reply<Rep>>(&message.payload) {
+            Ok(Reply::Ok(reply)) => Ok(reply),
+            Ok(Reply::Error(body)) => Err(CallError::Refused { subject, body }),
+            Err(e) => Err(CallError::Malformed { subject, message: format!("unexpected reply: {e}") }),
+        }
+    }
+
+    /// [`Nats::call`] to a queue group, retried with exponential backoff while nobody
+    /// answers or the replica is full.
+    pub async fn call_group<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        subject: String,
+        body: &Req,
+    ) -> Result<Rep, CallError> {
+        let mut attempt = 0;
+        loop {
+            match self.call(subject.clone(), body, self.timeout).await {
+                Err(e) if e.retryable() && attempt < self.retries => {
+                    attempt += 1;
+                    tracing::warn!(attempt, "retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(200 * (1 << attempt.min(6)))).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    pub async fn rollout(&self, request: &RolloutRequest) -> Result<RolloutReply, CallError> {
+        self.call_group(self.subjects.generate(), request).await
+    }
+
+    pub async fn env_step(&self, request: &EnvStepRequest) -> Result<EnvStepReply, CallError> {
+        self.call_group(self.subjects.reward_env_step(), request).await
+    }
+
+    /// Claims a free trainer worker for `run_id` (None when none is free).
+    pub async fn claim_trainer(&self, run_id: &str, lease_seconds: f64) -> Result<Option<Trainer>, CallError> {
+        let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds };
+        match self.call::<_, ClaimReply>(self.subjects.trainer_claim(), &request, Duration::from_secs(10)).await {
+            Ok(reply) => Ok(Some(Trainer::new(self.clone(), reply.worker_id, run_id.to_string()))),
+            Err(CallError::NoAnswer { .. }) => Ok(None),
+            Err(e) if e.kind() == Some("busy") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A trainer worker this run holds.
+#[derive(Debug, Clone)]
+pub struct Trainer {
+    nats: Nats,
+    pub worker: String,
+    pub run_id: String,
+}
+
+impl Trainer {
+    pub fn new(nats: Nats, worker: String, run_id: String) -> Self {
+        Self { nats, worker, run_id }
+    }
+
+    /// One operation on the worker; loads and training steps may take long, so the timeout
+    /// is the configured one (not the claim's).
+    pub async fn op<Req: Serialize, Rep: DeserializeOwned>(&self, op: TrainerOp, body: &Req) -> Result<Rep, CallError> {
+        self.nats.call(self.nats.subjects.trainer(&self.worker, op), body, self.nats.timeout).await
+    }
+
+    pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
+        let body = RunRequest { run_id: self.run_id.clone() };
+        self.nats.call(self.nats.subjects.trainer(&self.worker, TrainerOp::Heartbeat), &body, Duration::from_secs(10)).await
+    }
+
+    pub async fn release(&self) {
+        let body = RunRequest { run_id: self.run_id.clone() };
+        let subject = self.nats.subjects.trainer(&self.worker, TrainerOp::Release);
+        if let Err(e) = self.nats.call::<_, serde_json::Value>(subject, &body, Duration::from_secs(10)).await {
+            tracing::warn!(worker = %self.worker, "release failed (the lease will expire): {e}");
+        }
+    }
+
+    pub fn bulk(&self) -> &Bulk {
+        &self.nats.bulk
+    }
+}

@@ -1,0 +1,242 @@
+//! Datasets and the dataloader. A dataset is a JSONL file (keys chosen in the spec) or the
+//! built-in arithmetic generator; both become [`Record`]s. The [`Dataloader`] walks the
+//! training set in a seeded order per epoch and its whole state is a position
+//! ([`Position`]), saved with every checkpoint so a resumed run takes the next prompts, not
+//! the same ones again.
+
+use std::path::Path;
+
+use keel_protocol::reward::Message;
+use keel_protocol::run::{Algorithm, DataKeys, DatasetSpec};
+use keel_protocol::FieldError;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One example, whatever the algorithm needs of it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Record {
+    pub prompt: Option<String>,
+    /// The ground truth an environment checks (`metadata.ground_truth`).
+    pub answer: Option<String>,
+    /// What SFT trains towards (the answer key's text, or the arithmetic solution written
+    /// out as `\boxed{…}`).
+    pub response: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    pub chosen: Option<String>,
+    pub rejected: Option<String>,
+    pub task: Option<String>,
+}
+
+/// Loads a dataset, checking that every record has what `algorithm` needs. Errors name
+/// `field` (`data.train`) and the line.
+pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
+    let records = match spec {
+        DatasetSpec::Jsonl { path, keys } => read_jsonl(Path::new(path), keys, field)?,
+        DatasetSpec::Arithmetic { size, max_operand, operations, seed } => {
+            arithmetic(*size, *max_operand, operations, *seed)
+        }
+    };
+    if records.is_empty() {
+        return Err(FieldError::new(field, "the dataset has no records"));
+    }
+    for (i, r) in records.iter().enumerate() {
+        let missing = match algorithm {
+            Algorithm::Grpo | Algorithm::Eval => {
+                (r.prompt.is_none() && r.messages.is_none()).then_some("prompt (or messages)")
+            }
+            Algorithm::Sft => (r.messages.is_none() && (r.prompt.is_none() || r.response.is_none()))
+                .then_some("prompt and answer (or messages)"),
+            Algorithm::Dpo | Algorithm::Rm => (r.prompt.is_none() || r.chosen.is_none() || r.rejected.is_none())
+                .then_some("prompt, chosen and rejected"),
+        };
+        if let Some(missing) = missing {
+            return Err(FieldError::new(field, format!("record {} lacks {missing}", i + 1)));
+        }
+    }
+    Ok(records)
+}
+
+fn read_jsonl(path: &Path, keys: &DataKeys, field: &str) -> Result<Vec<Record>, FieldError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| FieldError::new(format!("{field}.path"), format!("cannot read {}: {e}", path.display())))?;
+    let mut records = Vec::new();
+    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = || format!("{field}.path");
+        let value: Value = serde_json::from_str(line)
+            .map_err(|e| FieldError::new(at(), format!("line {} is not JSON: {e}", n + 1)))?;
+        let text_of = |key: &str| -> Result<Option<String>, FieldError> {
+            match value.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(Value::Number(x)) => Ok(Some(x.to_string())),
+                Some(other) => Err(FieldError::new(
+                    at(),
+                    format!("line {}: `{key}` must be a string, got {other}", n + 1),
+                )),
+            }
+        };
+        let messages = match value.get(&keys.messages) {
+            None | Some(Value::Null) => None,
+            Some(list) => Some(serde_json::from_value::<Vec<Message>>(list.clone()).map_err(|e| {
+                FieldError::new(at(), format!("line {}: `{}` must be [{{role, content}}]: {e}", n + 1, keys.messages))
+            })?),
+        };
+        let answer = text_of(&keys.answer)?;
+        records.push(Record {
+            prompt: text_of(&keys.prompt)?,
+            response: answer.clone(),
+            answer,
+            messages,
+            chosen: text_of(&keys.chosen)?,
+            rejected: text_of(&keys.rejected)?,
+            task: text_of(&keys.task)?,
+        });
+    }
+    Ok(records)
+}
+
+/// `What is A op B?` with its exact answer; the response SFT learns is `\boxed{answer}`, and
+/// the rejected answer of a preference pair is off by 1 to 3.
+pub fn arithmetic(size: usize, max_operand: u32, operations: &str, seed: u64) -> Vec<Record> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let ops: Vec<char> = operations.chars().collect();
+    (0..size)
+        .map(|_| {
+            let a = i64::from(rng.random_range(0..=max_operand));
+            let b = i64::from(rng.random_range(0..=max_operand));
+            let op = ops[rng.random_range(0..ops.len())];
+            let value = match op {
+                '+' => a + b,
+                '-' => a - b,
+                _ => a * b,
+            };
+            let off = rng.random_range(1..=3) * if rng.random_bool(0.5) { 1 } else { -1 };
+            let boxed = |v: i64| format!("\\boxed{{{v}}}");
+            Record {
+                prompt: Some(format!("What is {a} {op} {b}?")),
+                answer: Some(value.to_string()),
+                response: Some(boxed(value)),
+                chosen: Some(boxed(value)),
+                rejected: Some(boxed(value + off)),
+                ..Record::default()
+            }
+        })
+        .collect()
+}
+
+/// Where the dataloader is: the epoch and how many records of it were taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Position {
+    pub epoch: u64,
+    pub index: usize,
+}
+
+/// Seeded epochs over a dataset.
+#[derive(Debug)]
+pub struct Dataloader {
+    len: usize,
+    seed: u64,
+    shuffle: bool,
+    max_epochs: u64,
+    position: Position,
+    order: Vec<usize>,
+}
+
+impl Dataloader {
+    pub fn new(len: usize, seed: u64, shuffle: bool, max_epochs: u64, position: Position) -> Self {
+        let mut loader = Self { len, seed, shuffle, max_epochs, position, order: Vec::new() };
+        loader.order = loader.epoch_order(position.epoch);
+        loader
+    }
+
+    fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.len).collect();
+        if self.shuffle {
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        }
+        order
+    }
+
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    /// The next `n` indices, crossing into the next epoch when needed; None when the
+    /// epochs are used up before `n` are found (the last partial batch is dropped).
+    pub fn next_batch(&mut self, n: usize) -> Option<Vec<usize>> {
+        let mut out = Vec::with_capacity(n);
+        let mut position = self.position;
+        let mut order = None;
+        while out.len() < n {
+            if position.index == self.len {
+                position = Position { epoch: position.epoch + 1, index: 0 };
+                order = Some(self.epoch_order(position.epoch));
+            }
+            if position.epoch >= self.max_epochs {
+                return None;
+            }
+            let current = order.as_ref().unwrap_or(&self.order);
+            out.push(current[position.index]);
+            position.index += 1;
+        }
+        self.position = position;
+        if let Some(order) = order {
+            self.order = order;
+        }
+        Some(out)
+    }
+
+    /// Batches of `n` the remaining epochs hold.
+    pub fn batches_left(&self, n: usize) -> u64 {
+        let remaining = (self.max_epochs.saturating_sub(self.position.epoch) as usize * self.len)
+            .saturating_sub(self.position.index);
+        (remaining / n.max(1)) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resumed_loader_continues_where_it_stopped() {
+        let mut whole = Dataloader::new(10, 7, true, 3, Position::default());
+        let first: Vec<Vec<usize>> = (0..4).map(|_| whole.next_batch(4).unwrap()).collect();
+        let mut head = Dataloader::new(10, 7, true, 3, Position::default());
+        head.next_batch(4).unwrap();
+        head.next_batch(4).unwrap();
+        let mut resumed = Dataloader::new(10, 7, true, 3, head.position());
+        assert_eq!(resumed.next_batch(4).unwrap(), first[2]);
+        assert_eq!(resumed.next_batch(4).unwrap(), first[3]);
+    }
+
+    #[test]
+    fn every_epoch_visits_every_record_once() {
+        let mut loader = Dataloader::new(6, 1, true, 2, Position::default());
+        let mut seen: Vec<usize> = (0..3).flat_map(|_| loader.next_batch(4).unwrap()).collect();
+        assert_eq!(loader.next_batch(4), None, "two epochs of 6 hold three batches of 4");
+        let mut epoch0 = seen.drain(..6).collect::<Vec<_>>();
+        epoch0.sort_unstable();
+        assert_eq!(epoch0, (0..6).collect::<Vec<_>>());
+        assert_ne!(seen[..4], loader.epoch_order(0)[..4], "epoch 1 is shuffled differently");
+    }
+
+    #[test]
+    fn arithmetic_answers_are_right() {
+        for r in arithmetic(50, 30, "+-*", 3) {
+            let prompt = r.prompt.unwrap();
+            let parts: Vec<&str> = prompt.trim_start_matches("What is ").trim_end_matches('?').split(' ').collect();
+            let (a, b): (i64, i64) = (parts[0].parse().unwrap(), parts[2].parse().unwrap());
+            let want = match parts[1] {
+                "+" => a + b,
+                "-" => a - b,
+                _ => a * b,
+            };
+            assert_eq!(r.answer.unwrap(), want.to_string());
+            assert_ne!(r.chosen, r.rejected);
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The GRPO step, as `nemo-rl-reference.md` describes it: prompts × generations → (multi-
+//! turn) rollouts → rewards (overlong shaping) → dynamic sampling → group advantages →
+//! policy and reference logprobs on the trainer → train → weights to the generators →
+//! validation → record → checkpoint. Phases are timed under NeMo-RL's names
+//! (`timing/train/generation`, ...).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use keel_algorithms::{Baseline, grpo_advantages};
+use keel_protocol::generator::Sampling;
+use keel_protocol::run::{Algorithm, RunSpec};
+use keel_protocol::subjects::TrainerOp;
+use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest};
+
+use super::rollout::{self, Episode, Settings};
+use super::tokens::Prompting;
+use super::{Result, RunContext, Stop, seconds};
+use crate::data::{self, Dataloader, Record};
+use crate::db::StepRecord;
+
+/// Weight directories kept on disk (a generator may still be loading the previous one).
+const WEIGHT_DIRS_KEPT: usize = 2;
+
+pub async fn run(ctx: &RunContext) -> Result<()> {
+    let spec = &ctx.spec;
+    let train = data::load(&spec.data.train, Algorithm::Grpo, "data.train").map_err(|e| Stop::Failed(e.to_string()))?;
+    let validation = match &spec.data.validation {
+        Some(d) => data::load(d, Algorithm::Grpo, "data.validation").map_err(|e| Stop::Failed(e.to_string()))?,
+        None => Vec::new(),
+    };
+    let start = ctx.start().await?;
+    let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
+    let loaded = ctx.load_trainer(&start).await?;
+    let prompts = spec.grpo.num_prompts_per_step;
+    let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
+    let total = spec.max_num_steps.min(start.step + loader.batches_left(prompts));
+    let mut weights = (start.policy_dir.clone(), start.step);
+    ctx.publish_weights(&weights.0, weights.1).await?;
+    if !start.resumed && !validation.is_empty() {
+        let (metrics, samples) = rollout::validate(ctx, &prompting, &validation, weights.clone(), 0, "validation").await?;
+        let mut db = ctx.pool.acquire().await?;
+        crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
+        crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
+    }
+    let mut saved: Vec<PathBuf> = Vec::new();
+    for step in start.step + 1..=total {
+        ctx.stop.check()?;
+        let started = Instant::now();
+        let mut metrics = BTreeMap::new();
+        let Some(batch) = collect_groups(ctx, &prompting, &train, &mut loader, &weights, step, &mut metrics).await?
+        else {
+            tracing::info!(run_id = %ctx.id, step, "the training data is used up");
+            break;
+        };
+        let rows = to_train_batch(spec, &batch)?;
+
+        ctx.stop.check()?;
+        let phase = Instant::now();
+        let trainer = ctx.trainer()?;
+        let sequences = Sequences { input_ids: rows.input_ids.clone() };
+        let temperature = spec.generation.temperature;
+        let prev = logprobs(ctx, Scorer::Policy, &sequences, temperature).await?;
+        let reference =
+            if loaded.has_reference { Some(logprobs(ctx, Scorer::Reference, &sequences, temperature).await?) } else { None };
+        metrics.insert("timing/train/policy_and_reference_logprobs".into(), seconds(phase));
+
+        ctx.stop.check()?;
+        let phase = Instant::now();
+        let batch_body = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
+        let request =
+            TrainRequest { run_id: ctx.id.to_string(), batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?, temperature };
+        let trained: TrainReply = trainer.op(TrainerOp::Train, &request).await?;
+        metrics.insert("timing/train/policy_training".into(), seconds(phase));
+        metrics.extend(mean_step_metrics(&trained, "train"));
+
+        let phase = Instant::now();
+        let dir = weights_dir(&ctx.run_dir, step);
+        ctx.save(&dir, step, loader.position()).await?;
+        ctx.publish_weights(&dir, step).await?;
+        weights = (dir.clone(), step);
+        saved.push(dir);
+        metrics.insert("timing/train/weight_sync".into(), seconds(phase));
+
+        let mut samples: Vec<_> = batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
+        let last = step == total;
+        if !validation.is_empty() && ctx.validates_at(step, last) {
+            let phase = Instant::now();
+            let (val_metrics, val_samples) =
+                rollout::validate(ctx, &prompting, &validation, weights.clone(), step, "validation").await?;
+            metrics.extend(val_metrics);
+            samples.extend(val_samples);
+            metrics.insert("timing/validation/total_validation_time".into(), seconds(phase));
+        }
+        metrics.insert("timing/train/total_step_time".into(), seconds(started));
+        ctx.record(&StepRecord {
+            step,
+            metrics: metrics.clone(),
+            samples,
+            dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
+        })
+        .await?;
+        if ctx.saves_at(step, last) {
+            ctx.upload_checkpoint(&weights.0, step, loader.position(), metrics).await?;
+        }
+        prune(&mut saved);
+    }
+    Ok(())
+}
+
+/// Removes weight directories but the newest few.
+fn prune(saved: &mut Vec<PathBuf>) {
+    while saved.len() > WEIGHT_DIRS_KEPT {
+        let old = saved.remove(0);
+        if let Err(e) = std::fs::remove_dir_all(&old) {
+            tracing::warn!("cannot remove {}: {e}", old.display());
+        }
+    }
+}
+
+/// Rollouts until `num_prompts_per_step` groups are kept. With dynamic sampling, groups
+/// whose rewards all agree are set aside and more prompts drawn, for up to `max_rounds`
+/// rounds; set-aside groups fill what is still missing after that. Rewards are shaped,
+/// and timing and rollout metrics written into `metrics`. None when the data ran out.
+async fn collect_groups(
+    ctx: &RunContext,
+    prompting: &Prompting,
+    train: &[Record],
+    loader: &mut Dataloader,
+    weights: &(PathBuf, u64),
+    step: u64,
+    metrics: &mut BTreeMap<String, f64>,
+) -> Result<Option<Vec<Episode>>> {
+    let spec = &ctx.spec;
+    let g = &spec.grpo;
+    let settings = Settings {
+        n: g.num_generations_per_prompt,
+        sampling: Sampling {
+            temperature: spec.generation.temperature,
+            top_p: spec.generation.top_p,
+            top_k: spec.generation.top_k,
+            min_p: 0.0,
+            seed: None,
+        },
+        max_new_tokens: spec.generation.max_new_tokens,
+        max_turns: g.max_rollout_turns,
+        weights: weights.clone(),
+    };
+    let rounds = if g.dynamic_sampling.enabled { g.dynamic_sampling.max_rounds } else { 1 };
+    let (mut kept, mut set_aside): (Vec<Vec<Episode>>, Vec<Vec<Episode>>) = (Vec::new(), Vec::new());
+    let (mut generation, mut reward, mut all) = (0.0, 0.0, Vec::new());
+    for round in 0..rounds {
+        let need = g.num_prompts_per_step - kept.len();
+        let Some(indices) = loader.next_batch(need) else { break };
+        let records: Vec<&Record> = indices.iter().map(|&i| &train[i]).collect();
+        let seed = spec.seed.wrapping_mul(1_000_003).wrapping_add(step * 10_007).wrapping_add(u64::from(round));
+        let (mut episodes, timing) = rollout::rollout(ctx, prompting, &records, &settings, seed).await?;
+        generation += timing.generation;
+        reward += timing.reward;
+        if let Some(shaping) = &g.overlong_shaping {
+            let free = spec.generation.max_new_tokens.saturating_sub(shaping.buffer);
+            for e in &mut episodes {
+                let over = e.generated.saturating_sub(free) as f64 / shaping.buffer as f64;
+                e.reward -= over.min(1.0) * shaping.penalty;
+            }
+        }
+        all.extend(episodes.iter().cloned());
+        let mut groups: Vec<Vec<Episode>> = vec![Vec::new(); records.len()];
+        for e in episodes {
+            groups[e.group].push(e);
+        }
+        for group in groups {
+            let agree = group.windows(2).all(|w| (w[0].reward - w[1].reward).abs() < 1e-9);
+            if g.dynamic_sampling.enabled && agree {
+                set_aside.push(group);
+            } else {
+                kept.push(group);
+            }
+        }
+        if kept.len() >= g.num_prompts_per_step {
+            break;
+        }
+    }
+    if all.is_empty() {
+        return Ok(None);
+    }
+    if g.dynamic_sampling.enabled {
+        metrics.insert("train/dynamic_sampling_kept_groups".into(), kept.len() as f64);
+    }
+    while kept.len() < g.num_prompts_per_step {
+        match set_aside.pop() {
+            Some(group) => kept.push(group),
+            None => break,
+        }
+    }
+    let rows = kept.len() * g.num_generations_per_prompt;
+    let global = spec.training.as_ref().map_or(rows, |t| t.global_batch_size.max(1));
+    kept.truncate(rows / global * global / g.num_generations_per_prompt.max(1));
+    if kept.is_empty() {
+        return Ok(None);
+    }
+    for (k, group) in kept.iter_mut().enumerate() {
+        for e in group {
+            e.group = k;
+        }
+    }
+    metrics.insert("timing/train/generation".into(), generation);
+    metrics.insert("timing/train/reward_calculation".into(), reward);
+    let generated: usize = all.iter().map(|e| e.generated).sum();
+    if generation > 0.0 {
+        metrics.insert("performance/generation_tokens_per_second".into(), generated as f64 / generation);
+    }
+    for (name, value) in rollout::rollout_metrics(&all) {
+        metrics.insert(format!("train/{name}"), value);
+    }
+    Ok(Some(kept.into_iter().flatten().collect()))
+}
+
+/// The training batch of the kept episodes: advantages over each prompt's group (every
+/// sample counts in the baseline; truncated ones are masked out of the loss when overlong
+/// filtering is on, skipped ones always).
+fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
+    let g = &spec.grpo;
+    let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
+    let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
+    let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
+    let valid = vec![true; episodes.len()];
+    let advantages = grpo_advantages(&groups, &rewards, &valid, baseline, g.normalize_rewards)
+        .map_err(|e| Stop::Failed(format!("advantages: {e}")))?;
+    let sample_mask =
+        episodes.iter().map(|e| if e.skipped || (g.overlong_filtering && e.truncated) { 0.0 } else { 1.0 }).collect();
+    Ok(TrainBatch {
+        input_ids: episodes.iter().map(|e| e.ids.clone()).collect(),
+        token_mask: episodes.iter().map(|e| e.mask.clone()).collect(),
+        sample_mask: Some(sample_mask),
+        advantages: Some(advantages.into_iter().map(|a| a as f32).collect()),
+        generation_logprobs: Some(episodes.iter().map(|e| e.gen_logprobs.clone()).collect()),
+        prev_logprobs: None,
+        reference_logprobs: None,
+    })
+}
+
+async fn logprobs(ctx: &RunContext, model: Scorer, sequences: &Sequences, temperature: f64) -> Result<Vec<Vec<f32>>> {
+    let trainer = ctx.trainer()?;
+    let request = LogprobsRequest {
+        run_id: ctx.id.to_string(),
+        model,
+        batch: trainer.bulk().wrap(sequences.clone()).await.map_err(Stop::Failed)?,
+        temperature,
+    };
+    let reply: LogprobsReply = trainer.op(TrainerOp::Logprobs, &request).await?;
+    Ok(trainer.bulk().fetch(reply.logprobs).await.map_err(Stop::Failed)?.logprobs)
+}
+
+/// Each metric averaged over the optimiser steps of one train call, prefixed.
+pub fn mean_step_metrics(reply: &TrainReply, prefix: &str) -> BTreeMap<String, f64> {
+    let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for step in &reply.steps {
+        for (name, value) in &step.metrics {
+            let entry = sums.entry(format!("{prefix}/{name}")).or_default();
+            entry.0 += value;
+            entry.1 += 1.0;
+        }
+    }
+    sums.into_iter().map(|(name, (sum, n))| (name, sum / n)).collect()
+}
+
+/// The directory a run's weights are saved to after `step`.
+pub fn weights_dir(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir.join("weights").join(format!("step-{step}"))
+}

@@ -1,0 +1,325 @@
+//! Running one run: what every algorithm shares (start or resume, the trainer, recording
+//! steps, checkpoints, publishing weights to the generators, stopping on cancel) and the
+//! algorithms themselves.
+//!
+//! Layout:
+//! - [`tokens`]: prompts, SFT examples and preference pairs as token ids.
+//! - [`rollout`]: multi-turn rollouts through the generator and reward queue groups, and
+//!   validation (accuracy, pass@k).
+//! - [`grpo`]: the GRPO step (DAPO options included).
+//! - [`supervised`]: SFT, DPO and reward-model steps.
+//! - [`eval`]: generation and scoring only.
+//!
+//! Resume: a run starts from its latest checkpoint in the checkpoint service when it has one
+//! (weights, optimiser and scheduler through the trainer, the dataloader position and step
+//! from the checkpoint's info), and everything recorded after that step is forgotten first,
+//! so the steps done again are recorded once.
+
+pub mod eval;
+pub mod grpo;
+pub mod rollout;
+pub mod supervised;
+pub mod tokens;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
+use keel_protocol::checkpoint::Retention;
+use keel_protocol::generator::WeightsUpdated;
+use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
+use keel_protocol::subjects::TrainerOp;
+use keel_protocol::trainer::{LoadReply, LoadRequest, ModelSource, SaveReply, SaveRequest};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::clients::{CallError, Nats, Trainer};
+use crate::data::Position;
+use crate::db;
+
+/// Why a driver stopped before the end.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Stop {
+    #[error("cancelled by request")]
+    Cancelled,
+    /// Another orchestrator took the run over (this one missed its lease).
+    #[error("the run was taken over by another orchestrator")]
+    Lost,
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<CallError> for Stop {
+    fn from(e: CallError) -> Self {
+        Self::Failed(e.to_string())
+    }
+}
+
+impl From<sqlx::Error> for Stop {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Failed(format!("database: {e}"))
+    }
+}
+
+impl From<keel_client::Error> for Stop {
+    fn from(e: keel_client::Error) -> Self {
+        Self::Failed(format!("checkpoint service: {e}"))
+    }
+}
+
+pub type Result<T, E = Stop> = std::result::Result<T, E>;
+
+const RUNNING: u8 = 0;
+const CANCELLED: u8 = 1;
+const LOST: u8 = 2;
+
+/// Set by the run's heartbeat task, read by the driver between phases.
+#[derive(Debug, Clone, Default)]
+pub struct StopFlag(Arc<AtomicU8>);
+
+impl StopFlag {
+    pub fn set_cancelled(&self) {
+        let _ = self.0.compare_exchange(RUNNING, CANCELLED, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    pub fn set_lost(&self) {
+        self.0.store(LOST, Ordering::SeqCst);
+    }
+
+    pub fn check(&self) -> Result<()> {
+        match self.0.load(Ordering::SeqCst) {
+            RUNNING => Ok(()),
+            CANCELLED => Err(Stop::Cancelled),
+            _ => Err(Stop::Lost),
+        }
+    }
+}
+
+/// Everything a driver works with.
+#[derive(Debug)]
+pub struct RunContext {
+    pub id: Uuid,
+    pub spec: RunSpec,
+    pub owner: Uuid,
+    pub pool: PgPool,
+    pub nats: Nats,
+    pub trainer: Option<Trainer>,
+    pub checkpoints: CheckpointClient,
+    /// This run's scratch directory on the disk shared with the trainer and generators.
+    pub run_dir: PathBuf,
+    pub stop: StopFlag,
+}
+
+/// Where a run starts: its base model, and the checkpoint it resumes from, if any.
+#[derive(Debug, Clone)]
+pub struct Start {
+    /// The HF directory the run began from (tokenizer, reference model).
+    pub base_dir: PathBuf,
+    /// The directory the policy loads from now (the base, or the resumed checkpoint).
+    pub policy_dir: PathBuf,
+    pub step: u64,
+    pub position: Position,
+    pub resumed: bool,
+}
+
+impl RunContext {
+    pub fn trainer(&self) -> Result<&Trainer> {
+        self.trainer.as_ref().ok_or_else(|| Stop::Failed("this run holds no trainer".into()))
+    }
+
+    /// Finds the base model (downloading a checkpoint once) and the latest checkpoint, and
+    /// forgets what was recorded after it.
+    pub async fn start(&self) -> Result<Start> {
+        let base_dir = match (&self.spec.model.path, self.spec.model.checkpoint) {
+            (Some(path), _) => PathBuf::from(path),
+            (None, Some(id)) => {
+                let dir = self.run_dir.join(format!("base-{id}"));
+                if !dir.exists() {
+                    self.checkpoints.download_dir(id, &dir).await?;
+                }
+                dir
+            }
+            (None, None) => return Err(Stop::Failed("the spec names no model".into())),
+        };
+        let latest = self.checkpoints.latest(&self.id.to_string()).await?;
+        let start = match latest {
+            Some(checkpoint) => {
+                let dir = self.run_dir.join(format!("resume-step-{}", checkpoint.step));
+                if !dir.exists() {
+                    self.checkpoints.download_dir(checkpoint.id, &dir).await?;
+                }
+                let position = serde_json::from_value(checkpoint.info["dataloader"].clone())
+                    .map_err(|e| Stop::Failed(format!("checkpoint {} has no dataloader position: {e}", checkpoint.id)))?;
+                Start { base_dir, policy_dir: dir, step: checkpoint.step, position, resumed: true }
+            }
+            None => {
+                let policy_dir = base_dir.clone();
+                Start { base_dir, policy_dir, step: 0, position: Position::default(), resumed: false }
+            }
+        };
+        if !db::rewind(&mut *self.pool.acquire().await?, self.id, self.owner, start.step).await? {
+            return Err(Stop::Lost);
+        }
+        if start.resumed {
+            tracing::info!(run_id = %self.id, step = start.step, "resuming from the latest checkpoint");
+        }
+        Ok(start)
+    }
+
+    /// Loads the policy (and reference) on the trainer. A resumed run restores its
+    /// optimiser and scheduler; a run starting from another run's checkpoint does not.
+    pub async fn load_trainer(&self, start: &Start) -> Result<LoadReply> {
+        let Some(training) = self.spec.training.clone() else {
+            return Err(Stop::Failed("this run has no training section".into()));
+        };
+        let request = LoadRequest {
+            run_id: self.id.to_string(),
+            policy: ModelSource { path: start.policy_dir.to_string_lossy().into_owned() },
+            reference: (!start.resumed).then(|| ModelSource { path: start.base_dir.to_string_lossy().into_owned() }),
+            training,
+            device: self.spec.device.clone(),
+            dtype: self.spec.dtype.clone(),
+            reference_offload: false,
+            resume: start.resumed,
+            seed: self.spec.seed,
+        };
+        Ok(self.trainer()?.op(TrainerOp::Load, &request).await?)
+    }
+
+    /// Records a finished step, or stops if the run is no longer this instance's.
+    pub async fn record(&self, record: &db::StepRecord) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        if !db::record_step(&mut tx, self.id, self.owner, record).await? {
+            return Err(Stop::Lost);
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Saves the trainer's state to `dir` (replacing a copy left by an attempt that stopped
+    /// before uploading it).
+    pub async fn save(&self, dir: &Path, step: u64, position: Position) -> Result<SaveReply> {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).map_err(|e| Stop::Failed(format!("cannot clear {}: {e}", dir.display())))?;
+        }
+        let request = SaveRequest {
+            run_id: self.id.to_string(),
+            path: dir.to_string_lossy().into_owned(),
+            info: serde_json::json!({"run_step": step, "dataloader": position}),
+        };
+        Ok(self.trainer()?.op(TrainerOp::Save, &request).await?)
+    }
+
+    /// Uploads a saved directory as the run's checkpoint for `step`.
+    pub async fn upload_checkpoint(
+        &self,
+        dir: &Path,
+        step: u64,
+        position: Position,
+        metrics: BTreeMap<String, f64>,
+    ) -> Result<Uuid> {
+        let c = &self.spec.checkpointing;
+        let retention = match (c.keep_top_k, &c.metric_name) {
+            (Some(k), Some(metric)) => {
+                Some(Retention { keep_top_k: k as usize, metric: metric.clone(), higher_is_better: c.higher_is_better })
+            }
+            _ => None,
+        };
+        let new = NewCheckpoint {
+            run_id: self.id.to_string(),
+            step,
+            metrics,
+            info: serde_json::json!({"run_step": step, "dataloader": position, "algorithm": self.spec.algorithm}),
+            retention,
+        };
+        let checkpoint = self.checkpoints.upload_dir(dir, new).await?;
+        let mut db = self.pool.acquire().await?;
+        db::append_event(&mut db, self.id, &RunEvent::Checkpoint { step, checkpoint_id: checkpoint.id }).await?;
+        Ok(checkpoint.id)
+    }
+
+    /// Tells every generator to serve `dir` as this run's weights at `version`.
+    pub async fn publish_weights(&self, dir: &Path, version: u64) -> Result<()> {
+        let event =
+            WeightsUpdated { run_id: self.id.to_string(), version, path: dir.to_string_lossy().into_owned() };
+        let body = serde_json::to_vec(&event).map_err(|e| Stop::Failed(e.to_string()))?;
+        self.nats
+            .client
+            .publish(self.nats.subjects.weights_updated(), body.into())
+            .await
+            .map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
+        self.nats.client.flush().await.map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
+        Ok(())
+    }
+
+    /// Whether `step` is a checkpoint step.
+    pub fn saves_at(&self, step: u64, last: bool) -> bool {
+        let c = &self.spec.checkpointing;
+        c.enabled && (last || step.is_multiple_of(c.save_period.max(1)))
+    }
+
+    /// Whether `step` is a validation step.
+    pub fn validates_at(&self, step: u64, last: bool) -> bool {
+        let period = self.spec.validation.period;
+        last || (period > 0 && step.is_multiple_of(period))
+    }
+}
+
+/// Seconds since `since`.
+pub fn seconds(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64()
+}
+
+/// Runs the run's algorithm to its end.
+pub async fn drive(ctx: &RunContext) -> Result<()> {
+    use keel_protocol::run::Algorithm;
+    match ctx.spec.algorithm {
+        Algorithm::Grpo => grpo::run(ctx).await,
+        Algorithm::Sft | Algorithm::Dpo | Algorithm::Rm => supervised::run(ctx).await,
+        Algorithm::Eval => eval::run(ctx).await,
+    }
+}
+
+/// How a run ended, for the runs table.
+pub fn outcome(result: &Result<()>) -> Option<(RunStatus, Option<String>)> {
+    match result {
+        Ok(()) => Some((RunStatus::Succeeded, None)),
+        Err(Stop::Cancelled) => Some((RunStatus::Cancelled, Some("cancelled by request".into()))),
+        Err(Stop::Failed(reason)) => Some((RunStatus::Failed, Some(reason.clone()))),
+        Err(Stop::Lost) => None,
+    }
+}
+
+/// Renews the run's lease (and the trainer's) until dropped; sets `stop` on cancel or loss.
+pub fn heartbeat(
+    pool: PgPool,
+    run_id: Uuid,
+    owner: Uuid,
+    trainer: Option<Trainer>,
+    stop: StopFlag,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            match pool.acquire().await {
+                Ok(mut db) => match db::heartbeat(&mut db, run_id, owner).await {
+                    Ok(db::Lease::Held { cancel_requested: true }) => stop.set_cancelled(),
+                    Ok(db::Lease::Held { .. }) => {}
+                    Ok(db::Lease::Lost) => stop.set_lost(),
+                    Err(e) => tracing::warn!(%run_id, "heartbeat failed: {e}"),
+                },
+                Err(e) => tracing::warn!(%run_id, "heartbeat failed: {e}"),
+            }
+            if let Some(trainer) = &trainer
+                && let Err(e) = trainer.heartbeat().await
+            {
+                tracing::warn!(%run_id, worker = %trainer.worker, "trainer heartbeat failed: {e}");
+            }
+        }
+    })
+}

@@ -1,0 +1,123 @@
+//! SFT, DPO and reward-model training: batches of records from the dataloader become rows
+//! (an SFT example, or chosen and rejected side by side as pairs 2i, 2i + 1), one train call
+//! per step. SFT validates by generation when the run names environments and a validation
+//! set.
+
+use std::time::Instant;
+
+use keel_protocol::run::Algorithm;
+use keel_protocol::subjects::TrainerOp;
+use keel_protocol::trainer::{TrainBatch, TrainReply, TrainRequest};
+
+use super::grpo::{mean_step_metrics, weights_dir};
+use super::tokens::{Prompting, Row};
+use super::{Result, RunContext, Stop, rollout, seconds};
+use crate::data::{self, Dataloader, Record};
+use crate::db::StepRecord;
+
+pub async fn run(ctx: &RunContext) -> Result<()> {
+    let spec = &ctx.spec;
+    let algorithm = spec.algorithm;
+    let training = spec.training.as_ref().ok_or_else(|| Stop::Failed("this run has no training section".into()))?;
+    let train = data::load(&spec.data.train, algorithm, "data.train").map_err(|e| Stop::Failed(e.to_string()))?;
+    let validation = match (&spec.data.validation, &spec.environments, algorithm) {
+        (Some(d), Some(_), Algorithm::Sft) => {
+            data::load(d, Algorithm::Eval, "data.validation").map_err(|e| Stop::Failed(e.to_string()))?
+        }
+        _ => Vec::new(),
+    };
+    let start = ctx.start().await?;
+    let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
+    ctx.load_trainer(&start).await?;
+    let pairwise = matches!(algorithm, Algorithm::Dpo | Algorithm::Rm);
+    let per_step = if pairwise { training.global_batch_size / 2 } else { training.global_batch_size };
+    let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
+    let total = spec.max_num_steps.min(start.step + loader.batches_left(per_step));
+    if !start.resumed && !validation.is_empty() {
+        ctx.publish_weights(&start.policy_dir, 0).await?;
+        let weights = (start.policy_dir.clone(), 0);
+        let (metrics, samples) = rollout::validate(ctx, &prompting, &validation, weights, 0, "validation").await?;
+        let mut db = ctx.pool.acquire().await?;
+        crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
+        crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
+    }
+    for step in start.step + 1..=total {
+        ctx.stop.check()?;
+        let started = Instant::now();
+        let Some(indices) = loader.next_batch(per_step) else { break };
+        let records: Vec<&Record> = indices.iter().map(|&i| &train[i]).collect();
+        let rows = rows_of(&prompting, &records, pairwise)?;
+        let tokens: usize = rows.iter().map(|r| r.ids.len()).sum();
+        let batch = TrainBatch {
+            input_ids: rows.iter().map(|r| r.ids.clone()).collect(),
+            token_mask: rows.into_iter().map(|r| r.mask).collect(),
+            ..TrainBatch::default()
+        };
+        let trainer = ctx.trainer()?;
+        let phase = Instant::now();
+        let request = TrainRequest {
+            run_id: ctx.id.to_string(),
+            batch: trainer.bulk().wrap(batch).await.map_err(Stop::Failed)?,
+            temperature: 1.0,
+        };
+        let trained: TrainReply = trainer.op(TrainerOp::Train, &request).await?;
+        let mut metrics = mean_step_metrics(&trained, "train");
+        metrics.insert("timing/train/policy_training".into(), seconds(phase));
+        metrics.insert("performance/training_tokens_per_second".into(), tokens as f64 / seconds(phase).max(1e-9));
+        let last = step == total;
+        let mut saved = None;
+        let mut samples = Vec::new();
+        if !validation.is_empty() && ctx.validates_at(step, last) {
+            let phase = Instant::now();
+            let dir = weights_dir(&ctx.run_dir, step);
+            ctx.save(&dir, step, loader.position()).await?;
+            ctx.publish_weights(&dir, step).await?;
+            let (val_metrics, val_samples) =
+                rollout::validate(ctx, &prompting, &validation, (dir.clone(), step), step, "validation").await?;
+            metrics.extend(val_metrics);
+            samples = val_samples;
+            metrics.insert("timing/validation/total_validation_time".into(), seconds(phase));
+            saved = Some(dir);
+        }
+        metrics.insert("timing/train/total_step_time".into(), seconds(started));
+        ctx.record(&StepRecord {
+            step,
+            metrics: metrics.clone(),
+            samples,
+            dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
+        })
+        .await?;
+        if ctx.saves_at(step, last) {
+            let dir = match saved.take() {
+                Some(dir) => dir,
+                None => {
+                    let dir = weights_dir(&ctx.run_dir, step);
+                    ctx.save(&dir, step, loader.position()).await?;
+                    dir
+                }
+            };
+            ctx.upload_checkpoint(&dir, step, loader.position(), metrics).await?;
+            saved = Some(dir);
+        }
+        if let Some(dir) = saved
+            && let Err(e) = std::fs::remove_dir_all(&dir)
+        {
+            tracing::warn!("cannot remove {}: {e}", dir.display());
+        }
+    }
+    Ok(())
+}
+
+fn rows_of(prompting: &Prompting, records: &[&Record], pairwise: bool) -> Result<Vec<Row>> {
+    let mut rows = Vec::with_capacity(records.len() * 2);
+    for record in records {
+        if pairwise {
+            let (chosen, rejected) = prompting.pair_rows(record)?;
+            rows.push(chosen);
+            rows.push(rejected);
+        } else {
+            rows.push(prompting.sft_row(record)?);
+        }
+    }
+    Ok(rows)
+}

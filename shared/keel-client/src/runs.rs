@@ -1,0 +1,97 @@
+//! The orchestrator's run API (`openapi/keel.yaml`).
+
+use keel_protocol::run::{Metrics, Run, RunList, Samples};
+use uuid::Uuid;
+
+use crate::{Result, json, unreachable};
+
+/// An orchestrator at `url` (`http://host:8080`), with its bearer token when it has one.
+#[derive(Debug, Clone)]
+pub struct RunsClient {
+    url: String,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+impl RunsClient {
+    pub fn new(url: &str, token: Option<String>) -> Self {
+        Self { url: url.trim_end_matches('/').to_string(), token, http: reqwest::Client::new() }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let builder = self.http.request(method, format!("{}{path}", self.url));
+        match &self.token {
+            Some(token) => builder.bearer_auth(token),
+            None => builder,
+        }
+    }
+
+    /// Submits a run spec as written (YAML or JSON).
+    pub async fn submit(&self, spec: String, yaml: bool) -> Result<Run> {
+        let content_type = if yaml { "application/yaml" } else { "application/json" };
+        let response = self
+            .request(reqwest::Method::POST, "/v1/runs")
+            .header(reqwest::header::CONTENT_TYPE, content_type)
+            .body(spec)
+            .send()
+            .await
+            .map_err(unreachable("submit"))?;
+        json(response, "submit").await
+    }
+
+    pub async fn list(&self, status: Option<&str>, limit: usize, after: Option<&str>) -> Result<RunList> {
+        let mut query = vec![("limit", limit.to_string())];
+        query.extend(status.map(|s| ("status", s.to_string())));
+        query.extend(after.map(|a| ("after", a.to_string())));
+        let response =
+            self.request(reqwest::Method::GET, "/v1/runs").query(&query).send().await.map_err(unreachable("list"))?;
+        json(response, "list runs").await
+    }
+
+    pub async fn get(&self, id: Uuid) -> Result<Run> {
+        let response =
+            self.request(reqwest::Method::GET, &format!("/v1/runs/{id}")).send().await.map_err(unreachable("show"))?;
+        json(response, &format!("run {id}")).await
+    }
+
+    /// Metrics whose names are in `names` (all when empty), from step `from` on.
+    pub async fn metrics(&self, id: Uuid, names: &[&str], from: Option<u64>) -> Result<Metrics> {
+        let mut query = Vec::new();
+        if !names.is_empty() {
+            query.push(("names", names.join(",")));
+        }
+        query.extend(from.map(|f| ("from_step", f.to_string())));
+        let response = self
+            .request(reqwest::Method::GET, &format!("/v1/runs/{id}/metrics"))
+            .query(&query)
+            .send()
+            .await
+            .map_err(unreachable("metrics"))?;
+        json(response, "metrics").await
+    }
+
+    pub async fn samples(&self, id: Uuid, step: Option<u64>, limit: usize) -> Result<Samples> {
+        let mut query = vec![("limit", limit.to_string())];
+        query.extend(step.map(|s| ("step", s.to_string())));
+        let response = self
+            .request(reqwest::Method::GET, &format!("/v1/runs/{id}/samples"))
+            .query(&query)
+            .send()
+            .await
+            .map_err(unreachable("samples"))?;
+        json(response, "samples").await
+    }
+
+    pub async fn cancel(&self, id: Uuid) -> Result<Run> {
+        let response = self
+            .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
+            .send()
+            .await
+            .map_err(unreachable("cancel"))?;
+        json(response, "cancel").await
+    }
+}

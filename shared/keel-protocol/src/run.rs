@@ -1,0 +1,685 @@
+//! The run spec a user submits to the orchestrator (`POST /v1/runs`, YAML or JSON) and the
+//! orchestrator's REST bodies. Keys follow NeMo-RL's configs where one exists
+//! (`grpo.num_prompts_per_step`, `checkpointing.keep_top_k`, ...). [`RunSpec::problems`]
+//! lists every semantic problem at once, each with its field path; shape errors (unknown
+//! fields, wrong types) come from the parser with theirs.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::FieldError;
+use crate::reward::{EnvConfig, OnError};
+use crate::training::{LossConfig, TrainingConfig};
+
+/// What a run does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Group-relative policy optimisation (and its DAPO / GSPO / REINFORCE variants).
+    Grpo,
+    /// Supervised fine-tuning on prompt → answer or chat messages.
+    Sft,
+    /// Direct preference optimisation on (prompt, chosen, rejected).
+    Dpo,
+    /// Reward-model training (Bradley–Terry) on (prompt, chosen, rejected).
+    Rm,
+    /// Generation and scoring only: accuracy and pass@k.
+    Eval,
+}
+
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Grpo => "grpo",
+            Self::Sft => "sft",
+            Self::Dpo => "dpo",
+            Self::Rm => "rm",
+            Self::Eval => "eval",
+        }
+    }
+
+    /// The loss the trainer must be configured with.
+    pub fn loss_name(self) -> Option<&'static str> {
+        match self {
+            Self::Grpo => Some("clipped_pg"),
+            Self::Sft => Some("nll"),
+            Self::Dpo => Some("dpo"),
+            Self::Rm => Some("bradley_terry"),
+            Self::Eval => None,
+        }
+    }
+
+    /// Whether the run samples from a generator.
+    pub fn generates(self) -> bool {
+        matches!(self, Self::Grpo | Self::Eval)
+    }
+}
+
+/// The starting weights: a Hugging Face directory on the services' shared disk, or a
+/// checkpoint in the checkpoint service (by id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRef {
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub checkpoint: Option<uuid::Uuid>,
+}
+
+/// Which keys of a JSONL record hold what.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataKeys {
+    pub prompt: String,
+    pub answer: String,
+    /// A list of `{role, content}` messages (SFT on chats; the last assistant turns are
+    /// the target).
+    pub messages: String,
+    pub chosen: String,
+    pub rejected: String,
+    /// The task name, which picks the environment (`environments.tasks`).
+    pub task: String,
+}
+
+impl Default for DataKeys {
+    fn default() -> Self {
+        Self {
+            prompt: "prompt".into(),
+            answer: "answer".into(),
+            messages: "messages".into(),
+            chosen: "chosen".into(),
+            rejected: "rejected".into(),
+            task: "task".into(),
+        }
+    }
+}
+
+/// A dataset: a JSONL file, or the built-in arithmetic generator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DatasetSpec {
+    Jsonl {
+        path: String,
+        #[serde(default)]
+        keys: DataKeys,
+    },
+    /// `What is A + B?` problems with exact answers, generated from `seed`. Preference
+    /// records (chosen = the right answer, rejected = an off-by-some one) are made too.
+    Arithmetic {
+        #[serde(default = "default_arithmetic_size")]
+        size: usize,
+        /// Operands are drawn from 0..=max_operand.
+        #[serde(default = "default_max_operand")]
+        max_operand: u32,
+        /// Any of `+`, `-`, `*`.
+        #[serde(default = "default_operations")]
+        operations: String,
+        #[serde(default)]
+        seed: u64,
+    },
+}
+
+fn default_arithmetic_size() -> usize {
+    1000
+}
+
+fn default_max_operand() -> u32 {
+    20
+}
+
+fn default_operations() -> String {
+    "+-".into()
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    pub train: DatasetSpec,
+    /// Held-out prompts for validation (and what `eval` scores when given).
+    #[serde(default)]
+    pub validation: Option<DatasetSpec>,
+    /// Shuffle the training set every epoch (seeded by the run's seed).
+    #[serde(default = "default_true")]
+    pub shuffle: bool,
+}
+
+/// How a record becomes the prompt the model sees.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct PromptSpec {
+    /// A system message put first.
+    pub system: Option<String>,
+    /// `{prompt}` is replaced by the record's prompt (e.g. `{prompt} Put the answer in \boxed{}.`).
+    pub template: String,
+    /// Render with the tokenizer's chat template (else the plain text is the prompt).
+    pub use_chat_template: bool,
+}
+
+impl Default for PromptSpec {
+    fn default() -> Self {
+        Self { system: None, template: "{prompt}".into(), use_chat_template: true }
+    }
+}
+
+/// Which environment scores each task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EnvironmentsSpec {
+    /// For records without a task, or a task not listed in `tasks`.
+    pub default: EnvConfig,
+    #[serde(default)]
+    pub tasks: BTreeMap<String, EnvConfig>,
+    /// A sample whose scoring failed: reward 0 (`zero`), left out of training (`skip`), or
+    /// the step fails (`fail`).
+    #[serde(default)]
+    pub on_error: OnError,
+}
+
+/// Sampling for rollouts (validation decodes greedily unless `validation.temperature` says).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct GenerationSpec {
+    pub max_new_tokens: usize,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: Option<usize>,
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerationSpec {
+    fn default() -> Self {
+        Self { max_new_tokens: 256, temperature: 1.0, top_p: 1.0, top_k: None, stop: Vec::new() }
+    }
+}
+
+/// DAPO's dynamic sampling: groups whose rewards all agree carry no signal; they are dropped
+/// and more prompts are drawn, up to `max_rounds` generation rounds per step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct DynamicSampling {
+    pub enabled: bool,
+    pub max_rounds: u32,
+}
+
+impl Default for DynamicSampling {
+    fn default() -> Self {
+        Self { enabled: false, max_rounds: 3 }
+    }
+}
+
+/// DAPO's soft overlong punishment: over the last `buffer` tokens of `max_new_tokens` the
+/// reward falls linearly by up to `penalty`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OverlongShaping {
+    pub buffer: usize,
+    #[serde(default = "one_f64")]
+    pub penalty: f64,
+}
+
+fn one_f64() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpoSpec {
+    pub num_prompts_per_step: usize,
+    pub num_generations_per_prompt: usize,
+    /// Environment turns per sample (1 = single-turn).
+    pub max_rollout_turns: u32,
+    pub normalize_rewards: bool,
+    pub use_leave_one_out_baseline: bool,
+    /// Truncated samples are left out of the loss (they still count in the baselines).
+    pub overlong_filtering: bool,
+    pub overlong_shaping: Option<OverlongShaping>,
+    pub dynamic_sampling: DynamicSampling,
+    /// Samples stored per step for `GET /v1/runs/{id}/samples`.
+    pub samples_to_record: usize,
+}
+
+impl Default for GrpoSpec {
+    fn default() -> Self {
+        Self {
+            num_prompts_per_step: 32,
+            num_generations_per_prompt: 16,
+            max_rollout_turns: 1,
+            normalize_rewards: true,
+            use_leave_one_out_baseline: true,
+            overlong_filtering: false,
+            overlong_shaping: None,
+            dynamic_sampling: DynamicSampling::default(),
+            samples_to_record: 8,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidationSpec {
+    /// Validate every this many steps (0 = only at the end).
+    pub period: u64,
+    /// Held-out prompts per validation (0 = all).
+    pub num_prompts: usize,
+    /// Samples per prompt; pass@k is reported for every k in `pass_at_k` (≤ this).
+    pub num_samples: usize,
+    pub pass_at_k: Vec<usize>,
+    /// 0 = greedy.
+    pub temperature: f64,
+}
+
+impl Default for ValidationSpec {
+    fn default() -> Self {
+        Self { period: 10, num_prompts: 0, num_samples: 1, pass_at_k: vec![1], temperature: 0.0 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointingSpec {
+    pub enabled: bool,
+    /// Save every this many steps (the last step is always saved).
+    pub save_period: u64,
+    pub keep_top_k: Option<u32>,
+    /// The metric retention ranks by (e.g. `validation/accuracy`).
+    pub metric_name: Option<String>,
+    pub higher_is_better: bool,
+}
+
+impl Default for CheckpointingSpec {
+    fn default() -> Self {
+        Self { enabled: true, save_period: 10, keep_top_k: Some(3), metric_name: None, higher_is_better: true }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunSpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub algorithm: Algorithm,
+    pub model: ModelRef,
+    pub data: DataSpec,
+    #[serde(default)]
+    pub prompt: PromptSpec,
+    /// Needed by `grpo` and `eval`.
+    #[serde(default)]
+    pub environments: Option<EnvironmentsSpec>,
+    /// Loss, optimiser, schedule and batching (every algorithm but `eval`).
+    #[serde(default)]
+    pub training: Option<TrainingConfig>,
+    #[serde(default)]
+    pub grpo: GrpoSpec,
+    #[serde(default)]
+    pub generation: GenerationSpec,
+    /// Prompt plus everything generated (or the answer, for SFT) is cut to this.
+    #[serde(default = "default_max_total_sequence_length")]
+    pub max_total_sequence_length: usize,
+    #[serde(default = "default_max_num_steps")]
+    pub max_num_steps: u64,
+    #[serde(default = "default_max_num_epochs")]
+    pub max_num_epochs: u64,
+    #[serde(default)]
+    pub validation: ValidationSpec,
+    #[serde(default)]
+    pub checkpointing: CheckpointingSpec,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Trainer device and compute dtype (defaults: the worker's).
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default)]
+    pub dtype: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_max_total_sequence_length() -> usize {
+    512
+}
+
+fn default_max_num_steps() -> u64 {
+    100
+}
+
+fn default_max_num_epochs() -> u64 {
+    1
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+fn check(problems: &mut Vec<FieldError>, ok: bool, field: &str, message: impl Into<String>) {
+    if !ok {
+        problems.push(FieldError::new(field, message));
+    }
+}
+
+impl RunSpec {
+    /// Every semantic problem, each with its field path. Files are not looked at here (the
+    /// orchestrator checks that paths exist, as they must on its disk).
+    pub fn problems(&self) -> Vec<FieldError> {
+        let mut p = Vec::new();
+        let alg = self.algorithm;
+        match (&self.model.path, &self.model.checkpoint) {
+            (Some(path), None) => check(&mut p, !path.trim().is_empty(), "model.path", "must not be empty"),
+            (None, Some(_)) => {}
+            _ => p.push(FieldError::new("model", "give exactly one of `path` or `checkpoint`")),
+        }
+        match (&self.training, alg.loss_name()) {
+            (None, Some(loss)) => p.push(FieldError::new(
+                "training",
+                format!("required for `{}` (with `loss: {{type: {loss}}}`)", alg.name()),
+            )),
+            (Some(_), None) => p.push(FieldError::new("training", "`eval` trains nothing: leave it out")),
+            (Some(training), Some(loss)) => {
+                check(
+                    &mut p,
+                    training.loss.name() == loss,
+                    "training.loss.type",
+                    format!("`{}` trains with `{loss}`, not `{}`", alg.name(), training.loss.name()),
+                );
+                p.extend(training.problems("training"));
+                self.batch_problems(training, &mut p);
+            }
+            (None, None) => {}
+        }
+        if alg.generates() {
+            check(&mut p, self.environments.is_some(), "environments", format!("required for `{}`", alg.name()));
+            let g = &self.generation;
+            check(&mut p, g.max_new_tokens >= 1, "generation.max_new_tokens", "must be at least 1");
+            check(
+                &mut p,
+                g.max_new_tokens < self.max_total_sequence_length,
+                "generation.max_new_tokens",
+                format!(
+                    "must leave room for the prompt below max_total_sequence_length ({})",
+                    self.max_total_sequence_length
+                ),
+            );
+            check(
+                &mut p,
+                g.temperature.is_finite() && g.temperature > 0.0,
+                "generation.temperature",
+                format!("must be positive for sampling, got {}", g.temperature),
+            );
+            check(&mut p, g.top_p > 0.0 && g.top_p <= 1.0, "generation.top_p", format!("must be in (0, 1], got {}", g.top_p));
+        }
+        if alg == Algorithm::Grpo {
+            let g = &self.grpo;
+            check(&mut p, g.num_prompts_per_step >= 1, "grpo.num_prompts_per_step", "must be at least 1");
+            check(
+                &mut p,
+                g.num_generations_per_prompt >= 2,
+                "grpo.num_generations_per_prompt",
+                "must be at least 2 (advantages compare samples of one prompt)",
+            );
+            check(&mut p, g.max_rollout_turns >= 1, "grpo.max_rollout_turns", "must be at least 1");
+            if let Some(shaping) = &g.overlong_shaping {
+                check(
+                    &mut p,
+                    shaping.buffer >= 1 && shaping.buffer <= self.generation.max_new_tokens,
+                    "grpo.overlong_shaping.buffer",
+                    format!("must be in 1..=generation.max_new_tokens ({})", self.generation.max_new_tokens),
+                );
+                check(
+                    &mut p,
+                    shaping.penalty.is_finite() && shaping.penalty >= 0.0,
+                    "grpo.overlong_shaping.penalty",
+                    "must be finite and ≥ 0",
+                );
+            }
+            check(
+                &mut p,
+                g.dynamic_sampling.max_rounds >= 1,
+                "grpo.dynamic_sampling.max_rounds",
+                "must be at least 1",
+            );
+        }
+        check(&mut p, self.max_total_sequence_length >= 2, "max_total_sequence_length", "must be at least 2");
+        check(&mut p, self.max_num_steps >= 1, "max_num_steps", "must be at least 1");
+        check(&mut p, self.max_num_epochs >= 1, "max_num_epochs", "must be at least 1");
+        check(&mut p, self.prompt.template.contains("{prompt}"), "prompt.template", "must contain `{prompt}`");
+        let v = &self.validation;
+        check(&mut p, v.num_samples >= 1, "validation.num_samples", "must be at least 1");
+        for (i, k) in v.pass_at_k.iter().enumerate() {
+            check(
+                &mut p,
+                *k >= 1 && *k <= v.num_samples,
+                &format!("validation.pass_at_k[{i}]"),
+                format!("must be in 1..=validation.num_samples ({}), got {k}", v.num_samples),
+            );
+        }
+        check(
+            &mut p,
+            v.temperature.is_finite() && v.temperature >= 0.0,
+            "validation.temperature",
+            "must be finite and ≥ 0",
+        );
+        let c = &self.checkpointing;
+        if c.enabled {
+            check(&mut p, c.save_period >= 1, "checkpointing.save_period", "must be at least 1");
+            if let Some(k) = c.keep_top_k {
+                check(&mut p, k >= 1, "checkpointing.keep_top_k", "must be at least 1 (leave it out to keep all)");
+                check(
+                    &mut p,
+                    c.metric_name.is_some(),
+                    "checkpointing.metric_name",
+                    "keep_top_k ranks checkpoints by a metric: name it",
+                );
+            }
+        }
+        for (field, dataset) in
+            std::iter::once(("data.train", &self.data.train)).chain(self.data.validation.iter().map(|d| ("data.validation", d)))
+        {
+            match dataset {
+                DatasetSpec::Jsonl { path, .. } => {
+                    check(&mut p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
+                }
+                DatasetSpec::Arithmetic { size, operations, .. } => {
+                    check(&mut p, *size >= 1, &format!("{field}.size"), "must be at least 1");
+                    check(
+                        &mut p,
+                        !operations.is_empty() && operations.chars().all(|c| "+-*".contains(c)),
+                        &format!("{field}.operations"),
+                        format!("must be made of `+`, `-` and `*`, got `{operations}`"),
+                    );
+                }
+            }
+        }
+        p
+    }
+
+    fn batch_problems(&self, training: &TrainingConfig, p: &mut Vec<FieldError>) {
+        let (global, micro) = (training.global_batch_size, training.micro_batch_size);
+        match self.algorithm {
+            Algorithm::Grpo => {
+                let rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt;
+                check(
+                    p,
+                    global > 0 && rows.is_multiple_of(global.max(1)),
+                    "training.global_batch_size",
+                    format!(
+                        "must divide num_prompts_per_step × num_generations_per_prompt ({rows}) so every sample trains once"
+                    ),
+                );
+            }
+            Algorithm::Dpo | Algorithm::Rm => {
+                check(
+                    p,
+                    global % 2 == 0 && micro % 2 == 0,
+                    "training.global_batch_size",
+                    "pairwise losses take rows in (chosen, rejected) pairs: global and micro batch sizes must be even",
+                );
+            }
+            Algorithm::Sft | Algorithm::Eval => {}
+        }
+        if let LossConfig::ClippedPg(c) = &training.loss
+            && c.sequence_level_importance_ratios
+            && c.token_level_loss
+        {
+            p.push(FieldError::new(
+                "training.loss.token_level_loss",
+                "sequence-level importance ratios (GSPO) need a sequence-level loss",
+            ));
+        }
+    }
+}
+
+/// Where a run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl RunStatus {
+    pub const ALL: [RunStatus; 5] = [Self::Queued, Self::Running, Self::Succeeded, Self::Failed, Self::Cancelled];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+}
+
+/// A run as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Run {
+    pub id: uuid::Uuid,
+    pub name: Option<String>,
+    pub algorithm: Algorithm,
+    pub status: RunStatus,
+    /// Why the run failed or was cancelled.
+    pub reason: Option<String>,
+    /// Steps completed (recorded metrics go up to this step).
+    pub step: u64,
+    pub total_steps: u64,
+    pub created_at: String,
+    pub updated_at: String,
+    /// The latest value of each metric.
+    pub latest_metrics: BTreeMap<String, f64>,
+    pub spec: RunSpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RunList {
+    pub runs: Vec<Run>,
+    /// Pass as `after` for the next page (absent on the last page).
+    pub next: Option<String>,
+}
+
+/// One metric's values by step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MetricSeries {
+    pub name: String,
+    /// `[step, value]` pairs in step order.
+    pub points: Vec<(u64, f64)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Metrics {
+    pub metrics: Vec<MetricSeries>,
+}
+
+/// One recorded rollout (or validation sample).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Sample {
+    pub step: u64,
+    /// `train` or `validation`.
+    pub split: String,
+    pub prompt: String,
+    pub completion: String,
+    pub reward: f64,
+    pub ground_truth: Option<String>,
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Samples {
+    pub samples: Vec<Sample>,
+}
+
+/// What the event stream carries: status changes and each step's metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RunEvent {
+    Status { status: RunStatus, reason: Option<String> },
+    Step { step: u64, metrics: BTreeMap<String, f64> },
+    Checkpoint { step: u64, checkpoint_id: uuid::Uuid },
+}
+
+/// An event with its sequence number (the SSE `id`, for `Last-Event-ID`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RunEventRecord {
+    pub seq: i64,
+    pub at: String,
+    pub event: RunEvent,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grpo() -> RunSpec {
+        serde_json::from_value(serde_json::json!({
+            "algorithm": "grpo",
+            "model": {"path": "/m"},
+            "data": {"train": {"kind": "arithmetic"}},
+            "environments": {"default": {"name": "math"}},
+            "training": {"loss": {"type": "clipped_pg"}, "global_batch_size": 64, "micro_batch_size": 8},
+            "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8},
+            "checkpointing": {"metric_name": "validation/accuracy"},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_sound_spec_has_no_problems() {
+        assert_eq!(grpo().problems(), vec![]);
+    }
+
+    #[test]
+    fn every_problem_is_listed_with_its_field() {
+        let mut spec = grpo();
+        spec.grpo.num_generations_per_prompt = 1;
+        spec.training.as_mut().unwrap().global_batch_size = 3;
+        spec.validation.pass_at_k = vec![4];
+        spec.model = ModelRef { path: None, checkpoint: None };
+        let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            ["model", "training.global_batch_size", "grpo.num_generations_per_prompt", "validation.pass_at_k[0]"]
+        );
+    }
+
+    #[test]
+    fn the_loss_must_match_the_algorithm() {
+        let mut spec = grpo();
+        spec.algorithm = Algorithm::Sft;
+        let problems = spec.problems();
+        assert_eq!(problems[0].field, "training.loss.type");
+        assert!(problems[0].message.contains("nll"), "{problems:?}");
+    }
+}
