@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 
 use bytes::Bytes;
-use common::{Database, Stack};
+use common::Stack;
 use futures::StreamExt;
 use keel_testkit::{ServiceProcess, binary, keel_model_init};
 use serde_json::json;
@@ -56,7 +56,7 @@ async fn a_multi_gb_file_round_trips_with_flat_memory() {
     .unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    let database = Database::new();
+    let database = keel_testkit::TestDatabase::new("keel_ckpt");
     let root = dir.path().join("store");
     let prefix = format!("test.{}", uuid::Uuid::new_v4().simple());
     let service = ServiceProcess::start(

@@ -282,6 +282,7 @@ pub struct CheckpointingSpec {
     pub enabled: bool,
     /// Save every this many steps (the last step is always saved).
     pub save_period: u64,
+    /// Keep the best k by `metric_name` (and always the latest); unset keeps every one.
     pub keep_top_k: Option<u32>,
     /// The metric retention ranks by (e.g. `validation/accuracy`).
     pub metric_name: Option<String>,
@@ -290,7 +291,7 @@ pub struct CheckpointingSpec {
 
 impl Default for CheckpointingSpec {
     fn default() -> Self {
-        Self { enabled: true, save_period: 10, keep_top_k: Some(3), metric_name: None, higher_is_better: true }
+        Self { enabled: true, save_period: 10, keep_top_k: None, metric_name: None, higher_is_better: true }
     }
 }
 

@@ -6,9 +6,12 @@
 //! - [`sequences`], [`write_jsonl`], [`max_abs_diff`]: inputs and comparisons.
 //! - [`ServiceProcess`]: a service binary started as a process on a free port;
 //!   [`keel_model_init`]: a tiny model made with the `keel` binary.
+//! - [`TestDatabase`]: a database of the test's own, dropped afterwards.
 
+mod database;
 mod process;
 
+pub use database::{TestDatabase, postgres_url};
 pub use process::{ServiceProcess, binary, keel_model_init};
 
 use std::path::{Path, PathBuf};

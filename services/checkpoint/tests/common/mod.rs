@@ -12,26 +12,9 @@ pub struct Stack {
     pub url: String,
     pub root: PathBuf,
     pub prefix: String,
-    pub database: Database,
+    pub database: keel_testkit::TestDatabase,
     pub checkpoints: keel_checkpoint::service::Checkpoints,
     _dir: tempfile::TempDir,
-}
-
-/// A database name of the test's own, dropped with this guard.
-pub struct Database {
-    pub url: String,
-    name: String,
-}
-
-impl Database {
-    pub fn new() -> Self {
-        let name = format!("keel_ckpt_{}", uuid::Uuid::new_v4().simple());
-        Self { url: format!("{}/{name}", admin_url()), name }
-    }
-}
-
-pub fn admin_url() -> String {
-    std::env::var("KEEL_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
 }
 
 impl Stack {
@@ -43,7 +26,7 @@ impl Stack {
 
     /// The store's blobs under `root` (inside `dir`, which the stack keeps).
     pub async fn start_with(dir: tempfile::TempDir, root: PathBuf, max_uploads: usize) -> Self {
-        let database = Database::new();
+        let database = keel_testkit::TestDatabase::new("keel_ckpt");
         let prefix = format!("test.{}", uuid::Uuid::new_v4().simple());
         let mut config = keel_checkpoint::default_config();
         config.database_url = database.url.clone();
@@ -77,25 +60,6 @@ impl Drop for Stack {
             runtime.block_on(async {
                 if let Ok(client) = keel_service::nats::connect(&keel_service::nats::default_url()).await {
                     let _ = async_nats::jetstream::new(client).delete_stream(&stream).await;
-                }
-            })
-        })
-        .join();
-    }
-}
-
-impl Drop for Database {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        let admin = format!("{}/postgres", admin_url());
-        // Another runtime may be shutting down: drop the database from a thread of our own.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            runtime.block_on(async {
-                use sqlx::Connection;
-                if let Ok(mut conn) = sqlx::PgConnection::connect(&admin).await {
-                    let drop = sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
-                    let _ = sqlx::query(drop).execute(&mut conn).await;
                 }
             })
         })

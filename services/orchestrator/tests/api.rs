@@ -1,0 +1,173 @@
+//! The run API in-process against the real Postgres (a database of the test's own): spec
+//! validation (every problem with its field path), listing and paging, cancel, auth, and
+//! metrics by name and step range.
+
+#![allow(clippy::unwrap_used)]
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use keel_orchestrator::api::{AppState, routes};
+use keel_orchestrator::db;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+struct Api {
+    app: axum::Router,
+    pool: sqlx::PgPool,
+    model: tempfile::TempDir,
+    _database: keel_testkit::TestDatabase,
+}
+
+impl Api {
+    async fn start(token: Option<&str>) -> Self {
+        let database = keel_testkit::TestDatabase::new("keel_orch");
+        let pool = db::connect(&database.url).await.unwrap();
+        // Nothing listens here: only specs naming a checkpoint would ask.
+        let checkpoints = keel_client::checkpoint::CheckpointClient::new("http://127.0.0.1:9");
+        let state = AppState { pool: pool.clone(), checkpoints, token: token.map(str::to_string) };
+        let model = tempfile::tempdir().unwrap();
+        std::fs::write(model.path().join("config.json"), "{}").unwrap();
+        Self { app: routes(state), pool, model, _database: database }
+    }
+
+    async fn send(&self, request: Request<Body>) -> (StatusCode, Value) {
+        let response = self.app.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    async fn submit(&self, body: &str, content_type: &str) -> (StatusCode, Value) {
+        let request = Request::post("/v1/runs").header("content-type", content_type).body(Body::from(body.to_string()));
+        self.send(request.unwrap()).await
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        self.send(Request::get(path).body(Body::empty()).unwrap()).await
+    }
+
+    fn sft_yaml(&self) -> String {
+        format!(
+            "algorithm: sft\nmodel: {{path: {}}}\ndata: {{train: {{kind: arithmetic, size: 64}}}}\n\
+             training: {{loss: {{type: nll}}, global_batch_size: 8, micro_batch_size: 4}}\nmax_num_steps: 4\n",
+            self.model.path().display()
+        )
+    }
+}
+
+fn fields(body: &Value) -> Vec<String> {
+    body["error"]["problems"].as_array().unwrap().iter().map(|p| p["field"].as_str().unwrap().to_string()).collect()
+}
+
+#[tokio::test]
+async fn bad_specs_are_refused_naming_every_field() {
+    let api = Api::start(None).await;
+    let (status, body) = api.submit("algorithm: sft\nmodel: [unclosed", "application/yaml").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("line"), "{body}");
+
+    let with_colour = api.sft_yaml() + "colour: blue\n";
+    let (status, body) = api.submit(&with_colour, "application/yaml").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(body["error"]["message"].as_str().unwrap().contains("colour"), "{body}");
+
+    let wrong_type = api.sft_yaml().replace("max_num_steps: 4", "max_num_steps: four");
+    let (status, body) = api.submit(&wrong_type, "application/yaml").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(fields(&body), ["max_num_steps"], "{body}");
+
+    let nested = api.sft_yaml().replace("micro_batch_size: 4", "micro_batch_size: -4");
+    let (_, body) = api.submit(&nested, "application/yaml").await;
+    assert_eq!(fields(&body), ["training.micro_batch_size"], "{body}");
+
+    let impossible = json!({
+        "algorithm": "grpo",
+        "model": {"path": "/no/such/model"},
+        "data": {"train": {"kind": "arithmetic"}, "validation": {"kind": "jsonl", "path": "/no/such.jsonl"}},
+        "environments": {"default": {"name": "math"}},
+        "training": {"loss": {"type": "clipped_pg"}, "global_batch_size": 48, "micro_batch_size": 8},
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 1},
+        "generation": {"max_new_tokens": 600},
+        "validation": {"num_samples": 2, "pass_at_k": [1, 4]},
+        "checkpointing": {"keep_top_k": 2},
+    });
+    let (status, body) = api.submit(&impossible.to_string(), "application/json").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        fields(&body),
+        [
+            "training.global_batch_size",
+            "generation.max_new_tokens",
+            "grpo.num_generations_per_prompt",
+            "validation.pass_at_k[1]",
+            "checkpointing.metric_name",
+            "model.path",
+            "data.validation.path",
+        ],
+        "{body}"
+    );
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("grpo.num_generations_per_prompt: must be at least 2"), "{message}");
+
+    let (_, listed) = api.get("/v1/runs").await;
+    assert_eq!(listed["runs"].as_array().unwrap().len(), 0, "nothing refused was stored");
+}
+
+#[tokio::test]
+async fn runs_are_listed_paged_shown_and_cancelled() {
+    let api = Api::start(None).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (status, run) = api.submit(&api.sft_yaml(), "application/yaml").await;
+        assert_eq!(status, StatusCode::CREATED, "{run}");
+        assert_eq!(run["status"], "queued");
+        assert_eq!(run["total_steps"], 4);
+        ids.push(run["id"].as_str().unwrap().to_string());
+    }
+    let (_, page) = api.get("/v1/runs?limit=2").await;
+    let first: Vec<&str> = page["runs"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(first, [ids[2].as_str(), ids[1].as_str()], "newest first");
+    let (_, rest) = api.get(&format!("/v1/runs?limit=2&after={}", page["next"].as_str().unwrap())).await;
+    assert_eq!(rest["runs"][0]["id"], ids[0].as_str());
+    assert!(rest["next"].is_null());
+
+    let cancel = Request::post(format!("/v1/runs/{}/cancel", ids[0])).body(Body::empty()).unwrap();
+    let (status, run) = api.send(cancel).await;
+    assert_eq!((status, run["status"].as_str()), (StatusCode::OK, Some("cancelled")), "{run}");
+    let again = Request::post(format!("/v1/runs/{}/cancel", ids[0])).body(Body::empty()).unwrap();
+    assert_eq!(api.send(again).await.0, StatusCode::CONFLICT);
+    let (_, cancelled) = api.get("/v1/runs?status=cancelled").await;
+    assert_eq!(cancelled["runs"].as_array().unwrap().len(), 1);
+    assert_eq!(api.get("/v1/runs?status=sleeping").await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(api.get(&format!("/v1/runs/{}", uuid::Uuid::new_v4())).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(api.get("/v1/runs/not-a-uuid").await.0, StatusCode::NOT_FOUND);
+
+    // Metrics as a driver records them, read back by name and step range.
+    let id: uuid::Uuid = ids[1].parse().unwrap();
+    let owner = uuid::Uuid::new_v4();
+    let mut conn = api.pool.acquire().await.unwrap();
+    db::start_run(&mut conn, id, owner, false).await.unwrap();
+    for step in 1..=3u64 {
+        let metrics = [("train/loss".to_string(), 1.0 / step as f64), ("train/reward".to_string(), step as f64)];
+        let record = db::StepRecord { step, metrics: metrics.into(), ..Default::default() };
+        assert!(db::record_step(&mut conn, id, owner, &record).await.unwrap());
+    }
+    let duplicate = db::StepRecord { step: 3, ..Default::default() };
+    assert!(!db::record_step(&mut conn, id, owner, &duplicate).await.unwrap(), "a step is recorded once");
+    let (_, metrics) = api.get(&format!("/v1/runs/{id}/metrics?names=train/reward&from_step=2")).await;
+    assert_eq!(metrics, json!({"metrics": [{"name": "train/reward", "points": [[2, 2.0], [3, 3.0]]}]}));
+    let (_, run) = api.get(&format!("/v1/runs/{id}")).await;
+    assert_eq!((run["step"].as_u64(), run["latest_metrics"]["train/reward"].as_f64()), (Some(3), Some(3.0)));
+}
+
+#[tokio::test]
+async fn a_configured_token_is_required() {
+    let api = Api::start(Some("s3cret")).await;
+    let (status, body) = api.get("/v1/runs").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    let wrong = Request::get("/v1/runs").header("authorization", "Bearer nope").body(Body::empty()).unwrap();
+    assert_eq!(api.send(wrong).await.0, StatusCode::UNAUTHORIZED);
+    let right = Request::get("/v1/runs").header("authorization", "Bearer s3cret").body(Body::empty()).unwrap();
+    assert_eq!(api.send(right).await.0, StatusCode::OK);
+}
