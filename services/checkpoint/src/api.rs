@@ -102,6 +102,7 @@ pub async fn create(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct RunQuery {
     pub run_id: String,
 }
@@ -295,6 +296,7 @@ pub async fn latest(State(s): State<Checkpoints>, Path(run_id): Path<String>) ->
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct BestQuery {
     pub metric: String,
     /// Default true.

@@ -131,6 +131,7 @@ pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Byt
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// queued, running, succeeded, failed or cancelled.
     pub status: Option<String>,
@@ -165,6 +166,7 @@ pub async fn show(State(state): State<AppState>, Path(id): Path<String>) -> Answ
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct MetricsQuery {
     /// Comma-separated metric names (default: all).
     pub names: Option<String>,
@@ -187,6 +189,7 @@ pub async fn metrics(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct SamplesQuery {
     pub step: Option<u64>,
     /// `train` or `validation`.

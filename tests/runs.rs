@@ -1,0 +1,141 @@
+//! Runs end to end: the five services as processes on the real NATS and Postgres, runs
+//! submitted through the REST API. SFT then GRPO from the SFT checkpoint (metrics, samples,
+//! checkpoints; the generator and trainer agree on logprobs); DPO's first loss is ln 2 and
+//! falls; a reward model's accuracy rises; an orchestrator killed mid-run is replaced and
+//! the run finishes with every step recorded once.
+
+#![allow(clippy::unwrap_used)]
+
+mod stack;
+
+use std::time::Duration;
+
+use serde_json::json;
+use stack::{Stack, sft_spec};
+
+const LIMIT: Duration = Duration::from_secs(600);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
+    let stack = Stack::start();
+    let sft = stack.submit(&sft_spec(&json!({"path": stack.model}), 6, 3)).await;
+    let run = stack.wait_succeeded(&sft, LIMIT).await;
+    assert_eq!(run["step"], 6, "{run}");
+    let loss = stack.series(&sft, "train/loss").await;
+    assert_eq!(loss.iter().map(|p| p.0).collect::<Vec<_>>(), (1..=6).collect::<Vec<_>>());
+    assert!(loss[5].1 < loss[0].1, "SFT loss fell: {loss:?}");
+    let checkpoints = stack.get(&format!("/v1/runs/{sft}/checkpoints")).await;
+    let steps: Vec<u64> = checkpoints.as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [3, 6], "{checkpoints}");
+    let last = checkpoints[1]["id"].as_str().unwrap();
+
+    let grpo = json!({
+        "name": "arithmetic-grpo",
+        "algorithm": "grpo",
+        "model": {"checkpoint": last},
+        "data": {
+            "train": {"kind": "arithmetic", "size": 64, "max_operand": 9, "seed": 2},
+            "validation": {"kind": "arithmetic", "size": 4, "max_operand": 9, "seed": 9},
+        },
+        "environments": {"default": {"name": "math"}},
+        "training": {
+            "loss": {"type": "clipped_pg", "reference_policy_kl_penalty": 0.01},
+            "optimizer": {"lr": 0.0005, "weight_decay": 0.0},
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
+        "generation": {"max_new_tokens": 12, "temperature": 1.0},
+        "max_total_sequence_length": 64,
+        "max_num_steps": 3,
+        "validation": {"period": 2, "num_samples": 2, "pass_at_k": [1, 2], "temperature": 1.0},
+        "checkpointing": {"save_period": 2, "keep_top_k": 1, "metric_name": "validation/accuracy"},
+        "seed": 5,
+    });
+    let grpo = stack.submit(&grpo).await;
+    let run = stack.wait_succeeded(&grpo, LIMIT).await;
+    assert_eq!(run["step"], 3, "{run}");
+    for name in [
+        "timing/train/generation",
+        "timing/train/reward_calculation",
+        "timing/train/policy_and_reference_logprobs",
+        "timing/train/policy_training",
+        "timing/train/weight_sync",
+        "timing/train/total_step_time",
+        "train/reward",
+        "train/loss",
+        "train/kl_penalty",
+    ] {
+        let points = stack.series(&grpo, name).await;
+        assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 3], "{name}: {points:?}");
+    }
+    for (step, error) in stack.series(&grpo, "train/token_mult_prob_error").await {
+        assert!((0.99..1.05).contains(&error), "step {step}: token_mult_prob_error {error}");
+    }
+    for (step, ratio) in stack.series(&grpo, "train/probs_ratio_clamped").await {
+        assert!((0.8..=1.2).contains(&ratio), "step {step}: probs_ratio_clamped {ratio}");
+    }
+    let accuracy = stack.series(&grpo, "validation/accuracy").await;
+    assert_eq!(accuracy.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2, 3], "validation at start, period and end");
+    let samples = stack.get(&format!("/v1/runs/{grpo}/samples?split=train&limit=100")).await;
+    let samples = samples["samples"].as_array().unwrap();
+    assert!(samples.len() >= 3, "{samples:?}");
+    assert!(samples.iter().all(|s| s["prompt"].as_str().unwrap().contains("What is")), "{samples:?}");
+    assert!(samples.iter().all(|s| s["ground_truth"].is_string()));
+    // Retention keeps the best by validation accuracy and the latest.
+    let checkpoints = stack.get(&format!("/v1/runs/{grpo}/checkpoints")).await;
+    let steps: Vec<u64> = checkpoints.as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert!(steps.contains(&3) && !steps.is_empty() && steps.len() <= 2, "{checkpoints}");
+    let events = stack.http.get(format!("{}/v1/runs/{grpo}/events", stack.api())).send().await.unwrap();
+    let text = events.text().await.unwrap();
+    assert!(text.contains("event: step") && text.contains("\"succeeded\""), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dpo_starts_at_ln2_and_falls_and_reward_model_accuracy_rises() {
+    let stack = Stack::start();
+    let pairs = |algorithm: &str, loss: serde_json::Value, lr: f64, steps: u64| {
+        json!({
+            "algorithm": algorithm,
+            "model": {"path": stack.model},
+            "data": {"train": {"kind": "arithmetic", "size": 32, "max_operand": 9, "seed": 4}},
+            "training": {
+                "loss": loss,
+                "optimizer": {"lr": lr, "weight_decay": 0.0},
+                "global_batch_size": 16,
+                "micro_batch_size": 8,
+            },
+            "max_total_sequence_length": 64,
+            "max_num_steps": steps,
+            "max_num_epochs": 20,
+            "checkpointing": {"enabled": false},
+        })
+    };
+    let dpo = stack.submit(&pairs("dpo", json!({"type": "dpo", "reference_policy_kl_penalty": 0.5}), 0.002, 6)).await;
+    let rm = stack.submit(&pairs("rm", json!({"type": "bradley_terry"}), 0.003, 16)).await;
+    stack.wait_succeeded(&dpo, LIMIT).await;
+    let loss = stack.series(&dpo, "train/loss").await;
+    assert!((loss[0].1 - std::f64::consts::LN_2).abs() < 1e-3, "first DPO loss {} is not ln 2", loss[0].1);
+    assert!(loss.last().unwrap().1 < loss[0].1 - 0.01, "DPO loss did not fall: {loss:?}");
+    stack.wait_succeeded(&rm, LIMIT).await;
+    let accuracy: Vec<f64> = stack.series(&rm, "train/accuracy").await.into_iter().map(|p| p.1).collect();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let (first, last) = (mean(&accuracy[..4]), mean(&accuracy[accuracy.len() - 4..]));
+    assert!(last > first, "reward-model accuracy did not rise: {accuracy:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_orchestrator_is_replaced_and_no_step_is_repeated_or_skipped() {
+    let mut stack = Stack::start();
+    let id = stack.submit(&sft_spec(&json!({"path": stack.model}), 16, 3)).await;
+    stack.wait_for(&id, LIMIT, |run| run["step"].as_u64().unwrap_or(0) >= 4).await;
+    drop(stack.orchestrator.take());
+    stack.start_orchestrator();
+    let run = stack.wait_succeeded(&id, LIMIT).await;
+    assert_eq!(run["step"], 16, "{run}");
+    let steps: Vec<u64> = stack.series(&id, "train/loss").await.into_iter().map(|p| p.0).collect();
+    assert_eq!(steps, (1..=16).collect::<Vec<_>>(), "every step recorded once");
+    let events = stack.http.get(format!("{}/v1/runs/{id}/events", stack.api())).send().await.unwrap();
+    let text = events.text().await.unwrap();
+    assert!(text.contains("resumed after its orchestrator stopped"), "{text}");
+}

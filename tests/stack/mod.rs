@@ -1,0 +1,150 @@
+//! The five services as processes on one NATS subject prefix and one database of the test's
+//! own, sharing a scratch directory, with a tiny model made by `keel model init`.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use keel_testkit::{ServiceProcess, TestDatabase, keel_model_init};
+use serde_json::Value;
+
+pub struct Stack {
+    pub prefix: String,
+    pub database: TestDatabase,
+    pub dir: tempfile::TempDir,
+    pub model: PathBuf,
+    pub checkpoint: ServiceProcess,
+    pub trainer: ServiceProcess,
+    pub generator: ServiceProcess,
+    pub reward: ServiceProcess,
+    pub orchestrator: Option<ServiceProcess>,
+    pub http: reqwest::Client,
+}
+
+impl Stack {
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        keel_model_init(&model);
+        let prefix = format!("e2e.{}", uuid::Uuid::new_v4().simple());
+        let database = TestDatabase::new("keel_e2e");
+        let blobs = dir.path().join("blobs");
+        let checkpoint = ServiceProcess::start(
+            "checkpoint",
+            &[
+                ("KEEL_CHECKPOINT__DATABASE_URL", &database.url),
+                ("KEEL_CHECKPOINT__STORAGE__KIND", "local"),
+                ("KEEL_CHECKPOINT__STORAGE__ROOT", blobs.to_str().unwrap()),
+                ("KEEL_CHECKPOINT__SUBJECT_PREFIX", &prefix),
+            ],
+        );
+        let trainer = ServiceProcess::start("trainer", &[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix)]);
+        let generator = ServiceProcess::start(
+            "generator",
+            &[("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix), ("KEEL_GENERATOR__MODEL", model.to_str().unwrap())],
+        );
+        let reward = ServiceProcess::start("reward", &[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)]);
+        let mut stack = Self {
+            prefix,
+            database,
+            dir,
+            model,
+            checkpoint,
+            trainer,
+            generator,
+            reward,
+            orchestrator: None,
+            http: reqwest::Client::new(),
+        };
+        stack.start_orchestrator();
+        stack
+    }
+
+    /// (Re)starts the orchestrator; a run it finds orphaned is resumed within two seconds.
+    pub fn start_orchestrator(&mut self) {
+        let work = self.dir.path().join("work");
+        let orchestrator = ServiceProcess::start(
+            "orchestrator",
+            &[
+                ("KEEL_ORCHESTRATOR__DATABASE_URL", &self.database.url),
+                ("KEEL_ORCHESTRATOR__SUBJECT_PREFIX", &self.prefix),
+                ("KEEL_ORCHESTRATOR__CHECKPOINT_URL", &self.checkpoint.url),
+                ("KEEL_ORCHESTRATOR__WORK_DIR", work.to_str().unwrap()),
+                ("KEEL_ORCHESTRATOR__RUN_LEASE_SECONDS", "2"),
+                ("KEEL_ORCHESTRATOR__POLL_SECONDS", "0.2"),
+            ],
+        );
+        self.orchestrator = Some(orchestrator);
+    }
+
+    pub fn api(&self) -> String {
+        self.orchestrator.as_ref().unwrap().url.clone()
+    }
+
+    /// Submits a JSON spec; panics with the API's answer unless it was accepted.
+    pub async fn submit(&self, spec: &Value) -> String {
+        let response = self.http.post(format!("{}/v1/runs", self.api())).json(spec).send().await.unwrap();
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_string()
+    }
+
+    pub async fn get(&self, path: &str) -> Value {
+        let response = self.http.get(format!("{}{path}", self.api())).send().await.unwrap();
+        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        response.json().await.unwrap()
+    }
+
+    /// Polls the run until `done(run)` holds, failing after `limit`.
+    pub async fn wait_for(&self, id: &str, limit: Duration, done: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            let run = self.get(&format!("/v1/runs/{id}")).await;
+            if done(&run) {
+                return run;
+            }
+            let status = run["status"].as_str().unwrap_or_default();
+            assert!(!matches!(status, "failed" | "cancelled") || done(&run), "run {id} ended: {run}");
+            assert!(Instant::now() < deadline, "run {id} did not get there in {limit:?}: {run}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn wait_succeeded(&self, id: &str, limit: Duration) -> Value {
+        self.wait_for(id, limit, |run| run["status"] == "succeeded").await
+    }
+
+    /// One metric's points, `[(step, value)]`.
+    pub async fn series(&self, id: &str, name: &str) -> Vec<(u64, f64)> {
+        let body = self.get(&format!("/v1/runs/{id}/metrics?names={name}")).await;
+        let Some(series) = body["metrics"].as_array().unwrap().first() else { return Vec::new() };
+        series["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+            .collect()
+    }
+}
+
+/// An arithmetic SFT spec on `model`.
+pub fn sft_spec(model: &serde_json::Value, steps: u64, save_period: u64) -> Value {
+    serde_json::json!({
+        "name": "arithmetic-sft",
+        "algorithm": "sft",
+        "model": model,
+        "data": {"train": {"kind": "arithmetic", "size": 256, "max_operand": 9, "seed": 1}},
+        "training": {
+            "loss": {"type": "nll"},
+            "optimizer": {"lr": 0.003, "weight_decay": 0.0},
+            "global_batch_size": 16,
+            "micro_batch_size": 8,
+        },
+        "max_total_sequence_length": 64,
+        "max_num_steps": steps,
+        "checkpointing": {"save_period": save_period},
+        "seed": 3,
+    })
+}
