@@ -139,3 +139,19 @@ async fn a_killed_orchestrator_is_replaced_and_no_step_is_repeated_or_skipped() 
     let text = events.text().await.unwrap();
     assert!(text.contains("resumed after its orchestrator stopped"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_run_stops_and_frees_its_trainer() {
+    let stack = Stack::start();
+    let long = stack.submit(&sft_spec(&json!({"path": stack.model}), 10_000, 1000)).await;
+    stack.wait_for(&long, LIMIT, |run| run["step"].as_u64().unwrap_or(0) >= 1).await;
+    // The only trainer is taken: a second run waits in the queue.
+    let next = stack.submit(&sft_spec(&json!({"path": stack.model}), 2, 2)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(stack.get(&format!("/v1/runs/{next}")).await["status"], "queued");
+    let response = stack.http.post(format!("{}/v1/runs/{long}/cancel", stack.api())).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let run = stack.wait_for(&long, Duration::from_secs(30), |run| run["status"] == "cancelled").await;
+    assert_eq!(run["reason"], "cancelled by request");
+    stack.wait_succeeded(&next, LIMIT).await;
+}

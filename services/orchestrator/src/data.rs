@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use keel_protocol::reward::Message;
-use keel_protocol::run::{Algorithm, DataKeys, DatasetSpec};
+use keel_protocol::run::{Algorithm, ArithmeticSplit, DataKeys, DatasetSpec};
 use keel_protocol::FieldError;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -35,8 +35,15 @@ pub struct Record {
 pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
     let records = match spec {
         DatasetSpec::Jsonl { path, keys } => read_jsonl(Path::new(path), keys, field)?,
-        DatasetSpec::Arithmetic { size, max_operand, operations, seed } => {
-            arithmetic(*size, *max_operand, operations, *seed)
+        DatasetSpec::Arithmetic { size, max_operand, operations, seed, split } => {
+            let max = i64::from(*max_operand);
+            let any = (0..=max)
+                .flat_map(|a| (0..=max).flat_map(move |b| operations.chars().map(move |op| (a, op, b))))
+                .any(|(a, op, b)| held_out(a, op, b) == (*split == ArithmeticSplit::HeldOut));
+            if !any {
+                return Err(FieldError::new(format!("{field}.split"), "no problem falls in this split: raise max_operand"));
+            }
+            arithmetic(*size, *max_operand, operations, *seed, *split)
         }
     };
     if records.is_empty() {
@@ -98,16 +105,32 @@ fn read_jsonl(path: &Path, keys: &DataKeys, field: &str) -> Result<Vec<Record>, 
     Ok(records)
 }
 
-/// `What is A op B?` with its exact answer; the response SFT learns is `\boxed{answer}`, and
-/// the rejected answer of a preference pair is off by 1 to 3.
-pub fn arithmetic(size: usize, max_operand: u32, operations: &str, seed: u64) -> Vec<Record> {
+/// Whether problem (a, op, b) is in the held-out tenth of the problem space.
+fn held_out(a: i64, op: char, b: i64) -> bool {
+    // splitmix64 of the problem: a fixed, well-mixed partition.
+    let mut z = (a as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (b as u64).rotate_left(29) ^ u64::from(op);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) % 10 == 0
+}
+
+/// `What is A op B?` with its exact answer, from the requested split of the problem space;
+/// the response SFT learns is `\boxed{answer}`, and the rejected answer of a preference pair
+/// is off by 1 to 3.
+pub fn arithmetic(size: usize, max_operand: u32, operations: &str, seed: u64, split: ArithmeticSplit) -> Vec<Record> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let ops: Vec<char> = operations.chars().collect();
+    let want_held_out = split == ArithmeticSplit::HeldOut;
     (0..size)
         .map(|_| {
-            let a = i64::from(rng.random_range(0..=max_operand));
-            let b = i64::from(rng.random_range(0..=max_operand));
-            let op = ops[rng.random_range(0..ops.len())];
+            let (a, op, b) = loop {
+                let a = i64::from(rng.random_range(0..=max_operand));
+                let b = i64::from(rng.random_range(0..=max_operand));
+                let op = ops[rng.random_range(0..ops.len())];
+                if held_out(a, op, b) == want_held_out {
+                    break (a, op, b);
+                }
+            };
             let value = match op {
                 '+' => a + b,
                 '-' => a - b,
@@ -226,7 +249,11 @@ mod tests {
 
     #[test]
     fn arithmetic_answers_are_right() {
-        for r in arithmetic(50, 30, "+-*", 3) {
+        let train = arithmetic(300, 30, "+-*", 3, ArithmeticSplit::Train);
+        let held_out = arithmetic(100, 30, "+-*", 3, ArithmeticSplit::HeldOut);
+        let prompts: std::collections::HashSet<_> = train.iter().map(|r| r.prompt.clone()).collect();
+        assert!(held_out.iter().all(|r| !prompts.contains(&r.prompt)), "held-out problems never appear in train");
+        for r in train.into_iter().chain(held_out) {
             let prompt = r.prompt.unwrap();
             let parts: Vec<&str> = prompt.trim_start_matches("What is ").trim_end_matches('?').split(' ').collect();
             let (a, b): (i64, i64) = (parts[0].parse().unwrap(), parts[2].parse().unwrap());

@@ -108,7 +108,7 @@ pub async fn insert_run(db: &mut PgConnection, spec: &RunSpec) -> sqlx::Result<R
     .bind(&spec.name)
     .bind(spec.algorithm.name())
     .bind(spec_json)
-    .bind(spec.max_num_steps as i64)
+    .bind(if spec.algorithm == Algorithm::Eval { 1 } else { spec.max_num_steps as i64 })
     .execute(&mut *db)
     .await?;
     append_event(db, id, &RunEvent::Status { status: RunStatus::Queued, reason: None }).await?;

@@ -117,6 +117,7 @@ impl Scheduler {
             checkpoints: self.checkpoints.clone(),
             run_dir: self.work_dir.join("runs").join(run.id.to_string()),
             stop: StopFlag::default(),
+            announced: std::sync::Mutex::new(None),
         }))
     }
 
@@ -151,7 +152,9 @@ impl Scheduler {
         );
         let result = driver::drive(&ctx).await;
         heartbeat.abort();
-        if let Some(trainer) = &ctx.trainer {
+        // A run taken over by another orchestrator keeps its trainer: the new owner renews
+        // the same claim.
+        if let Some(trainer) = ctx.trainer.as_ref().filter(|_| !matches!(result, Err(Stop::Lost))) {
             trainer.release().await;
         }
         if let Err(e) = self.settle(&ctx, &result).await {

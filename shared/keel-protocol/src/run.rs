@@ -105,8 +105,8 @@ pub enum DatasetSpec {
         #[serde(default)]
         keys: DataKeys,
     },
-    /// `What is A + B?` problems with exact answers, generated from `seed`. Preference
-    /// records (chosen = the right answer, rejected = an off-by-some one) are made too.
+    /// `What is A + B?` problems with exact answers, drawn from `seed`. Preference records
+    /// (chosen = the right answer, rejected = an off-by-some one) are made too.
     Arithmetic {
         #[serde(default = "default_arithmetic_size")]
         size: usize,
@@ -118,7 +118,19 @@ pub enum DatasetSpec {
         operations: String,
         #[serde(default)]
         seed: u64,
+        /// Which part of the problem space: a fixed tenth of all (a, op, b) problems is
+        /// `held_out` and never appears in `train`, whatever the seeds.
+        #[serde(default)]
+        split: ArithmeticSplit,
     },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ArithmeticSplit {
+    #[default]
+    Train,
+    HeldOut,
 }
 
 fn default_arithmetic_size() -> usize {

@@ -111,7 +111,13 @@ pub struct RunContext {
     /// This run's scratch directory on the disk shared with the trainer and generators.
     pub run_dir: PathBuf,
     pub stop: StopFlag,
+    /// When the weights were last announced (a refusal announces them again, at most every
+    /// [`REANNOUNCE_AFTER`]).
+    pub announced: std::sync::Mutex<Option<Instant>>,
 }
+
+/// How long a generator gets to load announced weights before they are announced again.
+pub const REANNOUNCE_AFTER: Duration = Duration::from_secs(2);
 
 /// Where a run starts: its base model, and the checkpoint it resumes from, if any.
 #[derive(Debug, Clone)]
@@ -252,7 +258,16 @@ impl RunContext {
             .await
             .map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
         self.nats.client.flush().await.map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
+        if let Ok(mut announced) = self.announced.lock() {
+            *announced = Some(Instant::now());
+        }
         Ok(())
+    }
+
+    /// Announces the weights again unless that was done within [`REANNOUNCE_AFTER`].
+    pub async fn reannounce_weights(&self, dir: &Path, version: u64) -> Result<()> {
+        let recent = self.announced.lock().ok().and_then(|a| *a).is_some_and(|at| at.elapsed() < REANNOUNCE_AFTER);
+        if recent { Ok(()) } else { self.publish_weights(dir, version).await }
     }
 
     /// Whether `step` is a checkpoint step.

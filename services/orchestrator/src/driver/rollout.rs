@@ -251,7 +251,7 @@ async fn generate(ctx: &RunContext, request: &RolloutRequest, weights: &(PathBuf
         match ctx.nats.rollout(request).await {
             Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
                 ctx.stop.check()?;
-                ctx.publish_weights(&weights.0, weights.1).await?;
+                ctx.reannounce_weights(&weights.0, weights.1).await?;
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
             other => return Ok(other?),
