@@ -36,8 +36,9 @@ impl CallError {
         }
     }
 
-    fn retryable(&self) -> bool {
-        matches!(self, Self::NoAnswer { .. }) || self.kind() == Some("unavailable")
+    /// A full replica: worth waiting for, however long its queue takes to drain.
+    fn busy(&self) -> bool {
+        self.kind() == Some("unavailable")
     }
 }
 
@@ -77,20 +78,27 @@ impl Nats {
         }
     }
 
-    /// [`Nats::call`] to a queue group, retried with exponential backoff while nobody
-    /// answers or the replica is full.
+    /// [`Nats::call`] to a queue group: a request nobody answered is retried (another
+    /// replica takes it) up to `retries` times with exponential backoff; one refused because
+    /// every replica is full is retried until the request timeout has passed.
     pub async fn call_group<Req: Serialize, Rep: DeserializeOwned>(
         &self,
         subject: String,
         body: &Req,
     ) -> Result<Rep, CallError> {
-        let mut attempt = 0;
+        let started = std::time::Instant::now();
+        let (mut lost, mut busy) = (0u32, 0u32);
         loop {
             match self.call(subject.clone(), body, self.timeout).await {
-                Err(e) if e.retryable() && attempt < self.retries => {
-                    attempt += 1;
-                    tracing::warn!(attempt, "retrying: {e}");
-                    tokio::time::sleep(Duration::from_millis(200 * (1 << attempt.min(6)))).await;
+                Err(e @ CallError::NoAnswer { .. }) if lost < self.retries => {
+                    lost += 1;
+                    tracing::warn!(attempt = lost, "retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(200 * (1 << lost.min(5)))).await;
+                }
+                Err(e) if e.busy() && started.elapsed() < self.timeout => {
+                    busy += 1;
+                    tracing::debug!(attempt = busy, "waiting for a free replica: {e}");
+                    tokio::time::sleep(Duration::from_millis(100 * u64::from(busy.min(20)))).await;
                 }
                 other => return other,
             }
