@@ -120,12 +120,7 @@ impl Stack {
     pub async fn series(&self, id: &str, name: &str) -> Vec<(u64, f64)> {
         let body = self.get(&format!("/v1/runs/{id}/metrics?names={name}")).await;
         let Some(series) = body["metrics"].as_array().unwrap().first() else { return Vec::new() };
-        series["points"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
-            .collect()
+        series["points"].as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap())).collect()
     }
 }
 

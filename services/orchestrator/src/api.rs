@@ -70,7 +70,12 @@ impl IntoResponse for Failure {
             Self::Upstream(m) => (StatusCode::BAD_GATEWAY, "upstream", m, None),
             Self::Internal(m) => {
                 tracing::error!("internal error: {m}");
-                (StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error (see the orchestrator's log)".into(), None)
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "internal error (see the orchestrator's log)".into(),
+                    None,
+                )
             }
         };
         let mut error = json!({"type": kind, "message": message});

@@ -146,7 +146,9 @@ impl Trainer {
 
     pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
         let body = RunRequest { run_id: self.run_id.clone() };
-        self.nats.call(self.nats.subjects.trainer(&self.worker, TrainerOp::Heartbeat), &body, Duration::from_secs(10)).await
+        self.nats
+            .call(self.nats.subjects.trainer(&self.worker, TrainerOp::Heartbeat), &body, Duration::from_secs(10))
+            .await
     }
 
     pub async fn release(&self) {

@@ -6,9 +6,9 @@
 
 use std::path::Path;
 
+use keel_protocol::FieldError;
 use keel_protocol::reward::Message;
 use keel_protocol::run::{Algorithm, ArithmeticSplit, DataKeys, DatasetSpec};
-use keel_protocol::FieldError;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -41,7 +41,10 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
                 .flat_map(|a| (0..=max).flat_map(move |b| operations.chars().map(move |op| (a, op, b))))
                 .any(|(a, op, b)| held_out(a, op, b) == (*split == ArithmeticSplit::HeldOut));
             if !any {
-                return Err(FieldError::new(format!("{field}.split"), "no problem falls in this split: raise max_operand"));
+                return Err(FieldError::new(
+                    format!("{field}.split"),
+                    "no problem falls in this split: raise max_operand",
+                ));
             }
             arithmetic(*size, *max_operand, operations, *seed, *split)
         }
@@ -79,10 +82,9 @@ fn read_jsonl(path: &Path, keys: &DataKeys, field: &str) -> Result<Vec<Record>, 
                 None | Some(Value::Null) => Ok(None),
                 Some(Value::String(s)) => Ok(Some(s.clone())),
                 Some(Value::Number(x)) => Ok(Some(x.to_string())),
-                Some(other) => Err(FieldError::new(
-                    at(),
-                    format!("line {}: `{key}` must be a string, got {other}", n + 1),
-                )),
+                Some(other) => {
+                    Err(FieldError::new(at(), format!("line {}: `{key}` must be a string, got {other}", n + 1)))
+                }
             }
         };
         let messages = match value.get(&keys.messages) {
@@ -111,7 +113,7 @@ fn held_out(a: i64, op: char, b: i64) -> bool {
     let mut z = (a as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (b as u64).rotate_left(29) ^ u64::from(op);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)) % 10 == 0
+    (z ^ (z >> 31)).is_multiple_of(10)
 }
 
 /// `What is A op B?` with its exact answer, from the requested split of the problem space;

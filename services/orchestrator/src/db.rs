@@ -66,8 +66,8 @@ fn run_from_row(row: &PgRow) -> sqlx::Result<Run> {
     let status = RunStatus::from_name(&status)
         .ok_or_else(|| sqlx::Error::Decode(format!("unknown run status `{status}`").into()))?;
     let algorithm: String = row.try_get("algorithm")?;
-    let algorithm: Algorithm = serde_json::from_value(serde_json::Value::String(algorithm))
-        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+    let algorithm: Algorithm =
+        serde_json::from_value(serde_json::Value::String(algorithm)).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
     let run = Run {
         id: row.try_get("id")?,
         name: row.try_get("name")?,
@@ -85,12 +85,11 @@ fn run_from_row(row: &PgRow) -> sqlx::Result<Run> {
 }
 
 async fn with_latest_metrics(db: &mut PgConnection, mut run: Run) -> sqlx::Result<Run> {
-    let rows = sqlx::query(
-        "SELECT DISTINCT ON (name) name, value FROM metrics WHERE run_id = $1 ORDER BY name, step DESC",
-    )
-    .bind(run.id)
-    .fetch_all(&mut *db)
-    .await?;
+    let rows =
+        sqlx::query("SELECT DISTINCT ON (name) name, value FROM metrics WHERE run_id = $1 ORDER BY name, step DESC")
+            .bind(run.id)
+            .fetch_all(&mut *db)
+            .await?;
     for row in rows {
         run.latest_metrics.insert(row.try_get("name")?, row.try_get("value")?);
     }
@@ -194,12 +193,11 @@ pub async fn request_cancel(db: &mut PgConnection, run_id: Uuid) -> sqlx::Result
         append_event(db, run_id, &event).await?;
         return Ok(true);
     }
-    let running = sqlx::query(
-        "UPDATE runs SET cancel_requested = true, updated_at = now() WHERE id = $1 AND status = 'running'",
-    )
-    .bind(run_id)
-    .execute(db)
-    .await?;
+    let running =
+        sqlx::query("UPDATE runs SET cancel_requested = true, updated_at = now() WHERE id = $1 AND status = 'running'")
+            .bind(run_id)
+            .execute(db)
+            .await?;
     Ok(running.rows_affected() == 1)
 }
 

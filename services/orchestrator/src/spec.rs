@@ -34,7 +34,8 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
     }
     if is_yaml(body, content_type) {
         let deserializer = serde_yaml::Deserializer::from_slice(body);
-        serde_path_to_error::deserialize(deserializer).map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
+        serde_path_to_error::deserialize(deserializer)
+            .map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
     } else {
         let mut deserializer = serde_json::Deserializer::from_slice(body);
         serde_path_to_error::deserialize(&mut deserializer)
@@ -48,10 +49,8 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient) -> Vec<Fie
     if let Some(path) = &spec.model.path {
         let dir = Path::new(path);
         if !dir.join("config.json").is_file() {
-            problems.push(FieldError::new(
-                "model.path",
-                format!("{path} is not a model directory (no config.json there)"),
-            ));
+            problems
+                .push(FieldError::new("model.path", format!("{path} is not a model directory (no config.json there)")));
         }
     }
     if let Some(id) = spec.model.checkpoint {
@@ -80,7 +79,8 @@ mod tests {
         let yaml = b"algorithm: grpo\nmodel: {path: /m}\ndata: {train: {kind: arithmetic}}\ngrpo:\n  num_generations_per_prompt: many\n";
         let e = parse(yaml, None).unwrap_err();
         assert_eq!(e.field, "grpo.num_generations_per_prompt", "{e}");
-        let json = br#"{"algorithm": "sft", "model": {"path": "/m"}, "data": {"train": {"kind": "arithmetic"}}, "colour": 1}"#;
+        let json =
+            br#"{"algorithm": "sft", "model": {"path": "/m"}, "data": {"train": {"kind": "arithmetic"}}, "colour": 1}"#;
         let e = parse(json, Some("application/json")).unwrap_err();
         assert!(e.message.contains("colour"), "{e}");
         let e = parse(b"algorithm: [unclosed", Some("application/yaml")).unwrap_err();

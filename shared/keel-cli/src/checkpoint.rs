@@ -68,7 +68,13 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
             CheckpointCommand::List { service, run } => {
                 for c in CheckpointClient::new(&service.url).list(&run).await? {
                     let size: u64 = c.files.iter().map(|f| f.size).sum();
-                    println!("{}  step {:>6}  {:>12} bytes  {}", c.id, c.step, size, serde_json::to_string(&c.metrics)?);
+                    println!(
+                        "{}  step {:>6}  {:>12} bytes  {}",
+                        c.id,
+                        c.step,
+                        size,
+                        serde_json::to_string(&c.metrics)?
+                    );
                 }
             }
             CheckpointCommand::Upload(args) => {

@@ -47,11 +47,17 @@ pub enum RunCommand {
         limit: usize,
     },
     /// A run's status and latest metrics, as JSON.
-    Show { id: Uuid },
+    Show {
+        id: Uuid,
+    },
     /// Follows a run until it ends: a progress bar and the key metrics. Exits non-zero when
     /// the run fails or is cancelled.
-    Watch { id: Uuid },
-    Cancel { id: Uuid },
+    Watch {
+        id: Uuid,
+    },
+    Cancel {
+        id: Uuid,
+    },
     /// Recorded prompts, completions and rewards.
     Samples {
         id: Uuid,
@@ -109,12 +115,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// The metrics the progress line shows, with their labels.
-const KEY_METRICS: [(&str, &str); 4] = [
-    ("train/reward", "reward"),
-    ("train/loss", "loss"),
-    ("validation/accuracy", "val acc"),
-    ("train/accuracy", "acc"),
-];
+const KEY_METRICS: [(&str, &str); 4] =
+    [("train/reward", "reward"), ("train/loss", "loss"), ("validation/accuracy", "val acc"), ("train/accuracy", "acc")];
 
 fn progress_line(run: &Run) -> String {
     let width = 30;

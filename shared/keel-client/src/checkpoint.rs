@@ -91,8 +91,13 @@ impl CheckpointClient {
             retention: new.retention,
         };
         let url = &self.url;
-        let response =
-            self.http.post(format!("{url}/v1/checkpoints")).json(&request).send().await.map_err(unreachable("create"))?;
+        let response = self
+            .http
+            .post(format!("{url}/v1/checkpoints"))
+            .json(&request)
+            .send()
+            .await
+            .map_err(unreachable("create"))?;
         let created: Checkpoint = json(response, "create").await?;
         // Only files listed here are ever read, whatever the service names as missing.
         for path in request.files.iter().map(|f| &f.path).filter(|p| created.missing.contains(p)) {
@@ -159,7 +164,10 @@ impl CheckpointClient {
             writer.get_ref().sync_all().await.map_err(io(target.display()))?;
             let sha = hex::encode(hasher.finalize());
             if sha != file.sha256 {
-                return Err(Error::Invalid(format!("{} arrived with sha256 {sha}, expected {}", file.path, file.sha256)));
+                return Err(Error::Invalid(format!(
+                    "{} arrived with sha256 {sha}, expected {}",
+                    file.path, file.sha256
+                )));
             }
         }
         let staged = staging.keep();

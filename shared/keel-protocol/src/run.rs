@@ -421,7 +421,12 @@ impl RunSpec {
                 "generation.temperature",
                 format!("must be positive for sampling, got {}", g.temperature),
             );
-            check(&mut p, g.top_p > 0.0 && g.top_p <= 1.0, "generation.top_p", format!("must be in (0, 1], got {}", g.top_p));
+            check(
+                &mut p,
+                g.top_p > 0.0 && g.top_p <= 1.0,
+                "generation.top_p",
+                format!("must be in (0, 1], got {}", g.top_p),
+            );
         }
         if alg == Algorithm::Grpo {
             let g = &self.grpo;
@@ -447,12 +452,7 @@ impl RunSpec {
                     "must be finite and ≥ 0",
                 );
             }
-            check(
-                &mut p,
-                g.dynamic_sampling.max_rounds >= 1,
-                "grpo.dynamic_sampling.max_rounds",
-                "must be at least 1",
-            );
+            check(&mut p, g.dynamic_sampling.max_rounds >= 1, "grpo.dynamic_sampling.max_rounds", "must be at least 1");
         }
         check(&mut p, self.max_total_sequence_length >= 2, "max_total_sequence_length", "must be at least 2");
         check(&mut p, self.max_num_steps >= 1, "max_num_steps", "must be at least 1");
@@ -487,8 +487,8 @@ impl RunSpec {
                 );
             }
         }
-        for (field, dataset) in
-            std::iter::once(("data.train", &self.data.train)).chain(self.data.validation.iter().map(|d| ("data.validation", d)))
+        for (field, dataset) in std::iter::once(("data.train", &self.data.train))
+            .chain(self.data.validation.iter().map(|d| ("data.validation", d)))
         {
             match dataset {
                 DatasetSpec::Jsonl { path, .. } => {

@@ -39,7 +39,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let mut weights = (start.policy_dir.clone(), start.step);
     ctx.publish_weights(&weights.0, weights.1).await?;
     if !start.resumed && !validation.is_empty() {
-        let (metrics, samples) = rollout::validate(ctx, &prompting, &validation, weights.clone(), 0, "validation").await?;
+        let (metrics, samples) =
+            rollout::validate(ctx, &prompting, &validation, weights.clone(), 0, "validation").await?;
         let mut db = ctx.pool.acquire().await?;
         crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
         crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
@@ -62,15 +63,21 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
         let sequences = Sequences { input_ids: rows.input_ids.clone() };
         let temperature = spec.generation.temperature;
         let prev = logprobs(ctx, Scorer::Policy, &sequences, temperature).await?;
-        let reference =
-            if loaded.has_reference { Some(logprobs(ctx, Scorer::Reference, &sequences, temperature).await?) } else { None };
+        let reference = if loaded.has_reference {
+            Some(logprobs(ctx, Scorer::Reference, &sequences, temperature).await?)
+        } else {
+            None
+        };
         metrics.insert("timing/train/policy_and_reference_logprobs".into(), seconds(phase));
 
         ctx.stop.check()?;
         let phase = Instant::now();
         let batch_body = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
-        let request =
-            TrainRequest { run_id: ctx.id.to_string(), batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?, temperature };
+        let request = TrainRequest {
+            run_id: ctx.id.to_string(),
+            batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?,
+            temperature,
+        };
         let trained: TrainReply = trainer.op(TrainerOp::Train, &request).await?;
         metrics.insert("timing/train/policy_training".into(), seconds(phase));
         metrics.extend(mean_step_metrics(&trained, "train"));
@@ -83,7 +90,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
         saved.push(dir);
         metrics.insert("timing/train/weight_sync".into(), seconds(phase));
 
-        let mut samples: Vec<_> = batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
+        let mut samples: Vec<_> =
+            batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
         let last = step == total;
         if !validation.is_empty() && ctx.validates_at(step, last) {
             let phase = Instant::now();

@@ -157,8 +157,9 @@ impl RunContext {
                 if !dir.exists() {
                     self.checkpoints.download_dir(checkpoint.id, &dir).await?;
                 }
-                let position = serde_json::from_value(checkpoint.info["dataloader"].clone())
-                    .map_err(|e| Stop::Failed(format!("checkpoint {} has no dataloader position: {e}", checkpoint.id)))?;
+                let position = serde_json::from_value(checkpoint.info["dataloader"].clone()).map_err(|e| {
+                    Stop::Failed(format!("checkpoint {} has no dataloader position: {e}", checkpoint.id))
+                })?;
                 Start { base_dir, policy_dir: dir, step: checkpoint.step, position, resumed: true }
             }
             None => {
@@ -249,8 +250,7 @@ impl RunContext {
 
     /// Tells every generator to serve `dir` as this run's weights at `version`.
     pub async fn publish_weights(&self, dir: &Path, version: u64) -> Result<()> {
-        let event =
-            WeightsUpdated { run_id: self.id.to_string(), version, path: dir.to_string_lossy().into_owned() };
+        let event = WeightsUpdated { run_id: self.id.to_string(), version, path: dir.to_string_lossy().into_owned() };
         let body = serde_json::to_vec(&event).map_err(|e| Stop::Failed(e.to_string()))?;
         self.nats
             .client
