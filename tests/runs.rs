@@ -143,7 +143,9 @@ async fn a_killed_orchestrator_is_replaced_and_no_step_is_repeated_or_skipped() 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cancelled_run_stops_and_frees_its_trainer() {
     let stack = Stack::start();
-    let long = stack.submit(&sft_spec(&json!({"path": stack.model}), 10_000, 1000)).await;
+    let mut long = sft_spec(&json!({"path": stack.model}), 10_000, 1000);
+    long["max_num_epochs"] = json!(1000);
+    let long = stack.submit(&long).await;
     stack.wait_for(&long, LIMIT, |run| run["step"].as_u64().unwrap_or(0) >= 1).await;
     // The only trainer is taken: a second run waits in the queue.
     let next = stack.submit(&sft_spec(&json!({"path": stack.model}), 2, 2)).await;

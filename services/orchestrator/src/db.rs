@@ -281,6 +281,13 @@ pub async fn finish_run(
     Ok(true)
 }
 
+/// The steps the run will take, once its data is known (the spec's `max_num_steps` may be
+/// more than its epochs hold).
+pub async fn set_total_steps(db: &mut PgConnection, run_id: Uuid, total: u64) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET total_steps = $2 WHERE id = $1").bind(run_id).bind(total as i64).execute(db).await?;
+    Ok(())
+}
+
 /// Puts a claimed run back in the queue (no trainer was free).
 pub async fn requeue(db: &mut PgConnection, run_id: Uuid) -> sqlx::Result<()> {
     sqlx::query("UPDATE runs SET status = 'queued', owner = NULL, updated_at = now() WHERE id = $1")
@@ -375,6 +382,11 @@ pub async fn insert_metrics(
     Ok(())
 }
 
+/// Text as Postgres stores it: a model may well generate a NUL byte, which `text` refuses.
+fn storable(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
+}
+
 pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Sample]) -> sqlx::Result<()> {
     for (i, s) in samples.iter().enumerate() {
         sqlx::query(
@@ -385,10 +397,10 @@ pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Samp
         .bind(s.step as i64)
         .bind(&s.split)
         .bind(i as i32)
-        .bind(&s.prompt)
-        .bind(&s.completion)
+        .bind(storable(&s.prompt))
+        .bind(storable(&s.completion))
         .bind(s.reward)
-        .bind(&s.ground_truth)
+        .bind(s.ground_truth.as_deref().map(storable))
         .bind(&s.finish_reason)
         .execute(&mut *db)
         .await?;

@@ -683,7 +683,13 @@ mod tests {
         let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(
             fields,
-            ["model", "training.global_batch_size", "grpo.num_generations_per_prompt", "validation.pass_at_k[0]"]
+            [
+                "model",
+                "training.micro_batch_size",
+                "training.global_batch_size",
+                "grpo.num_generations_per_prompt",
+                "validation.pass_at_k[0]"
+            ]
         );
     }
 

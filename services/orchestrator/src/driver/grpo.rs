@@ -36,6 +36,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let prompts = spec.grpo.num_prompts_per_step;
     let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
     let total = spec.max_num_steps.min(start.step + loader.batches_left(prompts));
+    ctx.set_total_steps(total).await?;
     let mut weights = (start.policy_dir.clone(), start.step);
     ctx.publish_weights(&weights.0, weights.1).await?;
     if !start.resumed && !validation.is_empty() {

@@ -196,6 +196,11 @@ impl RunContext {
         Ok(self.trainer()?.op(TrainerOp::Load, &request).await?)
     }
 
+    /// Tells the API how many steps the run will take.
+    pub async fn set_total_steps(&self, total: u64) -> Result<()> {
+        Ok(db::set_total_steps(&mut *self.pool.acquire().await?, self.id, total).await?)
+    }
+
     /// Records a finished step, or stops if the run is no longer this instance's.
     pub async fn record(&self, record: &db::StepRecord) -> Result<()> {
         let mut tx = self.pool.begin().await?;

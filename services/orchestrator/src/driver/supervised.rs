@@ -33,6 +33,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let per_step = if pairwise { training.global_batch_size / 2 } else { training.global_batch_size };
     let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
     let total = spec.max_num_steps.min(start.step + loader.batches_left(per_step));
+    ctx.set_total_steps(total).await?;
     if !start.resumed && !validation.is_empty() {
         ctx.publish_weights(&start.policy_dir, 0).await?;
         let weights = (start.policy_dir.clone(), 0);
