@@ -127,14 +127,16 @@ async fn dpo_starts_at_ln2_and_falls_and_reward_model_accuracy_rises() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_orchestrator_is_replaced_and_no_step_is_repeated_or_skipped() {
     let mut stack = Stack::start();
-    let id = stack.submit(&sft_spec(&json!({"path": stack.model}), 16, 3)).await;
+    let mut spec = sft_spec(&json!({"path": stack.model}), 60, 7);
+    spec["max_num_epochs"] = json!(10);
+    let id = stack.submit(&spec).await;
     stack.wait_for(&id, LIMIT, |run| run["step"].as_u64().unwrap_or(0) >= 4).await;
     drop(stack.orchestrator.take());
     stack.start_orchestrator();
     let run = stack.wait_succeeded(&id, LIMIT).await;
-    assert_eq!(run["step"], 16, "{run}");
+    assert_eq!(run["step"], 60, "{run}");
     let steps: Vec<u64> = stack.series(&id, "train/loss").await.into_iter().map(|p| p.0).collect();
-    assert_eq!(steps, (1..=16).collect::<Vec<_>>(), "every step recorded once");
+    assert_eq!(steps, (1..=60).collect::<Vec<_>>(), "every step recorded once");
     let events = stack.http.get(format!("{}/v1/runs/{id}/events", stack.api())).send().await.unwrap();
     let text = events.text().await.unwrap();
     assert!(text.contains("resumed after its orchestrator stopped"), "{text}");
