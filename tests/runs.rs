@@ -29,7 +29,7 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
     assert_eq!(steps, [3, 6], "{checkpoints}");
     let last = checkpoints[1]["id"].as_str().unwrap();
 
-    let grpo = json!({
+    let mut grpo_spec = json!({
         "name": "arithmetic-grpo",
         "algorithm": "grpo",
         "model": {"checkpoint": last},
@@ -44,7 +44,7 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
             "global_batch_size": 8,
             "micro_batch_size": 4,
         },
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "advantage_estimator": "grpo"},
         "generation": {"max_new_tokens": 12, "temperature": 1.0},
         "max_total_sequence_length": 64,
         "max_num_steps": 3,
@@ -52,7 +52,7 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
         "checkpointing": {"save_period": 2, "keep_top_k": 1, "metric_name": "validation/accuracy"},
         "seed": 5,
     });
-    let grpo = stack.submit(&grpo).await;
+    let grpo = stack.submit(&grpo_spec).await;
     let run = stack.wait_succeeded(&grpo, LIMIT).await;
     assert_eq!(run["step"], 3, "{run}");
     for name in [
@@ -89,6 +89,15 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
     let events = stack.http.get(format!("{}/v1/runs/{grpo}/events", stack.api())).send().await.unwrap();
     let text = events.text().await.unwrap();
     assert!(text.contains("event: step") && text.contains("\"succeeded\""), "{text}");
+
+    // The REINFORCE++ estimator, from the base model, without validation.
+    grpo_spec["grpo"]["advantage_estimator"] = json!("reinforce_plus_plus");
+    grpo_spec["model"] = json!({"path": stack.model});
+    grpo_spec["max_num_steps"] = json!(1);
+    grpo_spec["data"]["validation"] = serde_json::Value::Null;
+    let reinforce = stack.submit(&grpo_spec).await;
+    stack.wait_succeeded(&reinforce, LIMIT).await;
+    assert_eq!(stack.series(&reinforce, "train/loss").await.len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -235,11 +235,25 @@ fn one_f64() -> f64 {
     1.0
 }
 
+/// How rewards become advantages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageEstimator {
+    /// Reward minus the group baseline (`use_leave_one_out_baseline`), divided by the group's
+    /// std when `normalize_rewards`.
+    #[default]
+    Grpo,
+    /// REINFORCE++: the group mean subtracted (when `normalize_rewards`), then whitened over
+    /// every valid token of the batch.
+    ReinforcePlusPlus,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpoSpec {
     pub num_prompts_per_step: usize,
     pub num_generations_per_prompt: usize,
+    pub advantage_estimator: AdvantageEstimator,
     /// Environment turns per sample (1 = single-turn).
     pub max_rollout_turns: u32,
     pub normalize_rewards: bool,
@@ -257,6 +271,7 @@ impl Default for GrpoSpec {
         Self {
             num_prompts_per_step: 32,
             num_generations_per_prompt: 16,
+            advantage_estimator: AdvantageEstimator::Grpo,
             max_rollout_turns: 1,
             normalize_rewards: true,
             use_leave_one_out_baseline: true,

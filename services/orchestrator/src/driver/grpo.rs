@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use keel_algorithms::{Baseline, grpo_advantages};
+use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
 use keel_protocol::generator::Sampling;
-use keel_protocol::run::{Algorithm, RunSpec};
+use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest};
 
@@ -233,10 +233,17 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
     let g = &spec.grpo;
     let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
     let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
-    let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
-    let valid = vec![true; episodes.len()];
-    let advantages = grpo_advantages(&groups, &rewards, &valid, baseline, g.normalize_rewards)
-        .map_err(|e| Stop::Failed(format!("advantages: {e}")))?;
+    let advantages = match g.advantage_estimator {
+        AdvantageEstimator::Grpo => {
+            let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
+            grpo_advantages(&groups, &rewards, &vec![true; episodes.len()], baseline, g.normalize_rewards)
+        }
+        AdvantageEstimator::ReinforcePlusPlus => {
+            let tokens: Vec<usize> = episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
+            reinforce_pp_advantages(&groups, &rewards, &tokens, g.normalize_rewards)
+        }
+    }
+    .map_err(|e| Stop::Failed(format!("advantages: {e}")))?;
     let sample_mask =
         episodes.iter().map(|e| if e.skipped || (g.overlong_filtering && e.truncated) { 0.0 } else { 1.0 }).collect();
     Ok(TrainBatch {
