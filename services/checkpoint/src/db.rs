@@ -8,11 +8,8 @@
 //! interleave.
 
 use std::collections::BTreeMap;
-use std::str::FromStr;
 
 use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry, Lease, Retention};
-use sqlx::migrate::MigrateDatabase;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 use uuid::Uuid;
 
@@ -22,22 +19,7 @@ pub const SCHEMA: &str = "checkpoint";
 /// Connects (creating the database when it does not exist), creates the schema and applies
 /// the migrations.
 pub async fn connect(url: &str) -> Result<PgPool, String> {
-    if !Postgres::database_exists(url).await.map_err(|e| format!("cannot reach Postgres at {url}: {e}"))? {
-        Postgres::create_database(url).await.map_err(|e| format!("cannot create the database {url}: {e}"))?;
-    }
-    let options =
-        PgConnectOptions::from_str(url).map_err(|e| format!("database_url: {e}"))?.options([("search_path", SCHEMA)]);
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .connect_with(options)
-        .await
-        .map_err(|e| format!("cannot connect to Postgres at {url}: {e}"))?;
-    sqlx::query("CREATE SCHEMA IF NOT EXISTS checkpoint")
-        .execute(&pool)
-        .await
-        .map_err(|e| format!("cannot create schema {SCHEMA}: {e}"))?;
-    sqlx::migrate!("./migrations").run(&pool).await.map_err(|e| format!("migrations failed: {e}"))?;
-    Ok(pool)
+    keel_service::postgres::connect(url, SCHEMA, &sqlx::migrate!("./migrations")).await
 }
 
 pub type Tx<'a> = sqlx::Transaction<'a, Postgres>;

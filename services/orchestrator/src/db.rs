@@ -9,12 +9,10 @@
 //! transaction.
 
 use std::collections::BTreeMap;
-use std::str::FromStr;
 
 use keel_protocol::run::{Algorithm, MetricSeries, Run, RunEvent, RunEventRecord, RunSpec, RunStatus, Sample};
-use sqlx::migrate::MigrateDatabase;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::{PgConnection, PgPool, Postgres, Row};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 pub const SCHEMA: &str = "orchestrator";
@@ -41,22 +39,7 @@ macro_rules! run_columns {
 /// Connects (creating the database when it does not exist), creates the schema and applies
 /// the migrations.
 pub async fn connect(url: &str) -> Result<PgPool, String> {
-    if !Postgres::database_exists(url).await.map_err(|e| format!("cannot reach Postgres at {url}: {e}"))? {
-        Postgres::create_database(url).await.map_err(|e| format!("cannot create the database {url}: {e}"))?;
-    }
-    let options =
-        PgConnectOptions::from_str(url).map_err(|e| format!("database_url: {e}"))?.options([("search_path", SCHEMA)]);
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .connect_with(options)
-        .await
-        .map_err(|e| format!("cannot connect to Postgres at {url}: {e}"))?;
-    sqlx::query("CREATE SCHEMA IF NOT EXISTS orchestrator")
-        .execute(&pool)
-        .await
-        .map_err(|e| format!("cannot create schema {SCHEMA}: {e}"))?;
-    sqlx::migrate!("./migrations").run(&pool).await.map_err(|e| format!("migrations failed: {e}"))?;
-    Ok(pool)
+    keel_service::postgres::connect(url, SCHEMA, &sqlx::migrate!("./migrations")).await
 }
 
 fn run_from_row(row: &PgRow) -> sqlx::Result<Run> {

@@ -8,6 +8,7 @@
 //! - [`json`]: decoding request bodies with errors that name the field path.
 //! - [`metrics`]: the Prometheus text format for `GET /metrics`.
 //! - [`parts`]: a service's concurrent parts, stopped together.
+//! - [`postgres`]: a pool in the service's own schema, its migrations applied.
 //! - [`nats`]: connecting to NATS and moving bulk payloads through the JetStream object store.
 
 pub mod config;
@@ -17,6 +18,7 @@ pub mod json;
 pub mod metrics;
 pub mod nats;
 pub mod parts;
+pub mod postgres;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
