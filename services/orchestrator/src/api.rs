@@ -5,6 +5,7 @@
 //! Errors are `{"error": {"type", "message"}}`; a refused spec (422, `invalid_spec`) also
 //! lists every problem as `problems: [{field, message}]`.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ use futures::Stream;
 use keel_client::checkpoint::CheckpointClient;
 use keel_protocol::FieldError;
 use keel_protocol::checkpoint::Checkpoint;
-use keel_protocol::run::{Metrics, Run, RunList, RunSpec, RunStatus, Samples};
+use keel_protocol::run::{Metrics, Run, RunEventRecord, RunList, RunSpec, RunStatus, Samples};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
@@ -227,45 +228,36 @@ pub async fn events(
     let run = find(&state.pool, parse_id(&id)?).await?;
     let after: i64 =
         headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(0);
-    let stream = futures::stream::unfold(
-        (state.pool.clone(), run.id, after, Vec::new(), false),
-        |(pool, run_id, mut after, mut pending, mut finished)| async move {
-            loop {
-                if let Some(record) = (!pending.is_empty()).then(|| pending.remove(0)) {
-                    let record: keel_protocol::run::RunEventRecord = record;
-                    after = record.seq;
-                    if let keel_protocol::run::RunEvent::Status { status, .. } = &record.event {
-                        finished |= status.is_final();
-                    }
-                    let kind = match &record.event {
-                        keel_protocol::run::RunEvent::Status { .. } => "status",
-                        keel_protocol::run::RunEvent::Step { .. } => "step",
-                        keel_protocol::run::RunEvent::Checkpoint { .. } => "checkpoint",
-                    };
-                    let event = Event::default()
-                        .id(record.seq.to_string())
-                        .event(kind)
-                        .data(serde_json::to_string(&record).unwrap_or_default());
-                    return Some((Ok(event), (pool, run_id, after, pending, finished)));
-                }
-                if finished {
-                    return None;
-                }
-                match pool.acquire().await {
-                    Ok(mut db) => match db::events_after(&mut db, run_id, after).await {
-                        Ok(records) if !records.is_empty() => {
-                            pending = records;
-                            continue;
-                        }
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(%run_id, "event stream: {e}"),
-                    },
-                    Err(e) => tracing::warn!(%run_id, "event stream: {e}"),
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
+    let state = (state.pool.clone(), run.id, after, VecDeque::new(), false);
+    let stream = futures::stream::unfold(state, |(pool, run_id, mut after, mut pending, mut finished)| async move {
+        loop {
+            if let Some(record) = pending.pop_front() {
+                let record: RunEventRecord = record;
+                after = record.seq;
+                finished |= record.event.is_final();
+                let event = Event::default()
+                    .id(record.seq.to_string())
+                    .event(record.event.kind())
+                    .data(serde_json::to_string(&record).unwrap_or_default());
+                return Some((Ok(event), (pool, run_id, after, pending, finished)));
             }
-        },
-    );
+            if finished {
+                return None;
+            }
+            let found = match pool.acquire().await {
+                Ok(mut db) => db::events_after(&mut db, run_id, after).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match found {
+                Ok(records) if !records.is_empty() => pending.extend(records),
+                Ok(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+                Err(e) => {
+                    tracing::warn!(%run_id, "event stream: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+    });
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 

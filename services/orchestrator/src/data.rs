@@ -69,6 +69,14 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
     Ok(records)
 }
 
+/// [`load`] on a blocking thread (files are read and records made off the async workers).
+pub async fn load_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
+    let (spec, field) = (spec.clone(), field.to_string());
+    tokio::task::spawn_blocking(move || load(&spec, algorithm, &field))
+        .await
+        .map_err(|e| FieldError::new("data", format!("loading stopped: {e}")))?
+}
+
 fn read_jsonl(path: &Path, keys: &DataKeys, field: &str) -> Result<Vec<Record>, FieldError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| FieldError::new(format!("{field}.path"), format!("cannot read {}: {e}", path.display())))?;

@@ -126,9 +126,20 @@ pub async fn list_runs(
     .bind(limit)
     .fetch_all(&mut *db)
     .await?;
-    let mut runs = Vec::with_capacity(rows.len());
-    for row in rows {
-        runs.push(with_latest_metrics(db, run_from_row(&row)?).await?);
+    let mut runs = rows.iter().map(run_from_row).collect::<sqlx::Result<Vec<Run>>>()?;
+    let ids: Vec<Uuid> = runs.iter().map(|r| r.id).collect();
+    let latest = sqlx::query(
+        "SELECT DISTINCT ON (run_id, name) run_id, name, value FROM metrics WHERE run_id = ANY($1) \
+         ORDER BY run_id, name, step DESC",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *db)
+    .await?;
+    for row in latest {
+        let run_id: Uuid = row.try_get("run_id")?;
+        if let Some(run) = runs.iter_mut().find(|r| r.id == run_id) {
+            run.latest_metrics.insert(row.try_get("name")?, row.try_get("value")?);
+        }
     }
     Ok(runs)
 }

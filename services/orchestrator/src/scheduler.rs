@@ -160,11 +160,12 @@ impl Scheduler {
         if let Err(e) = self.settle(&ctx, &result).await {
             tracing::error!(run_id = %ctx.id, "cannot record how the run ended: {e}");
         }
-        if !matches!(result, Err(Stop::Lost)) && ctx.run_dir.exists() {
-            let retry = matches!(result, Err(Stop::Failed(_)));
-            if !retry && let Err(e) = std::fs::remove_dir_all(&ctx.run_dir) {
-                tracing::warn!("cannot remove {}: {e}", ctx.run_dir.display());
-            }
+        // A failed run may be retried from this directory's downloads; a lost one is another's.
+        if matches!(result, Ok(()) | Err(Stop::Cancelled))
+            && ctx.run_dir.exists()
+            && let Err(e) = tokio::fs::remove_dir_all(&ctx.run_dir).await
+        {
+            tracing::warn!("cannot remove {}: {e}", ctx.run_dir.display());
         }
     }
 

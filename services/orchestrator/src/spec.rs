@@ -63,7 +63,7 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient) -> Vec<Fie
     let train = std::iter::once(("data.train", &spec.data.train));
     for (field, dataset) in train.chain(spec.data.validation.iter().map(|d| ("data.validation", d))) {
         let needs = if field == "data.validation" { keel_protocol::run::Algorithm::Eval } else { spec.algorithm };
-        if let Err(problem) = data::load(dataset, needs, field) {
+        if let Err(problem) = data::load_async(dataset, needs, field).await {
             problems.push(problem);
         }
     }

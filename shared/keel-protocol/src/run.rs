@@ -133,6 +133,9 @@ pub enum ArithmeticSplit {
     HeldOut,
 }
 
+/// The most records the arithmetic generator makes (they are held in memory).
+pub const MAX_ARITHMETIC_SIZE: usize = 10_000_000;
+
 fn default_arithmetic_size() -> usize {
     1000
 }
@@ -510,7 +513,12 @@ impl RunSpec {
                     check(&mut p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
                 }
                 DatasetSpec::Arithmetic { size, operations, .. } => {
-                    check(&mut p, *size >= 1, &format!("{field}.size"), "must be at least 1");
+                    check(
+                        &mut p,
+                        (1..=MAX_ARITHMETIC_SIZE).contains(size),
+                        &format!("{field}.size"),
+                        format!("must be 1 to {MAX_ARITHMETIC_SIZE}, got {size}"),
+                    );
                     check(
                         &mut p,
                         !operations.is_empty() && operations.chars().all(|c| "+-*".contains(c)),
@@ -656,6 +664,22 @@ pub enum RunEvent {
     Status { status: RunStatus, reason: Option<String> },
     Step { step: u64, metrics: BTreeMap<String, f64> },
     Checkpoint { step: u64, checkpoint_id: uuid::Uuid },
+}
+
+impl RunEvent {
+    /// The SSE event name: `status`, `step` or `checkpoint`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Status { .. } => "status",
+            Self::Step { .. } => "step",
+            Self::Checkpoint { .. } => "checkpoint",
+        }
+    }
+
+    /// Whether this is the run's final status.
+    pub fn is_final(&self) -> bool {
+        matches!(self, Self::Status { status, .. } if status.is_final())
+    }
 }
 
 /// An event with its sequence number (the SSE `id`, for `Last-Event-ID`).

@@ -5,14 +5,14 @@
 use keel_protocol::run::Algorithm;
 
 use super::tokens::Prompting;
-use super::{Result, RunContext, Stop, rollout};
+use super::{Result, RunContext, rollout};
 use crate::data;
 use crate::db::StepRecord;
 
 pub async fn run(ctx: &RunContext) -> Result<()> {
     let spec = &ctx.spec;
     let dataset = spec.data.validation.as_ref().unwrap_or(&spec.data.train);
-    let records = data::load(dataset, Algorithm::Eval, "data").map_err(|e| Stop::Failed(e.to_string()))?;
+    let records = data::load_async(dataset, Algorithm::Eval, "data").await?;
     let start = ctx.start().await?;
     let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
     ctx.publish_weights(&start.policy_dir, 0).await?;

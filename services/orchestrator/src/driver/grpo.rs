@@ -25,9 +25,9 @@ const WEIGHT_DIRS_KEPT: usize = 2;
 
 pub async fn run(ctx: &RunContext) -> Result<()> {
     let spec = &ctx.spec;
-    let train = data::load(&spec.data.train, Algorithm::Grpo, "data.train").map_err(|e| Stop::Failed(e.to_string()))?;
+    let train = data::load_async(&spec.data.train, Algorithm::Grpo, "data.train").await?;
     let validation = match &spec.data.validation {
-        Some(d) => data::load(d, Algorithm::Grpo, "data.validation").map_err(|e| Stop::Failed(e.to_string()))?,
+        Some(d) => data::load_async(d, Algorithm::Grpo, "data.validation").await?,
         None => Vec::new(),
     };
     let start = ctx.start().await?;
@@ -40,11 +40,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let mut weights = (start.policy_dir.clone(), start.step);
     ctx.publish_weights(&weights.0, weights.1).await?;
     if !start.resumed && !validation.is_empty() {
-        let (metrics, samples) =
-            rollout::validate(ctx, &prompting, &validation, weights.clone(), 0, "validation").await?;
-        let mut db = ctx.pool.acquire().await?;
-        crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
-        crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
+        rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
     }
     let mut saved: Vec<PathBuf> = Vec::new();
     for step in start.step + 1..=total {
@@ -95,12 +91,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
         let last = step == total;
         if !validation.is_empty() && ctx.validates_at(step, last) {
-            let phase = Instant::now();
-            let (val_metrics, val_samples) =
-                rollout::validate(ctx, &prompting, &validation, weights.clone(), step, "validation").await?;
-            metrics.extend(val_metrics);
-            samples.extend(val_samples);
-            metrics.insert("timing/validation/total_validation_time".into(), seconds(phase));
+            rollout::validate_step(ctx, &prompting, &validation, weights.clone(), step, &mut metrics, &mut samples)
+                .await?;
         }
         metrics.insert("timing/train/total_step_time".into(), seconds(started));
         ctx.record(&StepRecord {

@@ -58,6 +58,12 @@ impl From<CallError> for Stop {
     }
 }
 
+impl From<keel_protocol::FieldError> for Stop {
+    fn from(e: keel_protocol::FieldError) -> Self {
+        Self::Failed(e.to_string())
+    }
+}
+
 impl From<sqlx::Error> for Stop {
     fn from(e: sqlx::Error) -> Self {
         Self::Failed(format!("database: {e}"))

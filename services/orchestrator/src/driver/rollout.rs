@@ -386,3 +386,35 @@ pub async fn validate(
     let samples = episodes.iter().step_by(v.num_samples.max(1)).take(8).map(|e| e.sample(step, "validation")).collect();
     Ok((metrics, samples))
 }
+
+/// The starting model's validation, recorded as step 0 (the baseline of the curve).
+pub async fn record_baseline(
+    ctx: &RunContext,
+    prompting: &Prompting,
+    records: &[Record],
+    weights: (PathBuf, u64),
+) -> Result<()> {
+    let (metrics, samples) = validate(ctx, prompting, records, weights, 0, "validation").await?;
+    let mut db = ctx.pool.acquire().await?;
+    crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
+    crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
+    Ok(())
+}
+
+/// Validation within step `step`: its metrics, samples and time added to the step's.
+pub async fn validate_step(
+    ctx: &RunContext,
+    prompting: &Prompting,
+    records: &[Record],
+    weights: (PathBuf, u64),
+    step: u64,
+    metrics: &mut BTreeMap<String, f64>,
+    samples: &mut Vec<Sample>,
+) -> Result<()> {
+    let started = Instant::now();
+    let (found, recorded) = validate(ctx, prompting, records, weights, step, "validation").await?;
+    metrics.extend(found);
+    samples.extend(recorded);
+    metrics.insert("timing/validation/total_validation_time".into(), super::seconds(started));
+    Ok(())
+}

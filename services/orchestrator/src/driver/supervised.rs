@@ -19,11 +19,9 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let spec = &ctx.spec;
     let algorithm = spec.algorithm;
     let training = spec.training.as_ref().ok_or_else(|| Stop::Failed("this run has no training section".into()))?;
-    let train = data::load(&spec.data.train, algorithm, "data.train").map_err(|e| Stop::Failed(e.to_string()))?;
+    let train = data::load_async(&spec.data.train, algorithm, "data.train").await?;
     let validation = match (&spec.data.validation, &spec.environments, algorithm) {
-        (Some(d), Some(_), Algorithm::Sft) => {
-            data::load(d, Algorithm::Eval, "data.validation").map_err(|e| Stop::Failed(e.to_string()))?
-        }
+        (Some(d), Some(_), Algorithm::Sft) => data::load_async(d, Algorithm::Eval, "data.validation").await?,
         _ => Vec::new(),
     };
     let start = ctx.start().await?;
@@ -37,10 +35,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     if !start.resumed && !validation.is_empty() {
         ctx.publish_weights(&start.policy_dir, 0).await?;
         let weights = (start.policy_dir.clone(), 0);
-        let (metrics, samples) = rollout::validate(ctx, &prompting, &validation, weights, 0, "validation").await?;
-        let mut db = ctx.pool.acquire().await?;
-        crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
-        crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
+        rollout::record_baseline(ctx, &prompting, &validation, weights).await?;
     }
     for step in start.step + 1..=total {
         ctx.stop.check()?;
@@ -69,15 +64,11 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
         let mut saved = None;
         let mut samples = Vec::new();
         if !validation.is_empty() && ctx.validates_at(step, last) {
-            let phase = Instant::now();
             let dir = weights_dir(&ctx.run_dir, step);
             ctx.save(&dir, step, loader.position()).await?;
             ctx.publish_weights(&dir, step).await?;
-            let (val_metrics, val_samples) =
-                rollout::validate(ctx, &prompting, &validation, (dir.clone(), step), step, "validation").await?;
-            metrics.extend(val_metrics);
-            samples = val_samples;
-            metrics.insert("timing/validation/total_validation_time".into(), seconds(phase));
+            rollout::validate_step(ctx, &prompting, &validation, (dir.clone(), step), step, &mut metrics, &mut samples)
+                .await?;
             saved = Some(dir);
         }
         metrics.insert("timing/train/total_step_time".into(), seconds(started));
