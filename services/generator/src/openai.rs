@@ -687,5 +687,6 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         "How long the last refit took, drain included.",
         refit,
     );
+    keel_service::metrics::render_shared(&mut out);
     ([(header::CONTENT_TYPE, keel_service::metrics::CONTENT_TYPE)], out)
 }

@@ -119,8 +119,11 @@ pub async fn serve(
                 let Some(message) = message else { return Err("the rollout subscription ended".into()) };
                 let (state, client, serving_run) = (state.clone(), client.clone(), serving_run.clone());
                 tokio::spawn(async move {
-                    let reply = rollout(&state, &serving_run, &message.payload).await;
-                    let body = serde_json::to_vec(&reply).unwrap_or_default();
+                    let body = keel_service::nats::served("generator.generate", &message, async {
+                        let reply = rollout(&state, &serving_run, &message.payload).await;
+                        serde_json::to_vec(&reply).unwrap_or_default()
+                    })
+                    .await;
                     if let Some(to) = message.reply
                         && let Err(e) = client.publish(to, body.into()).await
                     {
@@ -133,7 +136,9 @@ pub async fn serve(
                 match serde_json::from_slice::<WeightsUpdated>(&message.payload) {
                     Ok(update) => {
                         let (engine, serving_run) = (state.engine.clone(), serving_run.clone());
-                        tokio::spawn(async move {
+                        let span = keel_service::nats::server_span("generator.refit", &message);
+                        span.record("run_id", update.run_id.as_str());
+                        tokio::spawn(tracing::Instrument::instrument(async move {
                             match engine.refit(PathBuf::from(&update.path), update.version).await {
                                 Ok(seconds) => {
                                     if let Ok(mut run) = serving_run.lock() {
@@ -143,7 +148,7 @@ pub async fn serve(
                                 }
                                 Err(e) => warn!(version = update.version, "refit refused: {e}"),
                             }
-                        });
+                        }, span));
                     }
                     Err(e) => warn!("malformed weights-updated event ignored: {e}"),
                 }

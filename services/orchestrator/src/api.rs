@@ -98,8 +98,25 @@ pub fn routes(state: AppState) -> Router {
         .route("/v1/runs/{id}/events", get(events))
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/checkpoints", get(checkpoints))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
+        .route("/metrics", get(prometheus));
     api.with_state(state)
+}
+
+/// Prometheus metrics: runs by status, the phases of recorded steps, and the requests this
+/// orchestrator served.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
+pub async fn prometheus(State(state): State<AppState>) -> Answer<Response> {
+    use keel_service::metrics;
+    let counts = db::count_by_status(&mut *state.pool.acquire().await?).await?;
+    let mut out = String::new();
+    metrics::header(&mut out, "keel_runs", "gauge", "Runs in the database, by status.");
+    for status in RunStatus::ALL {
+        let count = counts.iter().find(|(s, _)| s == status.name()).map_or(0, |(_, n)| *n);
+        metrics::sample(&mut out, "keel_runs", &[("status", status.name())], count as f64);
+    }
+    metrics::render_shared(&mut out);
+    Ok(metrics::response(out))
 }
 
 async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
@@ -286,7 +303,7 @@ pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) 
         title = "Keel",
         description = "Keel's run API: submit post-training runs (GRPO, SFT, DPO, reward model, eval), follow their metrics, samples and checkpoints. Bearer-token auth when the orchestrator has a token."
     ),
-    paths(submit, list, show, metrics, samples, events, cancel, checkpoints),
+    paths(submit, list, show, metrics, samples, events, cancel, checkpoints, prometheus),
     components(schemas(keel_protocol::run::RunEventRecord))
 )]
 pub struct ApiDoc;

@@ -13,6 +13,7 @@ use keel_protocol::{ErrorBody, Reply, Subjects};
 use keel_service::nats::Bulk;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tracing::Instrument;
 
 /// Why a request got no useful answer.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -62,8 +63,17 @@ impl Nats {
     ) -> Result<Rep, CallError> {
         let bytes = serde_json::to_vec(body)
             .map_err(|e| CallError::Malformed { subject: subject.clone(), message: format!("cannot encode: {e}") })?;
-        let request = self.client.request(subject.clone(), bytes.into());
-        let message = match tokio::time::timeout(timeout, request).await {
+        let span = tracing::info_span!(
+            "nats.client",
+            otel.name = %subject,
+            otel.kind = "client",
+            messaging.system = "nats",
+            messaging.destination.name = %subject,
+            messaging.message.body.size = bytes.len(),
+        );
+        let headers = span.in_scope(keel_telemetry::nats_headers);
+        let request = self.client.request_with_headers(subject.clone(), headers, bytes.into());
+        let message = match tokio::time::timeout(timeout, request).instrument(span).await {
             Err(_) => {
                 let message = format!("no reply within {:.0} s", timeout.as_secs_f64());
                 return Err(CallError::NoAnswer { subject, message });

@@ -464,3 +464,8 @@ pub async fn samples(
         })
         .collect()
 }
+
+/// How many runs are in each status.
+pub async fn count_by_status(db: &mut PgConnection) -> sqlx::Result<Vec<(String, i64)>> {
+    sqlx::query_as("SELECT status, count(*) FROM runs GROUP BY status ORDER BY status").fetch_all(db).await
+}

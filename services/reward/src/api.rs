@@ -145,6 +145,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
             sample(&mut out, &name, &[("env", env)], value(s));
         }
     }
+    keel_service::metrics::render_shared(&mut out);
     ([(header::CONTENT_TYPE, CONTENT_TYPE)], out)
 }
 

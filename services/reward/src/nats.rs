@@ -52,13 +52,17 @@ pub async fn serve(
         let Some(message) = message else { return Err("a reward subscription ended".into()) };
         let (scorer, client) = (scorer.clone(), client.clone());
         in_flight.spawn(async move {
-            let body = if is_step {
-                let request = parse::<EnvStepRequest>(&message.payload);
-                envelope(async { scorer.step(request?).await }.await)
-            } else {
-                let request = parse::<ScoreRequest>(&message.payload);
-                envelope(async { scorer.score(request?).await }.await)
-            };
+            let operation = if is_step { "reward.env_step" } else { "reward.score" };
+            let body = keel_service::nats::served(operation, &message, async {
+                if is_step {
+                    let request = parse::<EnvStepRequest>(&message.payload);
+                    envelope(async { scorer.step(request?).await }.await)
+                } else {
+                    let request = parse::<ScoreRequest>(&message.payload);
+                    envelope(async { scorer.score(request?).await }.await)
+                }
+            })
+            .await;
             let limit = client.server_info().max_payload;
             let body = if body.len() > limit {
                 let message =

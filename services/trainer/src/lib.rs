@@ -111,8 +111,25 @@ pub async fn run(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
-    let http =
-        tokio::spawn(keel_service::run_http(SERVICE, config.listen, keel_service::health_routes(SERVICE), http_stop));
+    let claimed = worker.claimed_probe();
+    let metrics = move || {
+        let claimed = claimed.clone();
+        async move {
+            let mut out = String::new();
+            let help = "1 while a run holds this worker.";
+            keel_service::metrics::metric(
+                &mut out,
+                "keel_trainer_claimed",
+                "gauge",
+                help,
+                f64::from(u8::from(claimed())),
+            );
+            keel_service::metrics::render_shared(&mut out);
+            keel_service::metrics::response(out)
+        }
+    };
+    let app = keel_service::health_routes(SERVICE).route("/metrics", axum::routing::get(metrics));
+    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, http_stop));
     let worker_stop = {
         let mut rx = stop_rx;
         async move {

@@ -214,6 +214,7 @@ impl Shared {
     {
         let request: Req = parse(payload)?;
         let run_id = run_of(&request).to_string();
+        tracing::Span::current().record("run_id", run_id.as_str());
         self.admit(&run_id)?;
         let outcome = work(self.clone(), request).await;
         self.finish(&run_id);
@@ -392,6 +393,12 @@ impl Worker {
         &self.shared.worker_id
     }
 
+    /// Whether a run holds this worker, readable after [`Worker::serve`] took the worker.
+    pub fn claimed_probe(&self) -> impl Fn() -> bool + Clone + Send + Sync + 'static {
+        let shared = self.shared.clone();
+        move || shared.is_claimed()
+    }
+
     async fn join_group(&self) -> std::result::Result<Subscriber, async_nats::SubscribeError> {
         self.shared.client.queue_subscribe(self.subjects.trainer_claim(), TRAINER_QUEUE_GROUP.to_string()).await
     }
@@ -407,10 +414,14 @@ impl Worker {
         let decided = (op == TrainerOp::Claim).then(|| shared.claim_body(&message.payload));
         tokio::spawn(async move {
             let client = shared.client.clone();
-            let body = match decided {
-                Some(body) => body,
-                None => shared.handle(op, message.payload).await,
-            };
+            let operation = format!("trainer.{}", op.name());
+            let body = keel_service::nats::served(&operation, &message, async {
+                match decided {
+                    Some(body) => body,
+                    None => shared.handle(op, message.payload.clone()).await,
+                }
+            })
+            .await;
             if let Err(e) = client.publish(reply_to, body.into()).await {
                 warn!("cannot send a reply: {e}");
             }

@@ -40,6 +40,7 @@ impl CheckpointClient {
             .http
             .get(format!("{}/v1/checkpoints", self.url))
             .query(&[("run_id", run_id)])
+            .headers(keel_telemetry::http_headers())
             .send()
             .await
             .map_err(unreachable("list checkpoints"))?;
@@ -51,6 +52,7 @@ impl CheckpointClient {
         let response = self
             .http
             .get(format!("{}/v1/runs/{run_id}/checkpoints/latest", self.url))
+            .headers(keel_telemetry::http_headers())
             .send()
             .await
             .map_err(unreachable("latest checkpoint"))?;
@@ -61,8 +63,13 @@ impl CheckpointClient {
     }
 
     pub async fn get(&self, id: Uuid) -> Result<Checkpoint> {
-        let response =
-            self.http.get(format!("{}/v1/checkpoints/{id}", self.url)).send().await.map_err(unreachable("get"))?;
+        let response = self
+            .http
+            .get(format!("{}/v1/checkpoints/{id}", self.url))
+            .headers(keel_telemetry::http_headers())
+            .send()
+            .await
+            .map_err(unreachable("get"))?;
         json(response, &format!("checkpoint {id}")).await
     }
 
@@ -95,6 +102,7 @@ impl CheckpointClient {
             .http
             .post(format!("{url}/v1/checkpoints"))
             .json(&request)
+            .headers(keel_telemetry::http_headers())
             .send()
             .await
             .map_err(unreachable("create"))?;
@@ -108,6 +116,7 @@ impl CheckpointClient {
                 .http
                 .put(format!("{url}/v1/checkpoints/{}/files/{path}", created.id))
                 .body(body)
+                .headers(keel_telemetry::http_headers())
                 .send()
                 .await
                 .map_err(unreachable(&what))?;
@@ -116,6 +125,7 @@ impl CheckpointClient {
         let response = self
             .http
             .post(format!("{url}/v1/checkpoints/{}/commit", created.id))
+            .headers(keel_telemetry::http_headers())
             .send()
             .await
             .map_err(unreachable("commit"))?;
@@ -148,6 +158,7 @@ impl CheckpointClient {
             let response = self
                 .http
                 .get(format!("{}/v1/checkpoints/{id}/files/{}", self.url, file.path))
+                .headers(keel_telemetry::http_headers())
                 .send()
                 .await
                 .map_err(unreachable(&what))?;
@@ -180,6 +191,7 @@ impl CheckpointClient {
         let response = self
             .http
             .get(format!("{}/v1/checkpoints/{id}/archive", self.url))
+            .headers(keel_telemetry::http_headers())
             .send()
             .await
             .map_err(unreachable("export"))?;

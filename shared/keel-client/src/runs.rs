@@ -23,7 +23,7 @@ impl RunsClient {
     }
 
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let builder = self.http.request(method, format!("{}{path}", self.url));
+        let builder = self.http.request(method, format!("{}{path}", self.url)).headers(keel_telemetry::http_headers());
         match &self.token {
             Some(token) => builder.bearer_auth(token),
             None => builder,

@@ -1,5 +1,6 @@
-//! What every service binary runs: `--config FILE`, layered config, logging to stderr
-//! (filter from `KEEL_LOG`, default `info`), a Tokio runtime, and shutdown on SIGINT/SIGTERM.
+//! What every service binary runs: `--config FILE`, layered config, logging and tracing
+//! (`keel_telemetry`: logs on stderr filtered by `KEEL_LOG`, spans over OTLP when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` is set), a Tokio runtime, and shutdown on SIGINT/SIGTERM.
 //! A bad configuration stops the process with one line and exit code 2.
 
 use std::future::Future;
@@ -7,7 +8,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
 use crate::config::{ServiceConfig, load_config};
 
@@ -45,8 +45,7 @@ where
     E: std::fmt::Display,
 {
     let flags = Flags::parse();
-    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let telemetry = keel_telemetry::init(&format!("keel-{service}"));
     let config = match load_config(service, defaults, flags.config.as_deref()) {
         Ok(config) => config,
         Err(err) => {
@@ -61,7 +60,10 @@ where
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config, Box::pin(shutdown_signal()))) {
+    let outcome = runtime.block_on(run(config, Box::pin(shutdown_signal())));
+    drop(runtime);
+    telemetry.shutdown();
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("keel-{}: {err}", service);

@@ -1,10 +1,14 @@
 //! HTTP pieces every service has: `GET /healthz`, the JSON error body
-//! (`{"error": {"type", "message"}}`) with a 404 fallback, and serving until shutdown.
+//! (`{"error": {"type", "message"}}`) with a 404 fallback, serving until shutdown, and
+//! [`observe`]: one span per request (a child of the caller's `traceparent`) and the
+//! request latency histogram.
 
 use std::future::Future;
 use std::net::SocketAddr;
 
+use axum::extract::{MatchedPath, Request};
 use axum::http::{StatusCode, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -52,9 +56,37 @@ pub async fn run_http(
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "keel-{service} listening");
     println!("keel-{service} listening on http://{addr}");
-    serve(listener, app, shutdown).await?;
+    serve(listener, app.layer(axum::middleware::from_fn(observe)), shutdown).await?;
     tracing::info!("keel-{service} stopped");
     Ok(())
+}
+
+/// Serves one request inside a server span named after its route (a child of the trace
+/// context the request carries) and records its latency in
+/// `keel_http_request_duration_seconds{method, route, status}`.
+pub async fn observe(request: Request, next: Next) -> Response {
+    let method = request.method().as_str().to_string();
+    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    let span = tracing::info_span!(
+        "http.server",
+        otel.name = format!("{method} {route}"),
+        otel.kind = "server",
+        http.request.method = %method,
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+    );
+    keel_telemetry::set_http_parent(&span, request.headers());
+    let started = std::time::Instant::now();
+    let response = tracing::Instrument::instrument(next.run(request), span.clone()).await;
+    let status = response.status().as_u16();
+    span.record("http.response.status_code", status);
+    crate::metrics::observe(
+        "keel_http_request_duration_seconds",
+        "HTTP requests served, by route and status, and their latency.",
+        &[("method", &method), ("route", &route), ("status", &status.to_string())],
+        started.elapsed().as_secs_f64(),
+    );
+    response
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then drains open requests.

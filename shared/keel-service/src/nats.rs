@@ -1,6 +1,8 @@
-//! NATS helpers: connecting (with a clear error), and [`Bulk`], which carries message bodies
-//! too large for one NATS message (over [`MAX_INLINE_BYTES`]) through a JetStream object
-//! store bucket. Objects expire after a day, so an abandoned batch does not stay forever.
+//! NATS helpers: connecting (with a clear error); [`served`] and [`server_span`], which put
+//! the handling of a request in a span that continues the sender's trace (W3C headers) and
+//! record its latency; and [`Bulk`], which carries message bodies too large for one NATS
+//! message (over [`MAX_INLINE_BYTES`]) through a JetStream object store bucket. Objects
+//! expire after a day, so an abandoned batch does not stay forever.
 
 use std::time::Duration;
 
@@ -22,6 +24,47 @@ pub async fn connect(url: &str) -> Result<async_nats::Client, String> {
         .connect(url)
         .await
         .map_err(|e| format!("cannot connect to NATS at {url}: {e}"))
+}
+
+/// A server span for handling `message` as `operation` (e.g. `trainer.train`), a child of
+/// the trace context its headers carry. Handlers may record its `run_id`.
+pub fn server_span(operation: &str, message: &async_nats::Message) -> tracing::Span {
+    let span = tracing::info_span!(
+        "nats.server",
+        otel.name = operation,
+        otel.kind = "server",
+        messaging.system = "nats",
+        messaging.destination.name = %message.subject,
+        messaging.message.body.size = message.payload.len(),
+        run_id = tracing::field::Empty,
+        error = tracing::field::Empty,
+    );
+    keel_telemetry::set_nats_parent(&span, message.headers.as_ref());
+    span
+}
+
+/// Runs `handle` (which makes the reply body) inside [`server_span`] and records its
+/// latency in `keel_nats_request_duration_seconds{operation, outcome}`; `outcome` is
+/// `error` when the reply is a Keel error envelope.
+pub async fn served<F>(operation: &str, message: &async_nats::Message, handle: F) -> Vec<u8>
+where
+    F: std::future::Future<Output = Vec<u8>>,
+{
+    use tracing::Instrument;
+    let span = server_span(operation, message);
+    let started = std::time::Instant::now();
+    let body = handle.instrument(span.clone()).await;
+    let failed = body.starts_with(b"{\"error\"");
+    if failed {
+        span.record("error", true);
+    }
+    crate::metrics::observe(
+        "keel_nats_request_duration_seconds",
+        "NATS requests served, by operation and outcome, and their latency.",
+        &[("operation", operation), ("outcome", if failed { "error" } else { "ok" })],
+        started.elapsed().as_secs_f64(),
+    );
+    body
 }
 
 /// Room left in a message for the fields around an inline body.

@@ -71,7 +71,8 @@ impl Drop for Telemetry {
 /// thread of its own with a blocking HTTP client), and keep the returned value until the
 /// runtime has stopped.
 pub fn init(service: &str) -> Telemetry {
-    let endpoint = std::env::var(ENDPOINT_VAR).ok().map(|e| e.trim_end_matches('/').to_string()).filter(|e| !e.is_empty());
+    let endpoint =
+        std::env::var(ENDPOINT_VAR).ok().map(|e| e.trim_end_matches('/').to_string()).filter(|e| !e.is_empty());
     let resource = Resource::builder()
         .with_service_name(service.to_string())
         .with_attributes([
@@ -98,7 +99,8 @@ pub fn init(service: &str) -> Telemetry {
         .with_ansi(false)
         .event_format(WithTraceId(format::Format::default()))
         .with_filter(log_filter);
-    let spans = tracing_opentelemetry::layer().with_tracer(provider.tracer(service.to_string())).with_filter(trace_filter);
+    let spans =
+        tracing_opentelemetry::layer().with_tracer(provider.tracer(service.to_string())).with_filter(trace_filter);
     if tracing_subscriber::registry().with(logs).with(spans).try_init().is_err() {
         eprintln!("telemetry: a tracing subscriber was already installed; keeping it");
     }

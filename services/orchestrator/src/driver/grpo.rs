@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use tracing::Instrument;
+
 use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
 use keel_protocol::generator::Sampling;
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec};
@@ -45,67 +47,108 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let mut saved: Vec<PathBuf> = Vec::new();
     for step in start.step + 1..=total {
         ctx.stop.check()?;
-        let started = Instant::now();
-        let mut metrics = BTreeMap::new();
-        let Some(batch) = collect_groups(ctx, &prompting, &train, &mut loader, &weights, step, &mut metrics).await?
-        else {
-            tracing::info!(run_id = %ctx.id, step, "the training data is used up");
-            break;
-        };
-        let rows = to_train_batch(spec, &batch)?;
-
-        ctx.stop.check()?;
-        let phase = Instant::now();
-        let trainer = ctx.trainer()?;
-        let sequences = Sequences { input_ids: rows.input_ids.clone() };
-        let temperature = spec.generation.temperature;
-        let prev = logprobs(ctx, Scorer::Policy, &sequences, temperature).await?;
-        let reference = if loaded.has_reference {
-            Some(logprobs(ctx, Scorer::Reference, &sequences, temperature).await?)
-        } else {
-            None
-        };
-        metrics.insert("timing/train/policy_and_reference_logprobs".into(), seconds(phase));
-
-        ctx.stop.check()?;
-        let phase = Instant::now();
-        let batch_body = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
-        let request = TrainRequest {
-            run_id: ctx.id.to_string(),
-            batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?,
-            temperature,
-        };
-        let trained: TrainReply = trainer.op(TrainerOp::Train, &request).await?;
-        metrics.insert("timing/train/policy_training".into(), seconds(phase));
-        metrics.extend(mean_step_metrics(&trained, "train"));
-
-        let phase = Instant::now();
-        let dir = weights_dir(&ctx.run_dir, step);
-        ctx.save(&dir, step, loader.position()).await?;
-        ctx.publish_weights(&dir, step).await?;
-        weights = (dir.clone(), step);
-        saved.push(dir);
-        metrics.insert("timing/train/weight_sync".into(), seconds(phase));
-
-        let mut samples: Vec<_> =
-            batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
-        let last = step == total;
-        if !validation.is_empty() && ctx.validates_at(step, last) {
-            rollout::validate_step(ctx, &prompting, &validation, weights.clone(), step, &mut metrics, &mut samples)
-                .await?;
-        }
-        metrics.insert("timing/train/total_step_time".into(), seconds(started));
-        ctx.record(&StepRecord {
+        // One trace per step: a root span, whatever span the driver runs in.
+        let span = tracing::info_span!(
+            parent: None,
+            "grpo.step",
+            otel.name = "grpo step",
+            run_id = %ctx.id,
             step,
-            metrics: metrics.clone(),
-            samples,
-            dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
-        })
-        .await?;
-        if ctx.saves_at(step, last) {
-            ctx.upload_checkpoint(&weights.0, step, loader.position(), metrics).await?;
+            total_steps = total,
+            prompts = prompts,
+            sequences = tracing::field::Empty,
+            tokens = tracing::field::Empty,
+        );
+        let more = async {
+            let started = Instant::now();
+            let mut metrics = BTreeMap::new();
+            let collected = collect_groups(ctx, &prompting, &train, &mut loader, &weights, step, &mut metrics)
+                .instrument(tracing::info_span!("rollouts", step))
+                .await?;
+            let Some(batch) = collected else {
+                tracing::info!(run_id = %ctx.id, step, "the training data is used up");
+                return Ok(false);
+            };
+            let rows = to_train_batch(spec, &batch)?;
+            let current = tracing::Span::current();
+            current.record("sequences", rows.input_ids.len());
+            current.record("tokens", rows.input_ids.iter().map(Vec::len).sum::<usize>());
+
+            ctx.stop.check()?;
+            let phase = Instant::now();
+            let trainer = ctx.trainer()?;
+            let sequences = Sequences { input_ids: rows.input_ids.clone() };
+            let temperature = spec.generation.temperature;
+            let (prev, reference) = async {
+                let prev = logprobs(ctx, Scorer::Policy, &sequences, temperature).await?;
+                let reference = if loaded.has_reference {
+                    Some(logprobs(ctx, Scorer::Reference, &sequences, temperature).await?)
+                } else {
+                    None
+                };
+                Ok::<_, Stop>((prev, reference))
+            }
+            .instrument(tracing::info_span!("policy_and_reference_logprobs", sequences = sequences.input_ids.len()))
+            .await?;
+            metrics.insert("timing/train/policy_and_reference_logprobs".into(), seconds(phase));
+
+            ctx.stop.check()?;
+            let phase = Instant::now();
+            let trained: TrainReply = async {
+                let batch_body = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
+                let request = TrainRequest {
+                    run_id: ctx.id.to_string(),
+                    batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?,
+                    temperature,
+                };
+                Ok::<_, Stop>(trainer.op(TrainerOp::Train, &request).await?)
+            }
+            .instrument(tracing::info_span!("policy_training"))
+            .await?;
+            metrics.insert("timing/train/policy_training".into(), seconds(phase));
+            metrics.extend(mean_step_metrics(&trained, "train"));
+
+            let phase = Instant::now();
+            let dir = weights_dir(&ctx.run_dir, step);
+            async {
+                ctx.save(&dir, step, loader.position()).await?;
+                ctx.publish_weights(&dir, step).await
+            }
+            .instrument(tracing::info_span!("weight_sync", version = step))
+            .await?;
+            weights = (dir.clone(), step);
+            saved.push(dir);
+            metrics.insert("timing/train/weight_sync".into(), seconds(phase));
+
+            let mut samples: Vec<_> =
+                batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
+            let last = step == total;
+            if !validation.is_empty() && ctx.validates_at(step, last) {
+                rollout::validate_step(ctx, &prompting, &validation, weights.clone(), step, &mut metrics, &mut samples)
+                    .instrument(tracing::info_span!("validation", prompts = validation.len()))
+                    .await?;
+            }
+            metrics.insert("timing/train/total_step_time".into(), seconds(started));
+            let record = StepRecord {
+                step,
+                metrics: metrics.clone(),
+                samples,
+                dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
+            };
+            ctx.record(&record).instrument(tracing::info_span!("record", metrics = record.metrics.len())).await?;
+            if ctx.saves_at(step, last) {
+                ctx.upload_checkpoint(&weights.0, step, loader.position(), metrics)
+                    .instrument(tracing::info_span!("checkpoint_upload"))
+                    .await?;
+            }
+            prune(&mut saved);
+            Ok::<_, Stop>(true)
         }
-        prune(&mut saved);
+        .instrument(span)
+        .await?;
+        if !more {
+            break;
+        }
     }
     Ok(())
 }

@@ -214,6 +214,17 @@ impl RunContext {
             return Err(Stop::Lost);
         }
         tx.commit().await?;
+        let algorithm = self.spec.algorithm.name();
+        for (name, seconds) in &record.metrics {
+            if let Some(phase) = name.strip_prefix("timing/train/") {
+                keel_service::metrics::observe(
+                    "keel_step_phase_seconds",
+                    "Time of each phase of a recorded training step (NeMo-RL's timing/train/* names).",
+                    &[("algorithm", algorithm), ("phase", phase)],
+                    *seconds,
+                );
+            }
+        }
         Ok(())
     }
 
@@ -265,7 +276,7 @@ impl RunContext {
         let body = serde_json::to_vec(&event).map_err(|e| Stop::Failed(e.to_string()))?;
         self.nats
             .client
-            .publish(self.nats.subjects.weights_updated(), body.into())
+            .publish_with_headers(self.nats.subjects.weights_updated(), keel_telemetry::nats_headers(), body.into())
             .await
             .map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
         self.nats.client.flush().await.map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;

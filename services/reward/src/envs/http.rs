@@ -187,8 +187,12 @@ impl HttpEnv {
     }
 
     async fn attempt(&self, body: &[u8]) -> Result<Vec<u8>, Failure> {
-        let mut request =
-            self.client.post(self.url.clone()).header(CONTENT_TYPE, "application/json").body(body.to_vec());
+        let mut request = self
+            .client
+            .post(self.url.clone())
+            .headers(keel_telemetry::http_headers())
+            .header(CONTENT_TYPE, "application/json")
+            .body(body.to_vec());
         if let Some(auth) = &self.authorization {
             request = request.header(AUTHORIZATION, auth.clone());
         }

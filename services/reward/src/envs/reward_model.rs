@@ -63,7 +63,7 @@ impl RewardModelEnv {
         let batch = bulk.wrap(Sequences { input_ids }).await.map_err(trainer)?;
         let request = ScoreRequest { run_id: self.run_id.clone(), batch };
         let body = serde_json::to_vec(&request).map_err(|e| SampleError::new("internal", e.to_string()))?;
-        let ask = self.nats.request(self.subject.clone(), body.into());
+        let ask = self.nats.request_with_headers(self.subject.clone(), keel_telemetry::nats_headers(), body.into());
         let message = tokio::time::timeout(self.timeout, ask)
             .await
             .map_err(|_| {
