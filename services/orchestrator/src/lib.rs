@@ -11,6 +11,7 @@
 //! - [`scheduler`]: takes queued (or orphaned) runs, claims trainers, starts drivers.
 //! - [`driver`]: the algorithms (GRPO, SFT, DPO, RM, eval), resume and checkpoints.
 //! - [`clients`]: the NATS protocols of the trainer, generator and reward services.
+//! - [`dashboard`]: the live dashboard page at `/dashboard` (assets built in).
 //! - [`data`]: datasets (JSONL, the built-in arithmetic generator) and the dataloader.
 //!
 //! Several orchestrators may share one database: a run belongs to the instance holding its
@@ -19,6 +20,7 @@
 
 pub mod api;
 pub mod clients;
+pub mod dashboard;
 pub mod data;
 pub mod db;
 pub mod driver;
@@ -140,7 +142,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let mut parts = keel_service::parts::Parts::default();
     parts.spawn("scheduler", scheduler.run(parts.stopped()));
     let state = api::AppState { pool, checkpoints, token: config.api_token.clone() };
-    let app = api::routes(state).merge(keel_service::health_routes(SERVICE));
+    let app = api::routes(state).merge(dashboard::routes()).merge(keel_service::health_routes(SERVICE));
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
     parts.run_until(shutdown).await
