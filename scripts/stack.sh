@@ -1,20 +1,55 @@
-# Sourced by scripts/demo and the bench scripts: the local stack without Docker. Builds
-# the binaries, checks that NATS and PostgreSQL are reachable, starts the five services on
-# their default ports under one subject prefix with logs in .keel/logs/, and stops them.
+# The local stack without Docker, sourced by scripts/demo and the bench scripts: builds the
+# binaries, checks that NATS and PostgreSQL are reachable, starts the five services on their
+# default ports under one subject prefix with logs in $KEEL_STATE/logs/, and stops them.
 #
-#   stack_build release|debug   sets KEEL_BIN and LD_LIBRARY_PATH
-#   stack_check_infra
+#   stack_build release|debug     runs scripts/setup (unless KEEL_SKIP_SETUP=1), builds, sets
+#                                 KEEL_BIN and LD_LIBRARY_PATH
+#   stack_check_infra             NATS and PostgreSQL reachable (starts a nats-server of its
+#                                 own under $KEEL_STATE when none runs on a loopback URL)
 #   stack_start PREFIX MODEL_DIR  sets KEEL_API_URL
-#   stack_stop
-# The functions use `say` when the caller defines it.
+#   stack_stop                    SIGTERM to everything started here, waits (then SIGKILL)
+# The functions use `say` when the caller defines it. OTEL_EXPORTER_OTLP_ENDPOINT, when set,
+# is passed on to every service (traces over OTLP/HTTP, e.g. to Jaeger on :4318).
+#
+# This file is also the one place that says how each service is started: compose.yaml's
+# `command:` and environment must match (tests/deploy.rs checks it). Executed rather than
+# sourced it prints them:
+#
+#   bash scripts/stack.sh commands   # "orchestrator: keel-orchestrator", one line a service
+#   bash scripts/stack.sh env        # "generator: KEEL_GENERATOR__MAX_NUM_SEQS=128", ...
+#   bash scripts/stack.sh ports      # "orchestrator: 8080", ...
 
 KEEL_STATE=${KEEL_STATE:-.keel}
 stack_pids=()
 
+# --- The services: start order, default port, command, host-independent environment -----
+# Commands and values are words without spaces. Host-specific settings (listen address,
+# subject prefix, paths, URLs of the other services) are given where the stack runs:
+# stack_start below, and compose.yaml.
+stack_names=(checkpoint trainer generator reward orchestrator)
+declare -gA stack_port=([orchestrator]=8080 [generator]=8081 [reward]=8082 [checkpoint]=8083 [trainer]=8084)
+declare -gA stack_command=(
+  [orchestrator]="keel-orchestrator"
+  [generator]="keel-generator"
+  [reward]="keel-reward"
+  [checkpoint]="keel-checkpoint"
+  [trainer]="keel-trainer"
+)
+declare -gA stack_env=(
+  [orchestrator]=""
+  # A GRPO step of the demo decodes 16 prompts x 8 generations together.
+  [generator]="KEEL_GENERATOR__MAX_NUM_SEQS=128"
+  [reward]=""
+  [checkpoint]="KEEL_CHECKPOINT__STORAGE__KIND=local"
+  [trainer]=""
+)
+
 stack_say() { if declare -F say >/dev/null; then say "$@"; else printf '\n== %s\n' "$*"; fi; }
 
 stack_build() {
-  scripts/setup
+  if [ "${KEEL_SKIP_SETUP:-0}" != 1 ]; then
+    scripts/setup
+  fi
   local torch_lib
   torch_lib=$(.venv/bin/python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
   export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -31,58 +66,142 @@ stack_build() {
 
 stack_reachable() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 
+# A nats-server of the stack's own (JetStream on, store and log under $KEEL_STATE), for when
+# none runs and scripts/setup did not start one (KEEL_SKIP_SETUP=1, no root).
+stack_start_nats() {
+  local host=$1 port=$2 server
+  server=$(command -v nats-server || { [ -x /usr/sbin/nats-server ] && echo /usr/sbin/nats-server; }) || return 1
+  mkdir -p "$KEEL_STATE/nats" "$KEEL_STATE/logs"
+  echo "starting $server with JetStream on $host:$port (log: $KEEL_STATE/logs/nats-server.log)"
+  "$server" -a "$host" -p "$port" -js -sd "$KEEL_STATE/nats" >"$KEEL_STATE/logs/nats-server.log" 2>&1 &
+  stack_pids+=($!)
+  for _ in $(seq 1 50); do
+    stack_reachable "$host" "$port" && return 0
+    sleep 0.2
+  done
+  return 1
+}
+
 stack_check_infra() {
   export KEEL_NATS_URL=${KEEL_NATS_URL:-nats://127.0.0.1:4222}
   export KEEL_DATABASE_URL=${KEEL_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/keel}
   local nats=${KEEL_NATS_URL#nats://}
-  if ! stack_reachable "${nats%:*}" "${nats##*:}"; then
-    echo "NATS is not reachable at $KEEL_NATS_URL (start nats-server -js)" >&2
+  local nats_host=${nats%:*} nats_port=${nats##*:}
+  if ! stack_reachable "$nats_host" "$nats_port"; then
+    case $nats_host in
+      127.*|localhost) stack_start_nats "$nats_host" "$nats_port" || true ;;
+    esac
+  fi
+  if ! stack_reachable "$nats_host" "$nats_port"; then
+    echo "NATS is not reachable at $KEEL_NATS_URL (start nats-server -js, or run scripts/setup)" >&2
     return 1
   fi
-  if ! stack_reachable 127.0.0.1 5432; then
-    echo "PostgreSQL is not reachable at 127.0.0.1:5432" >&2
+  # host:port of the database URL (user, password and database name left out).
+  local db=${KEEL_DATABASE_URL#*://}
+  db=${db#*@}
+  db=${db%%/*}
+  local db_host=${db%:*} db_port=${db##*:}
+  [ "$db_host" != "$db" ] || db_port=5432
+  if ! stack_reachable "$db_host" "$db_port"; then
+    echo "PostgreSQL is not reachable at $db_host:$db_port (run scripts/setup)" >&2
+    return 1
+  fi
+  # A server that wants a password the URL does not carry fails every service later with
+  # an authentication error: say so now.
+  mkdir -p "$KEEL_STATE"
+  if command -v psql >/dev/null \
+    && ! PGCONNECT_TIMEOUT=5 psql "${KEEL_DATABASE_URL%/*}/postgres" -qAtc 'select 1' </dev/null >/dev/null 2>"$KEEL_STATE/psql.err"; then
+    echo "PostgreSQL at $db_host:$db_port refuses $KEEL_DATABASE_URL: $(head -n 1 "$KEEL_STATE/psql.err")" >&2
+    echo "(check the user and password in KEEL_DATABASE_URL, or the server's pg_hba.conf)" >&2
     return 1
   fi
 }
 
-# stack_service NAME PORT [VAR=VALUE ...]: starts keel-NAME and waits for /healthz.
+# stack_service NAME [VAR=VALUE ...]: starts NAME's command from $KEEL_BIN with its
+# environment, the given variables and its listen address, and waits for /healthz.
 stack_service() {
-  local name=$1 port=$2 logs=$KEEL_STATE/logs
-  shift 2
+  local name=$1 logs=$KEEL_STATE/logs
+  shift
+  local port=${stack_port[$name]}
+  local -a command env
+  read -ra command <<<"${stack_command[$name]}"
+  read -ra env <<<"${stack_env[$name]}"
+  if [ -n "${OTEL_EXPORTER_OTLP_ENDPOINT:-}" ]; then
+    env+=("OTEL_EXPORTER_OTLP_ENDPOINT=$OTEL_EXPORTER_OTLP_ENDPOINT")
+  fi
   mkdir -p "$logs"
-  env "$@" "KEEL_${name^^}__LISTEN=127.0.0.1:$port" "$KEEL_BIN/keel-$name" >"$logs/$name.log" 2>&1 &
-  stack_pids+=($!)
+  env "${env[@]}" "$@" "KEEL_${name^^}__LISTEN=127.0.0.1:$port" \
+    "$KEEL_BIN/${command[0]}" "${command[@]:1}" >"$logs/$name.log" 2>&1 &
+  local pid=$!
+  stack_pids+=("$pid")
   for _ in $(seq 1 300); do
     if curl -fsS "http://127.0.0.1:$port/healthz" >/dev/null 2>&1; then
       echo "keel-$name on http://127.0.0.1:$port (log: $logs/$name.log)"
       return 0
     fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      break
+    fi
     sleep 0.2
   done
-  echo "keel-$name did not start; its log:" >&2
+  echo "keel-$name did not start; its log ($logs/$name.log):" >&2
   tail -20 "$logs/$name.log" >&2
   return 1
 }
 
 stack_start() {
-  local prefix=$1 model=$2
+  local prefix=$1 model=$2 name
+  for name in "${stack_names[@]}"; do
+    if stack_reachable 127.0.0.1 "${stack_port[$name]}"; then
+      echo "port ${stack_port[$name]} (keel-$name) is taken: stop what listens there first" >&2
+      return 1
+    fi
+  done
   stack_say "starting the services (subject prefix $prefix)"
-  stack_service checkpoint 8083 KEEL_CHECKPOINT__SUBJECT_PREFIX="$prefix" KEEL_CHECKPOINT__STORAGE__KIND=local \
+  stack_service checkpoint KEEL_CHECKPOINT__SUBJECT_PREFIX="$prefix" \
     KEEL_CHECKPOINT__STORAGE__ROOT="$KEEL_STATE/checkpoints"
-  stack_service trainer 8084 KEEL_TRAINER__SUBJECT_PREFIX="$prefix"
-  stack_service generator 8081 KEEL_GENERATOR__SUBJECT_PREFIX="$prefix" KEEL_GENERATOR__MODEL="$model" \
-    KEEL_GENERATOR__MAX_NUM_SEQS=128
-  stack_service reward 8082 KEEL_REWARD__SUBJECT_PREFIX="$prefix"
-  stack_service orchestrator 8080 KEEL_ORCHESTRATOR__SUBJECT_PREFIX="$prefix" \
-    KEEL_ORCHESTRATOR__CHECKPOINT_URL=http://127.0.0.1:8083 KEEL_ORCHESTRATOR__WORK_DIR="$KEEL_STATE/orchestrator"
-  export KEEL_API_URL=http://127.0.0.1:8080
+  stack_service trainer KEEL_TRAINER__SUBJECT_PREFIX="$prefix"
+  stack_service generator KEEL_GENERATOR__SUBJECT_PREFIX="$prefix" KEEL_GENERATOR__MODEL="$model"
+  stack_service reward KEEL_REWARD__SUBJECT_PREFIX="$prefix"
+  stack_service orchestrator KEEL_ORCHESTRATOR__SUBJECT_PREFIX="$prefix" \
+    KEEL_ORCHESTRATOR__CHECKPOINT_URL="http://127.0.0.1:${stack_port[checkpoint]}" \
+    KEEL_ORCHESTRATOR__WORK_DIR="$KEEL_STATE/orchestrator"
+  export KEEL_API_URL=http://127.0.0.1:${stack_port[orchestrator]}
 }
 
+# Stops what this stack started, newest first (the orchestrator before the services it
+# calls, a nats-server of its own last): SIGTERM, up to KEEL_STOP_SECONDS (20) to exit, then
+# SIGKILL. A second Ctrl-C does not cut this short.
 stack_stop() {
-  if [ ${#stack_pids[@]} -gt 0 ]; then
-    stack_say "stopping the services"
-    kill -TERM "${stack_pids[@]}" 2>/dev/null || true
-    wait "${stack_pids[@]}" 2>/dev/null || true
-    stack_pids=()
-  fi
+  [ ${#stack_pids[@]} -gt 0 ] || return 0
+  local int_trap
+  int_trap=$(trap -p INT)
+  trap '' INT
+  stack_say "stopping the services"
+  local i pid deadline
+  for ((i = ${#stack_pids[@]} - 1; i >= 0; i--)); do
+    pid=${stack_pids[i]}
+    kill -TERM "$pid" 2>/dev/null || continue
+    deadline=$((SECONDS + ${KEEL_STOP_SECONDS:-20}))
+    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "process $pid did not stop in time: killing it" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+  wait "${stack_pids[@]}" 2>/dev/null || true
+  stack_pids=()
+  eval "${int_trap:-trap - INT}"
 }
+
+# Executed (not sourced): print the service table.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  case "${1:-}" in
+    commands) for name in orchestrator generator reward checkpoint trainer; do echo "$name: ${stack_command[$name]}"; done ;;
+    env) for name in orchestrator generator reward checkpoint trainer; do
+        for var in ${stack_env[$name]}; do echo "$name: $var"; done
+      done ;;
+    ports) for name in orchestrator generator reward checkpoint trainer; do echo "$name: ${stack_port[$name]}"; done ;;
+    *) echo "usage: bash scripts/stack.sh commands|env|ports (or source it)" >&2; exit 2 ;;
+  esac
+fi

@@ -20,31 +20,42 @@ pub struct Stack {
     pub reward: ServiceProcess,
     pub orchestrator: Option<ServiceProcess>,
     pub http: reqwest::Client,
+    /// Environment every service gets (e.g. the OTLP endpoint).
+    pub env: Vec<(String, String)>,
 }
 
 impl Stack {
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// [`Stack::start`] with `env` added to every service's environment.
+    pub fn start_with(env: &[(&str, &str)]) -> Self {
+        let common: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let with = |own: &[(&str, &str)]| -> Vec<(String, String)> {
+            own.iter().map(|(k, v)| (k.to_string(), v.to_string())).chain(common.iter().cloned()).collect()
+        };
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("model");
         keel_model_init(&model);
         let prefix = format!("e2e.{}", uuid::Uuid::new_v4().simple());
         let database = TestDatabase::new("keel_e2e");
         let blobs = dir.path().join("blobs");
-        let checkpoint = ServiceProcess::start(
+        let checkpoint = start_service(
             "checkpoint",
-            &[
+            &with(&[
                 ("KEEL_CHECKPOINT__DATABASE_URL", &database.url),
                 ("KEEL_CHECKPOINT__STORAGE__KIND", "local"),
                 ("KEEL_CHECKPOINT__STORAGE__ROOT", blobs.to_str().unwrap()),
                 ("KEEL_CHECKPOINT__SUBJECT_PREFIX", &prefix),
-            ],
+            ]),
         );
-        let trainer = ServiceProcess::start("trainer", &[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix)]);
-        let generator = ServiceProcess::start(
+        let trainer = start_service("trainer", &with(&[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix)]));
+        let generator = start_service(
             "generator",
-            &[("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix), ("KEEL_GENERATOR__MODEL", model.to_str().unwrap())],
+            &with(&[("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix), ("KEEL_GENERATOR__MODEL", model.to_str().unwrap())]),
         );
-        let reward = ServiceProcess::start("reward", &[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)]);
+        let reward = start_service("reward", &with(&[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)]));
         let mut stack = Self {
             prefix,
             database,
@@ -56,6 +67,7 @@ impl Stack {
             reward,
             orchestrator: None,
             http: reqwest::Client::new(),
+            env: common,
         };
         stack.start_orchestrator();
         stack
@@ -64,17 +76,19 @@ impl Stack {
     /// (Re)starts the orchestrator; a run it finds orphaned is resumed within two seconds.
     pub fn start_orchestrator(&mut self) {
         let work = self.dir.path().join("work");
-        let orchestrator = ServiceProcess::start(
-            "orchestrator",
-            &[
-                ("KEEL_ORCHESTRATOR__DATABASE_URL", &self.database.url),
-                ("KEEL_ORCHESTRATOR__SUBJECT_PREFIX", &self.prefix),
-                ("KEEL_ORCHESTRATOR__CHECKPOINT_URL", &self.checkpoint.url),
-                ("KEEL_ORCHESTRATOR__WORK_DIR", work.to_str().unwrap()),
-                ("KEEL_ORCHESTRATOR__RUN_LEASE_SECONDS", "2"),
-                ("KEEL_ORCHESTRATOR__POLL_SECONDS", "0.2"),
-            ],
-        );
+        let mut env: Vec<(String, String)> = [
+            ("KEEL_ORCHESTRATOR__DATABASE_URL", self.database.url.as_str()),
+            ("KEEL_ORCHESTRATOR__SUBJECT_PREFIX", &self.prefix),
+            ("KEEL_ORCHESTRATOR__CHECKPOINT_URL", &self.checkpoint.url),
+            ("KEEL_ORCHESTRATOR__WORK_DIR", work.to_str().unwrap()),
+            ("KEEL_ORCHESTRATOR__RUN_LEASE_SECONDS", "2"),
+            ("KEEL_ORCHESTRATOR__POLL_SECONDS", "0.2"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        env.extend(self.env.iter().cloned());
+        let orchestrator = start_service("orchestrator", &env);
         self.orchestrator = Some(orchestrator);
     }
 
@@ -122,6 +136,11 @@ impl Stack {
         let Some(series) = body["metrics"].as_array().unwrap().first() else { return Vec::new() };
         series["points"].as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap())).collect()
     }
+}
+
+fn start_service(service: &str, env: &[(String, String)]) -> ServiceProcess {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    ServiceProcess::start(service, &env)
 }
 
 /// An arithmetic SFT spec on `model`.

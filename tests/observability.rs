@@ -1,0 +1,340 @@
+//! Observability of one GRPO run through the five services as processes: every service
+//! exports its spans to an OTLP receiver this test runs (decoding the protobuf), and each
+//! GRPO step is one trace whose spans form a single tree across all five services; every
+//! service answers `/metrics` with what it served; and the orchestrator's dashboard, loaded
+//! in headless Chromium, plots the run and lists its samples (a screenshot is saved).
+
+#![allow(clippy::unwrap_used)]
+
+mod stack;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::common::v1::{AnyValue as Any, KeyValue};
+use prost::Message;
+use serde_json::json;
+use stack::Stack;
+
+const LIMIT: Duration = Duration::from_secs(600);
+const SERVICES: [&str; 5] = ["keel-orchestrator", "keel-generator", "keel-reward", "keel-trainer", "keel-checkpoint"];
+
+/// One received span.
+#[derive(Debug, Clone)]
+struct Span {
+    trace: String,
+    id: String,
+    parent: String,
+    name: String,
+    service: String,
+    attributes: BTreeMap<String, String>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn text(value: &Option<Any>) -> String {
+    match value.as_ref().and_then(|v| v.value.as_ref()) {
+        Some(AnyValue::StringValue(s)) => s.clone(),
+        Some(AnyValue::IntValue(i)) => i.to_string(),
+        Some(AnyValue::BoolValue(b)) => b.to_string(),
+        Some(AnyValue::DoubleValue(d)) => d.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn attributes(list: &[KeyValue]) -> BTreeMap<String, String> {
+    list.iter().map(|kv| (kv.key.clone(), text(&kv.value))).collect()
+}
+
+/// An OTLP/HTTP receiver on a free port: `POST /v1/traces` with a protobuf
+/// `ExportTraceServiceRequest`. Returns its base URL and what it received.
+async fn otlp_receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
+    let spans = Arc::new(Mutex::new(Vec::new()));
+    let sink = spans.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        post(move |body: Bytes| {
+            let sink = sink.clone();
+            async move {
+                let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf request");
+                let mut received = sink.lock().unwrap();
+                for resource in request.resource_spans {
+                    let service = resource
+                        .resource
+                        .as_ref()
+                        .map(|r| attributes(&r.attributes))
+                        .and_then(|a| a.get("service.name").cloned())
+                        .unwrap_or_default();
+                    for scope in resource.scope_spans {
+                        for span in scope.spans {
+                            received.push(Span {
+                                trace: hex(&span.trace_id),
+                                id: hex(&span.span_id),
+                                parent: hex(&span.parent_span_id),
+                                name: span.name.clone(),
+                                service: service.clone(),
+                                attributes: attributes(&span.attributes),
+                            });
+                        }
+                    }
+                }
+                ""
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, spans)
+}
+
+fn grpo_spec(model: &Path, steps: u64) -> serde_json::Value {
+    json!({
+        "name": "observed-grpo",
+        "algorithm": "grpo",
+        "model": {"path": model},
+        "data": {
+            "train": {"kind": "arithmetic", "size": 64, "max_operand": 9, "seed": 2},
+            "validation": {"kind": "arithmetic", "size": 4, "max_operand": 9, "seed": 9},
+        },
+        "environments": {"default": {"name": "math"}},
+        "training": {
+            "loss": {"type": "clipped_pg", "reference_policy_kl_penalty": 0.01},
+            "optimizer": {"lr": 0.0005, "weight_decay": 0.0},
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "samples_to_record": 8},
+        "generation": {"max_new_tokens": 8, "temperature": 1.0},
+        "max_total_sequence_length": 64,
+        "max_num_steps": steps,
+        "validation": {"period": 1, "num_samples": 1, "temperature": 1.0},
+        "checkpointing": {"save_period": 1},
+        "seed": 5,
+    })
+}
+
+/// The spans of the trace whose root is the `grpo step` span of `run`'s `step`, once every
+/// service has exported its part (the batch exporters flush every 200 ms here).
+async fn step_trace(spans: &Mutex<Vec<Span>>, run: &str, step: u64) -> Vec<Span> {
+    let wanted = ["generator.generate", "reward.env_step", "trainer.logprobs", "trainer.train", "generator.refit"];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let received = spans.lock().unwrap().clone();
+        let root = received.iter().find(|s| {
+            s.name == "grpo step"
+                && s.attributes.get("run_id").map(String::as_str) == Some(run)
+                && s.attributes.get("step") == Some(&step.to_string())
+        });
+        if let Some(root) = root {
+            let trace: Vec<Span> = received.iter().filter(|s| s.trace == root.trace).cloned().collect();
+            let services: BTreeSet<&str> = trace.iter().map(|s| s.service.as_str()).collect();
+            let names: BTreeSet<&str> = trace.iter().map(|s| s.name.as_str()).collect();
+            if SERVICES.iter().all(|s| services.contains(s)) && wanted.iter().all(|n| names.contains(n)) {
+                return trace;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "step {step}'s trace is incomplete after 30 s: services {services:?}, spans {names:?}"
+            );
+        } else {
+            assert!(Instant::now() < deadline, "no `grpo step` span for run {run} step {step} in {received:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The chain of span names from `span` up to the root.
+fn ancestry<'a>(trace: &'a [Span], span: &'a Span) -> Vec<&'a Span> {
+    let by_id: BTreeMap<&str, &Span> = trace.iter().map(|s| (s.id.as_str(), s)).collect();
+    let mut chain = vec![span];
+    let mut current = span;
+    while let Some(parent) = by_id.get(current.parent.as_str()) {
+        chain.push(parent);
+        current = parent;
+        assert!(chain.len() <= trace.len(), "a parent cycle at {}", span.name);
+    }
+    chain
+}
+
+fn check_step_tree(trace: &[Span], run: &str, step: u64) {
+    let summary: Vec<String> = trace.iter().map(|s| format!("{} [{}]", s.name, s.service)).collect();
+    let ids: BTreeSet<&str> = trace.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids.len(), trace.len(), "span ids are unique: {summary:?}");
+    let roots: Vec<&Span> = trace.iter().filter(|s| s.parent.is_empty() || s.parent == "0000000000000000").collect();
+    assert_eq!(roots.len(), 1, "one root: {summary:?}");
+    let root = roots[0];
+    assert_eq!((root.name.as_str(), root.service.as_str()), ("grpo step", "keel-orchestrator"));
+    assert_eq!(root.attributes.get("run_id").map(String::as_str), Some(run));
+    assert!(root.attributes["sequences"].parse::<u64>().unwrap() >= 8, "{:?}", root.attributes);
+    assert!(root.attributes["tokens"].parse::<u64>().unwrap() > 0, "{:?}", root.attributes);
+    for span in trace {
+        let chain = ancestry(trace, span);
+        let top = chain.last().unwrap();
+        assert_eq!(top.id, root.id, "{} [{}] does not reach the step span: {summary:?}", span.name, span.service);
+    }
+    // The parent links that cross a process boundary.
+    let find = |name: &str| trace.iter().filter(move |s| s.name == name).collect::<Vec<_>>();
+    let parent_of = |span: &Span| trace.iter().find(|s| s.id == span.parent).unwrap().clone();
+    let names_above = |span: &Span| ancestry(trace, span).iter().map(|s| s.name.clone()).collect::<Vec<_>>();
+    // (server span, its service, the phases it may run under: rollouts are also made for
+    // validation, which this run does every step)
+    for (server, service, phases) in [
+        ("generator.generate", "keel-generator", &["rollouts", "validation"][..]),
+        ("reward.env_step", "keel-reward", &["rollouts", "validation"]),
+        ("trainer.logprobs", "keel-trainer", &["policy_and_reference_logprobs"]),
+        ("trainer.train", "keel-trainer", &["policy_training"]),
+        ("trainer.save", "keel-trainer", &["weight_sync"]),
+        ("generator.refit", "keel-generator", &["weight_sync"]),
+    ] {
+        let spans = find(server);
+        assert!(!spans.is_empty(), "no {server} span: {summary:?}");
+        let mut under_first = 0;
+        for span in spans {
+            assert_eq!(span.service, service);
+            let parent = parent_of(span);
+            assert_eq!(parent.service, "keel-orchestrator", "{server}'s parent is in the orchestrator");
+            let above = names_above(span);
+            assert!(phases.iter().any(|p| above.contains(&p.to_string())), "{server} under {phases:?}: {above:?}");
+            under_first += usize::from(above.contains(&phases[0].to_string()));
+        }
+        assert!(under_first > 0, "some {server} span is under {}", phases[0]);
+    }
+    for span in find("trainer.train") {
+        assert_eq!(span.attributes.get("run_id").map(String::as_str), Some(run), "{:?}", span.attributes);
+    }
+    let uploads: Vec<&Span> = trace.iter().filter(|s| s.service == "keel-checkpoint").collect();
+    assert!(!uploads.is_empty(), "the checkpoint upload reached the checkpoint service: {summary:?}");
+    for span in uploads {
+        let above = names_above(span);
+        assert!(above.contains(&"checkpoint_upload".to_string()), "{} under checkpoint_upload: {above:?}", span.name);
+    }
+    let step_attr = root.attributes.get("step").cloned();
+    assert_eq!(step_attr, Some(step.to_string()));
+}
+
+async fn metrics_text(http: &reqwest::Client, url: &str) -> String {
+    let response = http.get(format!("{url}/metrics")).send().await.unwrap();
+    assert_eq!(response.status(), 200, "{url}/metrics");
+    let content_type = response.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(content_type.starts_with("text/plain"), "{url}/metrics: {content_type}");
+    response.text().await.unwrap()
+}
+
+fn chromium() -> PathBuf {
+    let found = ["/usr/bin/chromium", "/usr/bin/chromium-browser"].into_iter().map(PathBuf::from).find(|p| p.exists());
+    found.expect("Debian's chromium is not installed: run scripts/setup")
+}
+
+fn headless(profile: &Path) -> Command {
+    let mut command = Command::new(chromium());
+    command.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--virtual-time-budget=15000",
+    ]);
+    command.arg(format!("--user-data-dir={}", profile.display()));
+    command
+}
+
+/// The value of `attribute` on the element whose `data-plot` is `plot`.
+fn plot_points(dom: &str, plot: &str) -> u64 {
+    let at = dom.find(&format!("data-plot=\"{plot}\"")).unwrap_or_else(|| panic!("no plot `{plot}` in the page"));
+    let tag_start = dom[..at].rfind('<').unwrap();
+    let tag_end = at + dom[at..].find('>').unwrap();
+    let tag = &dom[tag_start..tag_end];
+    let value = tag.split("data-points=\"").nth(1).unwrap_or_else(|| panic!("plot `{plot}` has no data-points: {tag}"));
+    value.split('"').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grpo_run_is_traced_measured_and_shown() {
+    let (otlp, spans) = otlp_receiver().await;
+    let stack = Stack::start_with(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp), ("OTEL_BSP_SCHEDULE_DELAY", "200")]);
+    let run = stack.submit(&grpo_spec(&stack.model, 2)).await;
+    stack.wait_succeeded(&run, LIMIT).await;
+
+    // Traces: each step is its own tree across the five services.
+    let first = step_trace(&spans, &run, 1).await;
+    check_step_tree(&first, &run, 1);
+    let second = step_trace(&spans, &run, 2).await;
+    check_step_tree(&second, &run, 2);
+    assert_ne!(first[0].trace, second[0].trace, "each step is its own trace");
+
+    // Metrics: every service answers /metrics with what it served.
+    let api = stack.api();
+    let urls = [
+        ("orchestrator", api.clone()),
+        ("generator", stack.generator.url.clone()),
+        ("reward", stack.reward.url.clone()),
+        ("trainer", stack.trainer.url.clone()),
+        ("checkpoint", stack.checkpoint.url.clone()),
+    ];
+    let mut texts = BTreeMap::new();
+    for (service, url) in &urls {
+        texts.insert(*service, metrics_text(&stack.http, url).await);
+    }
+    let expect = |service: &str, needle: &str| {
+        assert!(texts[service].contains(needle), "{service}'s /metrics lacks `{needle}`:\n{}", texts[service]);
+    };
+    expect("orchestrator", "keel_runs{status=\"succeeded\"} 1");
+    expect("orchestrator", "keel_step_phase_seconds_count{algorithm=\"grpo\",phase=\"generation\"} 2");
+    expect(
+        "orchestrator",
+        "keel_http_request_duration_seconds_count{method=\"POST\",route=\"/v1/runs\",status=\"201\"} 1",
+    );
+    expect("generator", "keel_nats_request_duration_seconds_count{operation=\"generator.generate\",outcome=\"ok\"}");
+    expect("generator", "keel_generator_");
+    expect("reward", "keel_nats_request_duration_seconds_count{operation=\"reward.env_step\",outcome=\"ok\"}");
+    expect("trainer", "keel_nats_request_duration_seconds_count{operation=\"trainer.train\",outcome=\"ok\"} 2");
+    expect("trainer", "keel_trainer_claimed 0");
+    expect("checkpoint", "keel_http_request_duration_seconds_count{method=\"POST\"");
+
+    // The dashboard, in headless Chromium: the run's plots have points, samples are listed.
+    let page = format!("{api}/dashboard#/runs/{run}");
+    let profile = tempfile::tempdir().unwrap();
+    let output = headless(profile.path()).arg("--dump-dom").arg(&page).output().unwrap();
+    let dom = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(
+        dom.contains("data-ready=\"true\""),
+        "the dashboard did not finish loading: {}\n{dom}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!dom.contains("data-error="), "the dashboard shows an error: {dom}");
+    for (plot, least) in [("reward", 2), ("loss", 2), ("validation", 3), ("step_time", 2)] {
+        let points = plot_points(&dom, plot);
+        assert!(points >= least, "plot `{plot}` has {points} points, wanted at least {least}");
+    }
+    let rows = dom.matches("class=\"sample-row\"").count();
+    assert!(rows >= 8, "the sample browser shows {rows} rows");
+    let runs_page = headless(profile.path()).arg("--dump-dom").arg(format!("{api}/dashboard")).output().unwrap();
+    let runs_dom = String::from_utf8_lossy(&runs_page.stdout);
+    assert!(runs_dom.contains(&format!("data-run-id=\"{run}\"")), "the runs list shows the run: {runs_dom}");
+
+    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&shots).unwrap();
+    let shot = shots.join(format!("run-{run}.png"));
+    let status = headless(profile.path())
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg("--window-size=1400,2000")
+        .arg(&page)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot {} is not a page", shot.display());
+    println!("dashboard screenshot: {}", shot.display());
+}
