@@ -134,9 +134,15 @@ where
     F: FormatEvent<S, N>,
 {
     fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut writer: Writer<'_>, event: &Event<'_>) -> fmt::Result {
-        let Some(trace_id) = trace_id() else {
+        // The OpenTelemetry context the entered span activated (a thread-local; asking the
+        // subscriber from inside its own callback would not work).
+        let context = Context::current();
+        let span = context.span();
+        let span_context = span.span_context();
+        if !span_context.is_valid() {
             return self.0.format_event(ctx, writer, event);
-        };
+        }
+        let trace_id = span_context.trace_id();
         let mut line = String::new();
         self.0.format_event(ctx, Writer::new(&mut line), event)?;
         let body = line.strip_suffix('\n').unwrap_or(&line);
@@ -219,6 +225,50 @@ mod tests {
         let subscriber =
             tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
         tracing::subscriber::with_default(subscriber, f)
+    }
+
+    #[test]
+    fn log_lines_in_a_span_end_with_its_trace_id() {
+        use std::sync::{Arc, Mutex};
+        let lines = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = lines.clone();
+        let writer = move || SharedBuffer(sink.clone());
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(writer)
+                    .event_format(WithTraceId(format::Format::default())),
+            )
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let trace = tracing::subscriber::with_default(subscriber, || {
+            tracing::info!("outside");
+            let span = tracing::info_span!("step", step = 3);
+            span.in_scope(|| {
+                tracing::info!("inside");
+                trace_id()
+            })
+        });
+        let trace = trace.expect("a trace id inside the span");
+        let text = String::from_utf8(lines.lock().unwrap_or_else(|e| e.into_inner()).clone()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines[0].ends_with("outside"), "{text}");
+        assert!(lines[1].contains("step{step=3}") && lines[1].ends_with(&format!("inside trace_id={trace}")), "{text}");
+    }
+
+    struct SharedBuffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for SharedBuffer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]
