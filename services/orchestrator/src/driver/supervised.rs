@@ -5,6 +5,8 @@
 
 use std::time::Instant;
 
+use tracing::Instrument;
+
 use keel_protocol::run::Algorithm;
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{TrainBatch, TrainReply, TrainRequest};
@@ -39,62 +41,93 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     }
     for step in start.step + 1..=total {
         ctx.stop.check()?;
-        let started = Instant::now();
-        let Some(indices) = loader.next_batch(per_step) else { break };
-        let records: Vec<&Record> = indices.iter().map(|&i| &train[i]).collect();
-        let rows = rows_of(&prompting, &records, pairwise)?;
-        let tokens: usize = rows.iter().map(|r| r.ids.len()).sum();
-        let batch = TrainBatch {
-            input_ids: rows.iter().map(|r| r.ids.clone()).collect(),
-            token_mask: rows.into_iter().map(|r| r.mask).collect(),
-            ..TrainBatch::default()
-        };
-        let trainer = ctx.trainer()?;
-        let phase = Instant::now();
-        let request = TrainRequest {
-            run_id: ctx.id.to_string(),
-            batch: trainer.bulk().wrap(batch).await.map_err(Stop::Failed)?,
-            temperature: 1.0,
-        };
-        let trained: TrainReply = trainer.op(TrainerOp::Train, &request).await?;
-        let mut metrics = mean_step_metrics(&trained, "train");
-        metrics.insert("timing/train/policy_training".into(), seconds(phase));
-        metrics.insert("performance/training_tokens_per_second".into(), tokens as f64 / seconds(phase).max(1e-9));
-        let last = step == total;
-        let mut saved = None;
-        let mut samples = Vec::new();
-        if !validation.is_empty() && ctx.validates_at(step, last) {
-            let dir = weights_dir(&ctx.run_dir, step);
-            ctx.save(&dir, step, loader.position()).await?;
-            ctx.publish_weights(&dir, step).await?;
-            rollout::validate_step(ctx, &prompting, &validation, (dir.clone(), step), step, &mut metrics, &mut samples)
-                .await?;
-            saved = Some(dir);
-        }
-        metrics.insert("timing/train/total_step_time".into(), seconds(started));
-        ctx.record(&StepRecord {
+        // One trace per step, like GRPO's.
+        let span = tracing::info_span!(
+            parent: None,
+            "train.step",
+            otel.name = format!("{} step", algorithm.name()),
+            run_id = %ctx.id,
             step,
-            metrics: metrics.clone(),
-            samples,
-            dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
-        })
-        .await?;
-        if ctx.saves_at(step, last) {
-            let dir = match saved.take() {
-                Some(dir) => dir,
-                None => {
-                    let dir = weights_dir(&ctx.run_dir, step);
-                    ctx.save(&dir, step, loader.position()).await?;
-                    dir
-                }
+            total_steps = total,
+            sequences = tracing::field::Empty,
+            tokens = tracing::field::Empty,
+        );
+        let more = async {
+            let started = Instant::now();
+            let Some(indices) = loader.next_batch(per_step) else { return Ok(false) };
+            let records: Vec<&Record> = indices.iter().map(|&i| &train[i]).collect();
+            let rows = rows_of(&prompting, &records, pairwise)?;
+            let tokens: usize = rows.iter().map(|r| r.ids.len()).sum();
+            tracing::Span::current().record("sequences", rows.len()).record("tokens", tokens);
+            let batch = TrainBatch {
+                input_ids: rows.iter().map(|r| r.ids.clone()).collect(),
+                token_mask: rows.into_iter().map(|r| r.mask).collect(),
+                ..TrainBatch::default()
             };
-            ctx.upload_checkpoint(&dir, step, loader.position(), metrics).await?;
-            saved = Some(dir);
+            let trainer = ctx.trainer()?;
+            let phase = Instant::now();
+            let request = TrainRequest {
+                run_id: ctx.id.to_string(),
+                batch: trainer.bulk().wrap(batch).await.map_err(Stop::Failed)?,
+                temperature: 1.0,
+            };
+            let trained: TrainReply =
+                trainer.op(TrainerOp::Train, &request).instrument(tracing::info_span!("policy_training")).await?;
+            let mut metrics = mean_step_metrics(&trained, "train");
+            metrics.insert("timing/train/policy_training".into(), seconds(phase));
+            metrics.insert("performance/training_tokens_per_second".into(), tokens as f64 / seconds(phase).max(1e-9));
+            let last = step == total;
+            let mut saved = None;
+            let mut samples = Vec::new();
+            if !validation.is_empty() && ctx.validates_at(step, last) {
+                let dir = weights_dir(&ctx.run_dir, step);
+                ctx.save(&dir, step, loader.position()).await?;
+                ctx.publish_weights(&dir, step).await?;
+                rollout::validate_step(
+                    ctx,
+                    &prompting,
+                    &validation,
+                    (dir.clone(), step),
+                    step,
+                    &mut metrics,
+                    &mut samples,
+                )
+                .await?;
+                saved = Some(dir);
+            }
+            metrics.insert("timing/train/total_step_time".into(), seconds(started));
+            ctx.record(&StepRecord {
+                step,
+                metrics: metrics.clone(),
+                samples,
+                dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
+            })
+            .await?;
+            if ctx.saves_at(step, last) {
+                let dir = match saved.take() {
+                    Some(dir) => dir,
+                    None => {
+                        let dir = weights_dir(&ctx.run_dir, step);
+                        ctx.save(&dir, step, loader.position()).await?;
+                        dir
+                    }
+                };
+                ctx.upload_checkpoint(&dir, step, loader.position(), metrics)
+                    .instrument(tracing::info_span!("checkpoint_upload"))
+                    .await?;
+                saved = Some(dir);
+            }
+            if let Some(dir) = saved
+                && let Err(e) = std::fs::remove_dir_all(&dir)
+            {
+                tracing::warn!("cannot remove {}: {e}", dir.display());
+            }
+            Ok::<_, Stop>(true)
         }
-        if let Some(dir) = saved
-            && let Err(e) = std::fs::remove_dir_all(&dir)
-        {
-            tracing::warn!("cannot remove {}: {e}", dir.display());
+        .instrument(span)
+        .await?;
+        if !more {
+            break;
         }
     }
     Ok(())
