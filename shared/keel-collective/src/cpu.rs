@@ -1,8 +1,10 @@
-//! The CPU backend: the ranks are threads of one process. Each operation is two meetings:
-//! every rank puts (a reference to) its tensor in its slot and waits for the others; each
-//! then computes the result from all slots in rank order (so every rank gets bit-identical
-//! values) and waits again, so that no rank changes its tensor while another still reads
-//! it; then each writes its own result.
+//! The CPU backend: the ranks are threads of one process. Each operation starts with a
+//! meeting where every rank puts (a reference to) its tensor in its slot and waits for the
+//! others; each then reads what it needs from all slots in rank order (so every rank gets
+//! bit-identical values) and waits again, so that no rank changes its tensor while another
+//! still reads it; then each writes its own result. All-reduce splits the work: rank r
+//! reduces the r-th of W chunks of the flattened tensors, and every rank then gathers the
+//! W reduced chunks (three meetings).
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -35,6 +37,7 @@ impl CpuGroup {
             timeout,
             state: Mutex::new(State {
                 slots: (0..world_size).map(|_| None).collect(),
+                parts: (0..world_size).map(|_| None).collect(),
                 arrived: 0,
                 generation: 0,
                 aborted: None,
@@ -56,6 +59,8 @@ struct Shared {
 #[derive(Debug)]
 struct State {
     slots: Vec<Option<Tensor>>,
+    /// All-reduce: the chunk each rank reduced.
+    parts: Vec<Option<Tensor>>,
     arrived: usize,
     generation: u64,
     aborted: Option<String>,
@@ -193,12 +198,29 @@ impl Collective for CpuCollective {
     }
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
-        let tensors = self.exchange("all_reduce", tensor)?;
-        self.same_shapes("all_reduce", &tensors)?;
-        let result = reduce(&tensors, op);
-        drop(tensors);
-        self.done("all_reduce")?;
-        tensor.copy_(&result);
+        const OPERATION: &str = "all_reduce";
+        let tensors = self.exchange(OPERATION, &tensor.contiguous())?;
+        self.same_shapes(OPERATION, &tensors)?;
+        let world = self.shared.world_size as i64;
+        let numel = tensor.numel() as i64;
+        let (start, end) = (numel * self.rank as i64 / world, numel * (self.rank as i64 + 1) / world);
+        let chunks: Vec<Tensor> = tensors.iter().map(|t| t.view(-1).narrow(0, start, end - start)).collect();
+        let part = reduce(&chunks, op);
+        drop((chunks, tensors));
+        self.lock().parts[self.rank] = Some(part);
+        self.done(OPERATION)?;
+        let parts: Option<Vec<Tensor>> =
+            self.lock().parts.iter().map(|p| p.as_ref().map(Tensor::shallow_clone)).collect();
+        let result = parts.map(|parts| Tensor::cat(&parts, 0));
+        let met = self.meet(OPERATION);
+        self.lock().parts[self.rank] = None;
+        met?;
+        let result = result.ok_or(Error::Aborted {
+            rank: self.rank,
+            operation: OPERATION,
+            reason: "a rank's chunk is missing".into(),
+        })?;
+        tensor.copy_(&result.view(tensor.size().as_slice()));
         Ok(())
     }
 
@@ -294,6 +316,20 @@ mod tests {
                 assert_eq!(sum, expected, "world {world}");
                 assert_eq!(max, [world as f32 - 1.0, 0.0], "world {world}");
             }
+        }
+    }
+
+    #[test]
+    fn all_reduce_of_a_non_contiguous_tensor_keeps_its_layout() {
+        let results = on_ranks(3, |c| {
+            let base = Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]) * (c.rank() as f64 + 1.0);
+            let mut t = base.transpose(0, 1);
+            c.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+            (t.size(), values(&t))
+        });
+        for (shape, got) in results {
+            assert_eq!(shape, [3, 2]);
+            assert_eq!(got, [0.0, 18.0, 6.0, 24.0, 12.0, 30.0]);
         }
     }
 
