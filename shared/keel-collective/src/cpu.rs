@@ -211,16 +211,34 @@ impl Collective for CpuCollective {
         self.done(OPERATION)?;
         let parts: Option<Vec<Tensor>> =
             self.lock().parts.iter().map(|p| p.as_ref().map(Tensor::shallow_clone)).collect();
-        let result = parts.map(|parts| Tensor::cat(&parts, 0));
+        let Some(parts) = parts else {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                operation: OPERATION,
+                reason: "a rank's chunk is missing".into(),
+            });
+        };
+        // The chunks go straight into this rank's tensor when its memory is one block (no
+        // rank reads it any more), else through a gathered copy.
+        let staged = if tensor.is_contiguous() {
+            let flat = tensor.view(-1);
+            let mut at = 0;
+            for part in &parts {
+                let length = part.numel() as i64;
+                flat.narrow(0, at, length).copy_(part);
+                at += length;
+            }
+            None
+        } else {
+            Some(Tensor::cat(&parts, 0))
+        };
+        drop(parts);
         let met = self.meet(OPERATION);
         self.lock().parts[self.rank] = None;
         met?;
-        let result = result.ok_or(Error::Aborted {
-            rank: self.rank,
-            operation: OPERATION,
-            reason: "a rank's chunk is missing".into(),
-        })?;
-        tensor.copy_(&result.view(tensor.size().as_slice()));
+        if let Some(result) = staged {
+            tensor.copy_(&result.view(tensor.size().as_slice()));
+        }
         Ok(())
     }
 
