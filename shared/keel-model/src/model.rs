@@ -9,6 +9,8 @@
 
 use tch::{Device, Kind, Tensor, nn};
 
+pub mod tp;
+
 use crate::cache::{KvCache, LayerCache, SlotCache, SlotView};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -138,6 +140,31 @@ impl Mask {
         }
         Ok(Self::Allowed(allowed.f_unsqueeze(1)?))
     }
+}
+
+/// One mask per distinct attention window among `windows` (full layers share one, windowed
+/// layers another) for S = `queries` new tokens per row starting at `offsets`.
+fn masks_for(
+    windows: &[Option<i64>],
+    queries: i64,
+    offsets: &[i64],
+    visible: i64,
+    device: Device,
+) -> Result<Vec<(Option<i64>, Mask)>> {
+    let uniform = offsets.windows(2).all(|w| w[0] == w[1]);
+    let mut distinct = windows.to_vec();
+    distinct.dedup();
+    distinct
+        .into_iter()
+        .map(|w| {
+            let mask = if uniform {
+                Mask::new(queries, offsets.first().copied().unwrap_or(0), w, device)?
+            } else {
+                Mask::per_row(queries, offsets, visible, w, device)?
+            };
+            Ok((w, mask))
+        })
+        .collect()
 }
 
 /// What every layer of one forward pass shares: rotary cos/sin for the positions of the
@@ -382,29 +409,8 @@ impl CausalLm {
         self.vs.freeze();
     }
 
-    /// Checks that `input_ids` is an i64 [B, S] tensor whose ids (within each row's length,
-    /// when given) index the vocabulary.
     fn check_input(&self, input_ids: &Tensor, lengths: Option<&[i64]>) -> Result<(i64, i64)> {
-        let size = input_ids.size();
-        let [b, s] = size[..] else {
-            return Err(Error::InvalidInput(format!("input ids must be [batch, seq], got shape {size:?}")));
-        };
-        if input_ids.kind() != Kind::Int64 {
-            return Err(Error::InvalidInput(format!("input ids must be i64, got {:?}", input_ids.kind())));
-        }
-        if b == 0 || s == 0 {
-            return Err(Error::InvalidInput(format!("input ids are empty (shape {size:?})")));
-        }
-        let ids = Vec::<i64>::try_from(input_ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
-        for (row, chunk) in ids.chunks(s as usize).enumerate() {
-            let len = lengths.map_or(s, |l| l[row]) as usize;
-            if let Some((position, &id)) =
-                chunk[..len].iter().enumerate().find(|(_, id)| !(0..self.cfg.vocab_size).contains(*id))
-            {
-                return Err(Error::TokenOutOfRange { id, row, position, vocab_size: self.cfg.vocab_size });
-            }
-        }
-        Ok((b, s))
+        check_ids(self.cfg.vocab_size, input_ids, lengths)
     }
 
     /// Final hidden states [B, S, hidden] after the last norm. With a cache, the tokens are
@@ -442,21 +448,8 @@ impl CausalLm {
         let positions =
             starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
         let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
-        let uniform = offsets.windows(2).all(|w| w[0] == w[1]);
-        // One mask per distinct attention window (full layers share one, windowed layers another).
-        let mut windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
-        windows.dedup();
-        let masks = windows
-            .iter()
-            .map(|&w| {
-                let mask = if uniform {
-                    Mask::new(s, offsets.first().copied().unwrap_or(0), w, device)?
-                } else {
-                    Mask::per_row(s, offsets, visible, w, device)?
-                };
-                Ok((w, mask))
-            })
-            .collect::<Result<Vec<(Option<i64>, Mask)>>>()?;
+        let windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
+        let masks = masks_for(&windows, s, offsets, visible, device)?;
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
             let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask was built for every window");
@@ -498,23 +491,8 @@ impl CausalLm {
         Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
-    /// Checks right-padded ids against their row lengths; returns the ids on the device with
-    /// padding replaced by token 0, and the [B, S] mask of padding positions.
     fn padded_input(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor)> {
-        let batch = input_ids.size().first().copied().unwrap_or(0);
-        if lengths.len() as i64 != batch {
-            return Err(Error::InvalidInput(format!("{} lengths for a batch of {batch}", lengths.len())));
-        }
-        let seq = input_ids.size().get(1).copied().unwrap_or(0);
-        if let Some(bad) = lengths.iter().find(|&&l| l < 1 || l > seq) {
-            return Err(Error::InvalidInput(format!("sequence length {bad} is outside 1..={seq}")));
-        }
-        let (_, s) = self.check_input(input_ids, Some(lengths))?;
-        let device = self.device();
-        let lengths = Tensor::from_slice(lengths).f_to_device(device)?.f_unsqueeze(1)?;
-        let invalid = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_ge_tensor(&lengths)?;
-        let ids = input_ids.f_to_device(device)?.f_masked_fill(&invalid, 0)?;
-        Ok((ids, invalid))
+        padded_ids(self.cfg.vocab_size, self.device(), input_ids, lengths)
     }
 
     /// Final hidden states [B, S, hidden] (after the last norm) of right-padded sequences;
@@ -552,4 +530,45 @@ impl CausalLm {
         }
         Ok(Tensor::f_cat(&parts, 1)?.f_masked_fill(&invalid, 0.0)?)
     }
+}
+
+/// Checks that `input_ids` is an i64 [B, S] tensor whose ids (within each row's length,
+/// when given) index a vocabulary of `vocab_size`.
+fn check_ids(vocab_size: i64, input_ids: &Tensor, lengths: Option<&[i64]>) -> Result<(i64, i64)> {
+    let size = input_ids.size();
+    let [b, s] = size[..] else {
+        return Err(Error::InvalidInput(format!("input ids must be [batch, seq], got shape {size:?}")));
+    };
+    if input_ids.kind() != Kind::Int64 {
+        return Err(Error::InvalidInput(format!("input ids must be i64, got {:?}", input_ids.kind())));
+    }
+    if b == 0 || s == 0 {
+        return Err(Error::InvalidInput(format!("input ids are empty (shape {size:?})")));
+    }
+    let ids = Vec::<i64>::try_from(input_ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
+    for (row, chunk) in ids.chunks(s as usize).enumerate() {
+        let len = lengths.map_or(s, |l| l[row]) as usize;
+        if let Some((position, &id)) = chunk[..len].iter().enumerate().find(|(_, id)| !(0..vocab_size).contains(*id)) {
+            return Err(Error::TokenOutOfRange { id, row, position, vocab_size });
+        }
+    }
+    Ok((b, s))
+}
+
+/// Checks right-padded ids against their row lengths; returns the ids on `device` with
+/// padding replaced by token 0, and the [B, S] mask of padding positions.
+fn padded_ids(vocab_size: i64, device: Device, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor)> {
+    let batch = input_ids.size().first().copied().unwrap_or(0);
+    if lengths.len() as i64 != batch {
+        return Err(Error::InvalidInput(format!("{} lengths for a batch of {batch}", lengths.len())));
+    }
+    let seq = input_ids.size().get(1).copied().unwrap_or(0);
+    if let Some(bad) = lengths.iter().find(|&&l| l < 1 || l > seq) {
+        return Err(Error::InvalidInput(format!("sequence length {bad} is outside 1..={seq}")));
+    }
+    let (_, s) = check_ids(vocab_size, input_ids, Some(lengths))?;
+    let lengths = Tensor::from_slice(lengths).f_to_device(device)?.f_unsqueeze(1)?;
+    let invalid = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_ge_tensor(&lengths)?;
+    let ids = input_ids.f_to_device(device)?.f_masked_fill(&invalid, 0)?;
+    Ok((ids, invalid))
 }

@@ -1,0 +1,368 @@
+//! Tensor parallelism, Megatron style: one [`TpCausalLm`] per rank of a
+//! [`keel_collective::Collective`], holding that rank's slices of the parameters.
+//!
+//! - q/k/v and gate/up are column-parallel (each rank computes its heads and its share of
+//!   the intermediate size); o and down are row-parallel, their partial outputs summed with
+//!   an all-reduce (biases added once, after it).
+//! - Attention heads are split across ranks. KV heads are split too when there are at least
+//!   as many as ranks; with fewer (GQA), each rank keeps the one KV head its query heads read
+//!   (replication).
+//! - The embedding and the LM head are vocab-parallel: a rank embeds only the ids in its
+//!   vocabulary range (an all-reduce adds the rows up) and computes only its vocabulary's
+//!   logits. Token logprobs use a vocab-parallel log-softmax (all-reduced max, sum of
+//!   exponentials and target logit), so the full logits are never gathered.
+//!
+//! This first form serves inference and scoring (no gradients). Ranks must call the same
+//! methods with the same inputs, in the same order.
+
+use keel_collective::{Collective, ReduceOp};
+use tch::{Device, Kind, Tensor};
+
+use super::{
+    Attention, CausalLm, LOGPROB_CHUNK_ELEMENTS, Linear, Mask, Mlp, Positions, RmsNorm, masks_for, padded_ids,
+};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::rope::Rotary;
+
+/// The half-open range of `total` items that `rank` of `world` holds (as even as possible).
+fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
+    let (rank, world) = (rank as i64, world as i64);
+    (total * rank / world, total * (rank + 1) / world)
+}
+
+fn rows(t: &Tensor, start: i64, end: i64) -> Result<Tensor> {
+    Ok(t.f_narrow(0, start, end - start)?.f_contiguous()?.f_detach()?)
+}
+
+fn columns(t: &Tensor, start: i64, end: i64) -> Result<Tensor> {
+    Ok(t.f_narrow(1, start, end - start)?.f_contiguous()?.f_detach()?)
+}
+
+fn copy_norm(norm: &RmsNorm) -> Result<RmsNorm> {
+    Ok(RmsNorm { weight: norm.weight.detach().copy(), eps: norm.eps })
+}
+
+fn copy_optional_norm(norm: &Option<RmsNorm>) -> Result<Option<RmsNorm>> {
+    norm.as_ref().map(copy_norm).transpose()
+}
+
+/// A column-parallel slice of `linear`: output rows `start..end` (weight and bias).
+fn column_parallel(linear: &Linear, start: i64, end: i64) -> Result<Linear> {
+    let bias = linear.bias.as_ref().map(|b| rows(b, start, end)).transpose()?;
+    Ok(Linear { weight: rows(&linear.weight, start, end)?, bias })
+}
+
+/// A row-parallel slice of `linear`: input columns `start..end`, without the bias (added
+/// after the all-reduce); returns the slice and the bias.
+fn row_parallel(linear: &Linear, start: i64, end: i64) -> Result<(Linear, Option<Tensor>)> {
+    let bias = linear.bias.as_ref().map(|b| b.detach().copy());
+    Ok((Linear { weight: columns(&linear.weight, start, end)?, bias: None }, bias))
+}
+
+#[derive(Debug)]
+struct TpLayer {
+    input_layernorm: RmsNorm,
+    attention: Attention,
+    o_bias: Option<Tensor>,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+    down_bias: Option<Tensor>,
+    window: Option<i64>,
+}
+
+/// One rank's share of a [`CausalLm`].
+#[derive(Debug)]
+pub struct TpCausalLm<C: Collective> {
+    cfg: ModelConfig,
+    comm: C,
+    embed_tokens: Tensor,
+    /// This rank's vocabulary range.
+    vocab: (i64, i64),
+    layers: Vec<TpLayer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rotary: Rotary,
+    kind: Kind,
+    device: Device,
+}
+
+impl<C: Collective> TpCausalLm<C> {
+    /// The slices of `full` that rank `comm.rank()` of `comm.world_size()` holds (copied, so
+    /// `full` may be dropped). Fails when the heads or the intermediate size do not divide.
+    pub fn shard(full: &CausalLm, comm: C) -> Result<Self> {
+        let cfg = full.cfg.clone();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let w = world as i64;
+        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let problem = |field: &str, value: i64, reason: String| Error::Unsupported {
+            field: field.into(),
+            value: value.to_string(),
+            reason,
+        };
+        if heads % w != 0 {
+            return Err(problem("num_attention_heads", heads, format!("does not split across {world} ranks")));
+        }
+        if kv_heads % w != 0 && w % kv_heads != 0 {
+            let reason = format!("neither splits across nor replicates over {world} ranks");
+            return Err(problem("num_key_value_heads", kv_heads, reason));
+        }
+        if cfg.intermediate_size % w != 0 {
+            let reason = format!("does not split across {world} ranks");
+            return Err(problem("intermediate_size", cfg.intermediate_size, reason));
+        }
+        let local_heads = heads / w;
+        let (q_start, q_end) = share(heads, rank, world);
+        // KV heads: split when there are enough, else the one this rank's query heads read.
+        let (kv_start, kv_end) = if kv_heads % w == 0 {
+            share(kv_heads, rank, world)
+        } else {
+            let group = heads / kv_heads;
+            let kv = q_start / group;
+            (kv, kv + 1)
+        };
+        let (i_start, i_end) = share(cfg.intermediate_size, rank, world);
+        let layers = full
+            .layers
+            .iter()
+            .map(|layer| {
+                let attn = &layer.self_attn;
+                let (o_proj, o_bias) = row_parallel(&attn.o_proj, q_start * d, q_end * d)?;
+                let attention = Attention {
+                    q_proj: column_parallel(&attn.q_proj, q_start * d, q_end * d)?,
+                    k_proj: column_parallel(&attn.k_proj, kv_start * d, kv_end * d)?,
+                    v_proj: column_parallel(&attn.v_proj, kv_start * d, kv_end * d)?,
+                    o_proj,
+                    q_norm: copy_optional_norm(&attn.q_norm)?,
+                    k_norm: copy_optional_norm(&attn.k_norm)?,
+                    heads: local_heads,
+                    kv_heads: kv_end - kv_start,
+                    head_dim: d,
+                };
+                let (down_proj, down_bias) = row_parallel(&layer.mlp.down_proj, i_start, i_end)?;
+                let mlp = Mlp {
+                    gate_proj: column_parallel(&layer.mlp.gate_proj, i_start, i_end)?,
+                    up_proj: column_parallel(&layer.mlp.up_proj, i_start, i_end)?,
+                    down_proj,
+                };
+                Ok(TpLayer {
+                    input_layernorm: copy_norm(&layer.input_layernorm)?,
+                    attention,
+                    o_bias,
+                    post_attention_layernorm: copy_norm(&layer.post_attention_layernorm)?,
+                    mlp,
+                    down_bias,
+                    window: layer.window,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vocab = share(cfg.vocab_size, rank, world);
+        let device = full.device();
+        Ok(Self {
+            embed_tokens: rows(&full.embed_tokens, vocab.0, vocab.1)?,
+            lm_head: rows(&full.lm_head, vocab.0, vocab.1)?,
+            vocab,
+            layers,
+            norm: copy_norm(&full.norm)?,
+            rotary: Rotary::new(&cfg.rope, cfg.head_dim, device)?,
+            kind: full.kind,
+            device,
+            cfg,
+            comm,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn all_reduce(&self, mut x: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.comm.all_reduce(&mut x, op).map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))?;
+        Ok(x)
+    }
+
+    /// The vocab-parallel embedding: this rank's rows for ids in its range, zeros elsewhere,
+    /// summed over the ranks.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (start, end) = self.vocab;
+        let outside = ids.f_lt(start)?.f_logical_or(&ids.f_ge(end)?)?;
+        let local = ids.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
+        let rows = Tensor::f_embedding(&self.embed_tokens, &local, -1, false, false)?;
+        let rows = rows.f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?;
+        self.all_reduce(rows, ReduceOp::Sum)
+    }
+
+    /// Final hidden states [B, S, hidden] (replicated on every rank) of fresh sequences.
+    fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let device = self.device;
+        let positions = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
+        let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
+        let windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
+        let masks = masks_for(&windows, s, &vec![0; b as usize], s, device)?;
+        let mut x = self.embed(ids)?;
+        for layer in &self.layers {
+            let mask: &Mask =
+                masks.iter().find(|(w, _)| *w == layer.window).map(|(_, m)| m).expect("a mask for every window");
+            let at = Positions { cos: &cos, sin: &sin, mask };
+            let attn = layer.attention.forward(&layer.input_layernorm.forward(&x)?, &at, None)?;
+            let attn = add_bias(self.all_reduce(attn, ReduceOp::Sum)?, layer.o_bias.as_ref())?;
+            let h = x.f_add(&attn)?;
+            let mlp = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?;
+            let mlp = add_bias(self.all_reduce(mlp, ReduceOp::Sum)?, layer.down_bias.as_ref())?;
+            x = h.f_add(&mlp)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Token logprobs [B, S] (f32) of right-padded sequences, as
+    /// [`CausalLm::token_logprobs`] computes them, on every rank. No gradients.
+    pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")));
+        }
+        let _no_grad = tch::no_grad_guard();
+        let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let hidden = self.hidden_states(&ids)?;
+        let (start_id, end_id) = self.vocab;
+        let local_vocab = (end_id - start_id).max(1);
+        let predicted = s - 1;
+        let chunk = (LOGPROB_CHUNK_ELEMENTS / (b * local_vocab)).max(1);
+        let mut parts = vec![Tensor::f_zeros([b, 1], (Kind::Float, self.device))?];
+        let mut start = 0;
+        while start < predicted {
+            let len = chunk.min(predicted - start);
+            let logits =
+                hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(&self.lm_head, None)?.f_to_kind(Kind::Float)?;
+            let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
+            let targets = ids.f_narrow(1, start + 1, len)?;
+            parts.push(self.vocab_parallel_logprobs(&logits, &targets)?);
+            start += len;
+        }
+        Ok(Tensor::f_cat(&parts, 1)?.f_masked_fill(&invalid, 0.0)?)
+    }
+
+    /// log softmax(logits)[target] over the whole vocabulary from this rank's `logits`
+    /// [B, L, local vocab] and the `targets` [B, L]: the maximum, the sum of exponentials
+    /// and the target's logit are all-reduced, never the logits themselves.
+    fn vocab_parallel_logprobs(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (start, end) = self.vocab;
+        let local_max = logits.f_amax(&[-1][..], false)?;
+        let max = self.all_reduce(local_max, ReduceOp::Max)?;
+        let shifted = logits.f_sub(&max.f_unsqueeze(-1)?)?;
+        let sum_exp =
+            self.all_reduce(shifted.f_exp()?.f_sum_dim_intlist(&[-1][..], false, Kind::Float)?, ReduceOp::Sum)?;
+        let outside = targets.f_lt(start)?.f_logical_or(&targets.f_ge(end)?)?;
+        let local = targets.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
+        let picked = shifted.f_gather(-1, &local.f_unsqueeze(-1)?, false)?.f_squeeze_dim(-1)?;
+        let picked = self.all_reduce(picked.f_masked_fill(&outside, 0.0)?, ReduceOp::Sum)?;
+        Ok(picked.f_sub(&sum_exp.f_log()?)?)
+    }
+}
+
+fn add_bias(x: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    Ok(match bias {
+        Some(bias) => x.f_add(bias)?,
+        None => x,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Init;
+    use keel_collective::cpu::CpuGroup;
+    use serde_json::json;
+
+    fn config(arch: &str, heads: i64, kv_heads: i64, extra: serde_json::Value) -> ModelConfig {
+        let mut value = json!({
+            "architectures": [arch], "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "vocab_size": 101, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+        });
+        if let (Some(value), Some(extra)) = (value.as_object_mut(), extra.as_object()) {
+            value.extend(extra.clone());
+        }
+        ModelConfig::from_json(value).expect("a valid config")
+    }
+
+    /// Max |TP logprobs − TP=1 logprobs| over every rank, for each world size.
+    fn compare(cfg: ModelConfig, worlds: &[usize]) -> Vec<(usize, f64)> {
+        tch::manual_seed(11);
+        let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+        // Random biases and norm weights too (the initialisation makes them 0 and 1), so a
+        // bias added twice or not at all shows.
+        let _no_grad = tch::no_grad_guard();
+        for (name, mut value) in full.var_store().variables() {
+            if name.ends_with("bias") || name.contains("norm") {
+                let noise = Tensor::randn(value.size(), (Kind::Float, Device::Cpu)) * 0.3;
+                value.copy_(&(value.shallow_clone() + noise));
+            }
+        }
+        let ids: Vec<i64> = (0..2 * 13).map(|i| (i * 37 + 5) % 101).collect();
+        let ids = Tensor::from_slice(&ids).view([2, 13]);
+        let lengths = [13, 9];
+        let expected = full.token_logprobs(&ids, &lengths, 0.7).expect("TP=1 logprobs").detach();
+        worlds
+            .iter()
+            .map(|&world| {
+                let ranks: Vec<TpCausalLm<_>> = CpuGroup::new(world)
+                    .expect("a group")
+                    .into_iter()
+                    .map(|comm| TpCausalLm::shard(&full, comm).expect("a shard"))
+                    .collect();
+                let threads: Vec<_> = ranks
+                    .into_iter()
+                    .map(|model| {
+                        let ids = ids.copy();
+                        std::thread::spawn(move || model.token_logprobs(&ids, &lengths, 0.7).expect("TP logprobs"))
+                    })
+                    .collect();
+                let diff = threads
+                    .into_iter()
+                    .map(|t| {
+                        let got = t.join().expect("a rank");
+                        got.f_sub(&expected).expect("same shape").abs().max().double_value(&[])
+                    })
+                    .fold(0.0, f64::max);
+                (world, diff)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn logprobs_at_tp_2_and_4_equal_tp_1() {
+        // Qwen3: q/k norms; 4 KV heads split over 2 and 4 ranks.
+        for (world, diff) in compare(config("Qwen3ForCausalLM", 8, 4, json!({"head_dim": 16})), &[2, 4]) {
+            assert!(diff <= 1e-5, "qwen3 TP={world}: max diff {diff:e}");
+        }
+        // Qwen2: q/k/v biases; 2 KV heads replicated over 4 ranks (GQA), tied embeddings.
+        let qwen2 = config("Qwen2ForCausalLM", 4, 2, json!({"tie_word_embeddings": true}));
+        for (world, diff) in compare(qwen2, &[2, 4]) {
+            assert!(diff <= 1e-5, "qwen2 TP={world}: max diff {diff:e}");
+        }
+        // Llama with biases on o and the MLP, a vocabulary that does not divide by 4.
+        let llama = config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true}));
+        for (world, diff) in compare(llama, &[2, 4]) {
+            assert!(diff <= 1e-5, "llama TP={world}: max diff {diff:e}");
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_split_are_refused() {
+        let full = CausalLm::new(config("Qwen3ForCausalLM", 6, 3, json!({})), Device::Cpu, Kind::Float, Init::Zeros)
+            .expect("a model");
+        let comm = CpuGroup::new(4).expect("a group").into_iter().next().expect("rank 0");
+        let error = TpCausalLm::shard(&full, comm).expect_err("6 heads over 4 ranks").to_string();
+        assert!(error.contains("num_attention_heads"), "{error}");
+    }
+}
