@@ -76,6 +76,8 @@ struct TpLayer {
 pub struct TpCausalLm<C: Collective> {
     cfg: ModelConfig,
     comm: C,
+    /// Whether each rank holds a copy of one KV head (fewer KV heads than ranks).
+    kv_replicated: bool,
     embed_tokens: Tensor,
     /// This rank's vocabulary range.
     vocab: (i64, i64),
@@ -159,6 +161,7 @@ impl<C: Collective> TpCausalLm<C> {
         let vocab = share(cfg.vocab_size, rank, world);
         let device = full.device();
         Ok(Self {
+            kv_replicated: kv_heads % w != 0,
             embed_tokens: rows(&full.embed_tokens, vocab.0, vocab.1)?,
             lm_head: rows(&full.lm_head, vocab.0, vocab.1)?,
             vocab,
@@ -269,6 +272,89 @@ impl<C: Collective> TpCausalLm<C> {
     }
 }
 
+impl<C: Collective> TpCausalLm<C> {
+    fn gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
+        self.comm.all_gather(tensor, dim).map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))
+    }
+
+    /// KV projection rows gathered from every rank: when KV heads are replicated, the copy
+    /// of the first rank holding each head.
+    fn gather_kv(&self, rows: &Tensor) -> Result<Tensor> {
+        let gathered = self.gather(rows, 0)?;
+        if !self.kv_replicated {
+            return Ok(gathered);
+        }
+        let per_head = self.world_size() as i64 / self.cfg.num_key_value_heads;
+        let chunk = rows.size()[0];
+        let firsts: Vec<Tensor> = (0..self.cfg.num_key_value_heads)
+            .map(|k| gathered.f_narrow(0, k * per_head * chunk, chunk))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Tensor::f_cat(&firsts, 0)?)
+    }
+
+    /// The whole model, gathered from every rank's slices (every rank must call it; every
+    /// rank gets the same model). Saving a tensor-parallel model goes through this, so its
+    /// checkpoint is the Hugging Face layout a TP = 1 model (or transformers) loads.
+    pub fn gather_full(&self) -> Result<CausalLm> {
+        let _no_grad = tch::no_grad_guard();
+        let mut params: Vec<(String, Tensor)> = Vec::new();
+        params.push(("model.embed_tokens.weight".into(), self.gather(&self.embed_tokens, 0)?));
+        if !self.cfg.tie_word_embeddings {
+            params.push(("lm_head.weight".into(), self.gather(&self.lm_head, 0)?));
+        }
+        params.push(("model.norm.weight".into(), self.norm.weight.shallow_clone()));
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = |name: &str| format!("model.layers.{i}.{name}");
+            let a = &layer.attention;
+            params.push((p("input_layernorm.weight"), layer.input_layernorm.weight.shallow_clone()));
+            params.push((p("post_attention_layernorm.weight"), layer.post_attention_layernorm.weight.shallow_clone()));
+            params.push((p("self_attn.q_proj.weight"), self.gather(&a.q_proj.weight, 0)?));
+            params.push((p("self_attn.k_proj.weight"), self.gather_kv(&a.k_proj.weight)?));
+            params.push((p("self_attn.v_proj.weight"), self.gather_kv(&a.v_proj.weight)?));
+            params.push((p("self_attn.o_proj.weight"), self.gather(&a.o_proj.weight, 1)?));
+            if let (Some(q), Some(k), Some(v)) = (&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias) {
+                params.push((p("self_attn.q_proj.bias"), self.gather(q, 0)?));
+                params.push((p("self_attn.k_proj.bias"), self.gather_kv(k)?));
+                params.push((p("self_attn.v_proj.bias"), self.gather_kv(v)?));
+            }
+            if let Some(bias) = &layer.o_bias {
+                params.push((p("self_attn.o_proj.bias"), bias.shallow_clone()));
+            }
+            if let (Some(q), Some(k)) = (&a.q_norm, &a.k_norm) {
+                params.push((p("self_attn.q_norm.weight"), q.weight.shallow_clone()));
+                params.push((p("self_attn.k_norm.weight"), k.weight.shallow_clone()));
+            }
+            let m = &layer.mlp;
+            params.push((p("mlp.gate_proj.weight"), self.gather(&m.gate_proj.weight, 0)?));
+            params.push((p("mlp.up_proj.weight"), self.gather(&m.up_proj.weight, 0)?));
+            params.push((p("mlp.down_proj.weight"), self.gather(&m.down_proj.weight, 1)?));
+            if let (Some(gate), Some(up)) = (&m.gate_proj.bias, &m.up_proj.bias) {
+                params.push((p("mlp.gate_proj.bias"), self.gather(gate, 0)?));
+                params.push((p("mlp.up_proj.bias"), self.gather(up, 0)?));
+            }
+            if let Some(bias) = &layer.down_bias {
+                params.push((p("mlp.down_proj.bias"), bias.shallow_clone()));
+            }
+        }
+        let full = CausalLm::new(self.cfg.clone(), self.device, self.kind, crate::Init::Zeros)?;
+        let mut variables = full.var_store().variables();
+        if variables.len() != params.len() {
+            return Err(Error::InvalidInput(format!(
+                "tensor parallel: gathered {} tensors for a model of {}",
+                params.len(),
+                variables.len()
+            )));
+        }
+        for (name, value) in params {
+            let target = variables
+                .get_mut(&name)
+                .ok_or_else(|| Error::InvalidInput(format!("tensor parallel: no parameter `{name}` to gather into")))?;
+            target.f_copy_(&value)?;
+        }
+        Ok(full)
+    }
+}
+
 fn add_bias(x: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     Ok(match bias {
         Some(bias) => x.f_add(bias)?,
@@ -354,6 +440,43 @@ mod tests {
         let llama = config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true}));
         for (world, diff) in compare(llama, &[2, 4]) {
             assert!(diff <= 1e-5, "llama TP={world}: max diff {diff:e}");
+        }
+    }
+
+    #[test]
+    fn gathered_shards_are_the_model_again() {
+        for cfg in [
+            config("Qwen2ForCausalLM", 4, 2, json!({})),
+            config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true})),
+            config("Qwen3ForCausalLM", 8, 4, json!({"head_dim": 16, "tie_word_embeddings": true})),
+        ] {
+            tch::manual_seed(3);
+            let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+            let original = full.var_store().variables();
+            for world in [2, 4] {
+                let ranks: Vec<TpCausalLm<_>> = CpuGroup::new(world)
+                    .expect("a group")
+                    .into_iter()
+                    .map(|comm| TpCausalLm::shard(&full, comm).expect("a shard"))
+                    .collect();
+                let threads: Vec<_> = ranks
+                    .into_iter()
+                    .map(|model| {
+                        std::thread::spawn(move || {
+                            let gathered = model.gather_full().expect("gathered");
+                            let variables = gathered.var_store().variables();
+                            variables.into_iter().map(|(k, v)| (k, v.detach())).collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                for thread in threads {
+                    let gathered = thread.join().expect("a rank");
+                    assert_eq!(gathered.len(), original.len());
+                    for (name, value) in gathered {
+                        assert!(value.equal(&original[&name]), "TP={world}: `{name}` differs after the round trip");
+                    }
+                }
+            }
         }
     }
 
