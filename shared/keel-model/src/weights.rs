@@ -138,6 +138,71 @@ pub fn load_into(dir: &Path, params: &HashMap<String, Tensor>, tied: bool) -> Re
     if problems.is_empty() { Ok(()) } else { Err(Error::Weights(problems)) }
 }
 
+/// The weight files of a model directory, memory-mapped, for reading parts of tensors: a
+/// tensor-parallel rank reads only the bytes of its rows or columns.
+pub struct SliceReader {
+    files: Vec<Mapped>,
+    /// HF name → index of the file holding it.
+    index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for SliceReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SliceReader").field("tensors", &self.index.len()).finish()
+    }
+}
+
+impl SliceReader {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let files = weight_files(dir)?.into_iter().map(Mapped::open).collect::<Result<Vec<_>>>()?;
+        let mut index = HashMap::new();
+        for (i, file) in files.iter().enumerate() {
+            for name in file.parse()?.names() {
+                index.insert(name.to_string(), i);
+            }
+        }
+        Ok(Self { files, index })
+    }
+
+    /// Rows (`dim` 0) or columns (`dim` 1, of a 2-D tensor) `start..end` of tensor `name`,
+    /// whose shape must be `shape`, in its stored dtype.
+    pub fn read(&self, name: &str, shape: &[i64], dim: usize, start: i64, end: i64) -> Result<Tensor> {
+        let missing = || Error::Weights(vec![WeightProblem::Missing { name: name.into() }]);
+        let file = self.files.get(*self.index.get(name).ok_or_else(missing)?).ok_or_else(missing)?;
+        let tensors = file.parse()?;
+        let view = tensors.tensor(name).map_err(|_| missing())?;
+        let found: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        if found != shape {
+            let problem = WeightProblem::Shape { name: name.into(), expected: shape.to_vec(), found };
+            return Err(Error::Weights(vec![problem]));
+        }
+        let kind = kind_of(view.dtype()).ok_or_else(|| {
+            Error::Weights(vec![WeightProblem::Dtype { name: name.into(), dtype: format!("{:?}", view.dtype()) }])
+        })?;
+        if dim > 1 || (dim == 1 && shape.len() != 2) || start < 0 || end > shape[dim] || start > end {
+            return Err(Error::InvalidInput(format!(
+                "`{name}` {shape:?}: no slice {start}..{end} along dimension {dim}"
+            )));
+        }
+        let element = view.dtype().bitsize() / 8;
+        let data = view.data();
+        let mut local = shape.to_vec();
+        local[dim] = end - start;
+        let bytes: Vec<u8> = if dim == 0 {
+            let row = shape[1..].iter().product::<i64>() as usize * element;
+            data[start as usize * row..end as usize * row].to_vec()
+        } else {
+            let (columns, width) = (shape[1] as usize * element, (end - start) as usize * element);
+            let offset = start as usize * element;
+            (0..shape[0] as usize)
+                .flat_map(|r| &data[r * columns + offset..r * columns + offset + width])
+                .copied()
+                .collect()
+        };
+        Ok(Tensor::f_from_data_size(&bytes, &local, kind)?)
+    }
+}
+
 /// A host-resident, contiguous parameter viewed as safetensors data.
 struct TensorView {
     host: Tensor,

@@ -24,6 +24,7 @@ use super::{
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::rope::Rotary;
+use crate::weights::SliceReader;
 
 /// The half-open range of `total` items that `rank` of `world` holds (as even as possible).
 fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
@@ -31,33 +32,40 @@ fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
     (total * rank / world, total * (rank + 1) / world)
 }
 
-fn rows(t: &Tensor, start: i64, end: i64) -> Result<Tensor> {
-    Ok(t.f_narrow(0, start, end - start)?.f_contiguous()?.f_detach()?)
+/// Where a rank's parameters come from, by Hugging Face name: the whole tensor, or rows /
+/// columns `start..end` of a tensor whose full shape is `shape`.
+trait Source {
+    fn slice(&self, name: &str, shape: &[i64], dim: usize, start: i64, end: i64) -> Result<Tensor>;
+
+    fn whole(&self, name: &str, shape: &[i64]) -> Result<Tensor> {
+        self.slice(name, shape, 0, 0, shape[0])
+    }
 }
 
-fn columns(t: &Tensor, start: i64, end: i64) -> Result<Tensor> {
-    Ok(t.f_narrow(1, start, end - start)?.f_contiguous()?.f_detach()?)
+/// Slices copied out of a model in memory.
+struct FromModel(std::collections::HashMap<String, Tensor>);
+
+impl Source for SliceReader {
+    fn slice(&self, name: &str, shape: &[i64], dim: usize, start: i64, end: i64) -> Result<Tensor> {
+        self.read(name, shape, dim, start, end)
+    }
 }
 
-fn copy_norm(norm: &RmsNorm) -> Result<RmsNorm> {
-    Ok(RmsNorm { weight: norm.weight.detach().copy(), eps: norm.eps })
+impl Source for FromModel {
+    fn slice(&self, name: &str, shape: &[i64], dim: usize, start: i64, end: i64) -> Result<Tensor> {
+        let tensor = self.0.get(name).ok_or_else(|| Error::InvalidInput(format!("the model has no `{name}`")))?;
+        check_shape(name, shape, &tensor.size())?;
+        Ok(tensor.f_narrow(dim as i64, start, end - start)?.detach().copy())
+    }
 }
 
-fn copy_optional_norm(norm: &Option<RmsNorm>) -> Result<Option<RmsNorm>> {
-    norm.as_ref().map(copy_norm).transpose()
-}
-
-/// A column-parallel slice of `linear`: output rows `start..end` (weight and bias).
-fn column_parallel(linear: &Linear, start: i64, end: i64) -> Result<Linear> {
-    let bias = linear.bias.as_ref().map(|b| rows(b, start, end)).transpose()?;
-    Ok(Linear { weight: rows(&linear.weight, start, end)?, bias })
-}
-
-/// A row-parallel slice of `linear`: input columns `start..end`, without the bias (added
-/// after the all-reduce); returns the slice and the bias.
-fn row_parallel(linear: &Linear, start: i64, end: i64) -> Result<(Linear, Option<Tensor>)> {
-    let bias = linear.bias.as_ref().map(|b| b.detach().copy());
-    Ok((Linear { weight: columns(&linear.weight, start, end)?, bias: None }, bias))
+fn check_shape(name: &str, expected: &[i64], found: &[i64]) -> Result<()> {
+    if expected == found {
+        return Ok(());
+    }
+    let problem =
+        crate::error::WeightProblem::Shape { name: name.into(), expected: expected.to_vec(), found: found.to_vec() };
+    Err(Error::Weights(vec![problem]))
 }
 
 #[derive(Debug)]
@@ -93,10 +101,29 @@ impl<C: Collective> TpCausalLm<C> {
     /// The slices of `full` that rank `comm.rank()` of `comm.world_size()` holds (copied, so
     /// `full` may be dropped). Fails when the heads or the intermediate size do not divide.
     pub fn shard(full: &CausalLm, comm: C) -> Result<Self> {
-        let cfg = full.cfg.clone();
+        let source = FromModel(full.var_store().variables());
+        Self::build(full.cfg.clone(), comm, full.device(), full.kind, &source)
+    }
+
+    /// Loads this rank's slices from a Hugging Face model directory, reading only the bytes
+    /// of its slices from the (memory-mapped) safetensors files.
+    pub fn load(dir: &std::path::Path, comm: C, device: Device, kind: Kind) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(Error::MissingDirectory(dir.to_path_buf()));
+        }
+        let cfg = ModelConfig::load(dir)?;
+        let files = SliceReader::open(dir)?;
+        Self::build(cfg, comm, device, kind, &files)
+    }
+
+    fn build(cfg: ModelConfig, comm: C, device: Device, kind: Kind, source: &dyn Source) -> Result<Self> {
+        if !matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
+            return Err(Error::InvalidInput(format!("parameter dtype {kind:?} is not supported (f32, bf16, f16)")));
+        }
         let (rank, world) = (comm.rank(), comm.world_size());
         let w = world as i64;
         let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (hidden, inter) = (cfg.hidden_size, cfg.intermediate_size);
         let problem = |field: &str, value: i64, reason: String| Error::Unsupported {
             field: field.into(),
             value: value.to_string(),
@@ -109,66 +136,99 @@ impl<C: Collective> TpCausalLm<C> {
             let reason = format!("neither splits across nor replicates over {world} ranks");
             return Err(problem("num_key_value_heads", kv_heads, reason));
         }
-        if cfg.intermediate_size % w != 0 {
-            let reason = format!("does not split across {world} ranks");
-            return Err(problem("intermediate_size", cfg.intermediate_size, reason));
+        if inter % w != 0 {
+            return Err(problem("intermediate_size", inter, format!("does not split across {world} ranks")));
         }
-        let local_heads = heads / w;
         let (q_start, q_end) = share(heads, rank, world);
         // KV heads: split when there are enough, else the one this rank's query heads read.
         let (kv_start, kv_end) = if kv_heads % w == 0 {
             share(kv_heads, rank, world)
         } else {
-            let group = heads / kv_heads;
-            let kv = q_start / group;
+            let kv = q_start / (heads / kv_heads);
             (kv, kv + 1)
         };
-        let (i_start, i_end) = share(cfg.intermediate_size, rank, world);
-        let layers = full
-            .layers
-            .iter()
-            .map(|layer| {
-                let attn = &layer.self_attn;
-                let (o_proj, o_bias) = row_parallel(&attn.o_proj, q_start * d, q_end * d)?;
+        let (i_start, i_end) = share(inter, rank, world);
+        let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
+        let norm = |name: String, size: i64| -> Result<RmsNorm> {
+            Ok(RmsNorm { weight: to(source.whole(&name, &[size])?)?, eps: cfg.rms_norm_eps })
+        };
+        // Output rows start..end of `name` ([outputs, inputs]), with its bias when it has one.
+        let column = |name: String, outputs: i64, inputs: i64, start: i64, end: i64, bias: bool| -> Result<Linear> {
+            let weight = to(source.slice(&format!("{name}.weight"), &[outputs, inputs], 0, start, end)?)?;
+            let bias = bias.then(|| source.slice(&format!("{name}.bias"), &[outputs], 0, start, end).and_then(to));
+            Ok(Linear { weight, bias: bias.transpose()? })
+        };
+        // Input columns start..end of `name`; its bias comes back apart (added after the all-reduce).
+        let row = |name: String, outputs: i64, inputs: i64, start: i64, end: i64, bias: bool| {
+            let weight = to(source.slice(&format!("{name}.weight"), &[outputs, inputs], 1, start, end)?)?;
+            let bias = bias.then(|| source.whole(&format!("{name}.bias"), &[outputs]).and_then(to)).transpose()?;
+            Ok::<_, Error>((Linear { weight, bias: None }, bias))
+        };
+        let layers = (0..cfg.num_hidden_layers as usize)
+            .map(|i| {
+                let p = |name: &str| format!("model.layers.{i}.{name}");
+                let (o_proj, o_bias) =
+                    row(p("self_attn.o_proj"), hidden, heads * d, q_start * d, q_end * d, cfg.o_bias)?;
+                let qk_norm = |name: &str| cfg.qk_norm.then(|| norm(p(name), d)).transpose();
                 let attention = Attention {
-                    q_proj: column_parallel(&attn.q_proj, q_start * d, q_end * d)?,
-                    k_proj: column_parallel(&attn.k_proj, kv_start * d, kv_end * d)?,
-                    v_proj: column_parallel(&attn.v_proj, kv_start * d, kv_end * d)?,
+                    q_proj: column(p("self_attn.q_proj"), heads * d, hidden, q_start * d, q_end * d, cfg.qkv_bias)?,
+                    k_proj: column(
+                        p("self_attn.k_proj"),
+                        kv_heads * d,
+                        hidden,
+                        kv_start * d,
+                        kv_end * d,
+                        cfg.qkv_bias,
+                    )?,
+                    v_proj: column(
+                        p("self_attn.v_proj"),
+                        kv_heads * d,
+                        hidden,
+                        kv_start * d,
+                        kv_end * d,
+                        cfg.qkv_bias,
+                    )?,
                     o_proj,
-                    q_norm: copy_optional_norm(&attn.q_norm)?,
-                    k_norm: copy_optional_norm(&attn.k_norm)?,
-                    heads: local_heads,
+                    q_norm: qk_norm("self_attn.q_norm.weight")?,
+                    k_norm: qk_norm("self_attn.k_norm.weight")?,
+                    heads: heads / w,
                     kv_heads: kv_end - kv_start,
                     head_dim: d,
                 };
-                let (down_proj, down_bias) = row_parallel(&layer.mlp.down_proj, i_start, i_end)?;
+                let (down_proj, down_bias) = row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
                 let mlp = Mlp {
-                    gate_proj: column_parallel(&layer.mlp.gate_proj, i_start, i_end)?,
-                    up_proj: column_parallel(&layer.mlp.up_proj, i_start, i_end)?,
+                    gate_proj: column(p("mlp.gate_proj"), inter, hidden, i_start, i_end, cfg.mlp_bias)?,
+                    up_proj: column(p("mlp.up_proj"), inter, hidden, i_start, i_end, cfg.mlp_bias)?,
                     down_proj,
                 };
                 Ok(TpLayer {
-                    input_layernorm: copy_norm(&layer.input_layernorm)?,
+                    input_layernorm: norm(p("input_layernorm.weight"), hidden)?,
                     attention,
                     o_bias,
-                    post_attention_layernorm: copy_norm(&layer.post_attention_layernorm)?,
+                    post_attention_layernorm: norm(p("post_attention_layernorm.weight"), hidden)?,
                     mlp,
                     down_bias,
-                    window: layer.window,
+                    window: cfg.sliding_windows[i],
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let vocab = share(cfg.vocab_size, rank, world);
-        let device = full.device();
+        let embedding = [cfg.vocab_size, hidden];
+        let embed_tokens = to(source.slice("model.embed_tokens.weight", &embedding, 0, vocab.0, vocab.1)?)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            to(source.slice("lm_head.weight", &embedding, 0, vocab.0, vocab.1)?)?
+        };
         Ok(Self {
             kv_replicated: kv_heads % w != 0,
-            embed_tokens: rows(&full.embed_tokens, vocab.0, vocab.1)?,
-            lm_head: rows(&full.lm_head, vocab.0, vocab.1)?,
+            embed_tokens,
+            lm_head,
             vocab,
             layers,
-            norm: copy_norm(&full.norm)?,
+            norm: norm("model.norm.weight".into(), hidden)?,
             rotary: Rotary::new(&cfg.rope, cfg.head_dim, device)?,
-            kind: full.kind,
+            kind,
             device,
             cfg,
             comm,
@@ -381,12 +441,9 @@ mod tests {
         ModelConfig::from_json(value).expect("a valid config")
     }
 
-    /// Max |TP logprobs − TP=1 logprobs| over every rank, for each world size.
-    fn compare(cfg: ModelConfig, worlds: &[usize]) -> Vec<(usize, f64)> {
-        tch::manual_seed(11);
-        let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
-        // Random biases and norm weights too (the initialisation makes them 0 and 1), so a
-        // bias added twice or not at all shows.
+    /// Random biases and norm weights too (the initialisation makes them 0 and 1), so a bias
+    /// added twice or not at all shows.
+    fn randomize_biases_and_norms(full: &CausalLm) {
         let _no_grad = tch::no_grad_guard();
         for (name, mut value) in full.var_store().variables() {
             if name.ends_with("bias") || name.contains("norm") {
@@ -394,6 +451,14 @@ mod tests {
                 value.copy_(&(value.shallow_clone() + noise));
             }
         }
+    }
+
+    /// Max |TP logprobs − TP=1 logprobs| over every rank, for each world size.
+    fn compare(cfg: ModelConfig, worlds: &[usize]) -> Vec<(usize, f64)> {
+        tch::manual_seed(11);
+        let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+        randomize_biases_and_norms(&full);
+        let _no_grad = tch::no_grad_guard();
         let ids: Vec<i64> = (0..2 * 13).map(|i| (i * 37 + 5) % 101).collect();
         let ids = Tensor::from_slice(&ids).view([2, 13]);
         let lengths = [13, 9];
@@ -444,6 +509,42 @@ mod tests {
     }
 
     #[test]
+    fn ranks_loading_their_slices_from_a_checkpoint_match_the_model() {
+        let dir = tempfile::tempdir().expect("a directory");
+        for cfg in [
+            config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true})),
+            config("Qwen2ForCausalLM", 4, 2, json!({"tie_word_embeddings": true})),
+        ] {
+            tch::manual_seed(5);
+            let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+            randomize_biases_and_norms(&full);
+            full.save(dir.path(), crate::SaveOptions { max_shard_bytes: 60_000 }).expect("saved in several shards");
+            let ids = Tensor::from_slice(&[3i64, 17, 99, 42, 7, 64, 100, 0]).view([1, 8]);
+            let expected = full.token_logprobs(&ids, &[8], 1.0).expect("logprobs").detach();
+            for world in [2, 4] {
+                let threads: Vec<_> = CpuGroup::new(world)
+                    .expect("a group")
+                    .into_iter()
+                    .map(|comm| {
+                        let (path, ids) = (dir.path().to_path_buf(), ids.copy());
+                        std::thread::spawn(move || {
+                            let model = TpCausalLm::load(&path, comm, Device::Cpu, Kind::Float).expect("loaded");
+                            model.token_logprobs(&ids, &[8], 1.0).expect("TP logprobs")
+                        })
+                    })
+                    .collect();
+                for thread in threads {
+                    let diff = (thread.join().expect("a rank") - &expected).abs().max().double_value(&[]);
+                    assert!(diff <= 1e-5, "TP={world} from the checkpoint: max diff {diff:e}");
+                }
+            }
+        }
+        let comm = CpuGroup::new(1).expect("a group").into_iter().next().expect("rank 0");
+        let missing = TpCausalLm::load(&dir.path().join("nope"), comm, Device::Cpu, Kind::Float);
+        assert!(missing.expect_err("no directory").to_string().contains("does not exist"));
+    }
+
+    #[test]
     fn gathered_shards_are_the_model_again() {
         for cfg in [
             config("Qwen2ForCausalLM", 4, 2, json!({})),
@@ -452,6 +553,7 @@ mod tests {
         ] {
             tch::manual_seed(3);
             let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+            randomize_biases_and_norms(&full);
             let original = full.var_store().variables();
             for world in [2, 4] {
                 let ranks: Vec<TpCausalLm<_>> = CpuGroup::new(world)
