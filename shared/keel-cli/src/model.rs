@@ -6,8 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
+use keel_collective::Collective;
 use keel_model::device::{parse_device, parse_kind};
 use keel_model::init::{InitSpec, Preset, init_model};
+use keel_model::model::tp::TpCausalLm;
 use keel_model::sampling::{FinishReason, SamplingParams, generate};
 use keel_model::{Architecture, CausalLm, Tokenizer};
 use serde_json::{Value, json};
@@ -76,6 +78,9 @@ pub struct ScoreArgs {
     /// Sequences scored together (right-padded).
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
+    /// Tensor-parallel ranks (threads over the CPU collective; each loads only its slices).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 #[derive(Debug, Args)]
@@ -163,25 +168,88 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let model = args.runtime.load()?;
-    let sequences = read_sequences(&args.input, model.config().vocab_size)?;
-    let _no_grad = tch::no_grad_guard();
+    if args.tp == 0 {
+        bail!("--tp must be at least 1");
+    }
     let mut out = BufWriter::new(std::io::stdout().lock());
-    for batch in sequences.chunks(args.batch_size) {
+    if args.tp == 1 {
+        let model = args.runtime.load()?;
+        let sequences = read_sequences(&args.input, model.config().vocab_size)?;
+        let logprobs = |ids: &Tensor, lengths: &[i64]| Ok(model.token_logprobs(ids, lengths, args.temperature)?);
+        score_batches(&sequences, args.batch_size, logprobs, |line| writeln!(out, "{line}"))?;
+    } else {
+        for line in score_tensor_parallel(&args)? {
+            writeln!(out, "{line}")?;
+        }
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// Scores `sequences` in right-padded batches of `batch_size`; `emit` gets one JSON line per
+/// sequence, in order.
+fn score_batches(
+    sequences: &[Vec<i64>],
+    batch_size: usize,
+    logprobs: impl Fn(&Tensor, &[i64]) -> anyhow::Result<Tensor>,
+    mut emit: impl FnMut(Value) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
+    let _no_grad = tch::no_grad_guard();
+    for batch in sequences.chunks(batch_size) {
         let width = batch.iter().map(Vec::len).max().unwrap_or(0);
         let padded: Vec<i64> =
             batch.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(0, width - s.len()))).collect();
         let ids = Tensor::from_slice(&padded).f_view([batch.len() as i64, width as i64])?;
         let lengths: Vec<i64> = batch.iter().map(|s| s.len() as i64).collect();
-        let logprobs = model.token_logprobs(&ids, &lengths, args.temperature)?;
-        let flat = Vec::<f32>::try_from(logprobs.f_flatten(0, -1)?)?;
+        let flat = Vec::<f32>::try_from(logprobs(&ids, &lengths)?.f_flatten(0, -1)?)?;
         for (row, seq) in batch.iter().enumerate() {
-            let values = &flat[row * width..row * width + seq.len()];
-            writeln!(out, "{}", json!({ "logprobs": values }))?;
+            emit(json!({ "logprobs": &flat[row * width..row * width + seq.len()] }))?;
         }
     }
-    out.flush()?;
     Ok(())
+}
+
+/// `--tp N`: N ranks as threads over the CPU collective, each loading only its slices of
+/// the model; rank 0's lines are the output.
+fn score_tensor_parallel(args: &ScoreArgs) -> anyhow::Result<Vec<Value>> {
+    let device = parse_device(&args.runtime.device)?;
+    if device != tch::Device::Cpu {
+        bail!(
+            "--tp {} on {}: only the CPU collective exists so far (no NCCL backend yet)",
+            args.tp,
+            args.runtime.device
+        );
+    }
+    let kind = parse_kind(&args.runtime.dtype)?;
+    let cfg = keel_model::ModelConfig::load(&args.runtime.model)?;
+    let sequences = std::sync::Arc::new(read_sequences(&args.input, cfg.vocab_size)?);
+    let ranks = keel_collective::cpu::CpuGroup::new(args.tp)?;
+    let threads: Vec<_> = ranks
+        .into_iter()
+        .map(|comm| {
+            let (dir, sequences) = (args.runtime.model.clone(), sequences.clone());
+            let (batch_size, temperature) = (args.batch_size, args.temperature);
+            std::thread::spawn(move || -> anyhow::Result<Vec<Value>> {
+                let rank = comm.rank();
+                let model = TpCausalLm::load(&dir, comm, device, kind).with_context(|| format!("rank {rank}"))?;
+                let logprobs = |ids: &Tensor, lengths: &[i64]| Ok(model.token_logprobs(ids, lengths, temperature)?);
+                let mut lines = Vec::new();
+                score_batches(&sequences, batch_size, logprobs, |line| {
+                    lines.push(line);
+                    Ok(())
+                })?;
+                Ok(lines)
+            })
+        })
+        .collect();
+    let mut outputs = Vec::new();
+    for (rank, thread) in threads.into_iter().enumerate() {
+        match thread.join() {
+            Ok(result) => outputs.push(result?),
+            Err(_) => bail!("tensor-parallel rank {rank} panicked"),
+        }
+    }
+    Ok(outputs.swap_remove(0))
 }
 
 fn generate_command(args: GenerateArgs) -> anyhow::Result<()> {

@@ -67,6 +67,20 @@ fn init_then_score_matches_transformers() {
     let diff = max_abs_diff(&ours, &expected);
     assert!(diff <= 1e-4, "max |keel - transformers| = {diff:e}");
     assert!(ours.iter().all(|row| row[0] == 0.0));
+
+    // The same scores with the model split over 2 and 4 tensor-parallel ranks.
+    for tp in ["2", "4"] {
+        let args = ["model", "score", "--model", &model, "--input", input.to_str().unwrap(), "--batch-size", "3"];
+        let stdout = ok(&[&args[..], &["--tp", tp]].concat());
+        let split: Vec<Vec<f64>> = stdout
+            .lines()
+            .map(|line| {
+                serde_json::from_value(serde_json::from_str::<Value>(line).unwrap()["logprobs"].clone()).unwrap()
+            })
+            .collect();
+        let diff = max_abs_diff(&split, &ours);
+        assert!(diff <= 1e-5, "max |TP={tp} - TP=1| = {diff:e}");
+    }
 }
 
 #[test]
