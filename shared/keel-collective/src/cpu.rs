@@ -74,10 +74,12 @@ pub struct CpuCollective {
 }
 
 impl Drop for CpuCollective {
+    /// A rank leaving (done, failed or panicking) aborts the group, so the others get an
+    /// error at their next operation instead of waiting for the timeout. Operations that
+    /// already met are unaffected.
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.abort(format!("rank {} panicked", self.rank));
-        }
+        let why = if std::thread::panicking() { "panicked" } else { "left the group" };
+        self.abort(format!("rank {} {why}", self.rank));
     }
 }
 
@@ -254,15 +256,20 @@ impl Collective for CpuCollective {
         let tensors = self.exchange("reduce_scatter", tensor)?;
         self.same_shapes("reduce_scatter", &tensors)?;
         let world = self.shared.world_size as i64;
-        let length = tensor.size().get(dim.rem_euclid(tensor.dim().max(1) as i64) as usize).copied().unwrap_or(0);
-        let result = if tensor.dim() == 0 || length % world != 0 {
-            Err(Error::Mismatch {
+        let ndim = tensor.dim() as i64;
+        // Every rank sees the same shape, so every rank takes the same branch.
+        let length = (-ndim..ndim).contains(&dim).then(|| tensor.size()[dim.rem_euclid(ndim) as usize]);
+        let result = match length {
+            Some(length) if length % world == 0 => {
+                let part = length / world;
+                reduce(&tensors, op).f_narrow(dim, self.rank as i64 * part, part).map(|c| c.contiguous()).map_err(|e| {
+                    Error::Mismatch { rank: self.rank, message: format!("reduce_scatter along {dim}: {e}") }
+                })
+            }
+            _ => Err(Error::Mismatch {
                 rank: self.rank,
                 message: format!("reduce_scatter: dimension {dim} of {:?} does not split into {world}", tensor.size()),
-            })
-        } else {
-            let chunk = reduce(&tensors, op).narrow(dim, self.rank as i64 * (length / world), length / world);
-            Ok(chunk.contiguous())
+            }),
         };
         drop(tensors);
         self.done("reduce_scatter")?;
@@ -395,6 +402,25 @@ mod tests {
         assert!(matches!(error, Error::Timeout { rank: 0, operation: "barrier", .. }), "{error}");
         let after = absent.barrier().unwrap_err();
         assert!(matches!(after, Error::Aborted { rank: 1, .. }), "{after}");
+    }
+
+    #[test]
+    fn a_rank_that_leaves_aborts_the_group_and_bad_dimensions_are_errors() {
+        let mut ranks = CpuGroup::new(2).unwrap();
+        drop(ranks.pop());
+        let error = ranks[0].barrier().unwrap_err();
+        assert!(error.to_string().contains("rank 1 left the group"), "{error}");
+
+        let results = on_ranks(2, |c| {
+            let t = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+            let bad = c.reduce_scatter(&t, 2, ReduceOp::Sum).unwrap_err().to_string();
+            let good = c.reduce_scatter(&t, -1, ReduceOp::Sum).unwrap();
+            (bad, good.size())
+        });
+        for (bad, good) in results {
+            assert!(bad.contains("dimension 2 of [2, 2]"), "{bad}");
+            assert_eq!(good, [2, 1]);
+        }
     }
 
     #[test]

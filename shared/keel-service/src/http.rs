@@ -65,7 +65,13 @@ pub async fn run_http(
 /// context the request carries) and records its latency in
 /// `keel_http_request_duration_seconds{method, route, status}`.
 pub async fn observe(request: Request, next: Next) -> Response {
-    let method = request.method().as_str().to_string();
+    // A fixed set of labels: any other method a client sends is `other`, so clients cannot
+    // grow the metrics without bound.
+    let method = match request.method().as_str() {
+        m @ ("GET" | "POST" | "PUT" | "DELETE" | "PATCH" | "HEAD" | "OPTIONS") => m,
+        _ => "other",
+    }
+    .to_string();
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     let span = tracing::info_span!(
         "http.server",

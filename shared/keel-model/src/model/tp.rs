@@ -136,6 +136,9 @@ impl<C: Collective> TpCausalLm<C> {
             let reason = format!("neither splits across nor replicates over {world} ranks");
             return Err(problem("num_key_value_heads", kv_heads, reason));
         }
+        if cfg.vocab_size < w {
+            return Err(problem("vocab_size", cfg.vocab_size, format!("is smaller than {world} ranks")));
+        }
         if inter % w != 0 {
             return Err(problem("intermediate_size", inter, format!("does not split across {world} ranks")));
         }
@@ -296,8 +299,10 @@ impl<C: Collective> TpCausalLm<C> {
         let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
         let (b, s) = (ids.size()[0], ids.size()[1]);
         let hidden = self.hidden_states(&ids)?;
-        let (start_id, end_id) = self.vocab;
-        let local_vocab = (end_id - start_id).max(1);
+        // The same chunk length on every rank (each must make the same collective calls):
+        // from the largest vocabulary share, not this rank's.
+        let world = self.world_size() as i64;
+        let local_vocab = (self.cfg.vocab_size + world - 1) / world;
         let predicted = s - 1;
         let chunk = (LOGPROB_CHUNK_ELEMENTS / (b * local_vocab)).max(1);
         let mut parts = vec![Tensor::f_zeros([b, 1], (Kind::Float, self.device))?];
