@@ -97,30 +97,15 @@ async fn otlp_receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
     (url, spans)
 }
 
-fn grpo_spec(model: &Path, steps: u64) -> serde_json::Value {
-    json!({
-        "name": "observed-grpo",
-        "algorithm": "grpo",
-        "model": {"path": model},
-        "data": {
-            "train": {"kind": "arithmetic", "size": 64, "max_operand": 9, "seed": 2},
-            "validation": {"kind": "arithmetic", "size": 4, "max_operand": 9, "seed": 9},
-        },
-        "environments": {"default": {"name": "math"}},
-        "training": {
-            "loss": {"type": "clipped_pg", "reference_policy_kl_penalty": 0.01},
-            "optimizer": {"lr": 0.0005, "weight_decay": 0.0},
-            "global_batch_size": 8,
-            "micro_batch_size": 4,
-        },
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "samples_to_record": 8},
-        "generation": {"max_new_tokens": 8, "temperature": 1.0},
-        "max_total_sequence_length": 64,
-        "max_num_steps": steps,
-        "validation": {"period": 1, "num_samples": 1, "temperature": 1.0},
-        "checkpointing": {"save_period": 1},
-        "seed": 5,
-    })
+/// Two GRPO steps, each validated and checkpointed, recording 8 samples.
+fn observed_spec(model: &Path) -> serde_json::Value {
+    let mut spec = stack::grpo_spec(&json!({"path": model}));
+    spec["name"] = json!("observed-grpo");
+    spec["max_num_steps"] = json!(2);
+    spec["grpo"]["samples_to_record"] = json!(8);
+    spec["validation"] = json!({"period": 1, "num_samples": 1, "temperature": 1.0});
+    spec["checkpointing"] = json!({"save_period": 1});
+    spec
 }
 
 /// The spans of the trace whose root is the `grpo step` span of `run`'s `step`, once every
@@ -264,7 +249,7 @@ fn plot_points(dom: &str, plot: &str) -> u64 {
 async fn a_grpo_run_is_traced_measured_and_shown() {
     let (otlp, spans) = otlp_receiver().await;
     let stack = Stack::start_with(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp), ("OTEL_BSP_SCHEDULE_DELAY", "200")]);
-    let run = stack.submit(&grpo_spec(&stack.model, 2)).await;
+    let run = stack.submit(&observed_spec(&stack.model)).await;
     stack.wait_succeeded(&run, LIMIT).await;
 
     // Traces: each step is its own tree across the five services.

@@ -11,7 +11,7 @@ mod stack;
 use std::time::Duration;
 
 use serde_json::json;
-use stack::{Stack, sft_spec};
+use stack::{Stack, grpo_spec, sft_spec};
 
 const LIMIT: Duration = Duration::from_secs(600);
 
@@ -29,29 +29,7 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
     assert_eq!(steps, [3, 6], "{checkpoints}");
     let last = checkpoints[1]["id"].as_str().unwrap();
 
-    let mut grpo_spec = json!({
-        "name": "arithmetic-grpo",
-        "algorithm": "grpo",
-        "model": {"checkpoint": last},
-        "data": {
-            "train": {"kind": "arithmetic", "size": 64, "max_operand": 9, "seed": 2},
-            "validation": {"kind": "arithmetic", "size": 4, "max_operand": 9, "seed": 9},
-        },
-        "environments": {"default": {"name": "math"}},
-        "training": {
-            "loss": {"type": "clipped_pg", "reference_policy_kl_penalty": 0.01},
-            "optimizer": {"lr": 0.0005, "weight_decay": 0.0},
-            "global_batch_size": 8,
-            "micro_batch_size": 4,
-        },
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "advantage_estimator": "grpo"},
-        "generation": {"max_new_tokens": 12, "temperature": 1.0},
-        "max_total_sequence_length": 64,
-        "max_num_steps": 3,
-        "validation": {"period": 2, "num_samples": 2, "pass_at_k": [1, 2], "temperature": 1.0},
-        "checkpointing": {"save_period": 2, "keep_top_k": 1, "metric_name": "validation/accuracy"},
-        "seed": 5,
-    });
+    let mut grpo_spec = grpo_spec(&json!({"checkpoint": last}));
     let grpo = stack.submit(&grpo_spec).await;
     let run = stack.wait_succeeded(&grpo, LIMIT).await;
     assert_eq!(run["step"], 3, "{run}");

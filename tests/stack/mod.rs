@@ -162,3 +162,31 @@ pub fn sft_spec(model: &serde_json::Value, steps: u64, save_period: u64) -> Valu
         "seed": 3,
     })
 }
+
+/// An arithmetic GRPO spec on `model` (math environment, validation and checkpoints every
+/// 2 of 3 steps, the best checkpoint by validation accuracy kept).
+pub fn grpo_spec(model: &serde_json::Value) -> Value {
+    serde_json::json!({
+        "name": "arithmetic-grpo",
+        "algorithm": "grpo",
+        "model": model,
+        "data": {
+            "train": {"kind": "arithmetic", "size": 64, "max_operand": 9, "seed": 2},
+            "validation": {"kind": "arithmetic", "size": 4, "max_operand": 9, "seed": 9},
+        },
+        "environments": {"default": {"name": "math"}},
+        "training": {
+            "loss": {"type": "clipped_pg", "reference_policy_kl_penalty": 0.01},
+            "optimizer": {"lr": 0.0005, "weight_decay": 0.0},
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "advantage_estimator": "grpo"},
+        "generation": {"max_new_tokens": 12, "temperature": 1.0},
+        "max_total_sequence_length": 64,
+        "max_num_steps": 3,
+        "validation": {"period": 2, "num_samples": 2, "pass_at_k": [1, 2], "temperature": 1.0},
+        "checkpointing": {"save_period": 2, "keep_top_k": 1, "metric_name": "validation/accuracy"},
+        "seed": 5,
+    })
+}

@@ -507,29 +507,53 @@ impl CausalLm {
     /// every position at or past the row's length are 0. The log-softmax is computed over
     /// chunks of positions, so the full [B × S × vocab] tensor is never held.
     pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")));
-        }
+        check_temperature(temperature)?;
         let (ids, invalid) = self.padded_input(input_ids, lengths)?;
-        let (b, s) = (ids.size()[0], ids.size()[1]);
-        let device = self.device();
         let hidden = self.hidden_states(&ids, None)?;
-
-        let predicted = s - 1;
-        let chunk = (LOGPROB_CHUNK_ELEMENTS / (b * self.cfg.vocab_size)).max(1);
-        let mut parts = vec![Tensor::f_zeros([b, 1], (Kind::Float, device))?];
-        let mut start = 0;
-        while start < predicted {
-            let len = chunk.min(predicted - start);
-            let logits =
-                hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(&self.lm_head, None)?.f_to_kind(Kind::Float)?;
-            let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
-            let targets = ids.f_narrow(1, start + 1, len)?.f_unsqueeze(-1)?;
-            parts.push(logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &targets, false)?.f_squeeze_dim(-1)?);
-            start += len;
-        }
-        Ok(Tensor::f_cat(&parts, 1)?.f_masked_fill(&invalid, 0.0)?)
+        let vocab = self.cfg.vocab_size;
+        let logprobs = |logits: &Tensor, targets: &Tensor| -> Result<Tensor> {
+            let targets = targets.f_unsqueeze(-1)?;
+            Ok(logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &targets, false)?.f_squeeze_dim(-1)?)
+        };
+        chunked_token_logprobs(&hidden, &ids, &invalid, &self.lm_head, vocab, temperature, logprobs)
     }
+}
+
+fn check_temperature(temperature: f64) -> Result<()> {
+    if temperature.is_finite() && temperature > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")))
+    }
+}
+
+/// Token logprobs [B, S] from the final `hidden` states [B, S, hidden] of `ids`: the LM head
+/// (`head`, `vocab` rows) is applied to chunks of positions so that at most
+/// [`LOGPROB_CHUNK_ELEMENTS`] logits exist at once; `logprobs(logits, targets)` turns a
+/// chunk's f32 logits [B, L, vocab] (divided by `temperature`) and next tokens [B, L] into
+/// their logprobs [B, L]. Entry 0 and the `invalid` (padding) positions are 0.
+fn chunked_token_logprobs(
+    hidden: &Tensor,
+    ids: &Tensor,
+    invalid: &Tensor,
+    head: &Tensor,
+    vocab: i64,
+    temperature: f64,
+    mut logprobs: impl FnMut(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (b, s) = (ids.size()[0], ids.size()[1]);
+    let predicted = s - 1;
+    let chunk = (LOGPROB_CHUNK_ELEMENTS / (b * vocab.max(1))).max(1);
+    let mut parts = vec![Tensor::f_zeros([b, 1], (Kind::Float, hidden.device()))?];
+    let mut start = 0;
+    while start < predicted {
+        let len = chunk.min(predicted - start);
+        let logits = hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(head, None)?.f_to_kind(Kind::Float)?;
+        let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
+        parts.push(logprobs(&logits, &ids.f_narrow(1, start + 1, len)?)?);
+        start += len;
+    }
+    Ok(Tensor::f_cat(&parts, 1)?.f_masked_fill(invalid, 0.0)?)
 }
 
 /// Checks that `input_ids` is an i64 [B, S] tensor whose ids (within each row's length,

@@ -19,7 +19,8 @@ use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Attention, CausalLm, LOGPROB_CHUNK_ELEMENTS, Linear, Mask, Mlp, Positions, RmsNorm, masks_for, padded_ids,
+    Attention, CausalLm, Linear, Mask, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, masks_for,
+    padded_ids,
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -292,31 +293,16 @@ impl<C: Collective> TpCausalLm<C> {
     /// Token logprobs [B, S] (f32) of right-padded sequences, as
     /// [`CausalLm::token_logprobs`] computes them, on every rank. No gradients.
     pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(Error::InvalidInput(format!("temperature must be positive and finite, got {temperature}")));
-        }
+        check_temperature(temperature)?;
         let _no_grad = tch::no_grad_guard();
         let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
-        let (b, s) = (ids.size()[0], ids.size()[1]);
         let hidden = self.hidden_states(&ids)?;
         // The same chunk length on every rank (each must make the same collective calls):
         // from the largest vocabulary share, not this rank's.
         let world = self.world_size() as i64;
-        let local_vocab = (self.cfg.vocab_size + world - 1) / world;
-        let predicted = s - 1;
-        let chunk = (LOGPROB_CHUNK_ELEMENTS / (b * local_vocab)).max(1);
-        let mut parts = vec![Tensor::f_zeros([b, 1], (Kind::Float, self.device))?];
-        let mut start = 0;
-        while start < predicted {
-            let len = chunk.min(predicted - start);
-            let logits =
-                hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(&self.lm_head, None)?.f_to_kind(Kind::Float)?;
-            let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
-            let targets = ids.f_narrow(1, start + 1, len)?;
-            parts.push(self.vocab_parallel_logprobs(&logits, &targets)?);
-            start += len;
-        }
-        Ok(Tensor::f_cat(&parts, 1)?.f_masked_fill(&invalid, 0.0)?)
+        let share = (self.cfg.vocab_size + world - 1) / world;
+        let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
+        chunked_token_logprobs(&hidden, &ids, &invalid, &self.lm_head, share, temperature, logprobs)
     }
 
     /// log softmax(logits)[target] over the whole vocabulary from this rank's `logits`
@@ -458,37 +444,48 @@ mod tests {
         }
     }
 
+    /// `f(rank's shard of full)` on `world` threads, the results in rank order.
+    fn on_shards<T: Send + 'static>(
+        full: &CausalLm,
+        world: usize,
+        f: impl Fn(TpCausalLm<keel_collective::cpu::CpuCollective>) -> T + Send + Clone + 'static,
+    ) -> Vec<T> {
+        let shards: Vec<_> = CpuGroup::new(world)
+            .expect("a group")
+            .into_iter()
+            .map(|comm| TpCausalLm::shard(full, comm).expect("a shard"))
+            .collect();
+        let threads: Vec<_> = shards
+            .into_iter()
+            .map(|model| {
+                let f = f.clone();
+                std::thread::spawn(move || f(model))
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().expect("a rank")).collect()
+    }
+
     /// Max |TP logprobs − TP=1 logprobs| over every rank, for each world size.
     fn compare(cfg: ModelConfig, worlds: &[usize]) -> Vec<(usize, f64)> {
         tch::manual_seed(11);
         let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
         randomize_biases_and_norms(&full);
         let _no_grad = tch::no_grad_guard();
-        let ids: Vec<i64> = (0..2 * 13).map(|i| (i * 37 + 5) % 101).collect();
-        let ids = Tensor::from_slice(&ids).view([2, 13]);
+        let rows: Vec<i64> = (0..2 * 13).map(|i| (i * 37 + 5) % 101).collect();
+        let ids = Tensor::from_slice(&rows).view([2, 13]);
         let lengths = [13, 9];
         let expected = full.token_logprobs(&ids, &lengths, 0.7).expect("TP=1 logprobs").detach();
         worlds
             .iter()
             .map(|&world| {
-                let ranks: Vec<TpCausalLm<_>> = CpuGroup::new(world)
-                    .expect("a group")
+                let rows = rows.clone();
+                let results = on_shards(&full, world, move |model| {
+                    let ids = Tensor::from_slice(&rows).view([2, 13]);
+                    model.token_logprobs(&ids, &lengths, 0.7).expect("TP logprobs")
+                });
+                let diff = results
                     .into_iter()
-                    .map(|comm| TpCausalLm::shard(&full, comm).expect("a shard"))
-                    .collect();
-                let threads: Vec<_> = ranks
-                    .into_iter()
-                    .map(|model| {
-                        let ids = ids.copy();
-                        std::thread::spawn(move || model.token_logprobs(&ids, &lengths, 0.7).expect("TP logprobs"))
-                    })
-                    .collect();
-                let diff = threads
-                    .into_iter()
-                    .map(|t| {
-                        let got = t.join().expect("a rank");
-                        got.f_sub(&expected).expect("same shape").abs().max().double_value(&[])
-                    })
+                    .map(|got| got.f_sub(&expected).expect("same shape").abs().max().double_value(&[]))
                     .fold(0.0, f64::max);
                 (world, diff)
             })
@@ -561,23 +558,11 @@ mod tests {
             randomize_biases_and_norms(&full);
             let original = full.var_store().variables();
             for world in [2, 4] {
-                let ranks: Vec<TpCausalLm<_>> = CpuGroup::new(world)
-                    .expect("a group")
-                    .into_iter()
-                    .map(|comm| TpCausalLm::shard(&full, comm).expect("a shard"))
-                    .collect();
-                let threads: Vec<_> = ranks
-                    .into_iter()
-                    .map(|model| {
-                        std::thread::spawn(move || {
-                            let gathered = model.gather_full().expect("gathered");
-                            let variables = gathered.var_store().variables();
-                            variables.into_iter().map(|(k, v)| (k, v.detach())).collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                for thread in threads {
-                    let gathered = thread.join().expect("a rank");
+                let results = on_shards(&full, world, |model| {
+                    let gathered = model.gather_full().expect("gathered");
+                    gathered.var_store().variables().into_iter().map(|(k, v)| (k, v.detach())).collect::<Vec<_>>()
+                });
+                for gathered in results {
                     assert_eq!(gathered.len(), original.len());
                     for (name, value) in gathered {
                         assert!(value.equal(&original[&name]), "TP={world}: `{name}` differs after the round trip");
