@@ -20,11 +20,12 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use keel_model::sampling::{Sampler, SamplingParams};
-use keel_model::{CausalLm, SlotCache, Tokenizer};
+use keel_model::{CausalLm, Tokenizer};
 use tch::Tensor;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
+use crate::backend::Backend;
 use crate::request::{Event, Finish, GenRequest, TokenOut};
 use crate::text::Detokenizer;
 
@@ -115,9 +116,9 @@ struct Running {
 }
 
 struct Scheduler {
-    model: CausalLm,
+    /// The model (or tensor-parallel ranks) and the slot cache.
+    model: Backend,
     tokenizer: Option<Arc<Tokenizer>>,
-    cache: SlotCache,
     free: Vec<usize>,
     waiting: VecDeque<Submission>,
     requests: Vec<Option<Running>>,
@@ -136,13 +137,22 @@ impl Engine {
         max_model_len: i64,
         refit_mode: RefitMode,
     ) -> keel_model::Result<Self> {
-        let cache = SlotCache::new(model.config(), slots, max_model_len, model.kind(), model.device())?;
+        Self::start_backend(Backend::whole(model, slots, max_model_len)?, tokenizer, refit_mode)
+    }
+
+    /// Starts the scheduler thread over `backend` (a model or tensor-parallel ranks, with
+    /// their slot caches).
+    pub fn start_backend(
+        backend: Backend,
+        tokenizer: Option<Arc<Tokenizer>>,
+        refit_mode: RefitMode,
+    ) -> keel_model::Result<Self> {
+        let (slots, max_model_len) = (backend.slots(), backend.capacity());
         let stats = Arc::new(Stats::default());
         let (submit, intake) = mpsc::channel::<Command>();
         let mut scheduler = Scheduler {
-            model,
+            model: backend,
             tokenizer,
-            cache,
             free: (0..slots).rev().collect(),
             waiting: VecDeque::new(),
             requests: Vec::new(),
@@ -258,11 +268,11 @@ impl Scheduler {
         let Submission { request, events, arrived } = submission;
         let slots: Vec<usize> = (0..request.n).filter_map(|_| self.free.pop()).collect();
         let prompt = Tensor::from_slice(&request.prompt).f_unsqueeze(0)?;
-        let logits = match self.model.forward_slots(&prompt, &mut self.cache, &slots[..1]) {
+        let logits = match self.model.forward(&prompt, &slots[..1]) {
             Ok(logits) => logits,
             Err(e) => {
                 for &slot in &slots {
-                    self.cache.reset(slot);
+                    let _ = self.model.reset(slot);
                     self.free.push(slot);
                 }
                 let _ = events.send(Event::Failed(e.to_string()));
@@ -283,7 +293,7 @@ impl Scheduler {
         }
         for (index, &slot) in slots.iter().enumerate() {
             if index > 0 {
-                self.cache.copy_slot(slots[0], slot)?;
+                self.model.copy_slot(slots[0], slot)?;
             }
             let params =
                 SamplingParams { seed: request.sampling.seed.wrapping_add(index as u64), ..request.sampling.clone() };
@@ -301,7 +311,7 @@ impl Scheduler {
             self.place(sample, outcome);
         }
         self.stats.running.store(self.samples.len(), Ordering::Relaxed);
-        self.stats.slots_used.store(self.cache.slots() - self.free.len(), Ordering::Relaxed);
+        self.stats.slots_used.store(self.model.slots() - self.free.len(), Ordering::Relaxed);
         Ok(())
     }
 
@@ -328,7 +338,7 @@ impl Scheduler {
         if let Some(stop) = self.stop_string(request, sample) {
             return Ok(Some((Finish::Stop, Some(stop))));
         }
-        if sample.generated.len() >= request.max_tokens || self.cache.len(sample.slot) + 1 > self.cache.capacity() {
+        if sample.generated.len() >= request.max_tokens || self.model.len(sample.slot) + 1 > self.model.capacity() {
             return Ok(Some((Finish::Length, None)));
         }
         Ok(None)
@@ -359,7 +369,9 @@ impl Scheduler {
     }
 
     fn finish(&mut self, sample: Sample, reason: Finish, stop: Option<String>) {
-        self.cache.reset(sample.slot);
+        if let Err(e) = self.model.reset(sample.slot) {
+            tracing::error!(slot = sample.slot, "cannot empty the slot: {e}");
+        }
         self.free.push(sample.slot);
         if let Some(running) = self.requests[sample.request].as_mut() {
             let version = self.stats.weight_version.load(Ordering::Relaxed);
@@ -384,7 +396,7 @@ impl Scheduler {
         let logprobs = Tensor::from_slice(&tokens)
             .f_unsqueeze(1)
             .map_err(keel_model::Error::from)
-            .and_then(|input| self.model.forward_slots(&input, &mut self.cache, &slots))
+            .and_then(|input| self.model.forward(&input, &slots))
             .and_then(|logits| row_logprobs(&logits.f_select(1, 0)?, &divisors));
         match logprobs {
             Ok(logprobs) => {
@@ -413,6 +425,6 @@ impl Scheduler {
         }
         self.stats.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.stats.running.store(self.samples.len(), Ordering::Relaxed);
-        self.stats.slots_used.store(self.cache.slots() - self.free.len(), Ordering::Relaxed);
+        self.stats.slots_used.store(self.model.slots() - self.free.len(), Ordering::Relaxed);
     }
 }

@@ -13,6 +13,7 @@
 //! Without a `model` configured the service starts and answers `/healthz` only.
 
 pub mod api;
+pub mod backend;
 pub mod engine;
 pub mod openai;
 pub mod request;
@@ -53,12 +54,18 @@ pub struct Config {
     pub subject_prefix: String,
     /// `drain` (no sample mixes weight versions) or `pause` (swap at the next token).
     pub refit_mode: engine::RefitMode,
+    /// Ranks the model is split over (tensor parallelism; 1: none). On the CPU the ranks
+    /// are threads; on CUDA rank r uses `cuda:N+r` from `device`, over NCCL.
+    pub tensor_parallel_size: usize,
 }
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), String> {
         if self.max_num_seqs == 0 {
             return Err("max_num_seqs: must be at least 1".into());
+        }
+        if !(1..=64).contains(&self.tensor_parallel_size) {
+            return Err(format!("tensor_parallel_size: must be 1 to 64, got {}", self.tensor_parallel_size));
         }
         if self.max_model_len.is_some_and(|l| l < 2) {
             return Err("max_model_len: must be at least 2".into());
@@ -81,6 +88,7 @@ pub fn default_config() -> Config {
         nats_url: keel_service::nats::default_url(),
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
         refit_mode: engine::RefitMode::Drain,
+        tensor_parallel_size: 1,
     }
 }
 
@@ -92,24 +100,32 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         None if device == tch::Device::Cpu => tch::Kind::Float,
         None => tch::Kind::BFloat16,
     };
-    let model = keel_model::CausalLm::load(model_dir, device, kind).map_err(|e| e.to_string())?;
+    let model_config = keel_model::ModelConfig::load(model_dir).map_err(|e| e.to_string())?;
     let tokenizer = keel_model::Tokenizer::load(model_dir).map_err(|e| e.to_string())?;
-    let context = model.config().max_position_embeddings;
+    let context = model_config.max_position_embeddings;
     let max_model_len = config.max_model_len.unwrap_or(context.min(4096));
     if max_model_len > context {
         return Err(format!("max_model_len {max_model_len} exceeds the model's context of {context}"));
     }
-    let vocab_size = model.config().vocab_size;
+    let vocab_size = model_config.vocab_size;
     let slots = config.max_num_seqs;
+    let backend = if config.tensor_parallel_size > 1 {
+        let world = config.tensor_parallel_size;
+        backend::Backend::sharded(model_dir, world, device, kind, slots, max_model_len)
+    } else {
+        keel_model::CausalLm::load(model_dir, device, kind)
+            .and_then(|model| backend::Backend::whole(model, slots, max_model_len))
+    }
+    .map_err(|e| e.to_string())?;
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     if eos_token_ids.is_empty() {
-        eos_token_ids = model.config().eos_token_ids.clone();
+        eos_token_ids = model_config.eos_token_ids.clone();
     }
     let model_name = config.served_model_name.clone().unwrap_or_else(|| {
         model_dir.file_name().map_or_else(|| model_dir.display().to_string(), |n| n.to_string_lossy().into_owned())
     });
     let tokenizer = Arc::new(tokenizer);
-    let engine = engine::Engine::start(model, Some(tokenizer.clone()), slots, max_model_len, config.refit_mode)
+    let engine = engine::Engine::start_backend(backend, Some(tokenizer.clone()), config.refit_mode)
         .map_err(|e| e.to_string())?;
     let limits = request::Limits { vocab_size, max_model_len: max_model_len as usize, slots, eos_token_ids };
     let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));

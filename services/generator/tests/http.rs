@@ -33,10 +33,15 @@ struct Server {
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
-async fn serve(model: &Path, tune: impl FnOnce(&mut Config)) -> Server {
+fn serve_config() -> Config {
     let mut config = default_config();
     config.max_num_seqs = 8;
     config.max_model_len = Some(256);
+    config
+}
+
+async fn serve(model: &Path, tune: impl FnOnce(&mut Config)) -> Server {
+    let mut config = serve_config();
     tune(&mut config);
     let state = load(&config, model).unwrap();
     let app = openai::routes(state).merge(keel_service::health_routes("generator"));
@@ -107,6 +112,48 @@ async fn greedy_output_matches_keel_generate_and_transformers() {
     ]);
     let hf: Vec<i64> = serde_json::from_value(reference["token_ids"].clone()).unwrap();
     assert_eq!(ids, hf, "transformers generate");
+}
+
+/// The same requests, arriving together (several prompts, n = 3 sharing one prefill, a
+/// refit-free run), served at tensor_parallel_size 1, 2 and 4 (the tiny model has 4 heads
+/// and 2 KV heads: split at 2, replicated at 4): the greedy tokens are identical.
+#[tokio::test(flavor = "multi_thread")]
+async fn greedy_output_at_tensor_parallel_2_and_4_equals_tp_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let prompts: Vec<Vec<i64>> = vec![prompt_ids(), vec![7, 7, 300, 41], vec![120, 5, 64, 8, 9, 10, 411, 2, 3]];
+    let mut outputs = Vec::new();
+    for tp in [1, 2, 4] {
+        let server = serve(&model, |c| c.tensor_parallel_size = tp).await;
+        let requests = prompts.iter().map(|prompt| {
+            server.ok(
+                "/v1/completions",
+                json!({"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "n": 3,
+                "ignore_eos": true, "return_token_ids": true}),
+            )
+        });
+        let bodies = futures::future::join_all(requests).await;
+        let tokens: Vec<Vec<Vec<i64>>> = bodies
+            .iter()
+            .map(|body| {
+                let choices = body["choices"].as_array().unwrap();
+                assert_eq!(choices.len(), 3, "TP={tp}: {body}");
+                choices.iter().map(|c| serde_json::from_value(c["token_ids"].clone()).unwrap()).collect()
+            })
+            .collect();
+        for per_prompt in &tokens {
+            assert!(per_prompt.iter().all(|t| t.len() == 24 && *t == per_prompt[0]), "TP={tp}: greedy samples agree");
+        }
+        outputs.push((tp, tokens));
+    }
+    for (tp, tokens) in &outputs[1..] {
+        assert_eq!(tokens, &outputs[0].1, "greedy output at TP={tp} differs from TP=1");
+    }
+    let error = match load(&Config { tensor_parallel_size: 3, ..serve_config() }, &model) {
+        Ok(_) => panic!("4 heads do not split over 3 ranks"),
+        Err(e) => e,
+    };
+    assert!(error.contains("num_attention_heads"), "{error}");
 }
 
 /// Mean of exp(|generator logprob − scorer logprob|) over a sample's tokens.

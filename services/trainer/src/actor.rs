@@ -1,15 +1,15 @@
 //! The engine thread: tch work never runs on the async workers. One OS thread owns the
-//! run's [`Engine`] and runs jobs one at a time, in the order they were sent; callers await
+//! run's [`Trainer`] and runs jobs one at a time, in the order they were sent; callers await
 //! the result.
 
 use std::sync::mpsc;
 
 use tokio::sync::oneshot;
 
-use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::parallel::Trainer;
 
-type Job = Box<dyn FnOnce(&mut Option<Engine>) + Send>;
+type Job = Box<dyn FnOnce(&mut Option<Trainer>) + Send>;
 
 /// A handle to the engine thread; the thread stops when every handle is dropped.
 #[derive(Debug, Clone)]
@@ -21,7 +21,7 @@ impl EngineThread {
     pub fn start() -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new().name("keel-trainer-engine".into()).spawn(move || {
-            let mut engine: Option<Engine> = None;
+            let mut engine: Option<Trainer> = None;
             for job in queue {
                 job(&mut engine);
             }
@@ -33,7 +33,7 @@ impl EngineThread {
     pub async fn call<R, F>(&self, work: F) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&mut Option<Engine>) -> Result<R> + Send + 'static,
+        F: FnOnce(&mut Option<Trainer>) -> Result<R> + Send + 'static,
     {
         let (reply, result) = oneshot::channel();
         let span = tracing::Span::current();

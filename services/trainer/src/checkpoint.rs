@@ -78,7 +78,7 @@ fn write_contents(
     source: &Path,
     policy: &CausalLm,
     value_head: Option<&Tensor>,
-    optimizer: &AdamW,
+    optimizer_state: &BTreeMap<String, Tensor>,
     state: &TrainerState,
 ) -> Result<()> {
     policy.save(dir, SaveOptions::default())?;
@@ -91,8 +91,8 @@ fn write_contents(
     if let Some(head) = value_head {
         write_tensors(&dir.join(VALUE_HEAD_FILE), &[(VALUE_HEAD_TENSOR.to_string(), head.shallow_clone())])?;
     }
-    let (tensors, _) = optimizer.state();
-    write_tensors(&dir.join(OPTIMIZER_FILE), &tensors.into_iter().collect::<Vec<_>>())?;
+    let tensors: Vec<(String, Tensor)> = optimizer_state.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+    write_tensors(&dir.join(OPTIMIZER_FILE), &tensors)?;
     let text = serde_json::to_string_pretty(state).map_err(|e| Error::Internal(e.to_string()))?;
     std::fs::write(dir.join(STATE_FILE), text).map_err(io_error(dir))?;
     for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
@@ -107,7 +107,7 @@ pub fn save(
     source: &Path,
     policy: &CausalLm,
     value_head: Option<&Tensor>,
-    optimizer: &AdamW,
+    optimizer_state: &BTreeMap<String, Tensor>,
     state: &TrainerState,
 ) -> Result<Vec<String>> {
     let name = path
@@ -121,7 +121,7 @@ pub fn save(
     std::fs::create_dir_all(parent).map_err(io_error(parent))?;
     let partial = parent.join(format!(".{name}.partial-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir(&partial).map_err(io_error(&partial))?;
-    let written = write_contents(&partial, source, policy, value_head, optimizer, state)
+    let written = write_contents(&partial, source, policy, value_head, optimizer_state, state)
         .and_then(|()| std::fs::rename(&partial, path).map_err(io_error(path)))
         .and_then(|()| sync(parent));
     if let Err(e) = written {
@@ -155,14 +155,20 @@ pub fn read_state(dir: &Path) -> Result<Option<TrainerState>> {
 }
 
 /// Restores the optimiser (moments, master weights, step) from a checkpoint directory; a
-/// plain HF directory leaves it fresh.
-pub fn restore_optimizer(dir: &Path, optimizer: &mut AdamW) -> Result<()> {
+/// plain HF directory leaves it fresh. `local(name, tensor)` turns each saved (whole)
+/// tensor into the part this optimiser holds (a tensor-parallel rank's slice).
+pub fn restore_optimizer(
+    dir: &Path,
+    optimizer: &mut AdamW,
+    local: impl Fn(&str, Tensor) -> Result<Tensor>,
+) -> Result<()> {
     let Some(state) = read_state(dir)? else { return Ok(()) };
     let path: PathBuf = dir.join(OPTIMIZER_FILE);
     let tensors: BTreeMap<String, Tensor> = Tensor::read_safetensors(&path)
         .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })?
         .into_iter()
-        .collect();
+        .map(|(name, tensor)| Ok((name.clone(), local(&name, tensor)?)))
+        .collect::<Result<_>>()?;
     optimizer
         .restore(&tensors, state.step)
         .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })

@@ -19,23 +19,26 @@ use crate::checkpoint;
 use crate::error::{Error, Result};
 use crate::loss::{self, GlobalCounts, LossInput};
 use crate::metrics::Metrics;
+use crate::model::{Model, Pending};
 use crate::optim::AdamW;
 use crate::schedule::lr_factor;
-use keel_model::CausalLm;
+use keel_collective::SharedComm;
 use keel_protocol::trainer::{LoadRequest, Scorer, StepMetrics, Timing};
 use keel_protocol::training::{LossConfig, TrainingConfig};
 
 /// The frozen reference policy, optionally parked on the CPU between uses.
 #[derive(Debug)]
 struct Reference {
-    model: CausalLm,
+    model: Model,
     offload: bool,
 }
 
 #[derive(Debug)]
 pub struct Engine {
     config: TrainingConfig,
-    policy: CausalLm,
+    policy: Model,
+    /// Parameters of the whole model (every rank's slices counted once).
+    parameter_count: i64,
     reference: Option<Reference>,
     value_head: Option<Tensor>,
     optimizer: AdamW,
@@ -64,8 +67,33 @@ fn seconds(since: Instant) -> f64 {
 impl Engine {
     /// Loads the models for `request` (the configuration was validated by the caller).
     pub fn load(request: &LoadRequest, default_device: &str) -> Result<Self> {
+        Self::load_rank(request, default_device, None)
+    }
+
+    /// Loads one tensor-parallel rank's slices of the models when `comm` is given (every
+    /// rank of the group calls it, each on its own thread); on CUDA, rank r uses the r-th
+    /// device from the one named.
+    pub fn load_rank(request: &LoadRequest, default_device: &str, comm: Option<SharedComm>) -> Result<Self> {
         let device_name = request.device.as_deref().unwrap_or(default_device);
         let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+        let device = match (device, &comm) {
+            (Device::Cuda(first), Some(comm)) => Device::Cuda(first + comm.rank()),
+            (device, _) => device,
+        };
+        if comm.is_some() {
+            if request.reference_offload {
+                return Err(Error::InvalidConfig(
+                    "reference_offload is not supported with tensor_parallel_size > 1".into(),
+                ));
+            }
+            if matches!(request.training.loss, LossConfig::BradleyTerry)
+                || Path::new(&request.policy.path).join(checkpoint::VALUE_HEAD_FILE).is_file()
+            {
+                return Err(Error::InvalidConfig(
+                    "reward models (value heads) are not supported with tensor_parallel_size > 1".into(),
+                ));
+            }
+        }
         let kind = match &request.dtype {
             Some(name) => keel_model::device::parse_kind(name).map_err(|e| Error::InvalidConfig(e.to_string()))?,
             None if device == Device::Cpu => Kind::Float,
@@ -73,7 +101,8 @@ impl Engine {
         };
         tch::manual_seed(request.seed as i64);
         let source = PathBuf::from(&request.policy.path);
-        let mut policy = CausalLm::load(&source, device, Kind::Float).map_err(load_error(&source))?;
+        let mut policy = Model::load(&source, device, Kind::Float, comm.clone()).map_err(load_error(&source))?;
+        policy.make_trainable()?;
         let config = request.training.clone();
 
         // The reference is the one named, else the one a resumed checkpoint was trained
@@ -87,8 +116,8 @@ impl Engine {
         let reference = match &reference_path {
             Some(path) if request.reference.is_some() || config.loss.needs_reference() => {
                 let at = if request.reference_offload { Device::Cpu } else { device };
-                let mut model = CausalLm::load(path, at, kind).map_err(load_error(path))?;
-                model.freeze();
+                let mut model = Model::load(path, at, kind, comm.clone()).map_err(load_error(path))?;
+                model.freeze()?;
                 Some(Reference { model, offload: request.reference_offload })
             }
             _ => None,
@@ -106,24 +135,33 @@ impl Engine {
             None
         };
 
-        let mut params: Vec<(String, Tensor)> = policy.var_store().variables().into_iter().collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut params = policy.parameters();
         let masters: BTreeMap<String, Tensor> = if kind == Kind::Float {
             BTreeMap::new()
         } else {
-            params.iter().map(|(n, p)| Ok((n.clone(), p.f_detach()?.copy()))).collect::<Result<_>>()?
+            params.iter().map(|(n, p, _)| Ok((n.clone(), p.f_detach()?.copy()))).collect::<Result<_>>()?
         };
         policy.set_kind(kind)?;
+        let mut parameter_count = policy.parameter_count()?;
         if let Some(head) = &value_head {
-            params.push((checkpoint::VALUE_HEAD_TENSOR.to_string(), head.shallow_clone()));
+            params.push((checkpoint::VALUE_HEAD_TENSOR.to_string(), head.shallow_clone(), None));
+            parameter_count += head.numel() as i64;
         }
+        let layouts: BTreeMap<String, _> = params.iter().filter_map(|(n, _, l)| Some((n.clone(), (*l)?))).collect();
         let mut optimizer = AdamW::new(config.optimizer.clone(), params, masters)?;
         if request.resume {
-            checkpoint::restore_optimizer(&source, &mut optimizer)?;
+            // Saved state is whole; a tensor-parallel rank keeps its slice of each tensor.
+            checkpoint::restore_optimizer(&source, &mut optimizer, |key, tensor| {
+                match key.split_once('.').and_then(|(_, param)| layouts.get(param)) {
+                    Some(layout) => Ok(layout.local(&tensor)?.f_contiguous()?),
+                    None => Ok(tensor),
+                }
+            })?;
         }
         Ok(Self {
             config,
             policy,
+            parameter_count,
             reference,
             value_head,
             optimizer,
@@ -138,9 +176,9 @@ impl Engine {
         self.optimizer.step_count()
     }
 
+    /// Parameters of the whole model, value head included.
     pub fn parameters(&self) -> i64 {
-        let policy: i64 = self.policy.var_store().variables().values().map(Tensor::numel).sum::<usize>() as i64;
-        policy + self.value_head.as_ref().map_or(0, |h| h.numel() as i64)
+        self.parameter_count
     }
 
     pub fn has_reference(&self) -> bool {
@@ -151,7 +189,7 @@ impl Engine {
         self.value_head.is_some()
     }
 
-    pub fn policy(&self) -> &CausalLm {
+    pub fn policy(&self) -> &Model {
         &self.policy
     }
 
@@ -255,14 +293,22 @@ impl Engine {
         Ok(())
     }
 
-    /// Loss and metrics of one microbatch, normalised by the global batch's counts.
-    fn microbatch_loss(&self, micro: &Batch, global: &GlobalCounts, temperature: f64) -> Result<(Tensor, Metrics)> {
+    /// Loss and metrics of one microbatch, normalised by the global batch's counts, and
+    /// what the policy's backward pass needs after the loss's.
+    fn microbatch_loss(
+        &self,
+        micro: &Batch,
+        global: &GlobalCounts,
+        temperature: f64,
+    ) -> Result<(Tensor, Metrics, Pending)> {
         let device = self.device;
         let on_device = |x: &Option<Tensor>| x.as_ref().map(|t| t.f_to_device(device)).transpose();
-        let (logprobs, scores) = if matches!(self.config.loss, LossConfig::BradleyTerry) {
-            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(self.padded_scores(&micro.input_ids, &micro.lengths)?))
+        let (logprobs, scores, pending) = if matches!(self.config.loss, LossConfig::BradleyTerry) {
+            let scores = self.padded_scores(&micro.input_ids, &micro.lengths)?;
+            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(scores), Pending::Nothing)
         } else {
-            (self.policy.token_logprobs(&micro.input_ids, &micro.lengths, temperature)?, None)
+            let (logprobs, pending) = self.policy.train_logprobs(&micro.input_ids, &micro.lengths, temperature)?;
+            (logprobs, None, pending)
         };
         let sample_mask = micro.sample_mask.f_to_device(device)?;
         let input = LossInput {
@@ -275,12 +321,13 @@ impl Engine {
             reference_logprobs: on_device(&micro.reference_logprobs)?,
             scores,
         };
-        match &self.config.loss {
+        let (loss, metrics) = match &self.config.loss {
             LossConfig::ClippedPg(c) => loss::policy::clipped_pg(c, &input, global),
             LossConfig::Nll => loss::nll::nll(&input, global),
             LossConfig::Dpo(c) => loss::dpo::dpo(c, &input, global),
             LossConfig::BradleyTerry => loss::reward::bradley_terry(&input, global),
-        }
+        }?;
+        Ok((loss, metrics, pending))
     }
 
     /// Forward and backward over `global`'s microbatches of `micro_batch_size` rows,
@@ -295,7 +342,7 @@ impl Engine {
         let mut metrics = Metrics::default();
         for (start, len) in chunks(global.len(), micro_batch_size) {
             let micro = global.rows(start, len)?;
-            let (loss, part) = self.microbatch_loss(&micro, &counts, temperature)?;
+            let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
             let value = loss.f_double_value(&[])?;
             if !value.is_finite() {
                 return Err(Error::NonFinite(format!(
@@ -304,17 +351,21 @@ impl Engine {
                 )));
             }
             loss.f_backward()?;
+            self.policy.backward(pending)?;
             metrics.merge(part);
         }
         metrics.global("global_valid_tokens", counts.tokens);
         Ok(metrics)
     }
 
-    /// The gradients of every trainable tensor (for tests and diagnostics), by name.
+    /// The gradients of every trainable tensor (for tests and diagnostics), by name, whole
+    /// (gathered from the ranks under tensor parallelism: every rank must call it).
     pub fn gradients(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.policy.reduce_replicated_gradients()?;
         let mut grads = BTreeMap::new();
-        for (name, param) in self.policy.var_store().variables() {
-            grads.insert(name, param.grad().f_to_kind(Kind::Float)?.copy());
+        for (name, param, layout) in self.policy.parameters() {
+            let grad = param.grad().f_to_kind(Kind::Float)?;
+            grads.insert(name, self.policy.gather(&grad, layout)?.copy());
         }
         if let Some(head) = &self.value_head {
             grads.insert(checkpoint::VALUE_HEAD_TENSOR.into(), head.grad().copy());
@@ -344,7 +395,11 @@ impl Engine {
                     return Err(e);
                 }
             };
-            let grad_norm = match self.optimizer.clip_grad_norm(self.config.max_grad_norm) {
+            let clipped = self
+                .policy
+                .reduce_replicated_gradients()
+                .and_then(|()| self.optimizer.clip_grad_norm(self.config.max_grad_norm, self.policy.comm()));
+            let grad_norm = match clipped {
                 Ok(norm) => norm,
                 Err(e) => {
                     self.optimizer.zero_grad();
@@ -364,7 +419,9 @@ impl Engine {
         Ok(Trained { steps, tokens, timing })
     }
 
-    /// Writes a checkpoint directory at `path` (see [`checkpoint`]).
+    /// Writes a checkpoint directory at `path` (see [`checkpoint`]). Under tensor
+    /// parallelism every rank calls it: the weights and optimiser state are gathered into
+    /// the whole model's layout and rank 0 writes them (the others return no files).
     pub fn save(&self, path: &Path, info: serde_json::Value) -> Result<Vec<String>> {
         let state = checkpoint::TrainerState {
             format: checkpoint::FORMAT.into(),
@@ -375,6 +432,15 @@ impl Engine {
             reference: self.reference_path.as_ref().map(|p| p.display().to_string()),
             info,
         };
-        checkpoint::save(path, &self.source, &self.policy, self.value_head.as_ref(), &self.optimizer, &state)
+        let (tensors, _) = self.optimizer.state();
+        let mut optimizer_state = BTreeMap::new();
+        for (key, tensor) in tensors {
+            let layout = key.split_once('.').and_then(|(_, param)| self.optimizer.layout_of(param));
+            optimizer_state.insert(key, self.policy.gather(&tensor, layout)?);
+        }
+        let head = self.value_head.as_ref();
+        let files =
+            self.policy.with_full(|full| checkpoint::save(path, &self.source, full, head, &optimizer_state, &state))?;
+        Ok(files.unwrap_or_default())
     }
 }

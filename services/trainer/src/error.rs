@@ -27,6 +27,12 @@ pub enum Error {
     Internal(String),
 }
 
+impl From<keel_collective::Error> for Error {
+    fn from(e: keel_collective::Error) -> Self {
+        Self::Internal(format!("tensor parallel: {e}"))
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {

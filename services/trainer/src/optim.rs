@@ -2,9 +2,15 @@
 //! with f32 master weights: when the model computes in bf16 or f16, the optimiser keeps an
 //! f32 copy of every parameter, updates it, and copies it back. Weight decay skips norms and
 //! biases (every tensor of rank ≤ 1). Global gradient-norm clipping comes first.
+//!
+//! Under tensor parallelism each rank's optimiser holds that rank's slices (AdamW is
+//! element-wise, so slices step exactly as the whole tensor would); the gradient norm adds
+//! up the squared slices over the ranks and counts replicated tensors once.
 
 use std::collections::BTreeMap;
 
+use keel_collective::{Collective, ReduceOp};
+use keel_model::model::tp::Layout;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -20,6 +26,8 @@ struct Slot {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     decay: bool,
+    /// How the parameter is spread over tensor-parallel ranks (`None`: not at all).
+    layout: Option<Layout>,
 }
 
 #[derive(Debug)]
@@ -35,19 +43,20 @@ impl AdamW {
     /// whose own kind is not f32 (taken before they were cast), by name.
     pub fn new(
         config: OptimizerConfig,
-        params: Vec<(String, Tensor)>,
+        params: Vec<(String, Tensor, Option<Layout>)>,
         mut masters: BTreeMap<String, Tensor>,
     ) -> Result<Self> {
         let slots = params
             .into_iter()
-            .map(|(name, param)| {
+            .map(|(name, param, layout)| {
                 let master = match (param.kind(), masters.remove(&name)) {
                     (Kind::Float, _) => None,
                     (_, Some(master)) => Some(master),
                     (_, None) => Some(param.f_detach()?.f_to_kind(Kind::Float)?),
                 };
                 let zeros = || Tensor::f_zeros(param.size(), (Kind::Float, param.device()));
-                Ok(Slot { decay: param.dim() > 1, exp_avg: zeros()?, exp_avg_sq: zeros()?, name, param, master })
+                let (exp_avg, exp_avg_sq) = (zeros()?, zeros()?);
+                Ok(Slot { decay: param.dim() > 1, exp_avg, exp_avg_sq, name, param, master, layout })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { config, slots, step: 0 })
@@ -63,17 +72,33 @@ impl AdamW {
         }
     }
 
-    /// The global L2 norm of all gradients; when above `max_norm`, every gradient is scaled
-    /// by max_norm / (norm + 1e-6) (as torch's `clip_grad_norm_`). Returns the norm before.
-    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> Result<f64> {
-        let mut total = 0.0;
+    /// The layout of parameter `name` across tensor-parallel ranks.
+    pub fn layout_of(&self, name: &str) -> Option<Layout> {
+        self.slots.iter().find(|s| s.name == name).and_then(|s| s.layout)
+    }
+
+    /// The global L2 norm of all gradients (over every rank's slices when `comm` is given);
+    /// when above `max_norm`, every gradient is scaled by max_norm / (norm + 1e-6) (as
+    /// torch's `clip_grad_norm_`). Returns the norm before.
+    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>, comm: Option<&dyn Collective>) -> Result<f64> {
+        let (mut replicated, mut split) = (0.0, 0.0);
         for slot in &self.slots {
             let grad = slot.param.grad();
             if grad.defined() {
-                total += grad.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
+                let squares = grad.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
+                match slot.layout.and_then(|l| l.weight_in_sum()) {
+                    Some(weight) => split += weight * squares,
+                    None => replicated += squares,
+                }
             }
         }
-        let norm = total.sqrt();
+        if let Some(comm) = comm {
+            let mut sum = Tensor::from_slice(&[split]);
+            comm.all_reduce(&mut sum, ReduceOp::Sum)
+                .map_err(|e| Error::Internal(format!("tensor parallel gradient norm: {e}")))?;
+            split = sum.f_double_value(&[0])?;
+        }
+        let norm = (replicated + split).sqrt();
         if !norm.is_finite() {
             return Err(Error::NonFinite(format!("gradient norm is {norm}; the step was skipped")));
         }

@@ -21,9 +21,8 @@ use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::actor::EngineThread;
-use crate::batch::Batch;
-use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::parallel::Trainer;
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
     ClaimReply, ClaimRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory,
@@ -286,7 +285,7 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
         .engine
         .call(move |slot| {
             *slot = None;
-            let engine = Engine::load(&request, &device)?;
+            let engine = Trainer::load(&request, &device)?;
             let summary = (engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head());
             *slot = Some(engine);
             Ok(summary)
@@ -300,7 +299,7 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
     Ok(LoadReply { parameters, step, has_reference, has_value_head, timing, memory: memory() })
 }
 
-fn loaded(slot: &mut Option<Engine>) -> Result<&mut Engine> {
+fn loaded(slot: &mut Option<Trainer>) -> Result<&mut Trainer> {
     slot.as_mut().ok_or(Error::NotLoaded)
 }
 
@@ -314,7 +313,7 @@ async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<Logpr
     let (scorer, temperature) = (request.model, request.temperature);
     let rows = shared
         .engine
-        .call(move |slot| loaded(slot)?.logprobs(scorer, &sequences.input_ids, temperature))
+        .call(move |slot| loaded(slot)?.logprobs(scorer, sequences.input_ids, temperature))
         .instrument(info_span!("logprobs", run_id = %request.run_id))
         .await?;
     let logprobs = shared.bulk.wrap(Logprobs { logprobs: rows }).await.map_err(|e| refuse(error_types::PAYLOAD, e))?;
@@ -330,11 +329,7 @@ async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply>
     }
     let trained = shared
         .engine
-        .call(move |slot| {
-            let engine = loaded(slot)?;
-            let batch = Batch::new(&batch, &engine.config().loss)?;
-            engine.train(batch, temperature)
-        })
+        .call(move |slot| loaded(slot)?.train(batch, temperature))
         .instrument(info_span!("train", run_id = %request.run_id))
         .await?;
     Ok(TrainReply { steps: trained.steps, tokens: trained.tokens, timing: trained.timing, memory: memory() })
@@ -357,11 +352,7 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
     let path = request.path.clone();
     let (step, files) = shared
         .engine
-        .call(move |slot| {
-            let engine = loaded(slot)?;
-            let files = engine.save(std::path::Path::new(&request.path), request.info)?;
-            Ok((engine.step(), files))
-        })
+        .call(move |slot| loaded(slot)?.save(std::path::PathBuf::from(&request.path), request.info))
         .instrument(info_span!("save", path = %path))
         .await?;
     let timing = Timing::from([("save".to_string(), started.elapsed().as_secs_f64())]);

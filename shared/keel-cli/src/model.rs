@@ -6,7 +6,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use keel_collective::Collective;
 use keel_model::device::{parse_device, parse_kind};
 use keel_model::init::{InitSpec, Preset, init_model};
 use keel_model::model::tp::TpCausalLm;
@@ -106,6 +105,10 @@ pub struct GenerateArgs {
     /// Print token ids, logprobs and the finish reason as JSON.
     #[arg(long)]
     json: bool,
+    /// Tensor-parallel ranks (threads over the CPU collective, or one GPU each over NCCL
+    /// from the device named); each loads only its slices.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 pub fn run(command: ModelCommand) -> anyhow::Result<()> {
@@ -209,51 +212,63 @@ fn score_batches(
     Ok(())
 }
 
-/// `--tp N`: N ranks as threads over the CPU collective, each loading only its slices of
-/// the model; rank 0's lines are the output.
-fn score_tensor_parallel(args: &ScoreArgs) -> anyhow::Result<Vec<Value>> {
-    let device = parse_device(&args.runtime.device)?;
-    if device != tch::Device::Cpu {
-        bail!(
-            "--tp {} on {}: only the CPU collective exists so far (no NCCL backend yet)",
-            args.tp,
-            args.runtime.device
-        );
+/// Runs `work` on `tp` tensor-parallel ranks, one thread each, every rank loading only its
+/// slices of the model (CPU collective on the CPU, NCCL with rank r on `cuda:N+r`); returns
+/// rank 0's result.
+fn on_ranks<T: Send + 'static>(
+    runtime: &RuntimeArgs,
+    tp: usize,
+    work: impl Fn(&TpCausalLm<keel_collective::SharedComm>) -> anyhow::Result<T> + Send + Clone + 'static,
+) -> anyhow::Result<T> {
+    if tp == 0 {
+        bail!("--tp must be at least 1");
     }
-    let kind = parse_kind(&args.runtime.dtype)?;
-    let cfg = keel_model::ModelConfig::load(&args.runtime.model)?;
-    let sequences = std::sync::Arc::new(read_sequences(&args.input, cfg.vocab_size)?);
-    let ranks = keel_collective::cpu::CpuGroup::new(args.tp)?;
-    let threads: Vec<_> = ranks
+    let device = parse_device(&runtime.device)?;
+    let kind = parse_kind(&runtime.dtype)?;
+    let comms = keel_collective::new_group(tp, device).with_context(|| format!("--tp {tp} on {}", runtime.device))?;
+    let threads: Vec<_> = comms
         .into_iter()
-        .map(|comm| {
-            let (dir, sequences) = (args.runtime.model.clone(), sequences.clone());
-            let (batch_size, temperature) = (args.batch_size, args.temperature);
-            std::thread::spawn(move || -> anyhow::Result<Vec<Value>> {
-                let rank = comm.rank();
+        .enumerate()
+        .map(|(rank, comm)| {
+            let (dir, work) = (runtime.model.clone(), work.clone());
+            let device = match device {
+                tch::Device::Cuda(first) => tch::Device::Cuda(first + rank),
+                other => other,
+            };
+            std::thread::spawn(move || -> anyhow::Result<T> {
                 let model = TpCausalLm::load(&dir, comm, device, kind).with_context(|| format!("rank {rank}"))?;
-                let logprobs = |ids: &Tensor, lengths: &[i64]| Ok(model.token_logprobs(ids, lengths, temperature)?);
-                let mut lines = Vec::new();
-                score_batches(&sequences, batch_size, logprobs, |line| {
-                    lines.push(line);
-                    Ok(())
-                })?;
-                Ok(lines)
+                work(&model)
             })
         })
         .collect();
     let mut outputs = Vec::new();
     for (rank, thread) in threads.into_iter().enumerate() {
         match thread.join() {
-            Ok(result) => outputs.push(result?),
+            Ok(result) => outputs.push(result.with_context(|| format!("tensor-parallel rank {rank}"))?),
             Err(_) => bail!("tensor-parallel rank {rank} panicked"),
         }
     }
     Ok(outputs.swap_remove(0))
 }
 
+/// `--tp N`: rank 0's lines are the output.
+fn score_tensor_parallel(args: &ScoreArgs) -> anyhow::Result<Vec<Value>> {
+    let cfg = keel_model::ModelConfig::load(&args.runtime.model)?;
+    let sequences = std::sync::Arc::new(read_sequences(&args.input, cfg.vocab_size)?);
+    let (batch_size, temperature) = (args.batch_size, args.temperature);
+    on_ranks(&args.runtime, args.tp, move |model| {
+        let logprobs = |ids: &Tensor, lengths: &[i64]| Ok(model.token_logprobs(ids, lengths, temperature)?);
+        let mut lines = Vec::new();
+        score_batches(&sequences, batch_size, logprobs, |line| {
+            lines.push(line);
+            Ok(())
+        })?;
+        Ok(lines)
+    })
+}
+
 fn generate_command(args: GenerateArgs) -> anyhow::Result<()> {
-    let model = args.runtime.load()?;
+    let cfg = keel_model::ModelConfig::load(&args.runtime.model)?;
     let tokenizer = Tokenizer::load(&args.runtime.model)?;
     let prompt_ids: Vec<i64> = if args.chat {
         let text = tokenizer.apply_chat_template(&json!([{"role": "user", "content": args.prompt}]), true)?;
@@ -266,7 +281,7 @@ fn generate_command(args: GenerateArgs) -> anyhow::Result<()> {
     .collect();
     let mut stop_ids = tokenizer.eos_token_ids().to_vec();
     if stop_ids.is_empty() {
-        stop_ids = model.config().eos_token_ids.clone();
+        stop_ids = cfg.eos_token_ids.clone();
     }
     let params = SamplingParams {
         temperature: args.temperature,
@@ -275,7 +290,13 @@ fn generate_command(args: GenerateArgs) -> anyhow::Result<()> {
         min_p: 0.0,
         seed: args.seed,
     };
-    let generation = generate(&model, &prompt_ids, args.max_tokens, &stop_ids, params)?;
+    let generation = if args.tp == 1 {
+        generate(&args.runtime.load()?, &prompt_ids, args.max_tokens, &stop_ids, params)?
+    } else {
+        // Every rank decodes the same tokens from the same gathered logits.
+        let (prompt, max_tokens, stop) = (prompt_ids.clone(), args.max_tokens, stop_ids.clone());
+        on_ranks(&args.runtime, args.tp, move |model| Ok(generate(model, &prompt, max_tokens, &stop, params.clone())?))?
+    };
     let ids: Vec<u32> = generation.tokens.iter().map(|&t| t as u32).collect();
     let text = tokenizer.decode(&ids, true)?;
     if args.json {

@@ -113,6 +113,14 @@ fn generate_is_reproducible_and_reports_tokens() {
     let (g1, g2) = (run("1", "0"), run("2", "0"));
     assert_eq!(g1["token_ids"], g2["token_ids"], "greedy ignores the seed");
 
+    // The same greedy tokens with the model split over 2 tensor-parallel ranks.
+    let split = |tp: &str| -> Value {
+        let args = ["model", "generate", "--model", &model, "--prompt", "What is 2 + 2?", "--chat"];
+        let rest = ["--max-tokens", "12", "--temperature", "0", "--json", "--tp", tp];
+        serde_json::from_str(&ok(&[&args[..], &rest[..]].concat())).unwrap()
+    };
+    assert_eq!(split("2")["token_ids"], g1["token_ids"], "greedy output at --tp 2");
+
     // The logprob reported for each sampled token is what `score` gives at that position.
     let prompt: Vec<i64> = serde_json::from_value(a["prompt_token_ids"].clone()).unwrap();
     let tokens: Vec<i64> = serde_json::from_value(a["token_ids"].clone()).unwrap();

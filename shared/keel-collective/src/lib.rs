@@ -6,10 +6,21 @@
 //! - [`cpu::CpuGroup`]: ranks are threads of one process exchanging tensors through shared
 //!   memory. For tests, CPU runs and the reference the GPU backend is checked against.
 //!
+//! - [`nccl`]: NCCL communicators on CUDA tensors, one per GPU, in one process
+//!   ([`nccl::NcclGroup`]) or across processes ([`nccl::NcclCollective::join`] with a unique
+//!   id that [`bootstrap`] carries over NATS).
+//!
+//! [`RankGroup`] runs one thread per rank, each owning its state, and drives them in lockstep.
+//!
 //! A rank that stops calling (it failed, or its thread ended) makes the others' next
 //! operation fail with [`Error::Timeout`] or [`Error::Aborted`] instead of hanging.
 
+pub mod bootstrap;
 pub mod cpu;
+pub mod group;
+pub mod nccl;
+
+pub use group::RankGroup;
 
 use tch::Tensor;
 
@@ -31,6 +42,9 @@ pub enum Error {
     /// Another rank gave up, so this group can no longer be used.
     #[error("rank {rank}: {operation}: the group was aborted ({reason})")]
     Aborted { rank: usize, operation: &'static str, reason: String },
+    /// A rank's thread has ended (it panicked), so the group can no longer be used.
+    #[error("rank {rank} has stopped")]
+    Stopped { rank: usize },
     #[error("{0}")]
     Invalid(String),
 }
@@ -39,7 +53,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Collective operations across the ranks of one group. Every rank must call the same
 /// operations in the same order.
-pub trait Collective: Send {
+pub trait Collective: Send + std::fmt::Debug {
     /// This rank, in `0..world_size()`.
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
@@ -87,5 +101,85 @@ impl Collective for Single {
 
     fn barrier(&self) -> Result<()> {
         Ok(())
+    }
+}
+
+impl<T: Collective + ?Sized> Collective for Box<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        (**self).all_reduce(tensor, op)
+    }
+
+    fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
+        (**self).all_gather(tensor, dim)
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
+        (**self).reduce_scatter(tensor, dim, op)
+    }
+
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        (**self).broadcast(tensor, root)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+}
+
+impl<T: Collective + Sync + ?Sized> Collective for std::sync::Arc<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        (**self).all_reduce(tensor, op)
+    }
+
+    fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
+        (**self).all_gather(tensor, dim)
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
+        (**self).reduce_scatter(tensor, dim, op)
+    }
+
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        (**self).broadcast(tensor, root)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+}
+
+/// A rank's communicator shared by the models of one rank (a policy and its reference run
+/// one after the other on the same thread).
+pub type SharedComm = std::sync::Arc<dyn Collective + Sync>;
+
+/// The communicators of a new group of `world_size` ranks whose tensors live on `device`:
+/// threads over shared memory for the CPU; for CUDA, one NCCL communicator per GPU from
+/// `cuda:N` on (rank r on `cuda:N+r`).
+pub fn new_group(world_size: usize, device: tch::Device) -> Result<Vec<SharedComm>> {
+    match device {
+        tch::Device::Cpu => {
+            Ok(cpu::CpuGroup::new(world_size)?.into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect())
+        }
+        tch::Device::Cuda(first) => {
+            let devices: Vec<usize> = (first..first + world_size).collect();
+            Ok(nccl::NcclGroup::new(&devices)?.into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect())
+        }
+        other => Err(Error::Invalid(format!("no collective backend for device {other:?}"))),
     }
 }

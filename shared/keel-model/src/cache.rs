@@ -117,12 +117,24 @@ pub struct SlotCache {
 
 impl SlotCache {
     pub fn new(cfg: &ModelConfig, slots: usize, capacity: i64, kind: Kind, device: Device) -> Result<Self> {
+        Self::with_kv_heads(cfg, cfg.num_key_value_heads, slots, capacity, kind, device)
+    }
+
+    /// A cache holding `kv_heads` of the model's KV heads (a tensor-parallel rank's share).
+    pub(crate) fn with_kv_heads(
+        cfg: &ModelConfig,
+        kv_heads: i64,
+        slots: usize,
+        capacity: i64,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
         if slots == 0 || capacity <= 0 {
             return Err(Error::InvalidInput(format!(
                 "slot cache needs at least one slot and a positive capacity, got {slots} × {capacity}"
             )));
         }
-        let shape = [slots as i64, cfg.num_key_value_heads, capacity, cfg.head_dim];
+        let shape = [slots as i64, kv_heads, capacity, cfg.head_dim];
         let layers = cfg.num_hidden_layers as usize;
         let alloc =
             || -> Result<Vec<Tensor>> { (0..layers).map(|_| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect() };

@@ -73,6 +73,12 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+impl From<keel_collective::Error> for Error {
+    fn from(e: keel_collective::Error) -> Self {
+        Self::InvalidInput(format!("tensor parallel: {e}"))
+    }
+}
+
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();

@@ -28,6 +28,6 @@ pub mod weights;
 pub use cache::{KvCache, SlotCache};
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{CausalLm, Init};
+pub use model::{CausalLm, Init, SlotModel};
 pub use tokenizer::Tokenizer;
 pub use weights::SaveOptions;

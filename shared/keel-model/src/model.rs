@@ -16,6 +16,45 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::rope::{self, Rotary};
 
+/// A model that decodes sequences held in the slots of a [`SlotCache`]: a whole
+/// [`CausalLm`] or one tensor-parallel rank ([`tp::TpCausalLm`], whose logits are gathered
+/// so every rank gets the full vocabulary).
+pub trait SlotModel {
+    fn config(&self) -> &ModelConfig;
+    /// A cache of `slots` sequences of up to `capacity` tokens for this model.
+    fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache>;
+    /// Logits [B, S, vocab] for `input_ids` [B, S] continuing the sequences in `slots`.
+    fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor>;
+}
+
+impl SlotModel for CausalLm {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache> {
+        SlotCache::new(&self.cfg, slots, capacity, self.kind, self.device())
+    }
+
+    fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
+        CausalLm::forward_slots(self, input_ids, cache, slots)
+    }
+}
+
+impl<C: keel_collective::Collective> SlotModel for tp::TpCausalLm<C> {
+    fn config(&self) -> &ModelConfig {
+        tp::TpCausalLm::config(self)
+    }
+
+    fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache> {
+        tp::TpCausalLm::slot_cache(self, slots, capacity)
+    }
+
+    fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
+        tp::TpCausalLm::forward_slots(self, input_ids, cache, slots)
+    }
+}
+
 /// How new parameters are filled.
 #[derive(Debug, Clone, Copy)]
 pub enum Init {

@@ -14,9 +14,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor};
 
-use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::model::CausalLm;
+use crate::model::SlotModel;
 
 #[derive(Debug, Clone)]
 pub struct SamplingParams {
@@ -157,8 +156,8 @@ fn argmax(values: &[f32]) -> usize {
 }
 
 /// Generates up to `max_tokens` after `prompt`, stopping after any of `stop_ids`.
-pub fn generate(
-    model: &CausalLm,
+pub fn generate<M: SlotModel + ?Sized>(
+    model: &M,
     prompt: &[i64],
     max_tokens: usize,
     stop_ids: &[i64],
@@ -177,11 +176,11 @@ pub fn generate(
     }
     let mut sampler = Sampler::new(params)?;
     let _no_grad = tch::no_grad_guard();
-    let mut cache = KvCache::new(model.config(), 1, needed, model.kind(), model.device())?;
+    let mut cache = model.slot_cache(1, needed)?;
     let mut input = Tensor::from_slice(prompt).f_unsqueeze(0)?;
     let mut generation = Generation { tokens: Vec::new(), logprobs: Vec::new(), finish_reason: FinishReason::Length };
     while generation.tokens.len() < max_tokens {
-        let logits = model.forward(&input, Some(&mut cache))?;
+        let logits = model.forward_slots(&input, &mut cache, &[0])?;
         let last = logits.f_select(0, 0)?.f_select(0, -1)?;
         let (token, logprob) = sampler.sample(&last)?;
         generation.tokens.push(token);

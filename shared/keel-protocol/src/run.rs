@@ -363,6 +363,13 @@ pub struct RunSpec {
     pub device: Option<String>,
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Tensor-parallel ranks the trainer splits the policy and reference over (1: none).
+    #[serde(default = "default_tensor_parallel_size")]
+    pub tensor_parallel_size: usize,
+}
+
+fn default_tensor_parallel_size() -> usize {
+    1
 }
 
 fn default_true() -> bool {
@@ -397,6 +404,8 @@ impl RunSpec {
     pub fn problems(&self) -> Vec<FieldError> {
         let mut p = Vec::new();
         let alg = self.algorithm;
+        let tp = self.tensor_parallel_size;
+        check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
         match (&self.model.path, &self.model.checkpoint) {
             (Some(path), None) => check(&mut p, !path.trim().is_empty(), "model.path", "must not be empty"),
             (None, Some(_)) => {}

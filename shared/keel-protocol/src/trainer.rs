@@ -90,6 +90,14 @@ pub struct LoadRequest {
     pub resume: bool,
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// Tensor-parallel ranks the models are split over (1: no split). On the CPU the ranks
+    /// are threads; on CUDA rank r uses the r-th GPU from `device`, over NCCL.
+    #[serde(default = "default_tensor_parallel_size")]
+    pub tensor_parallel_size: usize,
+}
+
+fn default_tensor_parallel_size() -> usize {
+    1
 }
 
 fn default_true() -> bool {

@@ -198,6 +198,7 @@ impl RunContext {
             reference_offload: false,
             resume: start.resumed,
             seed: self.spec.seed,
+            tensor_parallel_size: self.spec.tensor_parallel_size,
         };
         Ok(self.trainer()?.op(TrainerOp::Load, &request).await?)
     }

@@ -12,16 +12,29 @@
 //!   logits. Token logprobs use a vocab-parallel log-softmax (all-reduced max, sum of
 //!   exponentials and target logit), so the full logits are never gathered.
 //!
-//! This first form serves inference and scoring (no gradients). Ranks must call the same
-//! methods with the same inputs, in the same order.
+//! Training ([`TpCausalLm::train_logprobs`], then the loss's backward, then
+//! [`TpCausalLm::backward`]): the collectives are not autograd operations, so the forward
+//! pass is cut into segments at every point where replicated activations enter a rank's
+//! slice (the input of attention and of the MLP after their norms, and the LM head). Within a
+//! segment an all-reduce's output is `reduced + (partial − partial.detach())`: the reduced
+//! value, with the identity as gradient, which is what a sum over ranks has. At the cut, the
+//! rank's partial input gradient is all-reduced before the backward pass goes on through the
+//! norm and the residual stream (Megatron's "f" operator). Every replicated value —
+//! activations, their gradients, the loss — is bit-identical on every rank, so replicated
+//! parameters stay identical under the same optimiser.
+//!
+//! Ranks must call the same methods with the same inputs, in the same order.
+
+use std::cell::RefCell;
 
 use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Attention, CausalLm, Linear, Mask, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, masks_for,
-    padded_ids,
+    Attention, CausalLm, Linear, Mask, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
+    masks_for, padded_ids,
 };
+use crate::cache::{LayerCache, SlotCache, SlotView};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::rope::Rotary;
@@ -31,6 +44,43 @@ use crate::weights::SliceReader;
 fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
     let (rank, world) = (rank as i64, world as i64);
     (total * rank / world, total * (rank + 1) / world)
+}
+
+/// How one parameter is spread over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Every rank holds the whole tensor (norms, and biases added after an all-reduce).
+    Replicated,
+    /// Every rank holds the whole tensor but applies it only to its own heads (the q/k
+    /// norms): its gradient is the sum of the ranks' parts.
+    PerHead,
+    /// This rank holds `start..end` along `dim`; together the ranks hold the tensor once.
+    Split { dim: i64, start: i64, end: i64 },
+    /// Rows `start..end` of a K or V projection. With `copies` > 1 (fewer KV heads than
+    /// ranks) that many ranks hold the same rows.
+    KvRows { start: i64, end: i64, copies: i64 },
+}
+
+impl Layout {
+    /// This rank's part of `full` (a tensor of the whole parameter's shape).
+    pub fn local(&self, full: &Tensor) -> Result<Tensor> {
+        Ok(match *self {
+            Layout::Replicated | Layout::PerHead => full.shallow_clone(),
+            Layout::Split { dim, start, end } => full.f_narrow(dim, start, end - start)?,
+            Layout::KvRows { start, end, .. } => full.f_narrow(0, start, end - start)?,
+        })
+    }
+
+    /// How much this rank's copy counts in a sum over ranks (the squared gradient norm):
+    /// 1 for a split, 1/copies for replicated KV rows; `None` for a replicated tensor, which
+    /// every rank counts once on its own.
+    pub fn weight_in_sum(&self) -> Option<f64> {
+        match *self {
+            Layout::Replicated | Layout::PerHead => None,
+            Layout::Split { .. } => Some(1.0),
+            Layout::KvRows { copies, .. } => Some(1.0 / copies as f64),
+        }
+    }
 }
 
 /// Where a rank's parameters come from, by Hugging Face name: the whole tensor, or rows /
@@ -80,22 +130,77 @@ struct TpLayer {
     window: Option<i64>,
 }
 
+/// A parameter of this rank, by its Hugging Face name.
+#[derive(Debug)]
+struct Param {
+    name: String,
+    tensor: Tensor,
+    layout: Layout,
+}
+
+/// One rank's slices of every parameter.
+#[derive(Debug)]
+struct Shards {
+    embed_tokens: Tensor,
+    layers: Vec<TpLayer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    /// Every parameter once (a tied LM head is the embedding), sharing storage with the
+    /// fields above.
+    params: Vec<Param>,
+}
+
 /// One rank's share of a [`CausalLm`].
 #[derive(Debug)]
 pub struct TpCausalLm<C: Collective> {
     cfg: ModelConfig,
     comm: C,
-    /// Whether each rank holds a copy of one KV head (fewer KV heads than ranks).
-    kv_replicated: bool,
-    embed_tokens: Tensor,
     /// This rank's vocabulary range.
     vocab: (i64, i64),
-    layers: Vec<TpLayer>,
-    norm: RmsNorm,
-    lm_head: Tensor,
+    /// This rank's KV heads.
+    kv_heads: i64,
+    shards: Shards,
     rotary: Rotary,
     kind: Kind,
     device: Device,
+}
+
+/// What [`TpCausalLm::train_logprobs`] keeps for [`TpCausalLm::backward`].
+#[derive(Debug)]
+pub struct Tape {
+    /// The embedding's output (its graph reaches this rank's embedding rows).
+    embedded: Tensor,
+    /// The segments in forward order; the last one's output is the logprobs the loss uses.
+    segments: Vec<Segment>,
+}
+
+/// One cut of the forward pass: `input` (a leaf of replicated activations) → norm →
+/// `normed`, then `branch_input` (`normed` as a new leaf) → this rank's slice → `output`
+/// (with the residual and the all-reduce). The final segment has no output here: its
+/// branch ends in the logprobs.
+#[derive(Debug)]
+struct Segment {
+    input: Tensor,
+    normed: Tensor,
+    branch_input: Tensor,
+    output: Option<Tensor>,
+}
+
+/// A new leaf with the value of `x`, to collect the gradient that reaches it.
+fn leaf(x: &Tensor) -> Result<Tensor> {
+    Ok(x.f_detach()?.f_set_requires_grad(true)?)
+}
+
+/// Backward from `output` with `grad` as its gradient.
+fn backward_with(output: &Tensor, grad: &Tensor) -> Result<()> {
+    output.f_mul(&grad.f_to_kind(output.kind())?)?.f_sum(Kind::Float)?.f_backward()?;
+    Ok(())
+}
+
+/// The gradient collected in `leaf`, or zeros when none reached it.
+fn grad_of(leaf: &Tensor) -> Result<Tensor> {
+    let grad = leaf.grad();
+    if grad.defined() { Ok(grad) } else { Ok(leaf.f_zeros_like()?) }
 }
 
 impl<C: Collective> TpCausalLm<C> {
@@ -123,8 +228,7 @@ impl<C: Collective> TpCausalLm<C> {
         }
         let (rank, world) = (comm.rank(), comm.world_size());
         let w = world as i64;
-        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let (hidden, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let problem = |field: &str, value: i64, reason: String| Error::Unsupported {
             field: field.into(),
             value: value.to_string(),
@@ -140,97 +244,16 @@ impl<C: Collective> TpCausalLm<C> {
         if cfg.vocab_size < w {
             return Err(problem("vocab_size", cfg.vocab_size, format!("is smaller than {world} ranks")));
         }
-        if inter % w != 0 {
-            return Err(problem("intermediate_size", inter, format!("does not split across {world} ranks")));
+        if cfg.intermediate_size % w != 0 {
+            let reason = format!("does not split across {world} ranks");
+            return Err(problem("intermediate_size", cfg.intermediate_size, reason));
         }
-        let (q_start, q_end) = share(heads, rank, world);
-        // KV heads: split when there are enough, else the one this rank's query heads read.
-        let (kv_start, kv_end) = if kv_heads % w == 0 {
-            share(kv_heads, rank, world)
-        } else {
-            let kv = q_start / (heads / kv_heads);
-            (kv, kv + 1)
-        };
-        let (i_start, i_end) = share(inter, rank, world);
-        let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
-        let norm = |name: String, size: i64| -> Result<RmsNorm> {
-            Ok(RmsNorm { weight: to(source.whole(&name, &[size])?)?, eps: cfg.rms_norm_eps })
-        };
-        // Output rows start..end of `name` ([outputs, inputs]), with its bias when it has one.
-        let column = |name: String, outputs: i64, inputs: i64, start: i64, end: i64, bias: bool| -> Result<Linear> {
-            let weight = to(source.slice(&format!("{name}.weight"), &[outputs, inputs], 0, start, end)?)?;
-            let bias = bias.then(|| source.slice(&format!("{name}.bias"), &[outputs], 0, start, end).and_then(to));
-            Ok(Linear { weight, bias: bias.transpose()? })
-        };
-        // Input columns start..end of `name`; its bias comes back apart (added after the all-reduce).
-        let row = |name: String, outputs: i64, inputs: i64, start: i64, end: i64, bias: bool| {
-            let weight = to(source.slice(&format!("{name}.weight"), &[outputs, inputs], 1, start, end)?)?;
-            let bias = bias.then(|| source.whole(&format!("{name}.bias"), &[outputs]).and_then(to)).transpose()?;
-            Ok::<_, Error>((Linear { weight, bias: None }, bias))
-        };
-        let layers = (0..cfg.num_hidden_layers as usize)
-            .map(|i| {
-                let p = |name: &str| format!("model.layers.{i}.{name}");
-                let (o_proj, o_bias) =
-                    row(p("self_attn.o_proj"), hidden, heads * d, q_start * d, q_end * d, cfg.o_bias)?;
-                let qk_norm = |name: &str| cfg.qk_norm.then(|| norm(p(name), d)).transpose();
-                let attention = Attention {
-                    q_proj: column(p("self_attn.q_proj"), heads * d, hidden, q_start * d, q_end * d, cfg.qkv_bias)?,
-                    k_proj: column(
-                        p("self_attn.k_proj"),
-                        kv_heads * d,
-                        hidden,
-                        kv_start * d,
-                        kv_end * d,
-                        cfg.qkv_bias,
-                    )?,
-                    v_proj: column(
-                        p("self_attn.v_proj"),
-                        kv_heads * d,
-                        hidden,
-                        kv_start * d,
-                        kv_end * d,
-                        cfg.qkv_bias,
-                    )?,
-                    o_proj,
-                    q_norm: qk_norm("self_attn.q_norm.weight")?,
-                    k_norm: qk_norm("self_attn.k_norm.weight")?,
-                    heads: heads / w,
-                    kv_heads: kv_end - kv_start,
-                    head_dim: d,
-                };
-                let (down_proj, down_bias) = row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
-                let mlp = Mlp {
-                    gate_proj: column(p("mlp.gate_proj"), inter, hidden, i_start, i_end, cfg.mlp_bias)?,
-                    up_proj: column(p("mlp.up_proj"), inter, hidden, i_start, i_end, cfg.mlp_bias)?,
-                    down_proj,
-                };
-                Ok(TpLayer {
-                    input_layernorm: norm(p("input_layernorm.weight"), hidden)?,
-                    attention,
-                    o_bias,
-                    post_attention_layernorm: norm(p("post_attention_layernorm.weight"), hidden)?,
-                    mlp,
-                    down_bias,
-                    window: cfg.sliding_windows[i],
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let vocab = share(cfg.vocab_size, rank, world);
-        let embedding = [cfg.vocab_size, hidden];
-        let embed_tokens = to(source.slice("model.embed_tokens.weight", &embedding, 0, vocab.0, vocab.1)?)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed_tokens.shallow_clone()
-        } else {
-            to(source.slice("lm_head.weight", &embedding, 0, vocab.0, vocab.1)?)?
-        };
+        let shards = Shards::build(&cfg, rank, world, device, kind, source)?;
+        let kv_range = if kv_heads % w == 0 { kv_heads / w } else { 1 };
         Ok(Self {
-            kv_replicated: kv_heads % w != 0,
-            embed_tokens,
-            lm_head,
-            vocab,
-            layers,
-            norm: norm("model.norm.weight".into(), hidden)?,
+            vocab: share(cfg.vocab_size, rank, world),
+            kv_heads: kv_range,
+            shards,
             rotary: Rotary::new(&cfg.rope, cfg.head_dim, device)?,
             kind,
             device,
@@ -251,9 +274,59 @@ impl<C: Collective> TpCausalLm<C> {
         &self.cfg
     }
 
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// This rank's parameters (sharing storage with the model) with their HF names and
+    /// layouts; a tied LM head appears once, as the embedding.
+    pub fn parameters(&self) -> Vec<(String, Tensor, Layout)> {
+        self.shards.params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone(), p.layout)).collect()
+    }
+
+    /// Makes every parameter collect gradients (or stop collecting them).
+    pub fn set_trainable(&self, trainable: bool) -> Result<()> {
+        for param in &self.shards.params {
+            let _ = param.tensor.f_set_requires_grad(trainable)?;
+        }
+        Ok(())
+    }
+
+    /// Casts the parameters to `kind` (f32, bf16 or f16) in place.
+    pub fn set_kind(&mut self, kind: Kind) -> Result<()> {
+        if !matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
+            return Err(Error::InvalidInput(format!("parameter dtype {kind:?} is not supported (f32, bf16, f16)")));
+        }
+        let _no_grad = tch::no_grad_guard();
+        for param in &mut self.shards.params {
+            let cast = param.tensor.f_to_kind(kind)?;
+            param.tensor.set_data(&cast);
+        }
+        self.kind = kind;
+        Ok(())
+    }
+
     fn all_reduce(&self, mut x: Tensor, op: ReduceOp) -> Result<Tensor> {
         self.comm.all_reduce(&mut x, op).map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))?;
         Ok(x)
+    }
+
+    /// The sum over ranks of `partial`, with the identity as its gradient with respect to
+    /// `partial` (the value is exactly the all-reduced sum).
+    fn reduce_sum(&self, partial: &Tensor) -> Result<Tensor> {
+        let total = self.all_reduce(partial.f_detach()?.copy(), ReduceOp::Sum)?;
+        if !partial.requires_grad() {
+            return Ok(total);
+        }
+        Ok(total.f_add(&partial.f_sub(&partial.f_detach()?)?)?)
     }
 
     /// The vocab-parallel embedding: this rank's rows for ids in its range, zeros elsewhere,
@@ -262,32 +335,60 @@ impl<C: Collective> TpCausalLm<C> {
         let (start, end) = self.vocab;
         let outside = ids.f_lt(start)?.f_logical_or(&ids.f_ge(end)?)?;
         let local = ids.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
-        let rows = Tensor::f_embedding(&self.embed_tokens, &local, -1, false, false)?;
+        let rows = Tensor::f_embedding(&self.shards.embed_tokens, &local, -1, false, false)?;
         let rows = rows.f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?;
-        self.all_reduce(rows, ReduceOp::Sum)
+        self.reduce_sum(&rows)
     }
 
-    /// Final hidden states [B, S, hidden] (replicated on every rank) of fresh sequences.
-    fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+    /// Rotary tables and masks for `ids` [B, S] whose row b starts at `offsets[b]` and sees
+    /// `visible` keys.
+    fn positions(
+        &self,
+        ids: &Tensor,
+        offsets: &[i64],
+        visible: i64,
+    ) -> Result<(Tensor, Tensor, Vec<(Option<i64>, Mask)>)> {
         let (b, s) = (ids.size()[0], ids.size()[1]);
         let device = self.device;
-        let positions = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?.f_expand([b, s], false)?;
+        let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
+        let positions =
+            starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
         let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
-        let windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
-        let masks = masks_for(&windows, s, &vec![0; b as usize], s, device)?;
+        let windows: Vec<Option<i64>> = self.shards.layers.iter().map(|l| l.window).collect();
+        let masks = masks_for(&windows, s, offsets, visible, device)?;
+        Ok((cos, sin, masks))
+    }
+
+    /// Final hidden states [B, S, hidden] (replicated on every rank) of `ids` [B, S] whose
+    /// row b starts at `offsets[b]`, attending to `visible` keys (cached plus new).
+    fn run_layers(
+        &self,
+        ids: &Tensor,
+        offsets: &[i64],
+        visible: i64,
+        mut cache: Option<&mut dyn LayerCache>,
+    ) -> Result<Tensor> {
+        let (cos, sin, masks) = self.positions(ids, offsets, visible)?;
         let mut x = self.embed(ids)?;
-        for layer in &self.layers {
-            let mask: &Mask =
-                masks.iter().find(|(w, _)| *w == layer.window).map(|(_, m)| m).expect("a mask for every window");
+        for (index, layer) in self.shards.layers.iter().enumerate() {
+            let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask for every window");
             let at = Positions { cos: &cos, sin: &sin, mask };
-            let attn = layer.attention.forward(&layer.input_layernorm.forward(&x)?, &at, None)?;
+            let normed = layer.input_layernorm.forward(&x)?;
+            let attn = layer.attention.forward(&normed, &at, cache.as_deref_mut().map(|c| (c, index)))?;
             let attn = add_bias(self.all_reduce(attn, ReduceOp::Sum)?, layer.o_bias.as_ref())?;
             let h = x.f_add(&attn)?;
             let mlp = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?;
             let mlp = add_bias(self.all_reduce(mlp, ReduceOp::Sum)?, layer.down_bias.as_ref())?;
             x = h.f_add(&mlp)?;
         }
-        self.norm.forward(&x)
+        self.shards.norm.forward(&x)
+    }
+
+    /// The chunk length of the logprob loop: the same on every rank (each must make the same
+    /// collective calls), from the largest vocabulary share, not this rank's.
+    fn largest_vocab_share(&self) -> i64 {
+        let world = self.world_size() as i64;
+        (self.cfg.vocab_size + world - 1) / world
     }
 
     /// Token logprobs [B, S] (f32) of right-padded sequences, as
@@ -296,13 +397,119 @@ impl<C: Collective> TpCausalLm<C> {
         check_temperature(temperature)?;
         let _no_grad = tch::no_grad_guard();
         let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
-        let hidden = self.hidden_states(&ids)?;
-        // The same chunk length on every rank (each must make the same collective calls):
-        // from the largest vocabulary share, not this rank's.
-        let world = self.world_size() as i64;
-        let share = (self.cfg.vocab_size + world - 1) / world;
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let hidden = self.run_layers(&ids, &vec![0; b as usize], s, None)?;
         let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
-        chunked_token_logprobs(&hidden, &ids, &invalid, &self.lm_head, share, temperature, logprobs)
+        let share = self.largest_vocab_share();
+        chunked_token_logprobs(&hidden, &ids, &invalid, &self.shards.lm_head, share, temperature, logprobs)
+    }
+
+    /// Token logprobs as [`TpCausalLm::token_logprobs`], with gradients: the caller computes
+    /// its loss from them, runs the loss's backward, then passes the tape to
+    /// [`TpCausalLm::backward`] to carry the gradients through the rest of the model.
+    pub fn train_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<(Tensor, Tape)> {
+        check_temperature(temperature)?;
+        let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let (cos, sin, masks) = self.positions(&ids, &vec![0; b as usize], s)?;
+        let embedded = self.embed(&ids)?;
+        let mut segments = Vec::with_capacity(2 * self.shards.layers.len() + 1);
+        let mut x = embedded.shallow_clone();
+        for layer in &self.shards.layers {
+            let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask for every window");
+            let at = Positions { cos: &cos, sin: &sin, mask };
+            let attention = |a: &Tensor| layer.attention.forward(a, &at, None);
+            x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
+            let mlp = |a: &Tensor| layer.mlp.forward(a);
+            x = self.segment(&x, &layer.post_attention_layernorm, mlp, layer.down_bias.as_ref(), &mut segments)?;
+        }
+        let input = leaf(&x)?;
+        let normed = self.shards.norm.forward(&input)?;
+        let branch_input = leaf(&normed)?;
+        let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
+        let share = self.largest_vocab_share();
+        let lm_head = &self.shards.lm_head;
+        let result = chunked_token_logprobs(&branch_input, &ids, &invalid, lm_head, share, temperature, logprobs)?;
+        segments.push(Segment { input, normed, branch_input, output: None });
+        Ok((result, Tape { embedded, segments }))
+    }
+
+    /// One residual block cut for training: x + all-reduce(branch(norm(x))) + bias.
+    fn segment(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        branch: impl FnOnce(&Tensor) -> Result<Tensor>,
+        bias: Option<&Tensor>,
+        segments: &mut Vec<Segment>,
+    ) -> Result<Tensor> {
+        let input = leaf(x)?;
+        let normed = norm.forward(&input)?;
+        let branch_input = leaf(&normed)?;
+        let partial = branch(&branch_input)?;
+        let output = input.f_add(&add_bias(self.reduce_sum(&partial)?, bias)?)?;
+        segments.push(Segment { input, normed, branch_input, output: Some(output.shallow_clone()) });
+        Ok(output)
+    }
+
+    /// Carries the gradients of a [`TpCausalLm::train_logprobs`] pass back through the model,
+    /// after the loss's own backward reached the logprobs: gradients accumulate into the
+    /// parameters as `backward()` does. Every rank must call it.
+    pub fn backward(&self, tape: Tape) -> Result<()> {
+        let mut upstream: Option<Tensor> = None;
+        for segment in tape.segments.into_iter().rev() {
+            if let (Some(output), Some(grad)) = (&segment.output, &upstream) {
+                backward_with(output, grad)?;
+            }
+            let partial = grad_of(&segment.branch_input)?;
+            let full = self.all_reduce(partial.copy(), ReduceOp::Sum)?;
+            backward_with(&segment.normed, &full)?;
+            upstream = Some(grad_of(&segment.input)?);
+        }
+        if let Some(grad) = upstream
+            && tape.embedded.requires_grad()
+        {
+            backward_with(&tape.embedded, &grad)?;
+        }
+        Ok(())
+    }
+
+    /// Completes the gradients of tensors several ranks apply to their own heads: the q/k
+    /// norms (summed over all ranks) and, with fewer KV heads than ranks, the K/V rows each
+    /// copy of a KV head holds (summed over the ranks sharing it). Call it once per
+    /// optimiser step, after the last backward pass and before clipping.
+    pub fn reduce_replicated_gradients(&self) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        for param in &self.shards.params {
+            if param.layout == Layout::PerHead {
+                let mut grad = param.tensor.grad();
+                if grad.defined() {
+                    let sum = self.all_reduce(grad.copy(), ReduceOp::Sum)?;
+                    grad.f_copy_(&sum)?;
+                }
+                continue;
+            }
+            let Layout::KvRows { copies, .. } = param.layout else { continue };
+            if copies == 1 {
+                continue;
+            }
+            // Every rank ran the same passes, so either all have this gradient or none.
+            let mut grad = param.tensor.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let local = grad.shallow_clone();
+            let gathered = self.gather(&local, 0)?;
+            let rows = local.size()[0];
+            let first = (self.rank() as i64 / copies) * copies;
+            let sum = gathered.f_narrow(0, first * rows, copies * rows)?.f_view([copies, -1])?.f_sum_dim_intlist(
+                &[0][..],
+                false,
+                local.kind(),
+            )?;
+            grad.f_copy_(&sum.f_view(local.size().as_slice())?)?;
+        }
+        Ok(())
     }
 
     /// log softmax(logits)[target] over the whole vocabulary from this rank's `logits`
@@ -310,16 +517,220 @@ impl<C: Collective> TpCausalLm<C> {
     /// and the target's logit are all-reduced, never the logits themselves.
     fn vocab_parallel_logprobs(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (start, end) = self.vocab;
-        let local_max = logits.f_amax(&[-1][..], false)?;
+        // The maximum only keeps exp() in range: log-softmax does not depend on it.
+        let local_max = logits.f_detach()?.f_amax(&[-1][..], false)?;
         let max = self.all_reduce(local_max, ReduceOp::Max)?;
         let shifted = logits.f_sub(&max.f_unsqueeze(-1)?)?;
-        let sum_exp =
-            self.all_reduce(shifted.f_exp()?.f_sum_dim_intlist(&[-1][..], false, Kind::Float)?, ReduceOp::Sum)?;
+        let sum_exp = self.reduce_sum(&shifted.f_exp()?.f_sum_dim_intlist(&[-1][..], false, Kind::Float)?)?;
         let outside = targets.f_lt(start)?.f_logical_or(&targets.f_ge(end)?)?;
         let local = targets.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
         let picked = shifted.f_gather(-1, &local.f_unsqueeze(-1)?, false)?.f_squeeze_dim(-1)?;
-        let picked = self.all_reduce(picked.f_masked_fill(&outside, 0.0)?, ReduceOp::Sum)?;
+        let picked = self.reduce_sum(&picked.f_masked_fill(&outside, 0.0)?)?;
         Ok(picked.f_sub(&sum_exp.f_log()?)?)
+    }
+
+    /// A slot cache for this rank's KV heads (see [`SlotCache`]).
+    pub fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache> {
+        SlotCache::with_kv_heads(&self.cfg, self.kv_heads, slots, capacity, self.kind, self.device)
+    }
+
+    /// Logits [B, S, vocab] (inference) for `input_ids` continuing the sequences in `slots`
+    /// of this rank's `cache`, as [`CausalLm::forward_slots`]. The vocabulary slices are
+    /// gathered, so every rank gets the same full logits.
+    pub fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
+        let (b, s) = check_ids(self.cfg.vocab_size, input_ids, None)?;
+        if slots.len() as i64 != b {
+            return Err(Error::InvalidInput(format!("{} slots for a batch of {b}", slots.len())));
+        }
+        cache.check(slots, self.shards.layers.len(), self.kind, self.device, s)?;
+        let _no_grad = tch::no_grad_guard();
+        let offsets: Vec<i64> = slots.iter().map(|&slot| cache.len(slot)).collect();
+        let visible = offsets.iter().copied().max().unwrap_or(0) + s;
+        let index =
+            Tensor::from_slice(&slots.iter().map(|&x| x as i64).collect::<Vec<_>>()).f_to_device(self.device)?;
+        let ids = input_ids.f_to_device(self.device)?;
+        let mut view = SlotView { cache, slots, index, visible };
+        let hidden = self.run_layers(&ids, &offsets, visible, Some(&mut view))?;
+        view.cache.advance(slots, s);
+        let local = hidden.f_linear::<Tensor>(&self.shards.lm_head, None)?;
+        self.gather_vocab(&local)
+    }
+
+    /// Full logits from every rank's vocabulary slice [.., local vocab]: each slice is padded
+    /// to the largest share so that every rank sends the same size, then the padding is cut.
+    fn gather_vocab(&self, local: &Tensor) -> Result<Tensor> {
+        let largest = self.largest_vocab_share();
+        let width = self.vocab.1 - self.vocab.0;
+        let dims = local.dim() as i64;
+        let padded =
+            if width < largest { local.f_constant_pad_nd([0, largest - width])? } else { local.shallow_clone() };
+        let gathered = self.gather(&padded, dims - 1)?;
+        let world = self.world_size();
+        let parts = (0..world)
+            .map(|rank| {
+                let (start, end) = share(self.cfg.vocab_size, rank, world);
+                gathered.f_narrow(dims - 1, rank as i64 * largest, end - start)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Tensor::f_cat(&parts, dims - 1)?)
+    }
+
+    /// Copies the weights in `dir` (the same architecture and shapes) over this rank's
+    /// slices; on any error the current weights are kept.
+    pub fn reload_weights(&self, dir: &std::path::Path) -> Result<()> {
+        let cfg = ModelConfig::load(dir)?;
+        let files = SliceReader::open(dir)?;
+        let fresh = Shards::build(&cfg, self.rank(), self.world_size(), self.device, self.kind, &files)?;
+        let mut problems = Vec::new();
+        if fresh.params.len() != self.shards.params.len() {
+            return Err(Error::InvalidInput(format!(
+                "{} has {} tensors for this rank, the model {}",
+                dir.display(),
+                fresh.params.len(),
+                self.shards.params.len()
+            )));
+        }
+        for (new, current) in fresh.params.iter().zip(&self.shards.params) {
+            if new.name != current.name || new.tensor.size() != current.tensor.size() {
+                problems.push(crate::error::WeightProblem::Shape {
+                    name: current.name.clone(),
+                    expected: current.tensor.size(),
+                    found: new.tensor.size(),
+                });
+            }
+        }
+        if !problems.is_empty() {
+            return Err(Error::Weights(problems));
+        }
+        let _no_grad = tch::no_grad_guard();
+        for (new, current) in fresh.params.iter().zip(&self.shards.params) {
+            current.tensor.shallow_clone().f_copy_(&new.tensor)?;
+        }
+        Ok(())
+    }
+}
+
+impl Shards {
+    fn build(
+        cfg: &ModelConfig,
+        rank: usize,
+        world: usize,
+        device: Device,
+        kind: Kind,
+        source: &dyn Source,
+    ) -> Result<Self> {
+        let w = world as i64;
+        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (hidden, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q_start, q_end) = share(heads, rank, world);
+        // KV heads: split when there are enough, else the one this rank's query heads read.
+        let (kv_start, kv_end, copies) = if kv_heads % w == 0 {
+            let (start, end) = share(kv_heads, rank, world);
+            (start, end, 1)
+        } else {
+            let kv = q_start / (heads / kv_heads);
+            (kv, kv + 1, w / kv_heads)
+        };
+        let (i_start, i_end) = share(inter, rank, world);
+        let params = RefCell::new(Vec::new());
+        let keep = |name: String, tensor: Tensor, layout: Layout| -> Tensor {
+            params.borrow_mut().push(Param { name, tensor: tensor.shallow_clone(), layout });
+            tensor
+        };
+        let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
+        let norm_as = |name: String, size: i64, layout: Layout| -> Result<RmsNorm> {
+            let weight = to(source.whole(&name, &[size])?)?;
+            Ok(RmsNorm { weight: keep(name, weight, layout), eps: cfg.rms_norm_eps })
+        };
+        let norm = |name: String, size: i64| norm_as(name, size, Layout::Replicated);
+        // Output rows start..end of `name` ([outputs, inputs]), with its bias when it has one.
+        let column = |name: String, outputs: i64, inputs: i64, layout: Layout, bias: bool| -> Result<Linear> {
+            let (start, end) = match layout {
+                Layout::Split { start, end, .. } | Layout::KvRows { start, end, .. } => (start, end),
+                Layout::Replicated | Layout::PerHead => (0, outputs),
+            };
+            let weight_name = format!("{name}.weight");
+            let weight = to(source.slice(&weight_name, &[outputs, inputs], 0, start, end)?)?;
+            let weight = keep(weight_name, weight, layout);
+            let bias = bias
+                .then(|| {
+                    let bias_name = format!("{name}.bias");
+                    let bias = to(source.slice(&bias_name, &[outputs], 0, start, end)?)?;
+                    Ok::<_, Error>(keep(bias_name, bias, layout))
+                })
+                .transpose()?;
+            Ok(Linear { weight, bias })
+        };
+        // Input columns start..end of `name`; its bias comes back apart (added after the all-reduce).
+        let row = |name: String, outputs: i64, inputs: i64, start: i64, end: i64, bias: bool| {
+            let weight_name = format!("{name}.weight");
+            let weight = to(source.slice(&weight_name, &[outputs, inputs], 1, start, end)?)?;
+            let weight = keep(weight_name, weight, Layout::Split { dim: 1, start, end });
+            let bias = bias
+                .then(|| {
+                    let bias_name = format!("{name}.bias");
+                    let bias = to(source.whole(&bias_name, &[outputs])?)?;
+                    Ok::<_, Error>(keep(bias_name, bias, Layout::Replicated))
+                })
+                .transpose()?;
+            Ok::<_, Error>((Linear { weight, bias: None }, bias))
+        };
+        let vocab = share(cfg.vocab_size, rank, world);
+        let vocab_rows = Layout::Split { dim: 0, start: vocab.0, end: vocab.1 };
+        let embedding = [cfg.vocab_size, hidden];
+        let embed_name = "model.embed_tokens.weight".to_string();
+        let embed_tokens = to(source.slice(&embed_name, &embedding, 0, vocab.0, vocab.1)?)?;
+        let embed_tokens = keep(embed_name, embed_tokens, vocab_rows);
+        let layers = (0..cfg.num_hidden_layers as usize)
+            .map(|i| {
+                let p = |name: &str| format!("model.layers.{i}.{name}");
+                let q_rows = Layout::Split { dim: 0, start: q_start * d, end: q_end * d };
+                let kv_rows = Layout::KvRows { start: kv_start * d, end: kv_end * d, copies };
+                let input_layernorm = norm(p("input_layernorm.weight"), hidden)?;
+                let (o_proj, o_bias) =
+                    row(p("self_attn.o_proj"), hidden, heads * d, q_start * d, q_end * d, cfg.o_bias)?;
+                let attention = Attention {
+                    q_proj: column(p("self_attn.q_proj"), heads * d, hidden, q_rows, cfg.qkv_bias)?,
+                    k_proj: column(p("self_attn.k_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
+                    v_proj: column(p("self_attn.v_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
+                    o_proj,
+                    q_norm: cfg
+                        .qk_norm
+                        .then(|| norm_as(p("self_attn.q_norm.weight"), d, Layout::PerHead))
+                        .transpose()?,
+                    k_norm: cfg
+                        .qk_norm
+                        .then(|| norm_as(p("self_attn.k_norm.weight"), d, Layout::PerHead))
+                        .transpose()?,
+                    heads: heads / w,
+                    kv_heads: kv_end - kv_start,
+                    head_dim: d,
+                };
+                let post_attention_layernorm = norm(p("post_attention_layernorm.weight"), hidden)?;
+                let i_cols = Layout::Split { dim: 0, start: i_start, end: i_end };
+                let gate_proj = column(p("mlp.gate_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
+                let up_proj = column(p("mlp.up_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
+                let (down_proj, down_bias) = row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
+                Ok(TpLayer {
+                    input_layernorm,
+                    attention,
+                    o_bias,
+                    post_attention_layernorm,
+                    mlp: Mlp { gate_proj, up_proj, down_proj },
+                    down_bias,
+                    window: cfg.sliding_windows[i],
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = norm("model.norm.weight".into(), hidden)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            let name = "lm_head.weight".to_string();
+            let head = to(source.slice(&name, &embedding, 0, vocab.0, vocab.1)?)?;
+            keep(name, head, vocab_rows)
+        };
+        Ok(Self { embed_tokens, layers, norm, lm_head, params: params.into_inner() })
     }
 }
 
@@ -328,19 +739,25 @@ impl<C: Collective> TpCausalLm<C> {
         self.comm.all_gather(tensor, dim).map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))
     }
 
-    /// KV projection rows gathered from every rank: when KV heads are replicated, the copy
-    /// of the first rank holding each head.
-    fn gather_kv(&self, rows: &Tensor) -> Result<Tensor> {
-        let gathered = self.gather(rows, 0)?;
-        if !self.kv_replicated {
-            return Ok(gathered);
+    /// The whole tensor from every rank's `local` part laid out as `layout` (every rank must
+    /// call it; every rank gets the same tensor). With replicated KV rows, the copy of the
+    /// first rank holding each head is kept.
+    pub fn gather_parameter(&self, local: &Tensor, layout: Layout) -> Result<Tensor> {
+        match layout {
+            Layout::Replicated | Layout::PerHead => Ok(local.shallow_clone()),
+            Layout::Split { dim, .. } => self.gather(local, dim),
+            Layout::KvRows { copies, .. } => {
+                let gathered = self.gather(local, 0)?;
+                if copies == 1 {
+                    return Ok(gathered);
+                }
+                let chunk = local.size()[0];
+                let firsts: Vec<Tensor> = (0..self.cfg.num_key_value_heads)
+                    .map(|k| gathered.f_narrow(0, k * copies * chunk, chunk))
+                    .collect::<std::result::Result<_, _>>()?;
+                Ok(Tensor::f_cat(&firsts, 0)?)
+            }
         }
-        let per_head = self.world_size() as i64 / self.cfg.num_key_value_heads;
-        let chunk = rows.size()[0];
-        let firsts: Vec<Tensor> = (0..self.cfg.num_key_value_heads)
-            .map(|k| gathered.f_narrow(0, k * per_head * chunk, chunk))
-            .collect::<std::result::Result<_, _>>()?;
-        Ok(Tensor::f_cat(&firsts, 0)?)
     }
 
     /// The whole model, gathered from every rank's slices (every rank must call it; every
@@ -348,58 +765,20 @@ impl<C: Collective> TpCausalLm<C> {
     /// checkpoint is the Hugging Face layout a TP = 1 model (or transformers) loads.
     pub fn gather_full(&self) -> Result<CausalLm> {
         let _no_grad = tch::no_grad_guard();
-        let mut params: Vec<(String, Tensor)> = Vec::new();
-        params.push(("model.embed_tokens.weight".into(), self.gather(&self.embed_tokens, 0)?));
-        if !self.cfg.tie_word_embeddings {
-            params.push(("lm_head.weight".into(), self.gather(&self.lm_head, 0)?));
-        }
-        params.push(("model.norm.weight".into(), self.norm.weight.shallow_clone()));
-        for (i, layer) in self.layers.iter().enumerate() {
-            let p = |name: &str| format!("model.layers.{i}.{name}");
-            let a = &layer.attention;
-            params.push((p("input_layernorm.weight"), layer.input_layernorm.weight.shallow_clone()));
-            params.push((p("post_attention_layernorm.weight"), layer.post_attention_layernorm.weight.shallow_clone()));
-            params.push((p("self_attn.q_proj.weight"), self.gather(&a.q_proj.weight, 0)?));
-            params.push((p("self_attn.k_proj.weight"), self.gather_kv(&a.k_proj.weight)?));
-            params.push((p("self_attn.v_proj.weight"), self.gather_kv(&a.v_proj.weight)?));
-            params.push((p("self_attn.o_proj.weight"), self.gather(&a.o_proj.weight, 1)?));
-            if let (Some(q), Some(k), Some(v)) = (&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias) {
-                params.push((p("self_attn.q_proj.bias"), self.gather(q, 0)?));
-                params.push((p("self_attn.k_proj.bias"), self.gather_kv(k)?));
-                params.push((p("self_attn.v_proj.bias"), self.gather_kv(v)?));
-            }
-            if let Some(bias) = &layer.o_bias {
-                params.push((p("self_attn.o_proj.bias"), bias.shallow_clone()));
-            }
-            if let (Some(q), Some(k)) = (&a.q_norm, &a.k_norm) {
-                params.push((p("self_attn.q_norm.weight"), q.weight.shallow_clone()));
-                params.push((p("self_attn.k_norm.weight"), k.weight.shallow_clone()));
-            }
-            let m = &layer.mlp;
-            params.push((p("mlp.gate_proj.weight"), self.gather(&m.gate_proj.weight, 0)?));
-            params.push((p("mlp.up_proj.weight"), self.gather(&m.up_proj.weight, 0)?));
-            params.push((p("mlp.down_proj.weight"), self.gather(&m.down_proj.weight, 1)?));
-            if let (Some(gate), Some(up)) = (&m.gate_proj.bias, &m.up_proj.bias) {
-                params.push((p("mlp.gate_proj.bias"), self.gather(gate, 0)?));
-                params.push((p("mlp.up_proj.bias"), self.gather(up, 0)?));
-            }
-            if let Some(bias) = &layer.down_bias {
-                params.push((p("mlp.down_proj.bias"), bias.shallow_clone()));
-            }
-        }
         let full = CausalLm::new(self.cfg.clone(), self.device, self.kind, crate::Init::Zeros)?;
         let mut variables = full.var_store().variables();
-        if variables.len() != params.len() {
+        if variables.len() != self.shards.params.len() {
             return Err(Error::InvalidInput(format!(
-                "tensor parallel: gathered {} tensors for a model of {}",
-                params.len(),
+                "tensor parallel: {} tensors to gather for a model of {}",
+                self.shards.params.len(),
                 variables.len()
             )));
         }
-        for (name, value) in params {
-            let target = variables
-                .get_mut(&name)
-                .ok_or_else(|| Error::InvalidInput(format!("tensor parallel: no parameter `{name}` to gather into")))?;
+        for param in &self.shards.params {
+            let value = self.gather_parameter(&param.tensor.f_detach()?, param.layout)?;
+            let target = variables.get_mut(&param.name).ok_or_else(|| {
+                Error::InvalidInput(format!("tensor parallel: no parameter `{}` to gather into", param.name))
+            })?;
             target.f_copy_(&value)?;
         }
         Ok(full)
@@ -567,6 +946,100 @@ mod tests {
                     for (name, value) in gathered {
                         assert!(value.equal(&original[&name]), "TP={world}: `{name}` differs after the round trip");
                     }
+                }
+            }
+        }
+    }
+
+    /// A loss over token logprobs with fixed per-token weights (the same on every rank).
+    fn weighted_loss(logprobs: &Tensor) -> Tensor {
+        let size = logprobs.size();
+        let weights = Tensor::arange(size[0] * size[1], (Kind::Float, Device::Cpu)).view([size[0], size[1]]);
+        let weights = (weights * 0.37).sin();
+        (logprobs * weights).sum(Kind::Float)
+    }
+
+    #[test]
+    fn gradients_at_tp_2_and_4_equal_tp_1() {
+        let cases = [
+            config("Qwen3ForCausalLM", 8, 4, json!({"head_dim": 16})),
+            // 2 KV heads replicated over 4 ranks; tied embeddings; q/k/v biases.
+            config("Qwen2ForCausalLM", 4, 2, json!({"tie_word_embeddings": true})),
+            config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true})),
+        ];
+        for cfg in cases {
+            tch::manual_seed(21);
+            let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+            randomize_biases_and_norms(&full);
+            let rows: Vec<i64> = (0..3 * 11).map(|i| (i * 53 + 7) % 101).collect();
+            let lengths = [11, 6, 9];
+            let ids = Tensor::from_slice(&rows).view([3, 11]);
+            let expected_lp = full.token_logprobs(&ids, &lengths, 0.8).expect("TP=1 logprobs");
+            weighted_loss(&expected_lp).backward();
+            let expected: std::collections::HashMap<String, Tensor> =
+                full.var_store().variables().into_iter().map(|(name, value)| (name, value.grad().copy())).collect();
+            for world in [2, 4] {
+                let rows = rows.clone();
+                let results = on_shards(&full, world, move |model| {
+                    model.set_trainable(true).expect("trainable");
+                    let ids = Tensor::from_slice(&rows).view([3, 11]);
+                    let (logprobs, tape) = model.train_logprobs(&ids, &lengths, 0.8).expect("TP logprobs");
+                    weighted_loss(&logprobs).backward();
+                    model.backward(tape).expect("TP backward");
+                    model.reduce_replicated_gradients().expect("replicated KV gradients");
+                    let grads: Vec<(String, Tensor)> = model
+                        .parameters()
+                        .into_iter()
+                        .map(|(name, value, layout)| {
+                            (name, model.gather_parameter(&value.grad(), layout).expect("gathered gradient"))
+                        })
+                        .collect();
+                    (logprobs.detach(), grads)
+                });
+                for (logprobs, grads) in results {
+                    let diff = (logprobs - &expected_lp.detach()).abs().max().double_value(&[]);
+                    assert!(diff <= 1e-5, "TP={world}: logprobs with gradients differ by {diff:e}");
+                    assert_eq!(grads.len(), expected.len());
+                    for (name, grad) in grads {
+                        let reference = &expected[&name];
+                        let scale = reference.abs().max().double_value(&[]).max(1.0);
+                        let diff = (grad - reference).abs().max().double_value(&[]);
+                        assert!(diff <= 1e-5 * scale, "TP={world}: gradient of `{name}` differs by {diff:e}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cached_decoding_at_tp_2_equals_tp_1() {
+        let cfg = config("Qwen2ForCausalLM", 4, 2, json!({"attention_bias": true}));
+        tch::manual_seed(8);
+        let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+        randomize_biases_and_norms(&full);
+        // Two prompts prefilled in slots 2 and 0, then three decode steps of both together.
+        let run = |forward: &mut dyn FnMut(&Tensor, &[usize]) -> Tensor| -> Vec<Tensor> {
+            let mut out = vec![
+                forward(&Tensor::from_slice(&[5i64, 9, 33, 71, 2]).view([1, 5]), &[2]),
+                forward(&Tensor::from_slice(&[40i64, 41, 100]).view([1, 3]), &[0]),
+            ];
+            for step in 0..3i64 {
+                out.push(forward(&Tensor::from_slice(&[step + 10, step + 60]).view([2, 1]), &[0, 2]));
+            }
+            out
+        };
+        let mut cache = SlotCache::new(full.config(), 3, 16, Kind::Float, Device::Cpu).expect("a cache");
+        let expected = run(&mut |ids, slots| full.forward_slots(ids, &mut cache, slots).expect("TP=1 forward"));
+        for world in [2, 4] {
+            let results = on_shards(&full, world, move |model| {
+                let mut cache = model.slot_cache(3, 16).expect("a rank's cache");
+                run(&mut |ids, slots| model.forward_slots(ids, &mut cache, slots).expect("TP forward"))
+            });
+            for logits in results {
+                for (got, want) in logits.iter().zip(&expected) {
+                    assert_eq!(got.size(), want.size());
+                    let diff = (got - want).abs().max().double_value(&[]);
+                    assert!(diff <= 1e-5, "TP={world}: cached logits differ by {diff:e}");
                 }
             }
         }

@@ -1,0 +1,161 @@
+//! What the scheduler runs its forward passes on: one model with its slot cache, or a
+//! tensor-parallel group of ranks, each with its slices of the model and a cache of its KV
+//! heads, driven in lockstep ([`keel_collective::RankGroup`]). The scheduler is the same
+//! for both: it sees slots, their lengths, and full logits.
+
+use std::path::{Path, PathBuf};
+
+use keel_collective::{RankGroup, SharedComm};
+use keel_model::model::tp::TpCausalLm;
+use keel_model::{CausalLm, Error, ModelConfig, Result, SlotCache};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug)]
+pub enum Backend {
+    Whole { model: CausalLm, cache: SlotCache },
+    Sharded(Sharded),
+}
+
+/// The ranks of a tensor-parallel model and the slot lengths their caches share.
+#[derive(Debug)]
+pub struct Sharded {
+    group: RankGroup<(TpCausalLm<SharedComm>, SlotCache)>,
+    config: ModelConfig,
+    lens: Vec<i64>,
+    capacity: i64,
+}
+
+/// Rank 0's value, or the first error any rank reported.
+fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
+    let mut answer = None;
+    for result in results {
+        let value = result.map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))??;
+        answer.get_or_insert(value);
+    }
+    answer.ok_or_else(|| Error::InvalidInput("the rank group is empty".into()))
+}
+
+impl Backend {
+    /// One model with a cache of `slots` sequences of up to `capacity` tokens.
+    pub fn whole(model: CausalLm, slots: usize, capacity: i64) -> Result<Self> {
+        let cache = SlotCache::new(model.config(), slots, capacity, model.kind(), model.device())?;
+        Ok(Self::Whole { model, cache })
+    }
+
+    /// `dir` split over `world` ranks on `device` (rank r on `cuda:N+r` for CUDA), each
+    /// loading only its slices and holding a cache of its KV heads.
+    pub fn sharded(dir: &Path, world: usize, device: Device, kind: Kind, slots: usize, capacity: i64) -> Result<Self> {
+        let comms = keel_collective::new_group(world, device)
+            .map_err(|e| Error::InvalidInput(format!("tensor parallelism: {e}")))?;
+        let dir = dir.to_path_buf();
+        let group = RankGroup::spawn("keel-generator", comms, move |rank, comm: SharedComm| {
+            let device = match device {
+                Device::Cuda(first) => Device::Cuda(first + rank),
+                other => other,
+            };
+            let model = TpCausalLm::load(&dir, comm, device, kind)?;
+            let cache = model.slot_cache(slots, capacity)?;
+            Ok::<_, Error>((model, cache))
+        })?;
+        let config = first(group.run_all((), |(model, _), ()| Ok(model.config().clone())))?;
+        Ok(Self::Sharded(Sharded { group, config, lens: vec![0; slots], capacity }))
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Self::Whole { model, .. } => model.config(),
+            Self::Sharded(s) => &s.config,
+        }
+    }
+
+    pub fn tensor_parallel_size(&self) -> usize {
+        match self {
+            Self::Whole { .. } => 1,
+            Self::Sharded(s) => s.group.world_size(),
+        }
+    }
+
+    pub fn slots(&self) -> usize {
+        match self {
+            Self::Whole { cache, .. } => cache.slots(),
+            Self::Sharded(s) => s.lens.len(),
+        }
+    }
+
+    pub fn capacity(&self) -> i64 {
+        match self {
+            Self::Whole { cache, .. } => cache.capacity(),
+            Self::Sharded(s) => s.capacity,
+        }
+    }
+
+    /// Tokens held by `slot`.
+    pub fn len(&self, slot: usize) -> i64 {
+        match self {
+            Self::Whole { cache, .. } => cache.len(slot),
+            Self::Sharded(s) => s.lens[slot],
+        }
+    }
+
+    /// Logits [B, S, vocab] for `ids` [B, S] continuing `slots` (see
+    /// [`CausalLm::forward_slots`]); each slot grows by S.
+    pub fn forward(&mut self, ids: &Tensor, slots: &[usize]) -> Result<Tensor> {
+        match self {
+            Self::Whole { model, cache } => model.forward_slots(ids, cache, slots),
+            Self::Sharded(s) => {
+                let shape = ids.size();
+                let new_tokens = shape.get(1).copied().unwrap_or(0);
+                let values = Vec::<i64>::try_from(ids.f_flatten(0, -1)?)?;
+                let input = (values, shape, slots.to_vec());
+                let logits = first(s.group.run_all(input, |(model, cache), (values, shape, slots)| {
+                    let ids = Tensor::from_slice(&values).f_view(shape.as_slice())?;
+                    let logits = model.forward_slots(&ids, cache, &slots)?;
+                    // Every rank has the same logits; only rank 0's travel back.
+                    Ok((model.rank() == 0).then_some(logits))
+                }))?;
+                for &slot in slots {
+                    s.lens[slot] += new_tokens;
+                }
+                logits.ok_or_else(|| Error::InvalidInput("rank 0 returned no logits".into()))
+            }
+        }
+    }
+
+    /// Empties `slot`.
+    pub fn reset(&mut self, slot: usize) -> Result<()> {
+        match self {
+            Self::Whole { cache, .. } => cache.reset(slot),
+            Self::Sharded(s) => {
+                first(s.group.run_all(slot, |(_, cache), slot| {
+                    cache.reset(slot);
+                    Ok(())
+                }))?;
+                s.lens[slot] = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `to` hold a copy of `from`'s tokens.
+    pub fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        match self {
+            Self::Whole { cache, .. } => cache.copy_slot(from, to),
+            Self::Sharded(s) => {
+                first(s.group.run_all((from, to), |(_, cache), (from, to)| cache.copy_slot(from, to)))?;
+                s.lens[to] = s.lens[from];
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies the weights in `dir` over the model's (every rank its slices).
+    pub fn reload_weights(&mut self, dir: &Path) -> Result<()> {
+        match self {
+            Self::Whole { model, .. } => model.reload_weights(dir),
+            Self::Sharded(s) => {
+                let dir: PathBuf = dir.to_path_buf();
+                first(s.group.run_all(dir, |(model, _), dir| model.reload_weights(&dir)))
+            }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! [`Trainer`]: what the worker drives. With `tensor_parallel_size` 1 it is one [`Engine`];
+//! with N it is N engines, one per rank thread of a [`RankGroup`], each holding its slices
+//! of the models and optimiser, and every call runs on all of them at once (the ranks meet
+//! in their collectives). Rank 0's answer is returned; any rank's error fails the call.
+
+use std::path::PathBuf;
+
+use keel_collective::{RankGroup, SharedComm};
+use keel_protocol::trainer::{LoadRequest, Scorer, TrainBatch};
+use keel_protocol::training::TrainingConfig;
+use tch::Device;
+
+use crate::batch::Batch;
+use crate::engine::{Engine, Trained};
+use crate::error::{Error, Result};
+
+/// The most tensor-parallel ranks a trainer runs.
+pub const MAX_TENSOR_PARALLEL: usize = 64;
+
+#[derive(Debug)]
+pub enum Trainer {
+    One(Box<Engine>),
+    Ranks(Ranks),
+}
+
+#[derive(Debug)]
+pub struct Ranks {
+    group: RankGroup<Engine>,
+    config: TrainingConfig,
+    parameters: i64,
+    step: u64,
+    has_reference: bool,
+}
+
+/// The communicators of `world` ranks on `device`: threads over shared memory on the CPU,
+/// NCCL on CUDA.
+pub fn communicators(world: usize, device: Device) -> Result<Vec<SharedComm>> {
+    keel_collective::new_group(world, device).map_err(|e| Error::InvalidConfig(format!("tensor parallelism: {e}")))
+}
+
+/// Rank 0's value, or the first error any rank reported.
+fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
+    let mut answer = None;
+    for result in results {
+        let value = result.map_err(|e| Error::Internal(format!("tensor parallel: {e}")))??;
+        answer.get_or_insert(value);
+    }
+    answer.ok_or_else(|| Error::Internal("the rank group is empty".into()))
+}
+
+impl Trainer {
+    /// Loads the models for `request`, split over `request.tensor_parallel_size` ranks.
+    pub fn load(request: &LoadRequest, default_device: &str) -> Result<Self> {
+        let world = request.tensor_parallel_size;
+        if !(1..=MAX_TENSOR_PARALLEL).contains(&world) {
+            return Err(Error::InvalidConfig(format!(
+                "tensor_parallel_size must be 1 to {MAX_TENSOR_PARALLEL}, got {world}"
+            )));
+        }
+        if world == 1 {
+            return Ok(Self::One(Box::new(Engine::load(request, default_device)?)));
+        }
+        let device_name = request.device.as_deref().unwrap_or(default_device);
+        let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+        let comms = communicators(world, device)?;
+        let (request, default_device) = (request.clone(), default_device.to_string());
+        let group = RankGroup::spawn("keel-trainer", comms, move |_, comm| {
+            Engine::load_rank(&request, &default_device, Some(comm))
+        })?;
+        let summary = first(group.run_all((), |engine, ()| {
+            Ok((engine.parameters(), engine.step(), engine.has_reference(), engine.config().clone()))
+        }))?;
+        let (parameters, step, has_reference, config) = summary;
+        Ok(Self::Ranks(Ranks { group, config, parameters, step, has_reference }))
+    }
+
+    pub fn tensor_parallel_size(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Ranks(ranks) => ranks.group.world_size(),
+        }
+    }
+
+    pub fn parameters(&self) -> i64 {
+        match self {
+            Self::One(engine) => engine.parameters(),
+            Self::Ranks(ranks) => ranks.parameters,
+        }
+    }
+
+    pub fn step(&self) -> u64 {
+        match self {
+            Self::One(engine) => engine.step(),
+            Self::Ranks(ranks) => ranks.step,
+        }
+    }
+
+    pub fn has_reference(&self) -> bool {
+        match self {
+            Self::One(engine) => engine.has_reference(),
+            Self::Ranks(ranks) => ranks.has_reference,
+        }
+    }
+
+    pub fn has_value_head(&self) -> bool {
+        match self {
+            Self::One(engine) => engine.has_value_head(),
+            Self::Ranks(_) => false,
+        }
+    }
+
+    pub fn config(&self) -> &TrainingConfig {
+        match self {
+            Self::One(engine) => engine.config(),
+            Self::Ranks(ranks) => &ranks.config,
+        }
+    }
+
+    /// Per-token logprobs of `sequences` under the policy or the reference.
+    pub fn logprobs(&mut self, scorer: Scorer, sequences: Vec<Vec<i64>>, temperature: f64) -> Result<Vec<Vec<f32>>> {
+        match self {
+            Self::One(engine) => engine.logprobs(scorer, &sequences, temperature),
+            Self::Ranks(ranks) => first(
+                ranks
+                    .group
+                    .run_all(sequences, move |engine, sequences| engine.logprobs(scorer, &sequences, temperature)),
+            ),
+        }
+    }
+
+    /// Reward-model scores (one engine only: value heads are refused at load under TP).
+    pub fn scores(&self, sequences: &[Vec<i64>]) -> Result<Vec<f32>> {
+        match self {
+            Self::One(engine) => engine.scores(sequences),
+            Self::Ranks(_) => {
+                Err(Error::InvalidRequest("this model has no value head (tensor-parallel training has none)".into()))
+            }
+        }
+    }
+
+    /// Trains on the wire batch `batch` (each rank builds its own tensors from it).
+    pub fn train(&mut self, batch: TrainBatch, temperature: f64) -> Result<Trained> {
+        match self {
+            Self::One(engine) => {
+                let batch = Batch::new(&batch, &engine.config().loss)?;
+                engine.train(batch, temperature)
+            }
+            Self::Ranks(ranks) => {
+                let trained = first(ranks.group.run_all(batch, move |engine, batch| {
+                    let batch = Batch::new(&batch, &engine.config().loss)?;
+                    let trained = engine.train(batch, temperature)?;
+                    Ok((trained, engine.step()))
+                }));
+                // A failed call may still have stepped; read the step back either way.
+                ranks.step = first(ranks.group.run_all((), |engine, ()| Ok(engine.step())))?;
+                Ok(trained?.0)
+            }
+        }
+    }
+
+    /// Writes a checkpoint at `path`; returns the optimiser step and the files written.
+    pub fn save(&mut self, path: PathBuf, info: serde_json::Value) -> Result<(u64, Vec<String>)> {
+        match self {
+            Self::One(engine) => Ok((engine.step(), engine.save(&path, info)?)),
+            Self::Ranks(ranks) => {
+                let files = first(ranks.group.run_all((path, info), |engine, (path, info)| engine.save(&path, info)))?;
+                Ok((ranks.step, files))
+            }
+        }
+    }
+
+    /// The one engine of a trainer without tensor parallelism.
+    pub fn engine(&self) -> Option<&Engine> {
+        match self {
+            Self::One(engine) => Some(engine),
+            Self::Ranks(_) => None,
+        }
+    }
+
+    /// Runs `f` on every rank's engine (or the one engine) and returns rank 0's result:
+    /// for tests and diagnostics that need an engine method under tensor parallelism.
+    pub fn on_every_rank<T: Send + 'static>(
+        &mut self,
+        f: impl Fn(&mut Engine) -> Result<T> + Send + Clone + 'static,
+    ) -> Result<T> {
+        match self {
+            Self::One(engine) => f(engine),
+            Self::Ranks(ranks) => first(ranks.group.run_all((), move |engine, ()| f(engine))),
+        }
+    }
+}

@@ -1,0 +1,506 @@
+//! The NCCL backend: one communicator per GPU, operating in place on CUDA tensors on the
+//! device's legacy default stream (the one libtorch's kernels run on), so collectives are
+//! ordered with the surrounding tensor work without extra synchronisation.
+//!
+//! Two ways to build a group:
+//! - [`NcclGroup::new`]: every GPU in this process (`ncclCommInitAll`), one rank per thread;
+//! - [`NcclCollective::join`]: one rank of a group spread over processes or machines. Rank 0
+//!   makes a [`UniqueId`]; the others receive it ([`crate::bootstrap`] carries it over
+//!   NATS) and every rank joins with it.
+//!
+//! Both libraries are loaded when first needed, never linked: the CUDA driver through
+//! cudarc (dynamic loading) and NCCL with libloading, by the names NVIDIA's packages and
+//! libtorch's wheel install (`libnccl.so.2`; cudarc 0.19's loader looks only for
+//! `libnccl.so` and CUDA-versioned names). A machine without either gets an error naming
+//! what is missing, never a panic.
+
+// NCCL is a C library: the calls below pass raw device pointers and handles. Each unsafe
+// block states what it relies on.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::{Arc, OnceLock};
+
+use tch::{Device, Kind, Tensor};
+
+use crate::{Collective, Error, ReduceOp, Result};
+
+/// The 128-byte id every rank of a multi-process group joins with.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    internal: [c_char; 128],
+}
+
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UniqueId(..)")
+    }
+}
+
+impl UniqueId {
+    /// A new id (rank 0 makes it and shares it).
+    pub fn new() -> Result<Self> {
+        let api = api()?;
+        let mut id = UniqueId { internal: [0; 128] };
+        // SAFETY: ncclGetUniqueId writes one ncclUniqueId (128 bytes, this layout) to `id`.
+        check(api, unsafe { (api.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
+        Ok(id)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.internal.iter().map(|&c| c as u8).collect()
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != 128 {
+            return Err(Error::Invalid(format!("an NCCL unique id has 128 bytes, got {}", bytes.len())));
+        }
+        let mut id = UniqueId { internal: [0; 128] };
+        for (to, &from) in id.internal.iter_mut().zip(bytes) {
+            *to = from as c_char;
+        }
+        Ok(id)
+    }
+}
+
+type Comm = *mut c_void;
+type Stream = *mut c_void;
+type Status = c_int;
+
+/// The NCCL functions Keel calls.
+struct Api {
+    _library: libloading::Library,
+    get_version: unsafe extern "C" fn(*mut c_int) -> Status,
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Status,
+    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Status,
+    comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
+    comm_destroy: unsafe extern "C" fn(Comm) -> Status,
+    comm_abort: unsafe extern "C" fn(Comm) -> Status,
+    error_string: unsafe extern "C" fn(Status) -> *const c_char,
+    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
+    all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, Stream) -> Status,
+    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
+    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
+}
+
+const LIBRARY_NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
+
+/// The function `name` of `library`, as the type the caller names.
+///
+/// # Safety
+/// `T` must be the C signature of the exported function.
+unsafe fn symbol<T: Copy>(library: &libloading::Library, name: &str) -> std::result::Result<T, String> {
+    // SAFETY: the caller names the function's true signature.
+    unsafe { library.get::<T>(name.as_bytes()).map(|s| *s).map_err(|e| format!("{name}: {e}")) }
+}
+
+fn load() -> std::result::Result<Api, String> {
+    let mut tried = Vec::new();
+    for name in LIBRARY_NAMES {
+        // SAFETY: loading NCCL runs its initialisers, which have no preconditions.
+        match unsafe { libloading::Library::new(name) } {
+            // SAFETY: each symbol is NCCL's public C function with the signature declared in
+            // `Api` (nccl.h, NCCL 2.x); the library stays loaded inside `Api`.
+            Ok(library) => unsafe {
+                return Ok(Api {
+                    get_version: symbol(&library, "ncclGetVersion")?,
+                    get_unique_id: symbol(&library, "ncclGetUniqueId")?,
+                    comm_init_rank: symbol(&library, "ncclCommInitRank")?,
+                    comm_init_all: symbol(&library, "ncclCommInitAll")?,
+                    comm_destroy: symbol(&library, "ncclCommDestroy")?,
+                    comm_abort: symbol(&library, "ncclCommAbort")?,
+                    error_string: symbol(&library, "ncclGetErrorString")?,
+                    all_reduce: symbol(&library, "ncclAllReduce")?,
+                    all_gather: symbol(&library, "ncclAllGather")?,
+                    reduce_scatter: symbol(&library, "ncclReduceScatter")?,
+                    broadcast: symbol(&library, "ncclBroadcast")?,
+                    _library: library,
+                });
+            },
+            Err(e) => tried.push(format!("{name}: {e}")),
+        }
+    }
+    Err(format!(
+        "NCCL is not available ({}); install NVIDIA's NCCL or put torch's nvidia/nccl/lib on LD_LIBRARY_PATH",
+        tried.join("; ")
+    ))
+}
+
+fn api() -> Result<&'static Api> {
+    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
+    API.get_or_init(load).as_ref().map_err(|e| Error::Invalid(e.clone()))
+}
+
+fn check(api: &Api, status: Status, call: &str) -> Result<()> {
+    if status == 0 {
+        return Ok(());
+    }
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
+    let text = unsafe { CStr::from_ptr((api.error_string)(status)) }.to_string_lossy().into_owned();
+    Err(Error::Invalid(format!("{call} failed: {text} (NCCL error {status})")))
+}
+
+/// The version of the NCCL library found (e.g. 22809 for 2.28.9).
+pub fn version() -> Result<i32> {
+    let api = api()?;
+    let mut version = 0;
+    // SAFETY: ncclGetVersion writes one int.
+    check(api, unsafe { (api.get_version)(&mut version) }, "ncclGetVersion")?;
+    Ok(version)
+}
+
+/// The CUDA context of GPU `ordinal`, made current on the calling thread (NCCL and the
+/// default stream refer to the current device).
+fn bind(ordinal: usize) -> Result<Arc<cudarc::driver::CudaContext>> {
+    // SAFETY: only probes whether libcuda can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::Invalid("the CUDA driver (libcuda.so) is not available on this machine".into()));
+    }
+    let context =
+        cudarc::driver::CudaContext::new(ordinal).map_err(|e| Error::Invalid(format!("CUDA device {ordinal}: {e}")))?;
+    context.bind_to_thread().map_err(|e| Error::Invalid(format!("CUDA device {ordinal}: {e}")))?;
+    Ok(context)
+}
+
+fn data_type(kind: Kind) -> Result<c_int> {
+    Ok(match kind {
+        Kind::Int8 => 0,
+        Kind::Uint8 | Kind::Bool => 1,
+        Kind::Int => 2,
+        Kind::Int64 => 4,
+        Kind::Half => 6,
+        Kind::Float => 7,
+        Kind::Double => 8,
+        Kind::BFloat16 => 9,
+        other => return Err(Error::Invalid(format!("NCCL cannot reduce {other:?} tensors"))),
+    })
+}
+
+fn reduce_op(op: ReduceOp) -> c_int {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Max => 2,
+    }
+}
+
+/// Makes the communicators of every GPU of one process.
+#[derive(Debug)]
+pub struct NcclGroup;
+
+impl NcclGroup {
+    /// One communicator per GPU ordinal in `devices` (rank r on `devices[r]`), to be moved
+    /// to one thread each.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(devices: &[usize]) -> Result<Vec<NcclCollective>> {
+        if devices.is_empty() {
+            return Err(Error::Invalid("a group needs at least one rank".into()));
+        }
+        let contexts = devices.iter().map(|&d| bind(d)).collect::<Result<Vec<_>>>()?;
+        let api = api()?;
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
+        let list: Vec<c_int> = devices.iter().map(|&d| d as c_int).collect();
+        // SAFETY: `comms` has room for one handle per device in `list`.
+        let status = unsafe { (api.comm_init_all)(comms.as_mut_ptr(), list.len() as c_int, list.as_ptr()) };
+        check(api, status, "ncclCommInitAll")?;
+        Ok(comms
+            .into_iter()
+            .zip(contexts)
+            .enumerate()
+            .map(|(rank, (comm, context))| NcclCollective {
+                rank,
+                world_size: devices.len(),
+                ordinal: devices[rank],
+                comm,
+                context,
+            })
+            .collect())
+    }
+}
+
+/// One rank's NCCL communicator.
+pub struct NcclCollective {
+    rank: usize,
+    world_size: usize,
+    ordinal: usize,
+    comm: Comm,
+    context: Arc<cudarc::driver::CudaContext>,
+}
+
+impl std::fmt::Debug for NcclCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclCollective")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("device", &self.ordinal)
+            .finish()
+    }
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one operation at a time; every
+// operation here takes it through `&self` from the one thread that owns the rank (the
+// trait's contract: one caller per rank, operations in order).
+unsafe impl Send for NcclCollective {}
+// SAFETY: as above; sharing is between a rank's models on that rank's thread.
+unsafe impl Sync for NcclCollective {}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        if let Ok(api) = api() {
+            // SAFETY: the handle came from NCCL and is destroyed once.
+            unsafe { (api.comm_destroy)(self.comm) };
+        }
+    }
+}
+
+impl NcclCollective {
+    /// Joins rank `rank` of a `world_size`-rank group with the id rank 0 made, on GPU
+    /// `ordinal`. Every rank must call it; it returns once all have.
+    pub fn join(id: UniqueId, rank: usize, world_size: usize, ordinal: usize) -> Result<Self> {
+        if rank >= world_size {
+            return Err(Error::Invalid(format!("rank {rank} of a group of {world_size}")));
+        }
+        let context = bind(ordinal)?;
+        let api = api()?;
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: `comm` receives one handle; the id is passed by value as NCCL expects.
+        let status = unsafe { (api.comm_init_rank)(&mut comm, world_size as c_int, id, rank as c_int) };
+        check(api, status, "ncclCommInitRank")?;
+        Ok(Self { rank, world_size, ordinal, comm, context })
+    }
+
+    /// Joins a multi-process group: rank 0 makes the unique id and shares it over NATS
+    /// on `subject` ([`crate::bootstrap::share_id`]), then every rank joins on GPU `ordinal`.
+    pub async fn join_over_nats(
+        client: &async_nats::Client,
+        subject: &str,
+        rank: usize,
+        world_size: usize,
+        ordinal: usize,
+        timeout: std::time::Duration,
+    ) -> Result<Self> {
+        let make = || UniqueId::new().map(|id| id.to_bytes());
+        let bytes = crate::bootstrap::share_id(client, subject, rank, world_size, make, timeout).await?;
+        let id = UniqueId::from_bytes(&bytes)?;
+        tokio::task::spawn_blocking(move || Self::join(id, rank, world_size, ordinal))
+            .await
+            .map_err(|e| Error::Invalid(format!("rank {rank}: joining the NCCL group: {e}")))?
+    }
+
+    /// Aborts the communicator (pending operations of every rank fail instead of hanging).
+    pub fn abort(self) {
+        if let Ok(api) = api() {
+            // SAFETY: the handle came from NCCL; `self` is forgotten so it is not destroyed again.
+            unsafe { (api.comm_abort)(self.comm) };
+        }
+        std::mem::forget(self);
+    }
+
+    /// Checks that `tensor` is contiguous on this rank's GPU.
+    fn check_tensor(&self, tensor: &Tensor, operation: &str) -> Result<c_int> {
+        if tensor.device() != Device::Cuda(self.ordinal) {
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                message: format!("{operation}: tensor on {:?}, this rank is on cuda:{}", tensor.device(), self.ordinal),
+            });
+        }
+        if !tensor.is_contiguous() {
+            return Err(Error::Mismatch { rank: self.rank, message: format!("{operation}: tensor is not contiguous") });
+        }
+        data_type(tensor.kind())
+    }
+
+    fn ready(&self) -> Result<&'static Api> {
+        self.context.bind_to_thread().map_err(|e| Error::Invalid(format!("cuda:{}: {e}", self.ordinal)))?;
+        api()
+    }
+
+    fn torch_error(&self, e: tch::TchError) -> Error {
+        Error::Mismatch { rank: self.rank, message: e.to_string() }
+    }
+
+    /// All-gathers equal-size contiguous `tensor`s into a new [world, ...] tensor.
+    fn gather_equal(&self, tensor: &Tensor) -> Result<Tensor> {
+        let dtype = self.check_tensor(tensor, "all_gather")?;
+        let api = self.ready()?;
+        let mut shape = vec![self.world_size as i64];
+        shape.extend(tensor.size());
+        let out =
+            Tensor::f_empty(shape.as_slice(), (tensor.kind(), tensor.device())).map_err(|e| self.torch_error(e))?;
+        // SAFETY: both buffers are contiguous on this rank's GPU; `out` holds world × numel
+        // elements of the same dtype; the null stream is the device's default stream.
+        let status = unsafe {
+            (api.all_gather)(tensor.data_ptr(), out.data_ptr(), tensor.numel(), dtype, self.comm, std::ptr::null_mut())
+        };
+        check(api, status, "ncclAllGather")?;
+        Ok(out)
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let contiguous = tensor.is_contiguous();
+        let buffer = if contiguous { tensor.shallow_clone() } else { tensor.contiguous() };
+        let dtype = self.check_tensor(&buffer, "all_reduce")?;
+        let api = self.ready()?;
+        let ptr = buffer.data_ptr();
+        // SAFETY: in-place all-reduce of `numel` elements of a contiguous buffer on this GPU.
+        let status = unsafe {
+            (api.all_reduce)(ptr, ptr, buffer.numel(), dtype, reduce_op(op), self.comm, std::ptr::null_mut())
+        };
+        check(api, status, "ncclAllReduce")?;
+        if !contiguous {
+            tensor.f_copy_(&buffer).map_err(|e| self.torch_error(e))?;
+        }
+        Ok(())
+    }
+
+    fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
+        let dims = tensor.dim() as i64;
+        if dim < 0 || dim >= dims {
+            return Err(Error::Invalid(format!("all_gather along dimension {dim} of a {dims}-d tensor")));
+        }
+        // NCCL gathers equal sizes: pad along `dim` to the largest rank's size, then cut.
+        let size = Tensor::from_slice(&[tensor.size()[dim as usize]]).to_device(tensor.device());
+        let sizes = Vec::<i64>::try_from(self.gather_equal(&size)?.flatten(0, -1).to_device(Device::Cpu))
+            .map_err(|e| self.torch_error(e))?;
+        let largest = sizes.iter().copied().max().unwrap_or(0);
+        let own = tensor.size()[dim as usize];
+        let moved = tensor.f_movedim(dim, 0).map_err(|e| self.torch_error(e))?;
+        let padded = if own < largest {
+            let mut pad = vec![0i64; 2 * (dims as usize)];
+            let last = pad.len() - 1;
+            pad[last] = largest - own;
+            moved.f_constant_pad_nd(pad.as_slice()).map_err(|e| self.torch_error(e))?
+        } else {
+            moved
+        };
+        let gathered = self.gather_equal(&padded.contiguous())?;
+        let parts = sizes
+            .iter()
+            .enumerate()
+            .map(|(rank, &n)| gathered.f_select(0, rank as i64)?.f_narrow(0, 0, n))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| self.torch_error(e))?;
+        Tensor::f_cat(&parts, 0).and_then(|t| t.f_movedim(0, dim)).map_err(|e| self.torch_error(e))
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
+        let dims = tensor.dim() as i64;
+        if dim < 0 || dim >= dims {
+            return Err(Error::Invalid(format!("reduce_scatter along dimension {dim} of a {dims}-d tensor")));
+        }
+        let world = self.world_size as i64;
+        let length = tensor.size()[dim as usize];
+        if length % world != 0 {
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                message: format!("reduce_scatter: size {length} does not split into {world} chunks"),
+            });
+        }
+        let input = tensor.f_movedim(dim, 0).map_err(|e| self.torch_error(e))?.contiguous();
+        let dtype = self.check_tensor(&input, "reduce_scatter")?;
+        let mut shape = input.size();
+        shape[0] /= world;
+        let out = Tensor::f_empty(shape.as_slice(), (input.kind(), input.device())).map_err(|e| self.torch_error(e))?;
+        let api = self.ready()?;
+        // SAFETY: `input` holds world × out.numel() contiguous elements, `out` out.numel(),
+        // both on this GPU with the same dtype.
+        let status = unsafe {
+            (api.reduce_scatter)(
+                input.data_ptr(),
+                out.data_ptr(),
+                out.numel(),
+                dtype,
+                reduce_op(op),
+                self.comm,
+                std::ptr::null_mut(),
+            )
+        };
+        check(api, status, "ncclReduceScatter")?;
+        out.f_movedim(0, dim).map_err(|e| self.torch_error(e))
+    }
+
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        if root >= self.world_size {
+            return Err(Error::Invalid(format!("broadcast from rank {root} in a group of {}", self.world_size)));
+        }
+        let contiguous = tensor.is_contiguous();
+        let buffer = if contiguous { tensor.shallow_clone() } else { tensor.contiguous() };
+        let dtype = self.check_tensor(&buffer, "broadcast")?;
+        let api = self.ready()?;
+        let ptr = buffer.data_ptr();
+        // SAFETY: in-place broadcast of a contiguous buffer on this GPU.
+        let status =
+            unsafe { (api.broadcast)(ptr, ptr, buffer.numel(), dtype, root as c_int, self.comm, std::ptr::null_mut()) };
+        check(api, status, "ncclBroadcast")?;
+        if !contiguous {
+            tensor.f_copy_(&buffer).map_err(|e| self.torch_error(e))?;
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let mut token =
+            Tensor::f_zeros([1], (Kind::Float, Device::Cuda(self.ordinal))).map_err(|e| self.torch_error(e))?;
+        self.all_reduce(&mut token, ReduceOp::Sum)?;
+        self.context.synchronize().map_err(|e| Error::Invalid(format!("cuda:{}: {e}", self.ordinal)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_ids_round_trip_through_bytes() {
+        let mut bytes = vec![0u8; 128];
+        bytes[0] = 200;
+        bytes[127] = 7;
+        let id = UniqueId::from_bytes(&bytes).expect("128 bytes");
+        assert_eq!(id.to_bytes(), bytes);
+        assert!(UniqueId::from_bytes(&bytes[..100]).is_err());
+    }
+
+    /// Where NCCL is on the library path (scripts/test adds torch's copy), it loads and
+    /// answers; where it is not, the error says so.
+    #[test]
+    fn the_nccl_library_loads_or_is_reported_missing() {
+        match version() {
+            Ok(version) => {
+                assert!(version >= 21800, "NCCL {version} is older than 2.18");
+                match UniqueId::new() {
+                    Ok(id) => assert!(id.to_bytes().iter().any(|&b| b != 0), "an id with content"),
+                    Err(e) => assert!(e.to_string().contains("ncclGetUniqueId"), "{e}"),
+                }
+            }
+            Err(e) => assert!(e.to_string().contains("libnccl.so.2"), "{e}"),
+        }
+    }
+
+    /// Without a GPU the group fails with an error that names what is missing; with one it
+    /// is built (the device check for the CUDA path is in the device tool's run).
+    #[test]
+    fn a_group_without_cuda_is_an_error_not_a_panic() {
+        let has_driver = unsafe { cudarc::driver::sys::is_culib_present() };
+        match NcclGroup::new(&[0]) {
+            Ok(group) => assert!(has_driver && group.len() == 1),
+            Err(e) => {
+                let message = e.to_string();
+                assert!(
+                    message.contains("CUDA") || message.contains("NCCL"),
+                    "the error names CUDA or NCCL: {message}"
+                );
+            }
+        }
+        assert!(NcclGroup::new(&[]).is_err());
+    }
+}
