@@ -159,3 +159,77 @@ impl Backend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_model::{Init, SaveOptions};
+
+    fn random_model(dir: &Path, seed: i64) {
+        let cfg = ModelConfig::from_json(serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 97, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        }))
+        .expect("a config");
+        tch::manual_seed(seed);
+        let model = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.3 }).expect("a model");
+        model.save(dir, SaveOptions::default()).expect("saved");
+    }
+
+    /// Prefill, n-sample copy, decode, reset and refit on two ranks give what one model gives.
+    #[test]
+    fn a_sharded_backend_serves_and_refits_like_a_whole_model() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+        random_model(&first, 1);
+        random_model(&second, 2);
+        let mut sharded = Backend::sharded(&first, 2, Device::Cpu, Kind::Float, 3, 16).expect("two ranks");
+        assert_eq!(sharded.tensor_parallel_size(), 2);
+        let mut run = |backend: &mut Backend| -> Vec<Tensor> {
+            let prompt = Tensor::from_slice(&[3i64, 50, 7, 96]).view([1, 4]);
+            let mut out = vec![backend.forward(&prompt, &[1]).expect("prefill")];
+            backend.copy_slot(1, 2).expect("copied");
+            assert_eq!((backend.len(1), backend.len(2)), (4, 4));
+            out.push(backend.forward(&Tensor::from_slice(&[11i64, 12]).view([2, 1]), &[1, 2]).expect("decode"));
+            backend.reset(2).expect("reset");
+            assert_eq!(backend.len(2), 0);
+            out.push(backend.forward(&Tensor::from_slice(&[40i64, 41]).view([1, 2]), &[2]).expect("reuse"));
+            backend.reset(1).expect("reset");
+            backend.reset(2).expect("reset");
+            out
+        };
+        let before = run(&mut sharded);
+        sharded.reload_weights(&second).expect("refit");
+        let after = run(&mut sharded);
+        for (dir, got) in [(&first, before), (&second, after)] {
+            let model = CausalLm::load(dir, Device::Cpu, Kind::Float).expect("loaded");
+            let want = run(&mut Backend::whole(model, 3, 16).expect("a backend"));
+            for (g, w) in got.iter().zip(&want) {
+                let diff = (g - w).abs().max().double_value(&[]);
+                assert!(diff <= 1e-5, "{}: TP=2 logits differ from TP=1 by {diff:e}", dir.display());
+            }
+        }
+        // Weights of another shape are refused and the old ones keep serving.
+        let other = dir.path().join("other");
+        let cfg = ModelConfig::from_json(serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 97, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        }))
+        .expect("a config");
+        CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Zeros)
+            .expect("a model")
+            .save(&other, SaveOptions::default())
+            .expect("saved");
+        assert!(sharded.reload_weights(&other).is_err());
+        let again = run(&mut sharded);
+        let diff = (&again[0]
+            - &run(&mut Backend::whole(CausalLm::load(&second, Device::Cpu, Kind::Float).expect("loaded"), 3, 16)
+                .expect("a backend"))[0])
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(diff <= 1e-5, "after a refused refit the previous weights serve: {diff:e}");
+    }
+}

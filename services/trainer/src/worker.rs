@@ -287,16 +287,18 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
             *slot = None;
             let engine = Trainer::load(&request, &device)?;
             let summary = (engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head());
+            let tensor_parallel_size = engine.tensor_parallel_size();
+            info!(parameters = summary.0, step = summary.1, tensor_parallel_size, "models loaded");
             *slot = Some(engine);
-            Ok(summary)
+            Ok((summary, tensor_parallel_size))
         })
         .instrument(span)
         .await;
     // A failed load leaves no models (the old ones were dropped first).
     shared.set_loaded(&run_id, loaded.is_ok());
-    let (parameters, step, has_reference, has_value_head) = loaded?;
+    let ((parameters, step, has_reference, has_value_head), tensor_parallel_size) = loaded?;
     let timing = Timing::from([("load".to_string(), started.elapsed().as_secs_f64())]);
-    Ok(LoadReply { parameters, step, has_reference, has_value_head, timing, memory: memory() })
+    Ok(LoadReply { parameters, step, has_reference, has_value_head, tensor_parallel_size, timing, memory: memory() })
 }
 
 fn loaded(slot: &mut Option<Trainer>) -> Result<&mut Trainer> {

@@ -115,6 +115,9 @@ pub struct LoadReply {
     pub step: u64,
     pub has_reference: bool,
     pub has_value_head: bool,
+    /// Ranks the models are split over.
+    #[serde(default = "default_tensor_parallel_size")]
+    pub tensor_parallel_size: usize,
     pub timing: Timing,
     pub memory: Memory,
 }
