@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use keel_collective::{RankGroup, SharedComm};
+use keel_collective::{RankGroup, SharedComm, rank_zero};
 use keel_model::model::tp::TpCausalLm;
 use keel_model::{CausalLm, Error, ModelConfig, Result, SlotCache};
 use tch::{Device, Kind, Tensor};
@@ -27,12 +27,7 @@ pub struct Sharded {
 
 /// Rank 0's value, or the first error any rank reported.
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
-    let mut answer = None;
-    for result in results {
-        let value = result.map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))??;
-        answer.get_or_insert(value);
-    }
-    answer.ok_or_else(|| Error::InvalidInput("the rank group is empty".into()))
+    rank_zero(results)
 }
 
 impl Backend {
@@ -186,7 +181,7 @@ mod tests {
         random_model(&second, 2);
         let mut sharded = Backend::sharded(&first, 2, Device::Cpu, Kind::Float, 3, 16).expect("two ranks");
         assert_eq!(sharded.tensor_parallel_size(), 2);
-        let mut run = |backend: &mut Backend| -> Vec<Tensor> {
+        let run = |backend: &mut Backend| -> Vec<Tensor> {
             let prompt = Tensor::from_slice(&[3i64, 50, 7, 96]).view([1, 4]);
             let mut out = vec![backend.forward(&prompt, &[1]).expect("prefill")];
             backend.copy_slot(1, 2).expect("copied");

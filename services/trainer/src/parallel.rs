@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use keel_collective::{RankGroup, SharedComm};
+use keel_collective::{RankGroup, SharedComm, rank_zero};
 use keel_protocol::trainer::{LoadRequest, Scorer, TrainBatch};
 use keel_protocol::training::TrainingConfig;
 use tch::Device;
@@ -20,7 +20,7 @@ pub const MAX_TENSOR_PARALLEL: usize = 64;
 #[derive(Debug)]
 pub enum Trainer {
     One(Box<Engine>),
-    Ranks(Ranks),
+    Ranks(Box<Ranks>),
 }
 
 #[derive(Debug)]
@@ -40,12 +40,7 @@ pub fn communicators(world: usize, device: Device) -> Result<Vec<SharedComm>> {
 
 /// Rank 0's value, or the first error any rank reported.
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
-    let mut answer = None;
-    for result in results {
-        let value = result.map_err(|e| Error::Internal(format!("tensor parallel: {e}")))??;
-        answer.get_or_insert(value);
-    }
-    answer.ok_or_else(|| Error::Internal("the rank group is empty".into()))
+    rank_zero(results)
 }
 
 impl Trainer {
@@ -71,7 +66,7 @@ impl Trainer {
             Ok((engine.parameters(), engine.step(), engine.has_reference(), engine.config().clone()))
         }))?;
         let (parameters, step, has_reference, config) = summary;
-        Ok(Self::Ranks(Ranks { group, config, parameters, step, has_reference }))
+        Ok(Self::Ranks(Box::new(Ranks { group, config, parameters, step, has_reference })))
     }
 
     pub fn tensor_parallel_size(&self) -> usize {

@@ -121,6 +121,17 @@ impl<S: 'static> RankGroup<S> {
     }
 }
 
+/// Rank 0's value from the results of [`RankGroup::run`] whose work returns a `Result`, or
+/// the first error any rank reported (a rank's own error, or its having stopped).
+pub fn rank_zero<T, E: From<Error>>(results: Vec<Result<std::result::Result<T, E>>>) -> std::result::Result<T, E> {
+    let mut answer = None;
+    for result in results {
+        let value = result.map_err(E::from)??;
+        answer.get_or_insert(value);
+    }
+    answer.ok_or_else(|| E::from(Error::Invalid("the rank group is empty".into())))
+}
+
 impl<S> Drop for RankGroup<S> {
     fn drop(&mut self) {
         for rank in &mut self.ranks {

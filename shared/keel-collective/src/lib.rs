@@ -20,7 +20,7 @@ pub mod cpu;
 pub mod group;
 pub mod nccl;
 
-pub use group::RankGroup;
+pub use group::{RankGroup, rank_zero};
 
 use tch::Tensor;
 

@@ -181,15 +181,12 @@ impl Mask {
     }
 }
 
+/// The attention mask of each distinct window of a forward pass.
+type Masks = Vec<(Option<i64>, Mask)>;
+
 /// One mask per distinct attention window among `windows` (full layers share one, windowed
 /// layers another) for S = `queries` new tokens per row starting at `offsets`.
-fn masks_for(
-    windows: &[Option<i64>],
-    queries: i64,
-    offsets: &[i64],
-    visible: i64,
-    device: Device,
-) -> Result<Vec<(Option<i64>, Mask)>> {
+fn masks_for(windows: &[Option<i64>], queries: i64, offsets: &[i64], visible: i64, device: Device) -> Result<Masks> {
     let uniform = offsets.windows(2).all(|w| w[0] == w[1]);
     let mut distinct = windows.to_vec();
     distinct.dedup();

@@ -31,7 +31,7 @@ use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Attention, CausalLm, Linear, Mask, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
+    Attention, CausalLm, Linear, Masks, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
     masks_for, padded_ids,
 };
 use crate::cache::{LayerCache, SlotCache, SlotView};
@@ -342,12 +342,7 @@ impl<C: Collective> TpCausalLm<C> {
 
     /// Rotary tables and masks for `ids` [B, S] whose row b starts at `offsets[b]` and sees
     /// `visible` keys.
-    fn positions(
-        &self,
-        ids: &Tensor,
-        offsets: &[i64],
-        visible: i64,
-    ) -> Result<(Tensor, Tensor, Vec<(Option<i64>, Mask)>)> {
+    fn positions(&self, ids: &Tensor, offsets: &[i64], visible: i64) -> Result<(Tensor, Tensor, Masks)> {
         let (b, s) = (ids.size()[0], ids.size()[1]);
         let device = self.device;
         let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
