@@ -53,6 +53,10 @@ stack_build() {
   local torch_lib
   torch_lib=$(.venv/bin/python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
   export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # NCCL for tensor parallelism on GPUs, from torch's CUDA wheel where it has one.
+  if [ -d "$torch_lib/../../nvidia/nccl/lib" ]; then
+    LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(cd "$torch_lib/../../nvidia/nccl/lib" && pwd)"
+  fi
   stack_say "build ($1)"
   if [ "$1" = release ]; then
     cargo build --release --bins
