@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use keel_collective::{RankGroup, SharedComm, rank_zero};
-use keel_model::model::tp::TpCausalLm;
+use keel_model::model::tp::{StagedWeights, TpCausalLm};
 use keel_model::{CausalLm, Error, ModelConfig, Result, SlotCache};
 use tch::{Device, Kind, Tensor};
 
@@ -16,10 +16,13 @@ pub enum Backend {
     Sharded(Sharded),
 }
 
+/// One rank: its slices of the model, its cache, and weights staged for a refit.
+type Rank = (TpCausalLm<SharedComm>, SlotCache, Option<StagedWeights>);
+
 /// The ranks of a tensor-parallel model and the slot lengths their caches share.
 #[derive(Debug)]
 pub struct Sharded {
-    group: RankGroup<(TpCausalLm<SharedComm>, SlotCache)>,
+    group: RankGroup<Rank>,
     config: ModelConfig,
     lens: Vec<i64>,
     capacity: i64,
@@ -40,8 +43,8 @@ impl Backend {
     /// `dir` split over `world` ranks on `device` (rank r on `cuda:N+r` for CUDA), each
     /// loading only its slices and holding a cache of its KV heads.
     pub fn sharded(dir: &Path, world: usize, device: Device, kind: Kind, slots: usize, capacity: i64) -> Result<Self> {
-        let comms = keel_collective::new_group(world, device)
-            .map_err(|e| Error::InvalidInput(format!("tensor parallelism: {e}")))?;
+        let comms =
+            keel_collective::new_group(world, device).map_err(|e| Error::Device(format!("tensor parallelism: {e}")))?;
         let dir = dir.to_path_buf();
         let group = RankGroup::spawn("keel-generator", comms, move |rank, comm: SharedComm| {
             let device = match device {
@@ -50,9 +53,9 @@ impl Backend {
             };
             let model = TpCausalLm::load(&dir, comm, device, kind)?;
             let cache = model.slot_cache(slots, capacity)?;
-            Ok::<_, Error>((model, cache))
+            Ok::<_, Error>((model, cache, None))
         })?;
-        let config = first(group.run_all((), |(model, _), ()| Ok(model.config().clone())))?;
+        let config = first(group.run_all((), |(model, _, _), ()| Ok(model.config().clone())))?;
         Ok(Self::Sharded(Sharded { group, config, lens: vec![0; slots], capacity }))
     }
 
@@ -102,7 +105,7 @@ impl Backend {
                 let new_tokens = shape.get(1).copied().unwrap_or(0);
                 let values = Vec::<i64>::try_from(ids.f_flatten(0, -1)?)?;
                 let input = (values, shape, slots.to_vec());
-                let logits = first(s.group.run_all(input, |(model, cache), (values, shape, slots)| {
+                let logits = first(s.group.run_all(input, |(model, cache, _), (values, shape, slots)| {
                     let ids = Tensor::from_slice(&values).f_view(shape.as_slice())?;
                     let logits = model.forward_slots(&ids, cache, &slots)?;
                     // Every rank has the same logits; only rank 0's travel back.
@@ -121,7 +124,7 @@ impl Backend {
         match self {
             Self::Whole { cache, .. } => cache.reset(slot),
             Self::Sharded(s) => {
-                first(s.group.run_all(slot, |(_, cache), slot| {
+                first(s.group.run_all(slot, |(_, cache, _), slot| {
                     cache.reset(slot);
                     Ok(())
                 }))?;
@@ -136,20 +139,31 @@ impl Backend {
         match self {
             Self::Whole { cache, .. } => cache.copy_slot(from, to),
             Self::Sharded(s) => {
-                first(s.group.run_all((from, to), |(_, cache), (from, to)| cache.copy_slot(from, to)))?;
+                first(s.group.run_all((from, to), |(_, cache, _), (from, to)| cache.copy_slot(from, to)))?;
                 s.lens[to] = s.lens[from];
                 Ok(())
             }
         }
     }
 
-    /// Copies the weights in `dir` over the model's (every rank its slices).
+    /// Copies the weights in `dir` over the model's. Ranks first read and check their
+    /// slices; only when every rank has them does any rank swap, so a refit that fails on
+    /// one rank leaves all ranks on the old weights.
     pub fn reload_weights(&mut self, dir: &Path) -> Result<()> {
         match self {
             Self::Whole { model, .. } => model.reload_weights(dir),
             Self::Sharded(s) => {
                 let dir: PathBuf = dir.to_path_buf();
-                first(s.group.run_all(dir, |(model, _), dir| model.reload_weights(&dir)))
+                let staged = first(s.group.run_all(dir, |(model, _, staged), dir| {
+                    *staged = Some(model.stage_weights(&dir)?);
+                    Ok(())
+                }));
+                let commit = staged.is_ok();
+                let committed = first(s.group.run_all(commit, |(model, _, staged), commit| match staged.take() {
+                    Some(weights) if commit => model.commit_weights(weights),
+                    _ => Ok(()),
+                }));
+                staged.and(committed)
             }
         }
     }

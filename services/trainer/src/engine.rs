@@ -433,10 +433,16 @@ impl Engine {
             info,
         };
         let (tensors, _) = self.optimizer.state();
+        // Under TP every rank takes part in each gather; rank 0 keeps the whole tensors, on
+        // the CPU, for the file.
+        let keep = self.policy.rank() == 0;
         let mut optimizer_state = BTreeMap::new();
         for (key, tensor) in tensors {
             let layout = key.split_once('.').and_then(|(_, param)| self.optimizer.layout_of(param));
-            optimizer_state.insert(key, self.policy.gather(&tensor, layout)?);
+            let whole = self.policy.gather(&tensor, layout)?;
+            if keep {
+                optimizer_state.insert(key, whole.f_to_device(Device::Cpu)?);
+            }
         }
         let head = self.value_head.as_ref();
         let files =

@@ -185,7 +185,8 @@ impl Model {
     /// The sum of `value` over the ranks (itself for a whole model).
     pub fn all_reduce_sum(&self, value: f64) -> Result<f64> {
         let Some(comm) = self.comm() else { return Ok(value) };
-        let mut t = Tensor::from_slice(&[value]);
+        // On the rank's device: NCCL reduces GPU tensors only.
+        let mut t = Tensor::from_slice(&[value]).f_to_device(self.device())?;
         comm.all_reduce(&mut t, keel_collective::ReduceOp::Sum)
             .map_err(|e| Error::Internal(format!("tensor parallel: {e}")))?;
         Ok(t.f_double_value(&[0])?)
@@ -200,15 +201,17 @@ impl Model {
         }
     }
 
-    /// Runs `f` on the whole model: itself, or gathered from the ranks (every rank must
-    /// call it; `f` runs on rank 0 only, the others get `None`).
+    /// Runs `f` on the whole model: itself, or gathered from the ranks onto rank 0's CPU
+    /// (every rank must call it; `f` runs on rank 0 only, the others get `None`).
     pub fn with_full<R>(&self, f: impl FnOnce(&CausalLm) -> Result<R>) -> Result<Option<R>> {
         match self {
             Self::Full(m) => f(m).map(Some),
-            Self::Sharded(m) => {
-                let full = m.gather_full()?;
-                if m.rank() == 0 { f(&full).map(Some) } else { Ok(None) }
-            }
+            // Rank 0 gathers onto the CPU (the checkpoint is written from there); the
+            // device holds one whole parameter at a time.
+            Self::Sharded(m) => match m.gather_full_on(Device::Cpu, m.rank() == 0)? {
+                Some(full) => f(&full).map(Some),
+                None => Ok(None),
+            },
         }
     }
 

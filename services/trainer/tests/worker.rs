@@ -59,7 +59,10 @@ impl Harness {
 
     async fn raw(&self, op: TrainerOp, body: String) -> Value {
         let subject = self.subjects.trainer(&self.worker, op);
-        let reply = tokio::time::timeout(Duration::from_secs(120), self.client.request(subject, body.into()))
+        // The client's own request timeout (10 s by default) is lifted to the 120 s this
+        // waits: a step on a loaded 2-core machine can take longer than 10 s.
+        let request = async_nats::Request::new().payload(body.into()).timeout(Some(Duration::from_secs(120)));
+        let reply = tokio::time::timeout(Duration::from_secs(121), self.client.send_request(subject, request))
             .await
             .expect("reply within 120 s")
             .expect("request");

@@ -5,15 +5,17 @@
 //! Backends:
 //! - [`cpu::CpuGroup`]: ranks are threads of one process exchanging tensors through shared
 //!   memory. For tests, CPU runs and the reference the GPU backend is checked against.
-//!
 //! - [`nccl`]: NCCL communicators on CUDA tensors, one per GPU, in one process
 //!   ([`nccl::NcclGroup`]) or across processes ([`nccl::NcclCollective::join`] with a unique
 //!   id that [`bootstrap`] carries over NATS).
 //!
 //! [`RankGroup`] runs one thread per rank, each owning its state, and drives them in lockstep.
 //!
-//! A rank that stops calling (it failed, or its thread ended) makes the others' next
-//! operation fail with [`Error::Timeout`] or [`Error::Aborted`] instead of hanging.
+//! On the CPU backend, a rank that stops calling (it failed, or its thread ended) makes the
+//! others' next operation fail with [`Error::Timeout`] or [`Error::Aborted`] instead of
+//! hanging. NCCL has no such guard here: a rank that fails alone leaves its peers waiting in
+//! their next collective (callers keep failures identical on every rank, as they are when
+//! every rank checks the same inputs).
 
 pub mod bootstrap;
 pub mod cpu;

@@ -67,6 +67,9 @@ pub enum Error {
     ChatTemplate(String),
     #[error("device: {0}")]
     Device(String),
+    /// A tensor-parallel collective failed (a rank left, timed out, or the backend failed).
+    #[error("tensor parallel: {0}")]
+    Collective(String),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
 }
@@ -75,7 +78,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl From<keel_collective::Error> for Error {
     fn from(e: keel_collective::Error) -> Self {
-        Self::InvalidInput(format!("tensor parallel: {e}"))
+        Self::Collective(e.to_string())
     }
 }
 

@@ -315,7 +315,7 @@ impl<C: Collective> TpCausalLm<C> {
     }
 
     fn all_reduce(&self, mut x: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.comm.all_reduce(&mut x, op).map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))?;
+        self.comm.all_reduce(&mut x, op).map_err(Error::from)?;
         Ok(x)
     }
 
@@ -571,12 +571,20 @@ impl<C: Collective> TpCausalLm<C> {
     }
 
     /// Copies the weights in `dir` (the same architecture and shapes) over this rank's
-    /// slices; on any error the current weights are kept.
+    /// slices; on any error the current weights are kept. Across ranks, prefer
+    /// [`TpCausalLm::stage_weights`] on every rank and [`TpCausalLm::commit_weights`] only
+    /// once all have staged, so that no rank swaps while another keeps the old weights.
     pub fn reload_weights(&self, dir: &std::path::Path) -> Result<()> {
+        let staged = self.stage_weights(dir)?;
+        self.commit_weights(staged)
+    }
+
+    /// Reads this rank's slices of the weights in `dir` and checks them against the
+    /// model's, without touching the model.
+    pub fn stage_weights(&self, dir: &std::path::Path) -> Result<StagedWeights> {
         let cfg = ModelConfig::load(dir)?;
         let files = SliceReader::open(dir)?;
         let fresh = Shards::build(&cfg, self.rank(), self.world_size(), self.device, self.kind, &files)?;
-        let mut problems = Vec::new();
         if fresh.params.len() != self.shards.params.len() {
             return Err(Error::InvalidInput(format!(
                 "{} has {} tensors for this rank, the model {}",
@@ -585,25 +593,36 @@ impl<C: Collective> TpCausalLm<C> {
                 self.shards.params.len()
             )));
         }
-        for (new, current) in fresh.params.iter().zip(&self.shards.params) {
-            if new.name != current.name || new.tensor.size() != current.tensor.size() {
-                problems.push(crate::error::WeightProblem::Shape {
-                    name: current.name.clone(),
-                    expected: current.tensor.size(),
-                    found: new.tensor.size(),
-                });
-            }
-        }
+        let problems: Vec<_> = fresh
+            .params
+            .iter()
+            .zip(&self.shards.params)
+            .filter(|(new, current)| new.name != current.name || new.tensor.size() != current.tensor.size())
+            .map(|(new, current)| crate::error::WeightProblem::Shape {
+                name: current.name.clone(),
+                expected: current.tensor.size(),
+                found: new.tensor.size(),
+            })
+            .collect();
         if !problems.is_empty() {
             return Err(Error::Weights(problems));
         }
+        Ok(StagedWeights(fresh.params.into_iter().map(|p| p.tensor).collect()))
+    }
+
+    /// Copies weights staged by [`TpCausalLm::stage_weights`] into the model.
+    pub fn commit_weights(&self, staged: StagedWeights) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        for (new, current) in fresh.params.iter().zip(&self.shards.params) {
-            current.tensor.shallow_clone().f_copy_(&new.tensor)?;
+        for (new, current) in staged.0.iter().zip(&self.shards.params) {
+            current.tensor.shallow_clone().f_copy_(new)?;
         }
         Ok(())
     }
 }
+
+/// A rank's slices of new weights, read and checked, not yet in the model.
+#[derive(Debug)]
+pub struct StagedWeights(Vec<Tensor>);
 
 impl Shards {
     fn build(
@@ -731,7 +750,7 @@ impl Shards {
 
 impl<C: Collective> TpCausalLm<C> {
     fn gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
-        self.comm.all_gather(tensor, dim).map_err(|e| Error::InvalidInput(format!("tensor parallel: {e}")))
+        self.comm.all_gather(tensor, dim).map_err(Error::from)
     }
 
     /// The whole tensor from every rank's `local` part laid out as `layout` (every rank must
@@ -759,22 +778,49 @@ impl<C: Collective> TpCausalLm<C> {
     /// rank gets the same model). Saving a tensor-parallel model goes through this, so its
     /// checkpoint is the Hugging Face layout a TP = 1 model (or transformers) loads.
     pub fn gather_full(&self) -> Result<CausalLm> {
+        self.gather_full_on(self.device, true)?
+            .ok_or_else(|| Error::InvalidInput("tensor parallel: nothing was gathered".into()))
+    }
+
+    /// [`TpCausalLm::gather_full`] into a model on `device`, kept only where `keep` (rank 0
+    /// saving a checkpoint keeps it on the CPU; the other ranks take part in the gathers and
+    /// keep nothing). Only one whole parameter at a time is held on this rank's device.
+    pub fn gather_full_on(&self, device: Device, keep: bool) -> Result<Option<CausalLm>> {
         let _no_grad = tch::no_grad_guard();
-        let full = CausalLm::new(self.cfg.clone(), self.device, self.kind, crate::Init::Zeros)?;
-        let mut variables = full.var_store().variables();
-        if variables.len() != self.shards.params.len() {
+        // Every rank makes the same gathers; a problem on the keeping rank (building the
+        // model, copying into it) is reported after them, so no rank is left waiting in a
+        // collective.
+        let mut problem: Option<Error> = None;
+        let full = if keep {
+            CausalLm::new(self.cfg.clone(), device, self.kind, crate::Init::Zeros).map_err(|e| problem = Some(e)).ok()
+        } else {
+            None
+        };
+        let mut variables = full.as_ref().map(|f| f.var_store().variables());
+        for param in &self.shards.params {
+            let value = self.gather_parameter(&param.tensor.f_detach()?, param.layout)?;
+            let Some(variables) = variables.as_mut() else { continue };
+            let copied = match variables.get_mut(&param.name) {
+                Some(target) => target.f_copy_(&value).map_err(Error::from),
+                None => {
+                    Err(Error::InvalidInput(format!("tensor parallel: no parameter `{}` to gather into", param.name)))
+                }
+            };
+            if let Err(e) = copied {
+                problem.get_or_insert(e);
+            }
+        }
+        if let Some(e) = problem {
+            return Err(e);
+        }
+        if let Some(variables) = &variables
+            && variables.len() != self.shards.params.len()
+        {
             return Err(Error::InvalidInput(format!(
-                "tensor parallel: {} tensors to gather for a model of {}",
+                "tensor parallel: gathered {} tensors for a model of {}",
                 self.shards.params.len(),
                 variables.len()
             )));
-        }
-        for param in &self.shards.params {
-            let value = self.gather_parameter(&param.tensor.f_detach()?, param.layout)?;
-            let target = variables.get_mut(&param.name).ok_or_else(|| {
-                Error::InvalidInput(format!("tensor parallel: no parameter `{}` to gather into", param.name))
-            })?;
-            target.f_copy_(&value)?;
         }
         Ok(full)
     }
