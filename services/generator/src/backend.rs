@@ -28,9 +28,9 @@ pub struct Sharded {
     capacity: i64,
 }
 
-/// Rank 0's value, or the first error any rank reported.
+/// Rank 0's value, or the error that started a failure (not a peer's timeout after it).
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
-    rank_zero(results)
+    rank_zero(results, |e| matches!(e, Error::Collective(c) if keel_collective::is_consequence(c)))
 }
 
 impl Backend {

@@ -23,13 +23,16 @@ pub enum Error {
     Model(#[from] keel_model::Error),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
+    /// A tensor-parallel collective failed (a rank left, timed out, or the backend failed).
+    #[error("tensor parallel: {0}")]
+    Collective(keel_collective::Error),
     #[error("{0}")]
     Internal(String),
 }
 
 impl From<keel_collective::Error> for Error {
     fn from(e: keel_collective::Error) -> Self {
-        Self::Internal(format!("tensor parallel: {e}"))
+        Self::Collective(e)
     }
 }
 
@@ -49,7 +52,7 @@ impl Error {
             Self::Model(keel_model::Error::InvalidInput(_) | keel_model::Error::TokenOutOfRange { .. }) => {
                 error_types::INVALID_REQUEST
             }
-            Self::Model(_) | Self::Torch(_) | Self::Internal(_) => error_types::INTERNAL,
+            Self::Model(_) | Self::Torch(_) | Self::Collective(_) | Self::Internal(_) => error_types::INTERNAL,
         }
     }
 }

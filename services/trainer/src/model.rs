@@ -187,8 +187,7 @@ impl Model {
         let Some(comm) = self.comm() else { return Ok(value) };
         // On the rank's device: NCCL reduces GPU tensors only.
         let mut t = Tensor::from_slice(&[value]).f_to_device(self.device())?;
-        comm.all_reduce(&mut t, keel_collective::ReduceOp::Sum)
-            .map_err(|e| Error::Internal(format!("tensor parallel: {e}")))?;
+        comm.all_reduce(&mut t, keel_collective::ReduceOp::Sum)?;
         Ok(t.f_double_value(&[0])?)
     }
 

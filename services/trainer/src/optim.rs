@@ -96,8 +96,7 @@ impl AdamW {
             // On the parameters' device: NCCL reduces GPU tensors only.
             let device = self.slots.first().map_or(tch::Device::Cpu, |s| s.param.device());
             let mut sum = Tensor::from_slice(&[split]).f_to_device(device)?;
-            comm.all_reduce(&mut sum, ReduceOp::Sum)
-                .map_err(|e| Error::Internal(format!("tensor parallel gradient norm: {e}")))?;
+            comm.all_reduce(&mut sum, ReduceOp::Sum)?;
             split = sum.f_double_value(&[0])?;
         }
         let norm = (replicated + split).sqrt();

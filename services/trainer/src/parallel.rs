@@ -38,9 +38,12 @@ pub fn communicators(world: usize, device: Device) -> Result<Vec<SharedComm>> {
     keel_collective::new_group(world, device).map_err(|e| Error::InvalidConfig(format!("tensor parallelism: {e}")))
 }
 
-/// Rank 0's value, or the first error any rank reported.
+/// Rank 0's value, or the error that started a failure (not a peer's timeout after it).
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
-    rank_zero(results)
+    rank_zero(results, |e| match e {
+        Error::Collective(c) | Error::Model(keel_model::Error::Collective(c)) => keel_collective::is_consequence(c),
+        _ => false,
+    })
 }
 
 impl Trainer {

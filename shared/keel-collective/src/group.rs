@@ -122,14 +122,33 @@ impl<S: 'static> RankGroup<S> {
 }
 
 /// Rank 0's value from the results of [`RankGroup::run`] whose work returns a `Result`, or
-/// the first error any rank reported (a rank's own error, or its having stopped).
-pub fn rank_zero<T, E: From<Error>>(results: Vec<Result<std::result::Result<T, E>>>) -> std::result::Result<T, E> {
+/// an error: when ranks failed, the first one (by rank) that `follows` does not call a
+/// consequence of another rank's failure (a collective that timed out or was aborted
+/// because a peer left), else the first error.
+pub fn rank_zero<T, E: From<Error>>(
+    results: Vec<Result<std::result::Result<T, E>>>,
+    follows: impl Fn(&E) -> bool,
+) -> std::result::Result<T, E> {
     let mut answer = None;
+    let mut errors = Vec::new();
     for result in results {
-        let value = result.map_err(E::from)??;
-        answer.get_or_insert(value);
+        match result.map_err(E::from).and_then(|r| r) {
+            Ok(value) => {
+                answer.get_or_insert(value);
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        let cause = errors.iter().position(|e| !follows(e)).unwrap_or(0);
+        return Err(errors.swap_remove(cause));
     }
     answer.ok_or_else(|| E::from(Error::Invalid("the rank group is empty".into())))
+}
+
+/// Whether `e` is what a rank sees when a peer failed or left: a timeout or an abort.
+pub fn is_consequence(e: &Error) -> bool {
+    matches!(e, Error::Timeout { .. } | Error::Aborted { .. })
 }
 
 impl<S> Drop for RankGroup<S> {
@@ -177,6 +196,24 @@ mod tests {
         })
         .expect_err("rank 1 fails");
         assert_eq!(error, Error::Invalid("rank 1 cannot load".into()));
+    }
+
+    /// Rank 1 fails before a collective that rank 0 enters: rank 0 times out, and the
+    /// group's answer is rank 1's error, not rank 0's timeout.
+    #[test]
+    fn the_failure_that_started_it_is_reported_not_its_consequence() {
+        let comms = CpuGroup::with_timeout(2, std::time::Duration::from_millis(300)).expect("a group");
+        let group = RankGroup::spawn("test", comms, |_, comm| Ok::<_, Error>(comm)).expect("started");
+        let results = group.run_all((), |comm, ()| {
+            if comm.rank() == 1 {
+                return Err(Error::Invalid("rank 1 ran out of memory".into()));
+            }
+            let mut t = Tensor::from_slice(&[1.0f32]);
+            comm.all_reduce(&mut t, ReduceOp::Sum).map(|()| 0)
+        });
+        assert!(matches!(&results[0], Ok(Err(Error::Timeout { rank: 0, .. }))), "{results:?}");
+        let error = rank_zero(results, is_consequence).expect_err("a rank failed");
+        assert_eq!(error, Error::Invalid("rank 1 ran out of memory".into()));
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub mod cpu;
 pub mod group;
 pub mod nccl;
 
-pub use group::{RankGroup, rank_zero};
+pub use group::{RankGroup, is_consequence, rank_zero};
 
 use tch::Tensor;
 

@@ -69,7 +69,7 @@ pub enum Error {
     Device(String),
     /// A tensor-parallel collective failed (a rank left, timed out, or the backend failed).
     #[error("tensor parallel: {0}")]
-    Collective(String),
+    Collective(keel_collective::Error),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
 }
@@ -78,7 +78,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl From<keel_collective::Error> for Error {
     fn from(e: keel_collective::Error) -> Self {
-        Self::Collective(e.to_string())
+        Self::Collective(e)
     }
 }
 
