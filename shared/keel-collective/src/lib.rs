@@ -106,65 +106,44 @@ impl Collective for Single {
     }
 }
 
-impl<T: Collective + ?Sized> Collective for Box<T> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
+/// A pointer to a communicator is one: `Box<dyn Collective>`, `Arc<dyn Collective + Sync>`.
+macro_rules! delegate_collective {
+    ($($pointer:ident<$t:ident: $($bound:path)?>),*) => {$(
+        impl<$t: Collective $(+ $bound)? + ?Sized> Collective for $pointer<$t> {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
 
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
 
-    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
-        (**self).all_reduce(tensor, op)
-    }
+            fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+                (**self).all_reduce(tensor, op)
+            }
 
-    fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
-        (**self).all_gather(tensor, dim)
-    }
+            fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
+                (**self).all_gather(tensor, dim)
+            }
 
-    fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
-        (**self).reduce_scatter(tensor, dim, op)
-    }
+            fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
+                (**self).reduce_scatter(tensor, dim, op)
+            }
 
-    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
-        (**self).broadcast(tensor, root)
-    }
+            fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+                (**self).broadcast(tensor, root)
+            }
 
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
+            fn barrier(&self) -> Result<()> {
+                (**self).barrier()
+            }
+        }
+    )*};
 }
 
-impl<T: Collective + Sync + ?Sized> Collective for std::sync::Arc<T> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
+use std::sync::Arc;
 
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-
-    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
-        (**self).all_reduce(tensor, op)
-    }
-
-    fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
-        (**self).all_gather(tensor, dim)
-    }
-
-    fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
-        (**self).reduce_scatter(tensor, dim, op)
-    }
-
-    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
-        (**self).broadcast(tensor, root)
-    }
-
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-}
+delegate_collective!(Box<T:>, Arc<T: Sync>);
 
 /// A rank's communicator shared by the models of one rank (a policy and its reference run
 /// one after the other on the same thread).

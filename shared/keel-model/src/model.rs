@@ -203,6 +203,25 @@ fn masks_for(windows: &[Option<i64>], queries: i64, offsets: &[i64], visible: i6
         .collect()
 }
 
+/// Rotary cos/sin and the masks (one per distinct window among `windows`) for `ids` [B, S]
+/// whose row b starts at position `offsets[b]` and attends to `visible` keys.
+fn positions_for(
+    rotary: &Rotary,
+    kind: Kind,
+    windows: &[Option<i64>],
+    ids: &Tensor,
+    offsets: &[i64],
+    visible: i64,
+    device: Device,
+) -> Result<(Tensor, Tensor, Masks)> {
+    let (b, s) = (ids.size()[0], ids.size()[1]);
+    let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
+    let positions =
+        starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
+    let (cos, sin) = rotary.cos_sin(&positions, kind)?;
+    Ok((cos, sin, masks_for(windows, s, offsets, visible, device)?))
+}
+
 /// What every layer of one forward pass shares: rotary cos/sin for the positions of the
 /// input and the attention mask of the layer's window.
 struct Positions<'a> {
@@ -478,14 +497,9 @@ impl CausalLm {
         visible: i64,
         mut cache: Option<&mut dyn LayerCache>,
     ) -> Result<Tensor> {
-        let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
         let device = self.device();
-        let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
-        let positions =
-            starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
-        let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
         let windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
-        let masks = masks_for(&windows, s, offsets, visible, device)?;
+        let (cos, sin, masks) = positions_for(&self.rotary, self.kind, &windows, input_ids, offsets, visible, device)?;
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
             let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask was built for every window");

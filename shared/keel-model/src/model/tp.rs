@@ -32,7 +32,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::{
     Attention, CausalLm, Linear, Masks, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
-    masks_for, padded_ids,
+    padded_ids, positions_for,
 };
 use crate::cache::{LayerCache, SlotCache, SlotView};
 use crate::config::ModelConfig;
@@ -343,15 +343,8 @@ impl<C: Collective> TpCausalLm<C> {
     /// Rotary tables and masks for `ids` [B, S] whose row b starts at `offsets[b]` and sees
     /// `visible` keys.
     fn positions(&self, ids: &Tensor, offsets: &[i64], visible: i64) -> Result<(Tensor, Tensor, Masks)> {
-        let (b, s) = (ids.size()[0], ids.size()[1]);
-        let device = self.device;
-        let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
-        let positions =
-            starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
-        let (cos, sin) = self.rotary.cos_sin(&positions, self.kind)?;
         let windows: Vec<Option<i64>> = self.shards.layers.iter().map(|l| l.window).collect();
-        let masks = masks_for(&windows, s, offsets, visible, device)?;
-        Ok((cos, sin, masks))
+        positions_for(&self.rotary, self.kind, &windows, ids, offsets, visible, self.device)
     }
 
     /// Final hidden states [B, S, hidden] (replicated on every rank) of `ids` [B, S] whose
