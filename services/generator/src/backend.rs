@@ -47,10 +47,7 @@ impl Backend {
             keel_collective::new_group(world, device).map_err(|e| Error::Device(format!("tensor parallelism: {e}")))?;
         let dir = dir.to_path_buf();
         let group = RankGroup::spawn("keel-generator", comms, move |rank, comm: SharedComm| {
-            let device = match device {
-                Device::Cuda(first) => Device::Cuda(first + rank),
-                other => other,
-            };
+            let device = keel_collective::rank_device(device, rank);
             let model = TpCausalLm::load(&dir, comm, device, kind)?;
             let cache = model.slot_cache(slots, capacity)?;
             Ok::<_, Error>((model, cache, None))

@@ -155,20 +155,14 @@ pub fn read_state(dir: &Path) -> Result<Option<TrainerState>> {
 }
 
 /// Restores the optimiser (moments, master weights, step) from a checkpoint directory; a
-/// plain HF directory leaves it fresh. `local(name, tensor)` turns each saved (whole)
-/// tensor into the part this optimiser holds (a tensor-parallel rank's slice).
-pub fn restore_optimizer(
-    dir: &Path,
-    optimizer: &mut AdamW,
-    local: impl Fn(&str, Tensor) -> Result<Tensor>,
-) -> Result<()> {
+/// plain HF directory leaves it fresh.
+pub fn restore_optimizer(dir: &Path, optimizer: &mut AdamW) -> Result<()> {
     let Some(state) = read_state(dir)? else { return Ok(()) };
     let path: PathBuf = dir.join(OPTIMIZER_FILE);
     let tensors: BTreeMap<String, Tensor> = Tensor::read_safetensors(&path)
         .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })?
         .into_iter()
-        .map(|(name, tensor)| Ok((name.clone(), local(&name, tensor)?)))
-        .collect::<Result<_>>()?;
+        .collect();
     optimizer
         .restore(&tensors, state.step)
         .map_err(|e| Error::Load { what: path.display().to_string(), reason: e.to_string() })

@@ -72,14 +72,11 @@ impl Engine {
 
     /// Loads one tensor-parallel rank's slices of the models when `comm` is given (every
     /// rank of the group calls it, each on its own thread); on CUDA, rank r uses the r-th
-    /// device from the one named.
+    /// device from the one named ([`keel_collective::rank_device`]).
     pub fn load_rank(request: &LoadRequest, default_device: &str, comm: Option<SharedComm>) -> Result<Self> {
         let device_name = request.device.as_deref().unwrap_or(default_device);
         let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
-        let device = match (device, &comm) {
-            (Device::Cuda(first), Some(comm)) => Device::Cuda(first + comm.rank()),
-            (device, _) => device,
-        };
+        let device = comm.as_ref().map_or(device, |comm| keel_collective::rank_device(device, comm.rank()));
         if comm.is_some() {
             if request.reference_offload {
                 return Err(Error::InvalidConfig(
@@ -147,16 +144,9 @@ impl Engine {
             params.push((checkpoint::VALUE_HEAD_TENSOR.to_string(), head.shallow_clone(), None));
             parameter_count += head.numel() as i64;
         }
-        let layouts: BTreeMap<String, _> = params.iter().filter_map(|(n, _, l)| Some((n.clone(), (*l)?))).collect();
         let mut optimizer = AdamW::new(config.optimizer.clone(), params, masters)?;
         if request.resume {
-            // Saved state is whole; a tensor-parallel rank keeps its slice of each tensor.
-            checkpoint::restore_optimizer(&source, &mut optimizer, |key, tensor| {
-                match key.split_once('.').and_then(|(_, param)| layouts.get(param)) {
-                    Some(layout) => Ok(layout.local(&tensor)?.f_contiguous()?),
-                    None => Ok(tensor),
-                }
-            })?;
+            checkpoint::restore_optimizer(&source, &mut optimizer)?;
         }
         Ok(Self {
             config,
@@ -432,13 +422,11 @@ impl Engine {
             reference: self.reference_path.as_ref().map(|p| p.display().to_string()),
             info,
         };
-        let (tensors, _) = self.optimizer.state();
         // Under TP every rank takes part in each gather; rank 0 keeps the whole tensors, on
         // the CPU, for the file.
         let keep = self.policy.rank() == 0;
         let mut optimizer_state = BTreeMap::new();
-        for (key, tensor) in tensors {
-            let layout = key.split_once('.').and_then(|(_, param)| self.optimizer.layout_of(param));
+        for (key, tensor, layout) in self.optimizer.state() {
             let whole = self.policy.gather(&tensor, layout)?;
             if keep {
                 optimizer_state.insert(key, whole.f_to_device(Device::Cpu)?);

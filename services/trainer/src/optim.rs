@@ -72,11 +72,6 @@ impl AdamW {
         }
     }
 
-    /// The layout of parameter `name` across tensor-parallel ranks.
-    pub fn layout_of(&self, name: &str) -> Option<Layout> {
-        self.slots.iter().find(|s| s.name == name).and_then(|s| s.layout)
-    }
-
     /// The global L2 norm of all gradients (over every rank's slices when `comm` is given);
     /// when above `max_norm`, every gradient is scaled by max_norm / (norm + 1e-6) (as
     /// torch's `clip_grad_norm_`). Returns the norm before.
@@ -147,20 +142,26 @@ impl AdamW {
     }
 
     /// Optimiser state as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`,
-    /// `master.<param>`) and the step count.
-    pub fn state(&self) -> (BTreeMap<String, Tensor>, u64) {
-        let mut tensors = BTreeMap::new();
+    /// `master.<param>`), sorted by name, each with its parameter's layout across
+    /// tensor-parallel ranks (a rank holds its slice; the checkpoint holds the whole).
+    pub fn state(&self) -> Vec<(String, Tensor, Option<Layout>)> {
+        let mut tensors = Vec::new();
         for slot in &self.slots {
-            tensors.insert(format!("exp_avg.{}", slot.name), slot.exp_avg.shallow_clone());
-            tensors.insert(format!("exp_avg_sq.{}", slot.name), slot.exp_avg_sq.shallow_clone());
+            let mut add = |prefix: &str, t: &Tensor| {
+                tensors.push((format!("{prefix}.{}", slot.name), t.shallow_clone(), slot.layout));
+            };
+            add("exp_avg", &slot.exp_avg);
+            add("exp_avg_sq", &slot.exp_avg_sq);
             if let Some(master) = &slot.master {
-                tensors.insert(format!("master.{}", slot.name), master.shallow_clone());
+                add("master", master);
             }
         }
-        (tensors, self.step)
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        tensors
     }
 
-    /// Restores [`AdamW::state`]; every parameter's moments must be present with its shape.
+    /// Restores [`AdamW::state`] from whole tensors (a tensor-parallel rank takes its slice
+    /// of each); every parameter's moments must be present with its shape.
     pub fn restore(&mut self, tensors: &BTreeMap<String, Tensor>, step: u64) -> Result<()> {
         let _guard = tch::no_grad_guard();
         for slot in &mut self.slots {
@@ -174,6 +175,10 @@ impl AdamW {
                 let key = format!("{prefix}.{}", slot.name);
                 let saved =
                     tensors.get(&key).ok_or_else(|| Error::Checkpoint(format!("optimizer state has no `{key}`")))?;
+                let saved = match slot.layout {
+                    Some(layout) if saved.size() != target.size() => layout.local(saved)?,
+                    _ => saved.shallow_clone(),
+                };
                 if saved.size() != target.size() {
                     return Err(Error::Checkpoint(format!(
                         "optimizer state `{key}` has shape {:?}, the parameter has {:?}",
@@ -181,7 +186,7 @@ impl AdamW {
                         target.size()
                     )));
                 }
-                target.f_copy_(saved)?;
+                target.f_copy_(&saved)?;
             }
             if let Some(master) = &slot.master {
                 slot.param.f_copy_(master)?;

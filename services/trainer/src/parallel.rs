@@ -167,14 +167,6 @@ impl Trainer {
         }
     }
 
-    /// The one engine of a trainer without tensor parallelism.
-    pub fn engine(&self) -> Option<&Engine> {
-        match self {
-            Self::One(engine) => Some(engine),
-            Self::Ranks(_) => None,
-        }
-    }
-
     /// Runs `f` on every rank's engine (or the one engine) and returns rank 0's result:
     /// for tests and diagnostics that need an engine method under tensor parallelism.
     pub fn on_every_rank<T: Send + 'static>(

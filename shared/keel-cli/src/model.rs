@@ -231,10 +231,7 @@ fn on_ranks<T: Send + 'static>(
         .enumerate()
         .map(|(rank, comm)| {
             let (dir, work) = (runtime.model.clone(), work.clone());
-            let device = match device {
-                tch::Device::Cuda(first) => tch::Device::Cuda(first + rank),
-                other => other,
-            };
+            let device = keel_collective::rank_device(device, rank);
             std::thread::spawn(move || -> anyhow::Result<T> {
                 let model = TpCausalLm::load(&dir, comm, device, kind).with_context(|| format!("rank {rank}"))?;
                 work(&model)

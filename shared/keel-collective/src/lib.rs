@@ -149,6 +149,15 @@ delegate_collective!(Box<T:>, Arc<T: Sync>);
 /// one after the other on the same thread).
 pub type SharedComm = std::sync::Arc<dyn Collective + Sync>;
 
+/// The device of `rank` in a group made by [`new_group`] for `device`: `cuda:N+rank` for
+/// `cuda:N`, the CPU for the CPU.
+pub fn rank_device(device: tch::Device, rank: usize) -> tch::Device {
+    match device {
+        tch::Device::Cuda(first) => tch::Device::Cuda(first + rank),
+        other => other,
+    }
+}
+
 /// The communicators of a new group of `world_size` ranks whose tensors live on `device`:
 /// threads over shared memory for the CPU; for CUDA, one NCCL communicator per GPU from
 /// `cuda:N` on (rank r on `cuda:N+r`).
