@@ -7,9 +7,11 @@ use std::path::{Path, PathBuf};
 
 use keel_collective::{RankGroup, SharedComm, rank_zero};
 use keel_model::model::tp::{StagedWeights, TpCausalLm};
-use keel_model::{CausalLm, Error, ModelConfig, Result, SlotCache};
+use keel_model::{CausalLm, Error, Result, SlotCache};
 use tch::{Device, Kind, Tensor};
 
+// One per generator, made once and never moved on a hot path: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Backend {
     Whole { model: CausalLm, cache: SlotCache },
@@ -23,7 +25,6 @@ type Rank = (TpCausalLm<SharedComm>, SlotCache, Option<StagedWeights>);
 #[derive(Debug)]
 pub struct Sharded {
     group: RankGroup<Rank>,
-    config: ModelConfig,
     lens: Vec<i64>,
     capacity: i64,
 }
@@ -52,15 +53,7 @@ impl Backend {
             let cache = model.slot_cache(slots, capacity)?;
             Ok::<_, Error>((model, cache, None))
         })?;
-        let config = first(group.run_all((), |(model, _, _), ()| Ok(model.config().clone())))?;
-        Ok(Self::Sharded(Sharded { group, config, lens: vec![0; slots], capacity }))
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        match self {
-            Self::Whole { model, .. } => model.config(),
-            Self::Sharded(s) => &s.config,
-        }
+        Ok(Self::Sharded(Sharded { group, lens: vec![0; slots], capacity }))
     }
 
     pub fn tensor_parallel_size(&self) -> usize {
@@ -169,6 +162,7 @@ impl Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keel_model::ModelConfig;
     use keel_model::{Init, SaveOptions};
 
     fn random_model(dir: &Path, seed: i64) {
