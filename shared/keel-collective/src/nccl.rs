@@ -348,7 +348,8 @@ impl Collective for NcclCollective {
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
         let contiguous = tensor.is_contiguous();
-        let buffer = if contiguous { tensor.shallow_clone() } else { tensor.contiguous() };
+        let buffer =
+            if contiguous { tensor.shallow_clone() } else { tensor.f_contiguous().map_err(|e| self.torch_error(e))? };
         let dtype = self.check_tensor(&buffer, "all_reduce")?;
         let api = self.ready()?;
         let ptr = buffer.data_ptr();
@@ -369,8 +370,14 @@ impl Collective for NcclCollective {
             return Err(Error::Invalid(format!("all_gather along dimension {dim} of a {dims}-d tensor")));
         }
         // NCCL gathers equal sizes: pad along `dim` to the largest rank's size, then cut.
-        let size = Tensor::from_slice(&[tensor.size()[dim as usize]]).to_device(tensor.device());
-        let sizes = Vec::<i64>::try_from(self.gather_equal(&size)?.flatten(0, -1).to_device(Device::Cpu))
+        let size = Tensor::from_slice(&[tensor.size()[dim as usize]])
+            .f_to_device(tensor.device())
+            .map_err(|e| self.torch_error(e))?;
+        let sizes = self
+            .gather_equal(&size)?
+            .f_flatten(0, -1)
+            .and_then(|t| t.f_to_device(Device::Cpu))
+            .and_then(Vec::<i64>::try_from)
             .map_err(|e| self.torch_error(e))?;
         let largest = sizes.iter().copied().max().unwrap_or(0);
         let own = tensor.size()[dim as usize];
@@ -383,7 +390,7 @@ impl Collective for NcclCollective {
         } else {
             moved
         };
-        let gathered = self.gather_equal(&padded.contiguous())?;
+        let gathered = self.gather_equal(&padded.f_contiguous().map_err(|e| self.torch_error(e))?)?;
         let parts = sizes
             .iter()
             .enumerate()
@@ -406,7 +413,7 @@ impl Collective for NcclCollective {
                 message: format!("reduce_scatter: size {length} does not split into {world} chunks"),
             });
         }
-        let input = tensor.f_movedim(dim, 0).map_err(|e| self.torch_error(e))?.contiguous();
+        let input = tensor.f_movedim(dim, 0).and_then(|t| t.f_contiguous()).map_err(|e| self.torch_error(e))?;
         let dtype = self.check_tensor(&input, "reduce_scatter")?;
         let mut shape = input.size();
         shape[0] /= world;
@@ -434,7 +441,8 @@ impl Collective for NcclCollective {
             return Err(Error::Invalid(format!("broadcast from rank {root} in a group of {}", self.world_size)));
         }
         let contiguous = tensor.is_contiguous();
-        let buffer = if contiguous { tensor.shallow_clone() } else { tensor.contiguous() };
+        let buffer =
+            if contiguous { tensor.shallow_clone() } else { tensor.f_contiguous().map_err(|e| self.torch_error(e))? };
         let dtype = self.check_tensor(&buffer, "broadcast")?;
         let api = self.ready()?;
         let ptr = buffer.data_ptr();
