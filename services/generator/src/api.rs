@@ -55,6 +55,10 @@ pub struct Common {
     pub stop: Option<OneOrMany>,
     #[serde(default)]
     pub stop_token_ids: Option<Vec<i64>>,
+    /// Tokens generated before a stop token or stop string may end a sample (vLLM's
+    /// extension; stop tokens are masked until then).
+    #[serde(default)]
+    pub min_tokens: Option<usize>,
     /// Sample i of the request uses seed + i; the same seed gives the same output whatever
     /// else the server is doing.
     #[serde(default)]

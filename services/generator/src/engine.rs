@@ -1,16 +1,27 @@
-//! The scheduler: one thread owns the model and a [`SlotCache`] of `slots` sequences of up to
-//! `max_model_len` tokens (preallocated, so memory use is fixed at start-up and admission can
-//! never run it out). Requests queue in arrival order; a request is admitted when `n` slots
-//! are free, prefilled once, and its prefill copied to the other n − 1 slots. Every step
-//! decodes one token for every running sample together (rows of different lengths, each
-//! masked to its own tokens); samples leave at token boundaries when they stop, and waiting
-//! requests join at the next step. Each sample has its own seeded sampler, so its output does
-//! not depend on what else is in the batch.
+//! The scheduler: one thread owns the model, its paged KV pool and the [`BlockManager`].
 //!
-//! Refit: new weights are copied into the model at a token boundary. In `drain` mode no new
+//! Every step runs one forward pass over a budget of `max_num_batched_tokens` tokens: first
+//! one token of every running sequence (oldest first; a sequence still in its prompt takes
+//! as many prompt tokens as the budget leaves — chunked prefill), then prompt tokens of
+//! waiting requests in arrival order, several per pass, while the budget, `max_num_seqs`
+//! and free blocks allow. A sequence starts from the longest run of its prompt's full
+//! blocks in the prefix cache. When a request's prompt is done its n samples fork from it,
+//! sharing its blocks (a shared block is copied when a sample first writes into it).
+//!
+//! When a running sequence needs a block and none is free, the newest running sequence is
+//! preempted: its blocks are let go, its tokens kept, and it waits at the front of the
+//! queue to be recomputed (mostly from the prefix cache) when blocks free up. Every
+//! admitted request finishes; none fails for lack of cache.
+//!
+//! Sampling runs on the model's device for the whole step ([`keel_model::sampling::sample`]):
+//! sample i of a request draws with seed + i and its token index, so its output does not
+//! depend on what else is in the batch, nor on whether it was preempted.
+//!
+//! Refit: new weights are copied into the model at a step boundary. In `drain` mode no new
 //! request is admitted until the running ones finish, so every sample comes from one weight
 //! version; in `pause` mode the running samples pause for the copy and continue on the new
-//! weights. Every finished sample reports the version it ended on.
+//! weights. Either way the prefix cache is cleared. Every finished sample reports the
+//! version it ended on.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -19,29 +30,40 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use keel_model::sampling::{Sampler, SamplingParams};
-use keel_model::{CausalLm, Tokenizer};
+use keel_model::sampling::{Draw, Sampled, sample};
+use keel_model::{BLOCK_SIZE, CausalLm, SeqChunk, Tokenizer};
 use tch::Tensor;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::backend::Backend;
+use crate::blocks::{BlockId, BlockManager, extend_keys};
 use crate::request::{Event, Finish, GenRequest, TokenOut};
-use crate::text::Detokenizer;
+use crate::text::{Detokenizer, first_stop};
 
 /// Counters the metrics endpoint reads.
 #[derive(Debug, Default)]
 pub struct Stats {
+    /// Requests and preempted sequences waiting.
     pub waiting: AtomicUsize,
+    /// Sequences running.
     pub running: AtomicUsize,
-    pub slots_used: AtomicUsize,
+    pub blocks_total: AtomicUsize,
+    pub blocks_used: AtomicUsize,
+    pub preemptions: AtomicU64,
+    /// Prompt blocks looked up in the prefix cache, and found.
+    pub prefix_queried: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    /// Forward passes, and the tokens they computed.
+    pub steps: AtomicU64,
+    pub step_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub requests_finished: AtomicU64,
     /// Sum of time-to-first-token, microseconds, and how many requests it covers.
     pub ttft_micros: AtomicU64,
     pub ttft_count: AtomicU64,
-    /// Time spent in decode steps, microseconds.
+    /// Time spent in steps, microseconds.
     pub decode_micros: AtomicU64,
     /// The weight version being served.
     pub weight_version: AtomicU64,
@@ -59,6 +81,18 @@ pub enum RefitMode {
     Drain,
     /// Swap at the next token boundary; running samples continue on the new weights.
     Pause,
+}
+
+/// The scheduler's limits.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens one step computes (running decodes plus prompt chunks).
+    pub max_num_batched_tokens: usize,
+    /// Tokens of one sequence, prompt included.
+    pub max_model_len: usize,
+    pub refit_mode: RefitMode,
 }
 
 struct Refit {
@@ -84,88 +118,156 @@ struct Submission {
 pub struct Engine {
     submit: mpsc::Sender<Command>,
     pub stats: Arc<Stats>,
-    pub slots: usize,
+    pub max_num_seqs: usize,
     pub max_model_len: i64,
 }
 
-/// Row-wise log-softmax of `logits` [B, vocab] after dividing row b by `divisors[b]`, as one
-/// flat vector on the CPU (one pass for the whole batch).
-fn row_logprobs(logits: &Tensor, divisors: &[f32]) -> keel_model::Result<Vec<f32>> {
-    let divisors = Tensor::from_slice(divisors).f_unsqueeze(1)?;
-    let scaled = logits.f_to_kind(tch::Kind::Float)?.f_to_device(tch::Device::Cpu)?.f_div(&divisors)?;
-    Ok(Vec::<f32>::try_from(scaled.f_log_softmax(-1, tch::Kind::Float)?.f_flatten(0, -1)?)?)
-}
-
-/// One running sample.
-struct Sample {
+/// One sequence: a request's prompt before its samples fork, or one sample.
+#[derive(Debug, Clone)]
+struct Sequence {
     request: usize,
+    /// Sample index (the first sample's while the prompt runs).
     index: usize,
-    slot: usize,
-    sampler: Sampler,
-    generated: Vec<i64>,
+    /// Samples this sequence becomes when its prompt is done (1 once forked).
+    forks: usize,
+    /// Prompt then generated tokens.
+    tokens: Vec<i64>,
+    prompt_len: usize,
+    /// Tokens whose keys and values are in `blocks`.
+    computed: usize,
+    blocks: Vec<BlockId>,
+    /// Prefix-cache keys of the full blocks of `tokens`, and how many are registered.
+    keys: Vec<u64>,
+    registered: usize,
+    /// Whether its blocks may enter the prefix cache (not after a pause-mode refit).
+    cacheable: bool,
     /// The generated text, kept only when the request has stop strings.
     text: Detokenizer,
-    /// The last sampled token, fed at the next step.
-    pending: i64,
+}
+
+impl Sequence {
+    fn generated(&self) -> &[i64] {
+        &self.tokens[self.prompt_len..]
+    }
+}
+
+enum Waiting {
+    New(Submission),
+    Preempted(Sequence),
 }
 
 struct Running {
     request: GenRequest,
     events: UnboundedSender<Event>,
+    arrived: Instant,
+    /// Samples not finished.
     live: usize,
+    first_token: bool,
+}
+
+/// Why blocks could not be reserved.
+enum Shortage {
+    NoBlocks,
+    Failed(keel_model::Error),
 }
 
 struct Scheduler {
-    /// The model (or tensor-parallel ranks) and the slot cache.
     model: Backend,
+    blocks: BlockManager,
     tokenizer: Option<Arc<Tokenizer>>,
-    free: Vec<usize>,
-    waiting: VecDeque<Submission>,
+    config: EngineConfig,
+    waiting: VecDeque<Waiting>,
+    /// Oldest first: the last is preempted first.
+    running: Vec<Sequence>,
     requests: Vec<Option<Running>>,
-    samples: Vec<Sample>,
     stats: Arc<Stats>,
-    refit_mode: RefitMode,
     refit: Option<Refit>,
 }
 
+/// Blocks needed to hold `tokens` tokens.
+fn blocks_for(tokens: usize) -> usize {
+    tokens.div_ceil(BLOCK_SIZE)
+}
+
 impl Engine {
-    /// Starts the scheduler thread over `model` with `slots` sequences of `max_model_len` tokens.
+    /// Starts the scheduler thread over `model` with a pool of `blocks` KV blocks.
     pub fn start(
         model: CausalLm,
         tokenizer: Option<Arc<Tokenizer>>,
-        slots: usize,
-        max_model_len: i64,
-        refit_mode: RefitMode,
+        blocks: usize,
+        config: EngineConfig,
     ) -> keel_model::Result<Self> {
-        Self::start_backend(Backend::whole(model, slots, max_model_len)?, tokenizer, refit_mode)
+        Self::start_with(move || Backend::whole(model, blocks), tokenizer, config)
     }
 
-    /// Starts the scheduler thread over `backend` (a model or tensor-parallel ranks, with
-    /// their slot caches).
-    pub fn start_backend(
-        backend: Backend,
+    /// Starts the scheduler thread, which makes its backend (a model or tensor-parallel
+    /// ranks, with their pools) with `load` and then owns it; returns once it is ready. The
+    /// pool must hold at least one sequence of `max_model_len` tokens.
+    ///
+    /// Every tensor operation of the engine runs on that one thread, loading included:
+    /// libtorch's OpenMP pool belongs to the thread that first uses it, and a second
+    /// thread with a pool of its own oversubscribes the cores, so that every parallel
+    /// region wakes sleeping workers (about half the decode speed on two cores).
+    pub fn start_with(
+        load: impl FnOnce() -> keel_model::Result<Backend> + Send + 'static,
         tokenizer: Option<Arc<Tokenizer>>,
-        refit_mode: RefitMode,
+        config: EngineConfig,
     ) -> keel_model::Result<Self> {
-        let (slots, max_model_len) = (backend.slots(), backend.capacity());
+        if config.max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
+            return Err(keel_model::Error::InvalidInput(
+                "max_num_seqs and max_num_batched_tokens must be at least 1".into(),
+            ));
+        }
+        let threads = tch::get_num_threads();
         let stats = Arc::new(Stats::default());
         let (submit, intake) = mpsc::channel::<Command>();
-        let mut scheduler = Scheduler {
-            model: backend,
-            tokenizer,
-            free: (0..slots).rev().collect(),
-            waiting: VecDeque::new(),
-            requests: Vec::new(),
-            samples: Vec::new(),
-            stats: stats.clone(),
-            refit_mode,
-            refit: None,
-        };
+        let (ready, started) = mpsc::sync_channel::<keel_model::Result<()>>(1);
+        let shared = stats.clone();
         std::thread::Builder::new()
             .name("keel-generator-scheduler".into())
-            .spawn(move || scheduler.run(intake))
+            .spawn(move || {
+                tch::set_num_threads(threads);
+                let backend = load().and_then(|backend| {
+                    let blocks = backend.blocks();
+                    let needed = blocks_for(config.max_model_len);
+                    if blocks < needed {
+                        return Err(keel_model::Error::InvalidInput(format!(
+                            "the KV cache holds {blocks} blocks of {BLOCK_SIZE} tokens ({} tokens), fewer than one \
+                             sequence of max_model_len {} needs ({needed} blocks): give it more memory or lower \
+                             max_model_len",
+                            blocks * BLOCK_SIZE,
+                            config.max_model_len
+                        )));
+                    }
+                    Ok(backend)
+                });
+                let backend = match backend {
+                    Ok(backend) => backend,
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                shared.blocks_total.store(backend.blocks(), Ordering::Relaxed);
+                let mut scheduler = Scheduler {
+                    blocks: BlockManager::new(backend.blocks()),
+                    model: backend,
+                    tokenizer,
+                    config,
+                    waiting: VecDeque::new(),
+                    running: Vec::new(),
+                    requests: Vec::new(),
+                    stats: shared,
+                    refit: None,
+                };
+                let _ = ready.send(Ok(()));
+                scheduler.run(intake);
+            })
             .map_err(|e| keel_model::Error::InvalidInput(format!("cannot start the scheduler thread: {e}")))?;
-        Ok(Self { submit, stats, slots, max_model_len })
+        started
+            .recv()
+            .map_err(|_| keel_model::Error::InvalidInput("the scheduler thread stopped while loading".into()))??;
+        Ok(Self { submit, stats, max_num_seqs: config.max_num_seqs, max_model_len: config.max_model_len as i64 })
     }
 
     /// Queues `request`; its events arrive on `events`.
@@ -193,7 +295,7 @@ impl Engine {
 impl Scheduler {
     fn run(&mut self, intake: mpsc::Receiver<Command>) {
         loop {
-            if self.samples.is_empty() && self.waiting.is_empty() && self.refit.is_none() {
+            if self.running.is_empty() && self.waiting.is_empty() && self.refit.is_none() {
                 match intake.recv() {
                     Ok(command) => self.take(command),
                     Err(_) => return,
@@ -202,21 +304,18 @@ impl Scheduler {
             while let Ok(command) = intake.try_recv() {
                 self.take(command);
             }
-            if self.refit.is_some() && (self.refit_mode == RefitMode::Pause || self.samples.is_empty()) {
+            let drained = self.running.is_empty() && !self.waiting.iter().any(|w| matches!(w, Waiting::Preempted(_)));
+            if self.refit.is_some() && (self.config.refit_mode == RefitMode::Pause || drained) {
                 self.apply_refit();
             }
-            if self.refit.is_none() {
-                self.admit();
-            }
-            if !self.samples.is_empty() {
-                self.step();
-            }
+            self.step();
+            self.publish();
         }
     }
 
     fn take(&mut self, command: Command) {
         match command {
-            Command::Generate(submission) => self.waiting.push_back(submission),
+            Command::Generate(submission) => self.waiting.push_back(Waiting::New(submission)),
             Command::Refit(refit) => {
                 if let Some(previous) = self.refit.replace(refit) {
                     let _ = previous.done.send(Err(format!(
@@ -228,13 +327,18 @@ impl Scheduler {
         }
     }
 
-    /// Copies the new weights in (the model keeps its old weights if they do not fit).
+    /// Copies the new weights in (the model keeps its old weights if they do not fit) and
+    /// forgets the prefix cache.
     fn apply_refit(&mut self) {
         let Some(refit) = self.refit.take() else { return };
         let outcome = self.model.reload_weights(&refit.dir).map_err(|e| e.to_string());
         let seconds = refit.requested.elapsed().as_secs_f64();
         match &outcome {
             Ok(()) => {
+                self.blocks.clear_cache();
+                for seq in &mut self.running {
+                    seq.cacheable = false;
+                }
                 self.stats.weight_version.store(refit.version, Ordering::Relaxed);
                 self.stats.refits.fetch_add(1, Ordering::Relaxed);
                 self.stats.last_refit_micros.store((seconds * 1e6) as u64, Ordering::Relaxed);
@@ -245,186 +349,371 @@ impl Scheduler {
         let _ = refit.done.send(outcome.map(|()| seconds));
     }
 
-    /// Admits waiting requests in arrival order while their samples fit in free slots.
-    fn admit(&mut self) {
-        while let Some(front) = self.waiting.front() {
-            if front.events.is_closed() {
-                self.waiting.pop_front();
-                self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-                continue;
-            }
-            if front.request.n > self.free.len() {
-                break;
-            }
-            let Some(submission) = self.waiting.pop_front() else { break };
-            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if let Err(e) = self.prefill(submission) {
-                tracing::warn!("prefill failed: {e}");
-            }
-        }
+    fn publish(&self) {
+        let waiting = self.waiting.len();
+        self.stats.waiting.store(waiting, Ordering::Relaxed);
+        self.stats.running.store(self.running.len(), Ordering::Relaxed);
+        self.stats.blocks_used.store(self.blocks.used(), Ordering::Relaxed);
+        self.stats.prefix_queried.store(self.blocks.stats.queried, Ordering::Relaxed);
+        self.stats.prefix_hits.store(self.blocks.stats.hits, Ordering::Relaxed);
     }
 
-    fn prefill(&mut self, submission: Submission) -> keel_model::Result<()> {
-        let Submission { request, events, arrived } = submission;
-        let slots: Vec<usize> = (0..request.n).filter_map(|_| self.free.pop()).collect();
-        let prompt = Tensor::from_slice(&request.prompt).f_unsqueeze(0)?;
-        let logits = match self.model.forward(&prompt, &slots[..1]) {
-            Ok(logits) => logits,
-            Err(e) => {
-                for &slot in &slots {
-                    let _ = self.model.reset(slot);
-                    self.free.push(slot);
-                }
-                let _ = events.send(Event::Failed(e.to_string()));
-                return Err(e);
-            }
-        };
-        let divisor = Sampler::new(request.sampling.clone())?.logit_divisor() as f32;
-        let last = row_logprobs(&logits.f_select(1, -1)?, &[divisor])?;
-        self.stats.prompt_tokens.fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
-        self.stats.ttft_micros.fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
-        self.stats.ttft_count.fetch_add(1, Ordering::Relaxed);
-        let id = self.requests.iter().position(Option::is_none).unwrap_or(self.requests.len());
-        let running = Running { request: request.clone(), events, live: request.n };
-        if id == self.requests.len() {
-            self.requests.push(Some(running));
-        } else {
-            self.requests[id] = Some(running);
+    /// Makes room in `seq`'s blocks for its next `take` tokens: a shared block about to be
+    /// written is copied first, new blocks are appended.
+    fn reserve(&mut self, seq: usize, take: usize) -> Result<(), Shortage> {
+        let s = &self.running[seq];
+        let grow = blocks_for(s.computed + take).saturating_sub(s.blocks.len());
+        let written = s.computed / BLOCK_SIZE;
+        let copy = !s.computed.is_multiple_of(BLOCK_SIZE) && self.blocks.is_shared(s.blocks[written]);
+        if self.blocks.available() < grow + usize::from(copy) {
+            return Err(Shortage::NoBlocks);
         }
-        for (index, &slot) in slots.iter().enumerate() {
-            if index > 0 {
-                self.model.copy_slot(slots[0], slot)?;
+        if copy {
+            let fresh = self.blocks.allocate().ok_or(Shortage::NoBlocks)?;
+            let old = self.running[seq].blocks[written];
+            if let Err(e) = self.model.copy_block(old as usize, fresh as usize) {
+                self.blocks.release(fresh);
+                return Err(Shortage::Failed(e));
             }
-            let params =
-                SamplingParams { seed: request.sampling.seed.wrapping_add(index as u64), ..request.sampling.clone() };
-            let sampler = Sampler::new(params)?;
-            let mut sample = Sample {
-                request: id,
-                index,
-                slot,
-                sampler,
-                generated: Vec::new(),
-                text: Detokenizer::default(),
-                pending: 0,
-            };
-            let outcome = self.take_token(&mut sample, &last)?;
-            self.place(sample, outcome);
+            self.blocks.release(old);
+            self.running[seq].blocks[written] = fresh;
         }
-        self.stats.running.store(self.samples.len(), Ordering::Relaxed);
-        self.stats.slots_used.store(self.model.slots() - self.free.len(), Ordering::Relaxed);
+        for _ in 0..grow {
+            let block = self.blocks.allocate().ok_or(Shortage::NoBlocks)?;
+            self.running[seq].blocks.push(block);
+        }
         Ok(())
     }
 
-    /// Samples the next token of `sample` from its row's `logprobs`, reports it, and says
-    /// whether (and why) the sample ends.
-    fn take_token(
-        &self,
-        sample: &mut Sample,
-        logprobs: &[f32],
-    ) -> keel_model::Result<Option<(Finish, Option<String>)>> {
-        let Some(running) = self.requests[sample.request].as_ref() else { return Ok(Some((Finish::Abort, None))) };
-        let request = &running.request;
-        let (token, logprob, top) = sample.sampler.sample_logprobs(logprobs, request.top_logprobs)?;
-        sample.generated.push(token);
-        sample.pending = token;
-        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let sent = running.events.send(Event::Token(TokenOut { index: sample.index, token, logprob, top }));
-        if sent.is_err() {
-            return Ok(Some((Finish::Abort, None)));
-        }
-        if request.stop_token_ids.contains(&token) {
-            return Ok(Some((Finish::Stop, None)));
-        }
-        if let Some(stop) = self.stop_string(request, sample) {
-            return Ok(Some((Finish::Stop, Some(stop))));
-        }
-        if sample.generated.len() >= request.max_tokens || self.model.len(sample.slot) + 1 > self.model.capacity() {
-            return Ok(Some((Finish::Length, None)));
-        }
-        Ok(None)
+    /// Lets the running sequence at `at` go: blocks freed, tokens kept, first in the queue.
+    fn preempt(&mut self, at: usize) {
+        let mut seq = self.running.remove(at);
+        self.blocks.release_all(&mut seq.blocks);
+        seq.computed = 0;
+        seq.registered = 0;
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(request = seq.request, sample = seq.index, tokens = seq.tokens.len(), "preempted");
+        self.waiting.push_front(Waiting::Preempted(seq));
     }
 
-    /// A stop string that the sample's newest text completes. Only the new text and the
-    /// stop strings' length before it are searched: earlier text was searched already.
-    fn stop_string(&self, request: &GenRequest, sample: &mut Sample) -> Option<String> {
-        if request.stop.is_empty() {
-            return None;
-        }
-        let added = sample.text.update(self.tokenizer.as_ref()?, &sample.generated);
-        let text = sample.text.text();
-        let longest = request.stop.iter().map(String::len).max().unwrap_or(0);
-        let mut from = text.len().saturating_sub(added + longest);
-        while !text.is_char_boundary(from) {
-            from -= 1;
-        }
-        request.stop.iter().find(|s| text[from..].contains(s.as_str())).cloned()
+    /// Sequences counted against `max_num_seqs`: every running sample, and the samples a
+    /// running prompt will fork into.
+    fn seats(&self) -> usize {
+        self.running.iter().map(|s| s.forks).sum()
     }
 
-    /// Keeps a sample running, or ends it and frees its slot.
-    fn place(&mut self, sample: Sample, outcome: Option<(Finish, Option<String>)>) {
-        match outcome {
-            None => self.samples.push(sample),
-            Some((reason, stop)) => self.finish(sample, reason, stop),
-        }
-    }
-
-    fn finish(&mut self, sample: Sample, reason: Finish, stop: Option<String>) {
-        if let Err(e) = self.model.reset(sample.slot) {
-            tracing::error!(slot = sample.slot, "cannot empty the slot: {e}");
-        }
-        self.free.push(sample.slot);
-        if let Some(running) = self.requests[sample.request].as_mut() {
-            let version = self.stats.weight_version.load(Ordering::Relaxed);
-            let _ = running.events.send(Event::Finished { index: sample.index, reason, stop, version });
-            running.live -= 1;
-            if running.live == 0 {
-                self.requests[sample.request] = None;
-                self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// One decode step for every running sample.
+    /// One scheduling decision and forward pass.
     fn step(&mut self) {
-        let started = Instant::now();
-        let mut samples = std::mem::take(&mut self.samples);
-        // Ascending slots: a run of consecutive slots is read from the cache without a copy.
-        samples.sort_by_key(|s| s.slot);
-        let slots: Vec<usize> = samples.iter().map(|s| s.slot).collect();
-        let tokens: Vec<i64> = samples.iter().map(|s| s.pending).collect();
-        let divisors: Vec<f32> = samples.iter().map(|s| s.sampler.logit_divisor() as f32).collect();
-        let logprobs = Tensor::from_slice(&tokens)
-            .f_unsqueeze(1)
-            .map_err(keel_model::Error::from)
-            .and_then(|input| self.model.forward(&input, &slots))
-            .and_then(|logits| row_logprobs(&logits.f_select(1, 0)?, &divisors));
-        match logprobs {
-            Ok(logprobs) => {
-                let vocab = logprobs.len() / samples.len().max(1);
-                for (row, mut sample) in samples.into_iter().enumerate() {
-                    match self.take_token(&mut sample, &logprobs[row * vocab..(row + 1) * vocab]) {
-                        Ok(outcome) => self.place(sample, outcome),
-                        Err(e) => {
-                            if let Some(running) = self.requests[sample.request].as_ref() {
-                                let _ = running.events.send(Event::Failed(e.to_string()));
-                            }
-                            self.finish(sample, Finish::Abort, None);
-                        }
-                    }
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut plan: Vec<usize> = Vec::new();
+        let mut at = 0;
+        while at < self.running.len() && budget > 0 {
+            let s = &self.running[at];
+            let take = (s.tokens.len() - s.computed).min(budget);
+            match self.reserve(at, take) {
+                Ok(()) => {
+                    plan.push(take);
+                    budget -= take;
+                    at += 1;
+                }
+                Err(Shortage::NoBlocks) => self.preempt(self.running.len() - 1),
+                Err(Shortage::Failed(e)) => {
+                    tracing::error!("cannot copy a shared KV block: {e}");
+                    let seq = self.running.remove(at);
+                    self.fail(seq, &e.to_string());
                 }
             }
+        }
+        self.admit(&mut budget, &mut plan);
+        if plan.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let chunks: Vec<SeqChunk> = self
+            .running
+            .iter()
+            .zip(&plan)
+            .map(|(s, &take)| SeqChunk {
+                tokens: s.tokens[s.computed..s.computed + take].to_vec(),
+                context: s.computed,
+                blocks: s.blocks.clone(),
+                logits: s.computed + take == s.tokens.len(),
+            })
+            .collect();
+        let tokens: usize = plan.iter().sum();
+        let scheduled = plan.len();
+        let outcome = self.model.forward(&chunks).and_then(|logits| self.draw(&logits, &chunks));
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+        match outcome {
+            Ok(drawn) => self.advance(&plan, drawn),
             Err(e) => {
-                tracing::error!("decode step failed: {e}");
-                for sample in samples {
-                    if let Some(running) = self.requests[sample.request].as_ref() {
-                        let _ = running.events.send(Event::Failed(e.to_string()));
-                    }
-                    self.finish(sample, Finish::Abort, None);
+                tracing::error!("step failed: {e}");
+                let message = e.to_string();
+                for seq in self.running.drain(..scheduled).collect::<Vec<_>>() {
+                    self.fail(seq, &message);
                 }
             }
         }
         self.stats.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-        self.stats.running.store(self.samples.len(), Ordering::Relaxed);
-        self.stats.slots_used.store(self.model.slots() - self.free.len(), Ordering::Relaxed);
+    }
+
+    /// Admits waiting work in order while the budget, the sequence limit and free blocks
+    /// allow; each admitted sequence joins `running` (and `plan`) with its first chunk.
+    fn admit(&mut self, budget: &mut usize, plan: &mut Vec<usize>) {
+        while *budget > 0 {
+            let Some(front) = self.waiting.front() else { break };
+            let seq = match front {
+                Waiting::New(submission) => {
+                    if submission.events.is_closed() {
+                        self.waiting.pop_front();
+                        continue;
+                    }
+                    if self.refit.is_some() && self.config.refit_mode == RefitMode::Drain {
+                        break;
+                    }
+                    if self.seats() + submission.request.n > self.config.max_num_seqs {
+                        break;
+                    }
+                    let request = &submission.request;
+                    let mut keys = Vec::new();
+                    extend_keys(&mut keys, &request.prompt);
+                    Sequence {
+                        request: usize::MAX,
+                        index: 0,
+                        forks: request.n,
+                        tokens: request.prompt.clone(),
+                        prompt_len: request.prompt.len(),
+                        computed: 0,
+                        blocks: Vec::new(),
+                        keys,
+                        registered: 0,
+                        cacheable: true,
+                        text: Detokenizer::default(),
+                    }
+                }
+                Waiting::Preempted(seq) => {
+                    if self.requests[seq.request].as_ref().is_none_or(|r| r.events.is_closed()) {
+                        let Some(Waiting::Preempted(seq)) = self.waiting.pop_front() else { break };
+                        self.finish(seq, Finish::Abort, None);
+                        continue;
+                    }
+                    if self.seats() + seq.forks > self.config.max_num_seqs {
+                        break;
+                    }
+                    seq.clone()
+                }
+            };
+            let Some(seq) = self.start_sequence(seq, *budget) else { break };
+            let take = (seq.tokens.len() - seq.computed).min(*budget);
+            *budget -= take;
+            plan.push(take);
+            match self.waiting.pop_front() {
+                Some(Waiting::New(submission)) => {
+                    let id = self.open_request(submission);
+                    self.running.push(Sequence { request: id, ..seq });
+                }
+                _ => self.running.push(seq),
+            }
+        }
+    }
+
+    /// `seq` with its cached prefix and the blocks of its first chunk, or `None` (nothing
+    /// taken) when the pool cannot hold that chunk now.
+    fn start_sequence(&mut self, mut seq: Sequence, budget: usize) -> Option<Sequence> {
+        extend_keys(&mut seq.keys, &seq.tokens);
+        // At least one token is computed, for the logits of the next.
+        let limit = (seq.tokens.len() - 1) / BLOCK_SIZE;
+        seq.blocks = self.blocks.lookup(&seq.keys, &seq.tokens, limit);
+        seq.computed = seq.blocks.len() * BLOCK_SIZE;
+        seq.registered = seq.blocks.len();
+        let take = (seq.tokens.len() - seq.computed).min(budget);
+        let grow = blocks_for(seq.computed + take) - seq.blocks.len();
+        if self.blocks.available() < grow {
+            self.blocks.release_all(&mut seq.blocks);
+            return None;
+        }
+        for _ in 0..grow {
+            seq.blocks.push(self.blocks.allocate()?);
+        }
+        Some(seq)
+    }
+
+    fn open_request(&mut self, submission: Submission) -> usize {
+        let Submission { request, events, arrived } = submission;
+        let running = Running { live: request.n, request, events, arrived, first_token: false };
+        match self.requests.iter().position(Option::is_none) {
+            Some(id) => {
+                self.requests[id] = Some(running);
+                id
+            }
+            None => {
+                self.requests.push(Some(running));
+                self.requests.len() - 1
+            }
+        }
+    }
+
+    /// The draws of this step: one per sample of each chunk that ends at its sequence's
+    /// last token (a finished prompt draws once for every sample it forks into).
+    fn draw(&self, logits: &Tensor, chunks: &[SeqChunk]) -> keel_model::Result<Vec<Sampled>> {
+        let mut rows = Vec::new();
+        let mut draws = Vec::new();
+        let mut row = 0i64;
+        for (seq, chunk) in self.running.iter().zip(chunks) {
+            if !chunk.logits {
+                continue;
+            }
+            let Some(running) = self.requests[seq.request].as_ref() else {
+                return Err(keel_model::Error::InvalidInput("a running sequence lost its request".into()));
+            };
+            let request = &running.request;
+            let generated = seq.tokens.len() - seq.prompt_len;
+            let banned: &[i64] = if generated < request.min_tokens { &request.stop_token_ids } else { &[] };
+            for fork in 0..seq.forks {
+                let index = seq.index + fork;
+                rows.push(row);
+                draws.push(Draw {
+                    params: &request.sampling,
+                    seed: request.sampling.seed.wrapping_add(index as u64),
+                    step: generated as u64,
+                    top_logprobs: request.top_logprobs,
+                    banned,
+                });
+            }
+            row += 1;
+        }
+        if draws.is_empty() {
+            return Ok(Vec::new());
+        }
+        let logits = if rows.len() as i64 == row {
+            logits.shallow_clone()
+        } else {
+            logits.f_index_select(0, &Tensor::from_slice(&rows).f_to_device(logits.device())?)?
+        };
+        sample(&logits, &draws)
+    }
+
+    /// Moves the scheduled sequences past this step: computed tokens, cached blocks, forks,
+    /// new tokens and finished samples.
+    fn advance(&mut self, plan: &[usize], drawn: Vec<Sampled>) {
+        let scheduled: Vec<Sequence> = self.running.drain(..plan.len()).collect();
+        let mut kept = Vec::with_capacity(self.running.len() + scheduled.len());
+        let mut drawn = drawn.into_iter();
+        for (mut seq, &take) in scheduled.into_iter().zip(plan) {
+            seq.computed += take;
+            self.register(&mut seq);
+            if seq.computed < seq.tokens.len() {
+                kept.push(seq);
+                continue;
+            }
+            let forks = std::mem::replace(&mut seq.forks, 1);
+            let mut samples = Vec::with_capacity(forks);
+            for fork in 1..forks {
+                let mut twin = seq.clone();
+                twin.index = seq.index + fork;
+                for &block in &twin.blocks {
+                    self.blocks.share(block);
+                }
+                samples.push(twin);
+            }
+            samples.insert(0, seq);
+            for mut sample in samples {
+                let Some(token) = drawn.next() else {
+                    self.fail(sample, "the step drew fewer tokens than it has samples");
+                    continue;
+                };
+                match self.take_token(&mut sample, token) {
+                    None => kept.push(sample),
+                    Some((reason, stop)) => self.finish(sample, reason, stop),
+                }
+            }
+        }
+        kept.append(&mut self.running);
+        self.running = kept;
+    }
+
+    /// Enters `seq`'s newly full blocks in the prefix cache.
+    fn register(&mut self, seq: &mut Sequence) {
+        if !seq.cacheable {
+            return;
+        }
+        extend_keys(&mut seq.keys, &seq.tokens[..seq.computed]);
+        let full = seq.computed / BLOCK_SIZE;
+        for block in seq.registered..full {
+            let tokens = &seq.tokens[block * BLOCK_SIZE..(block + 1) * BLOCK_SIZE];
+            self.blocks.register(seq.blocks[block], seq.keys[block], tokens);
+        }
+        seq.registered = seq.registered.max(full);
+    }
+
+    /// Appends `token` to `sample`, reports it, and says whether (and why) the sample ends.
+    fn take_token(&mut self, sample: &mut Sequence, token: Sampled) -> Option<(Finish, Option<String>)> {
+        let Some(running) = self.requests[sample.request].as_mut() else { return Some((Finish::Abort, None)) };
+        if !running.first_token {
+            running.first_token = true;
+            self.stats.prompt_tokens.fetch_add(sample.prompt_len as u64, Ordering::Relaxed);
+            self.stats.ttft_micros.fetch_add(running.arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
+            self.stats.ttft_count.fetch_add(1, Ordering::Relaxed);
+        }
+        let request = &running.request;
+        sample.tokens.push(token.token);
+        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let out = TokenOut { index: sample.index, token: token.token, logprob: token.logprob, top: token.top };
+        if running.events.send(Event::Token(out)).is_err() {
+            return Some((Finish::Abort, None));
+        }
+        let generated = sample.generated().len();
+        if generated >= request.min_tokens {
+            if request.stop_token_ids.contains(&token.token) {
+                return Some((Finish::Stop, None));
+            }
+            if !request.stop.is_empty()
+                && let Some(tokenizer) = &self.tokenizer
+            {
+                let added = sample.text.update(tokenizer, &sample.tokens[sample.prompt_len..]);
+                let text = sample.text.text();
+                let longest = request.stop.iter().map(String::len).max().unwrap_or(0);
+                let mut from = text.len().saturating_sub(added + longest);
+                while !text.is_char_boundary(from) {
+                    from -= 1;
+                }
+                if let Some((_, stop)) = first_stop(&text[from..], &request.stop) {
+                    return Some((Finish::Stop, Some(stop.to_string())));
+                }
+            }
+        }
+        if generated >= request.max_tokens || sample.tokens.len() >= self.config.max_model_len {
+            return Some((Finish::Length, None));
+        }
+        None
+    }
+
+    /// Ends `sample`: its blocks are let go and its request hears why.
+    fn finish(&mut self, mut sample: Sequence, reason: Finish, stop: Option<String>) {
+        self.blocks.release_all(&mut sample.blocks);
+        // The gauges change before the request hears, so a caller that saw it finish sees them.
+        self.stats.blocks_used.store(self.blocks.used(), Ordering::Relaxed);
+        let Some(running) = self.requests.get_mut(sample.request).and_then(Option::as_mut) else { return };
+        let version = self.stats.weight_version.load(Ordering::Relaxed);
+        running.live = running.live.saturating_sub(sample.forks);
+        let done = running.live == 0;
+        if done {
+            self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
+        }
+        for index in sample.index..sample.index + sample.forks {
+            let _ = running.events.send(Event::Finished { index, reason, stop: stop.clone(), version });
+        }
+        if done {
+            self.requests[sample.request] = None;
+        }
+    }
+
+    /// Ends `sample` and fails its request with `message`.
+    fn fail(&mut self, sample: Sequence, message: &str) {
+        if let Some(running) = self.requests.get(sample.request).and_then(Option::as_ref) {
+            let _ = running.events.send(Event::Failed(message.to_string()));
+        }
+        self.finish(sample, Finish::Abort, None);
     }
 }

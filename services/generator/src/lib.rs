@@ -2,8 +2,12 @@
 //!
 //! Layout:
 //! - [`api`]: the OpenAI-compatible wire types and the OpenAPI document they generate.
-//! - [`engine`]: the scheduler thread — continuous batching over a preallocated slot KV
-//!   cache, one prefill shared by a request's n samples, per-sample seeded sampling, stops.
+//! - [`engine`]: the scheduler thread — continuous batching over a paged KV cache with a
+//!   token budget per step (chunked prefill, several prompts per pass), preemption and
+//!   recomputation, prompt blocks shared by a request's n samples, the prefix cache,
+//!   per-sample seeded sampling on the device, stops.
+//! - [`blocks`]: the block manager (reference counts, prefix cache, LRU eviction).
+//! - [`backend`]: the model (or tensor-parallel ranks) and its block pools.
 //! - [`request`]: the validated request and the events the engine sends back.
 //! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
 //!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full.
@@ -14,6 +18,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod blocks;
 pub mod engine;
 pub mod openai;
 pub mod request;
@@ -42,11 +47,19 @@ pub struct Config {
     pub device: String,
     /// f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
     pub dtype: Option<String>,
-    /// Sequences decoded together (KV-cache slots).
+    /// Sequences running at once (a scheduling limit; memory is the KV cache's).
     pub max_num_seqs: usize,
-    /// Tokens per sequence, prompt included (default: the model's context, at most 4096).
+    /// Tokens one engine step computes: the running decodes plus prompt chunks.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per request, prompt included (default: the model's context, at most 4096).
     pub max_model_len: Option<i64>,
-    /// Requests waiting for slots before new ones get 429.
+    /// Bytes of KV cache. Default on the CPU: 2 GiB (committed as blocks are first used); on CUDA: what `gpu_memory_utilization`
+    /// leaves.
+    pub kv_cache_memory_bytes: Option<u64>,
+    /// On CUDA, the fraction of the GPU's memory this generator may use (weights, KV cache
+    /// and activations), as vLLM's option of the same name.
+    pub gpu_memory_utilization: f64,
+    /// Requests waiting to run before new ones get 429.
     pub max_waiting: usize,
     /// NATS server for rollouts and refits (default `KEEL_NATS_URL` or nats://127.0.0.1:4222).
     pub nats_url: String,
@@ -63,6 +76,19 @@ impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), String> {
         if self.max_num_seqs == 0 {
             return Err("max_num_seqs: must be at least 1".into());
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(format!(
+                "max_num_batched_tokens: must be at least max_num_seqs ({}), so that every running sequence decodes \
+                 each step; got {}",
+                self.max_num_seqs, self.max_num_batched_tokens
+            ));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(format!("gpu_memory_utilization: must be in (0, 1], got {}", self.gpu_memory_utilization));
+        }
+        if self.kv_cache_memory_bytes == Some(0) {
+            return Err("kv_cache_memory_bytes: must be positive".into());
         }
         if !(1..=64).contains(&self.tensor_parallel_size) {
             return Err(format!("tensor_parallel_size: must be 1 to 64, got {}", self.tensor_parallel_size));
@@ -83,7 +109,10 @@ pub fn default_config() -> Config {
         device: "cpu".into(),
         dtype: None,
         max_num_seqs: 16,
+        max_num_batched_tokens: 8192,
         max_model_len: None,
+        kv_cache_memory_bytes: None,
+        gpu_memory_utilization: 0.85,
         max_waiting: 64,
         nats_url: keel_service::nats::default_url(),
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
@@ -108,15 +137,16 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         return Err(format!("max_model_len {max_model_len} exceeds the model's context of {context}"));
     }
     let vocab_size = model_config.vocab_size;
-    let slots = config.max_num_seqs;
-    let backend = if config.tensor_parallel_size > 1 {
-        let world = config.tensor_parallel_size;
-        backend::Backend::sharded(model_dir, world, device, kind, slots, max_model_len)
-    } else {
-        keel_model::CausalLm::load(model_dir, device, kind)
-            .and_then(|model| backend::Backend::whole(model, slots, max_model_len))
-    }
-    .map_err(|e| e.to_string())?;
+    let world = config.tensor_parallel_size;
+    let blocks = kv_cache_blocks(config, &model_config, device, kind)?;
+    let dir = model_dir.to_path_buf();
+    let backend = move || {
+        if world > 1 {
+            backend::Backend::sharded(&dir, world, device, kind, blocks)
+        } else {
+            keel_model::CausalLm::load(&dir, device, kind).and_then(|model| backend::Backend::whole(model, blocks))
+        }
+    };
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     if eos_token_ids.is_empty() {
         eos_token_ids = model_config.eos_token_ids.clone();
@@ -125,11 +155,73 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         model_dir.file_name().map_or_else(|| model_dir.display().to_string(), |n| n.to_string_lossy().into_owned())
     });
     let tokenizer = Arc::new(tokenizer);
-    let engine = engine::Engine::start_backend(backend, Some(tokenizer.clone()), config.refit_mode)
-        .map_err(|e| e.to_string())?;
-    let limits = request::Limits { vocab_size, max_model_len: max_model_len as usize, slots, eos_token_ids };
+    let engine_config = engine::EngineConfig {
+        max_num_seqs: config.max_num_seqs,
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_model_len: max_model_len as usize,
+        refit_mode: config.refit_mode,
+    };
+    let engine =
+        engine::Engine::start_with(backend, Some(tokenizer.clone()), engine_config).map_err(|e| e.to_string())?;
+    let limits = request::Limits {
+        vocab_size,
+        max_model_len: max_model_len as usize,
+        max_num_seqs: config.max_num_seqs,
+        eos_token_ids,
+    };
     let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));
     Ok(openai::AppState { engine, tokenizer, model_name, limits, admission })
+}
+
+/// Default KV-cache bytes on the CPU.
+const CPU_KV_CACHE_BYTES: u64 = 2 << 30;
+
+/// Blocks per device of the KV cache: `kv_cache_memory_bytes` when set; on the CPU 2 GiB;
+/// on CUDA the share of the GPU that `gpu_memory_utilization` allows, less what is in use
+/// before loading, the weights (each rank's share) and an estimate of the activations of
+/// one step of `max_num_batched_tokens` tokens.
+fn kv_cache_blocks(
+    config: &Config,
+    cfg: &keel_model::ModelConfig,
+    device: tch::Device,
+    kind: tch::Kind,
+) -> Result<usize, String> {
+    let world = config.tensor_parallel_size as i64;
+    let kv_heads = (cfg.num_key_value_heads / world).max(1);
+    let bytes = match (config.kv_cache_memory_bytes, device) {
+        (Some(bytes), _) => bytes,
+        (None, tch::Device::Cuda(ordinal)) => {
+            let (free, total) = keel_collective::nccl::device_memory(ordinal).map_err(|e| e.to_string())?;
+            let element = kind.elt_size_in_bytes() as i64;
+            let (h, i, l, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size);
+            let attention = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2;
+            let embeddings = if cfg.tie_word_embeddings { v * h } else { 2 * v * h };
+            let weights = (embeddings + l * (attention + 3 * h * i)) * element / world;
+            let tokens = config.max_num_batched_tokens as i64;
+            let activations = tokens * (4 * h + 3 * i / world) * element + config.max_num_seqs as i64 * v * 4 * 4;
+            let allowed = (total as f64 * config.gpu_memory_utilization) as i64;
+            let budget = allowed - (total - free) as i64 - weights - activations;
+            tracing::info!(
+                total_gib = total as f64 / (1u64 << 30) as f64,
+                kv_cache_gib = budget as f64 / (1u64 << 30) as f64,
+                "KV cache sized from gpu_memory_utilization"
+            );
+            if budget <= 0 {
+                return Err(format!(
+                    "gpu_memory_utilization {} leaves no room for the KV cache on cuda:{ordinal} ({} of {} MiB free \
+                     before loading, about {} MiB of weights and {} MiB of activations)",
+                    config.gpu_memory_utilization,
+                    free >> 20,
+                    total >> 20,
+                    weights >> 20,
+                    activations >> 20
+                ));
+            }
+            budget as u64
+        }
+        (None, _) => CPU_KV_CACHE_BYTES,
+    };
+    Ok(backend::blocks_in(cfg, kv_heads, kind, bytes))
 }
 
 /// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
@@ -143,7 +235,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         let config = config.clone();
         tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| e.to_string())??
     };
-    tracing::info!(model = %loaded.model_name, slots = config.max_num_seqs, "model loaded");
+    tracing::info!(
+        model = %loaded.model_name,
+        max_num_seqs = config.max_num_seqs,
+        kv_blocks = loaded.engine.stats.blocks_total.load(std::sync::atomic::Ordering::Relaxed),
+        "model loaded"
+    );
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let mut parts = keel_service::parts::Parts::default();

@@ -178,6 +178,7 @@ impl AppState {
             include_stop_str_in_output: common.include_stop_str_in_output,
             ignore_eos: common.ignore_eos,
             top_logprobs,
+            min_tokens: common.min_tokens.unwrap_or(0),
         };
         self.limits.check(draft).map_err(|e| ApiError::bad(e.message, Some(e.param)))
     }
@@ -227,11 +228,27 @@ fn completion_logprobs(state: &AppState, s: &SampleOut, from: usize, offset: usi
         text_offset.push(at);
         at += t.len();
     }
-    let top_logprobs = s.top[from..]
-        .iter()
-        .map(|alts| alts.iter().map(|(id, lp)| (state.token_text(*id), Value::from(*lp))).collect())
-        .collect();
+    let top_logprobs =
+        (from..s.tokens.len()).map(|i| top_logprob_map(state, &s.top[i], s.tokens[i], s.logprobs[i])).collect();
     CompletionLogprobs { tokens, token_logprobs: s.logprobs[from..].to_vec(), top_logprobs, text_offset }
+}
+
+/// One token's top logprobs as completions return them: most likely first, with the sampled
+/// token among them (as OpenAI and vLLM do), keyed by text; a token whose text another key
+/// already has is keyed `token_id:<id>` so that no alternative is lost.
+fn top_logprob_map(state: &AppState, top: &[(i64, f32)], sampled: i64, logprob: f32) -> serde_json::Map<String, Value> {
+    let mut entries = top.to_vec();
+    if !entries.is_empty() && !entries.iter().any(|(id, _)| *id == sampled) {
+        let at = entries.iter().position(|(_, lp)| *lp < logprob).unwrap_or(entries.len());
+        entries.insert(at, (sampled, logprob));
+    }
+    let mut map = serde_json::Map::new();
+    for (id, lp) in entries {
+        let text = state.token_text(id);
+        let key = if map.contains_key(&text) { format!("token_id:{id}") } else { text };
+        map.insert(key, Value::from(lp));
+    }
+    map
 }
 
 /// Chat-style logprobs of tokens `from..`.
@@ -475,15 +492,19 @@ impl Chunks {
             let text = sample.text.text();
             (text[..streamable_len(text, &self.stops)].to_string(), None)
         };
-        if visible.len() < sample.sent_text || !visible.is_char_boundary(sample.sent_text) {
+        // A finished sample always sends its finish reason, even with no text left to show.
+        let delta = if visible.len() >= sample.sent_text && visible.is_char_boundary(sample.sent_text) {
+            visible[sample.sent_text..].to_string()
+        } else if finish.is_some() {
+            String::new()
+        } else {
             return None;
-        }
-        let delta = visible[sample.sent_text..].to_string();
+        };
         if delta.is_empty() && finish.is_none() {
             return None;
         }
         let (from, offset) = (sample.sent_tokens, sample.sent_text);
-        sample.sent_text = visible.len();
+        sample.sent_text = visible.len().max(sample.sent_text);
         sample.sent_tokens = sample.out.tokens.len();
         let stop_reason = sample.out.stop().map(str::to_string);
         Some(if self.settings.chat {
@@ -636,10 +657,63 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let gauge = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
     let mut out = String::new();
     let p = "keel_generator";
-    metric(&mut out, &format!("{p}_queue_depth"), "gauge", "Requests waiting for slots.", gauge(&s.waiting));
-    metric(&mut out, &format!("{p}_running_sequences"), "gauge", "Samples decoding now.", gauge(&s.running));
-    let used = gauge(&s.slots_used) / state.engine.slots as f64;
-    metric(&mut out, &format!("{p}_kv_slots_used_ratio"), "gauge", "Fraction of KV-cache slots in use.", used);
+    metric(
+        &mut out,
+        &format!("{p}_queue_depth"),
+        "gauge",
+        "Requests and preempted sequences waiting.",
+        gauge(&s.waiting),
+    );
+    metric(&mut out, &format!("{p}_running_sequences"), "gauge", "Sequences running now.", gauge(&s.running));
+    let (total, used) = (gauge(&s.blocks_total), gauge(&s.blocks_used));
+    metric(&mut out, &format!("{p}_kv_blocks_used"), "gauge", "KV-cache blocks held by sequences.", used);
+    metric(&mut out, &format!("{p}_kv_blocks_free"), "gauge", "KV-cache blocks free or evictable.", total - used);
+    metric(
+        &mut out,
+        &format!("{p}_kv_blocks_used_ratio"),
+        "gauge",
+        "Fraction of KV-cache blocks held.",
+        used / total.max(1.0),
+    );
+    metric(
+        &mut out,
+        &format!("{p}_preemptions_total"),
+        "counter",
+        "Sequences preempted for lack of KV blocks (recomputed later).",
+        count(&s.preemptions),
+    );
+    metric(
+        &mut out,
+        &format!("{p}_prefix_cache_queries_total"),
+        "counter",
+        "Full prompt blocks looked up in the prefix cache.",
+        count(&s.prefix_queried),
+    );
+    metric(
+        &mut out,
+        &format!("{p}_prefix_cache_hits_total"),
+        "counter",
+        "Full prompt blocks found in the prefix cache.",
+        count(&s.prefix_hits),
+    );
+    let hit_rate = count(&s.prefix_hits) / count(&s.prefix_queried).max(1.0);
+    metric(
+        &mut out,
+        &format!("{p}_prefix_cache_hit_rate"),
+        "gauge",
+        "Prefix-cache hits per block looked up.",
+        hit_rate,
+    );
+    metric(&mut out, &format!("{p}_steps_total"), "counter", "Forward passes (engine steps).", count(&s.steps));
+    metric(
+        &mut out,
+        &format!("{p}_step_tokens_total"),
+        "counter",
+        "Tokens computed by all steps (decodes and prompt chunks).",
+        count(&s.step_tokens),
+    );
+    let per_step = count(&s.step_tokens) / count(&s.steps).max(1.0);
+    metric(&mut out, &format!("{p}_tokens_per_step"), "gauge", "Mean tokens computed per step.", per_step);
     metric(
         &mut out,
         &format!("{p}_generated_tokens_total"),
@@ -668,7 +742,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         &mut out,
         &format!("{p}_decode_seconds_total"),
         "counter",
-        "Time spent in decode steps.",
+        "Time spent in engine steps.",
         count(&s.decode_micros) / 1e6,
     );
     metric(

@@ -21,6 +21,9 @@ pub struct GenRequest {
     pub include_stop_str_in_output: bool,
     /// How many most-likely alternatives to report per token (0 = none).
     pub top_logprobs: usize,
+    /// Tokens generated before a stop token or stop string may end a sample (stop tokens
+    /// are masked until then).
+    pub min_tokens: usize,
 }
 
 /// Why a sample ended.
@@ -74,7 +77,7 @@ pub enum Event {
 pub struct Limits {
     pub vocab_size: i64,
     pub max_model_len: usize,
-    pub slots: usize,
+    pub max_num_seqs: usize,
     pub eos_token_ids: Vec<i64>,
 }
 
@@ -102,6 +105,7 @@ pub struct Draft {
     pub include_stop_str_in_output: bool,
     pub ignore_eos: bool,
     pub top_logprobs: usize,
+    pub min_tokens: usize,
 }
 
 /// Most top logprobs a request may ask for.
@@ -135,10 +139,16 @@ impl Limits {
                 ),
             ));
         }
-        if draft.n == 0 || draft.n > self.slots {
+        if draft.n == 0 || draft.n > self.max_num_seqs {
             return Err(invalid(
                 "n",
-                format!("n must be between 1 and {} (the server's sequence slots), got {}", self.slots, draft.n),
+                format!("n must be between 1 and {} (the server's max_num_seqs), got {}", self.max_num_seqs, draft.n),
+            ));
+        }
+        if draft.min_tokens > max_tokens {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens ({}) must not exceed max_tokens ({max_tokens})", draft.min_tokens),
             ));
         }
         let t = draft.sampling.temperature;
@@ -175,6 +185,7 @@ impl Limits {
             stop: draft.stop,
             include_stop_str_in_output: draft.include_stop_str_in_output,
             top_logprobs: draft.top_logprobs,
+            min_tokens: draft.min_tokens,
         })
     }
 }

@@ -63,6 +63,7 @@ async fn rollout(state: &AppState, serving_run: &ServingRun, payload: &[u8]) -> 
         include_stop_str_in_output: request.include_stop_str_in_output,
         ignore_eos: request.ignore_eos,
         top_logprobs: 0,
+        min_tokens: 0,
     };
     let generation = match state.limits.check(draft) {
         Ok(generation) => generation,

@@ -48,7 +48,17 @@ impl Detokenizer {
     }
 }
 
-/// The final text of a sample whose decoded output is `text`, ended by `stop` if any.
+/// The earliest occurrence in `text` of any of `stops`: its byte offset and the stop string
+/// (the longest, when several start at the same offset).
+pub fn first_stop<'a>(text: &str, stops: &'a [String]) -> Option<(usize, &'a str)> {
+    stops
+        .iter()
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at, s.as_str())))
+        .min_by(|a, b| a.0.cmp(&b.0).then(b.1.len().cmp(&a.1.len())))
+}
+
+/// The final text of a sample whose decoded output is `text`, ended by the stop string
+/// `stop` if any: cut at that string's first occurrence, which it keeps when `include_stop`.
 pub fn final_text(text: &str, stop: Option<&str>, include_stop: bool) -> String {
     match stop.and_then(|s| text.find(s).map(|at| (at, s.len()))) {
         Some((at, len)) if include_stop => text[..at + len].to_string(),
@@ -57,12 +67,13 @@ pub fn final_text(text: &str, stop: Option<&str>, include_stop: bool) -> String 
     }
 }
 
-/// How much of `text` (a sample still running) is safe to stream: not a trailing
-/// replacement character (an incomplete UTF-8 sequence) and not a suffix that begins one of
-/// the `stops`.
+/// How much of `text` (a sample still running) is safe to stream: nothing from the first
+/// complete stop string on (the sample is about to end there, whatever token it ended
+/// inside), not a trailing replacement character (an incomplete UTF-8 sequence) and not a
+/// suffix that begins one of the `stops`.
 pub fn streamable_len(text: &str, stops: &[String]) -> usize {
     let trimmed = text.trim_end_matches('\u{FFFD}');
-    let mut end = trimmed.len();
+    let mut end = first_stop(trimmed, stops).map_or(trimmed.len(), |(at, _)| at);
     for stop in stops {
         for (at, _) in trimmed.char_indices() {
             if at >= end {
@@ -117,5 +128,10 @@ mod tests {
         assert_eq!(streamable_len("42</ans", &stops), 2);
         assert_eq!(streamable_len("42 and", &stops), 6);
         assert_eq!(streamable_len("x\u{FFFD}", &[]), 1);
+        // A stop string that ends inside a token never reaches the stream.
+        assert_eq!(streamable_len("42</answer>\nmore", &stops), 2);
+        let two = vec!["b".to_string(), "a".to_string()];
+        assert_eq!(streamable_len("xab", &two), 1);
+        assert_eq!(first_stop("xab", &two), Some((1, "a")));
     }
 }

@@ -156,6 +156,25 @@ async fn greedy_output_at_tensor_parallel_2_and_4_equals_tp_1() {
     assert!(error.contains("num_attention_heads"), "{error}");
 }
 
+/// A KV cache too small for one sequence of max_model_len, and limits that do not fit
+/// together, stop the service at start-up with one line naming the setting.
+#[test]
+fn a_cache_too_small_and_inconsistent_limits_are_start_up_errors() {
+    use keel_service::ServiceConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let tight = Config { kv_cache_memory_bytes: Some(64 * 1024), ..serve_config() };
+    let error = match load(&tight, &model) {
+        Ok(_) => panic!("64 KiB cannot hold a 256-token sequence"),
+        Err(e) => e,
+    };
+    assert!(error.contains("fewer than one sequence of max_model_len 256"), "{error}");
+    let error = Config { max_num_batched_tokens: 4, ..serve_config() }.validate().unwrap_err();
+    assert!(error.starts_with("max_num_batched_tokens:"), "{error}");
+    let error = Config { gpu_memory_utilization: 1.5, ..serve_config() }.validate().unwrap_err();
+    assert!(error.starts_with("gpu_memory_utilization:"), "{error}");
+}
+
 /// Mean of exp(|generator logprob − scorer logprob|) over a sample's tokens.
 fn logprob_error(model: &CausalLm, prompt: &[i64], tokens: &[i64], logprobs: &[f64], temperature: f64) -> f64 {
     let full: Vec<i64> = prompt.iter().chain(tokens).copied().collect();
@@ -329,6 +348,70 @@ async fn streaming_chat_stops_and_the_openai_surface() {
         metrics.contains("keel_generator_generated_tokens_total") && metrics.contains("keel_generator_queue_depth 0"),
         "{metrics}"
     );
+}
+
+/// For stop strings that end inside a token, span tokens or start the text, with the stop
+/// string cut or kept, the streamed text equals the whole response's and every streamed
+/// choice ends with the whole response's finish reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn streamed_and_whole_responses_agree_for_every_stop_string() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let base = json!({"model": "tiny", "prompt": "What is 12 + 30?", "max_tokens": 12, "temperature": 1.0,
+        "seed": 3, "ignore_eos": true});
+    let full = server.ok("/v1/completions", base.clone()).await["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = full.chars().collect();
+    let mut stops: Vec<String> = Vec::new();
+    for start in 0..chars.len() {
+        for len in [1, 2, 3, 5] {
+            let candidate: String = chars[start..(start + len).min(chars.len())].iter().collect();
+            if !candidate.trim().is_empty() && !stops.contains(&candidate) {
+                stops.push(candidate);
+            }
+        }
+    }
+    assert!(stops.len() >= 10, "the completion {full:?} gives few stop strings");
+    for (i, stop) in stops.iter().enumerate() {
+        let mut request = base.clone();
+        request["stop"] = json!([stop]);
+        request["include_stop_str_in_output"] = json!(i % 2 == 1);
+        let whole = server.ok("/v1/completions", request.clone()).await;
+        request["stream"] = json!(true);
+        let chunks = server.stream("/v1/completions", &request).await;
+        let choices: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"].get(0)).collect();
+        let joined: String = choices.iter().filter_map(|c| c["text"].as_str()).collect();
+        assert_eq!(joined, whole["choices"][0]["text"].as_str().unwrap(), "stop {stop:?}");
+        let finishes: Vec<&Value> = choices.iter().map(|c| &c["finish_reason"]).filter(|f| !f.is_null()).collect();
+        assert_eq!(finishes, [&whole["choices"][0]["finish_reason"]], "stop {stop:?}: one finish reason, the whole's");
+    }
+}
+
+/// `min_tokens` masks stop tokens until that many tokens are out.
+#[tokio::test(flavor = "multi_thread")]
+async fn min_tokens_hold_stop_tokens_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let base = json!({"model": "tiny", "prompt": prompt_ids(), "max_tokens": 10, "temperature": 0, "ignore_eos": true,
+        "return_token_ids": true});
+    let free = server.ok("/v1/completions", base.clone()).await;
+    let tokens: Vec<i64> = serde_json::from_value(free["choices"][0]["token_ids"].clone()).unwrap();
+    let stop = tokens[1];
+    let mut request = base.clone();
+    request["stop_token_ids"] = json!([stop]);
+    let stopped = server.ok("/v1/completions", request.clone()).await;
+    let first = tokens.iter().position(|&t| t == stop).unwrap() + 1;
+    assert_eq!(stopped["choices"][0]["token_ids"].as_array().unwrap().len(), first);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    request["min_tokens"] = json!(6);
+    let held = server.ok("/v1/completions", request.clone()).await;
+    let held_tokens: Vec<i64> = serde_json::from_value(held["choices"][0]["token_ids"].clone()).unwrap();
+    assert!(held_tokens.len() >= 6, "{held_tokens:?}");
+    assert!(!held_tokens[..6].contains(&stop), "no stop token among the first 6: {held_tokens:?}");
+    request["min_tokens"] = json!(11);
+    let (status, body) = server.post("/v1/completions", request).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("min_tokens")));
 }
 
 #[tokio::test(flavor = "multi_thread")]

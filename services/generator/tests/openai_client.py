@@ -27,8 +27,13 @@ def main():
     choice = whole.choices[0]
     check(choice.finish_reason == "length", f"finish_reason {choice.finish_reason}")
     check(len(choice.logprobs.token_logprobs) == 12, "12 token logprobs")
-    # Keys are token texts: two ids that decode alike share one key, as in OpenAI's legacy format.
-    check(all(1 <= len(t) <= 2 for t in choice.logprobs.top_logprobs), "2 top logprobs per token")
+    # The 2 most likely tokens, plus the sampled one when it is not among them (OpenAI's legacy
+    # format), most likely first; a token whose text is already a key is keyed by its id.
+    tops = choice.logprobs.top_logprobs
+    check(all(2 <= len(t) <= 3 for t in tops), "2 top logprobs per token, and the sampled token")
+    check(all(list(t.values()) == sorted(t.values(), reverse=True) for t in tops), "top logprobs by probability")
+    check(all(token in t or any(k.startswith("token_id:") for k in t)
+              for token, t in zip(choice.logprobs.tokens, tops)), "the sampled token among the top logprobs")
     check(len(choice.model_extra["token_ids"]) == 12, "return_token_ids")
     check(whole.usage.completion_tokens == 12, f"usage {whole.usage}")
 

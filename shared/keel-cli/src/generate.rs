@@ -1,4 +1,4 @@
-//! `keel generate bench`: the generator's engine (continuous batching scheduler, slot KV
+//! `keel generate bench`: the generator's engine (continuous batching scheduler, paged KV
 //! cache) on B simultaneous greedy requests, measured the way `bench/hf_generate.py`
 //! measures transformers' batched `generate`: time until every request has its first token,
 //! then decode tokens/s over the remaining tokens.
@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use keel_generator::engine::{Engine, RefitMode};
+use keel_generator::backend::Backend;
+use keel_generator::engine::{Engine, EngineConfig, RefitMode};
 use keel_generator::request::{Event, GenRequest};
 use keel_model::CausalLm;
 use keel_model::sampling::SamplingParams;
@@ -43,6 +44,9 @@ pub struct GenerateBenchArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Tokens per engine step (the generator's `max_num_batched_tokens`).
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
 }
 
 pub fn run(command: GenerateCommand) -> anyhow::Result<()> {
@@ -67,6 +71,7 @@ fn one_run(engine: &Engine, args: &GenerateBenchArgs, vocab: i64) -> anyhow::Res
             stop: Vec::new(),
             include_stop_str_in_output: false,
             top_logprobs: 0,
+            min_tokens: 0,
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         engine.submit(request, tx).map_err(anyhow::Error::msg)?;
@@ -96,10 +101,20 @@ fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
     crate::bench::set_threads(args.threads)?;
     let device = keel_model::device::parse_device(&args.device)?;
     let kind = keel_model::device::parse_kind(&args.dtype)?;
-    let model = CausalLm::load(&args.model, device, kind).context("loading the model")?;
-    let vocab = model.config().vocab_size;
-    let length = (args.prompt_tokens + args.decode_tokens) as i64;
-    let engine = Engine::start(model, None, args.batch, length, RefitMode::Drain)?;
+    let vocab = keel_model::ModelConfig::load(&args.model).context("reading the model's config")?.vocab_size;
+    let length = args.prompt_tokens + args.decode_tokens;
+    // Room for every request at once: the bench measures the engine, not preemption.
+    let blocks = args.batch * length.div_ceil(keel_model::BLOCK_SIZE);
+    let config = EngineConfig {
+        max_num_seqs: args.batch,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: length,
+        refit_mode: RefitMode::Drain,
+    };
+    // The engine loads the model on its own thread (see `Engine::start_with`).
+    let dir = args.model.clone();
+    let load = move || CausalLm::load(&dir, device, kind).and_then(|model| Backend::whole(model, blocks));
+    let engine = Engine::start_with(load, None, config).context("loading the model")?;
     one_run(&engine, &args, vocab)?;
     let runs = (0..args.repeats).map(|_| one_run(&engine, &args, vocab)).collect::<anyhow::Result<Vec<_>>>()?;
     let ttft = median(runs.iter().map(|r| r.0).collect());

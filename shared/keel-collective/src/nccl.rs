@@ -163,6 +163,12 @@ fn bind(ordinal: usize) -> Result<Arc<cudarc::driver::CudaContext>> {
     Ok(context)
 }
 
+/// Free and total bytes of GPU `ordinal`, as the driver sees them (every process's use
+/// counted): what a generator sizes its KV cache from.
+pub fn device_memory(ordinal: usize) -> Result<(usize, usize)> {
+    bind(ordinal)?.mem_get_info().map_err(|e| Error::Invalid(format!("CUDA device {ordinal}: {e}")))
+}
+
 fn data_type(kind: Kind) -> Result<c_int> {
     Ok(match kind {
         Kind::Int8 => 0,

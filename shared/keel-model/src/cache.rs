@@ -1,5 +1,12 @@
-//! A preallocated key/value cache for incremental decoding: per layer, keys and values of
-//! shape [batch, kv_heads, capacity, head_dim]; every row of the batch has the same length.
+//! Key/value caches for incremental decoding.
+//!
+//! - [`KvCache`]: preallocated keys and values [batch, kv_heads, capacity, head_dim] per
+//!   layer; every row has the same length (the CLI's benches and the contiguous reference).
+//! - [`PagedCache`]: one pool of fixed-size blocks per layer for continuous batching. A
+//!   sequence's keys and values live in the blocks its block table names, in any order; the
+//!   caller (the generator's block manager) decides which blocks a sequence owns, shares or
+//!   copies, and a forward pass ([`crate::PagedModel::forward_paged`]) reads and writes the
+//!   blocks where they are.
 
 use tch::{Device, Kind, Tensor};
 
@@ -89,171 +96,184 @@ impl KvCache {
     }
 }
 
-/// Where one forward pass writes its new keys and values and reads all of a layer's keys and
-/// values back.
+/// Where one forward pass keeps its keys and values and how it attends to them.
 pub(crate) trait LayerCache {
-    /// Stores layer `layer`'s new keys and values [B, kv_heads, S, D] and returns every key
-    /// and value the queries may see, [B, kv_heads, T, D].
-    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)>;
+    /// Attention output [B, heads, S, D] of layer `layer` for queries `q` [B, heads, S, D]
+    /// and the new keys and values `k`, `v` [B, kv_heads, S, D] (after rotary), which the
+    /// cache stores. `mask` and `window` say which keys each query sees.
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &crate::model::Mask,
+        window: Option<i64>,
+    ) -> Result<Tensor>;
 }
 
 impl LayerCache for KvCache {
-    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        KvCache::append(self, layer, k, v)
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &crate::model::Mask,
+        _window: Option<i64>,
+    ) -> Result<Tensor> {
+        let (k, v) = self.append(layer, k, v)?;
+        crate::model::attention(q, &k, &v, mask)
     }
 }
 
-/// A preallocated cache of independent sequences for continuous batching: `slots` rows of
-/// up to `capacity` tokens each, every row with its own length. A forward pass runs on any
-/// subset of rows ([`crate::CausalLm::forward_slots`]); rows of different lengths decode
-/// together, each query masked to its own row's tokens.
+/// Tokens per block of a [`PagedCache`] (vLLM's default).
+pub const BLOCK_SIZE: usize = 16;
+
+/// Per layer, one pool of `blocks` blocks of [`BLOCK_SIZE`] tokens (keys and values of
+/// shape [kv_heads, (blocks + 1) · BLOCK_SIZE, head_dim]: head-major, so that the blocks
+/// of a batch's rows gathered along the middle dimension are already the [heads, rows,
+/// keys, head_dim] that attention reads); the extra last block stays zero and pads the
+/// block tables of a batch to one length.
+///
+/// The pools are allocated without being written, so memory is committed as blocks are
+/// first used; a block is zeroed the first time a pass uses it, so that what lies past a
+/// sequence's end in its last block is always finite (a masked key must not turn an
+/// attention row into NaN).
 #[derive(Debug)]
-pub struct SlotCache {
-    keys: Vec<Tensor>,
-    values: Vec<Tensor>,
-    lens: Vec<i64>,
-    capacity: i64,
+pub struct PagedCache {
+    pub(crate) keys: Vec<Tensor>,
+    pub(crate) values: Vec<Tensor>,
+    blocks: usize,
+    kv_heads: i64,
+    head_dim: i64,
+    /// Blocks zeroed (or copied into) since the pool was made.
+    touched: Vec<bool>,
 }
 
-impl SlotCache {
-    pub fn new(cfg: &ModelConfig, slots: usize, capacity: i64, kind: Kind, device: Device) -> Result<Self> {
-        Self::with_kv_heads(cfg, cfg.num_key_value_heads, slots, capacity, kind, device)
+impl PagedCache {
+    pub fn new(cfg: &ModelConfig, blocks: usize, kind: Kind, device: Device) -> Result<Self> {
+        Self::with_kv_heads(cfg, cfg.num_key_value_heads, blocks, kind, device)
     }
 
-    /// A cache holding `kv_heads` of the model's KV heads (a tensor-parallel rank's share).
+    /// A pool holding `kv_heads` of the model's KV heads (a tensor-parallel rank's share).
     pub(crate) fn with_kv_heads(
         cfg: &ModelConfig,
         kv_heads: i64,
-        slots: usize,
-        capacity: i64,
+        blocks: usize,
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
-        if slots == 0 || capacity <= 0 {
-            return Err(Error::InvalidInput(format!(
-                "slot cache needs at least one slot and a positive capacity, got {slots} × {capacity}"
-            )));
+        if blocks == 0 {
+            return Err(Error::InvalidInput("a paged KV cache needs at least one block".into()));
         }
-        let shape = [slots as i64, kv_heads, capacity, cfg.head_dim];
+        let rows = (blocks as i64 + 1) * BLOCK_SIZE as i64;
+        let shape = [kv_heads, rows, cfg.head_dim];
         let layers = cfg.num_hidden_layers as usize;
-        let alloc =
-            || -> Result<Vec<Tensor>> { (0..layers).map(|_| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect() };
-        Ok(Self { keys: alloc()?, values: alloc()?, lens: vec![0; slots], capacity })
+        let alloc = || -> Result<Vec<Tensor>> {
+            (0..layers)
+                .map(|_| {
+                    let pool = Tensor::f_empty(shape, (kind, device))?;
+                    let _ = pool.f_narrow(1, rows - BLOCK_SIZE as i64, BLOCK_SIZE as i64)?.f_zero_()?;
+                    Ok(pool)
+                })
+                .collect()
+        };
+        let (keys, values) = (alloc()?, alloc()?);
+        Ok(Self { keys, values, blocks, kv_heads, head_dim: cfg.head_dim, touched: vec![false; blocks] })
     }
 
-    pub fn slots(&self) -> usize {
-        self.lens.len()
-    }
-
-    pub fn capacity(&self) -> i64 {
-        self.capacity
-    }
-
-    /// Tokens held by `slot`.
-    pub fn len(&self, slot: usize) -> i64 {
-        self.lens[slot]
-    }
-
-    /// Empties `slot` (its storage is reused).
-    pub fn reset(&mut self, slot: usize) {
-        self.lens[slot] = 0;
-    }
-
-    /// Makes `to` hold a copy of `from`'s tokens (n samples sharing one prefill).
-    pub fn copy_slot(&mut self, from: usize, to: usize) -> Result<()> {
-        let len = self.lens[from];
-        if from != to && len > 0 {
-            for tensors in [&mut self.keys, &mut self.values] {
-                for layer in tensors.iter_mut() {
-                    let source = layer.f_narrow(0, from as i64, 1)?.f_narrow(2, 0, len)?;
-                    layer.f_narrow(0, to as i64, 1)?.f_narrow(2, 0, len)?.f_copy_(&source)?;
+    /// Zeroes the blocks `chunks` use for the first time.
+    pub(crate) fn zero_fresh(&mut self, chunks: &[SeqChunk]) -> Result<()> {
+        let mut fresh = Vec::new();
+        for chunk in chunks {
+            let used = (chunk.context + chunk.tokens.len()).div_ceil(BLOCK_SIZE).min(chunk.blocks.len());
+            for &block in &chunk.blocks[..used] {
+                let b = block as usize;
+                if b < self.blocks && !self.touched[b] {
+                    self.touched[b] = true;
+                    fresh.push(i64::from(block));
                 }
             }
         }
-        self.lens[to] = len;
+        if fresh.is_empty() {
+            return Ok(());
+        }
+        let (kv_heads, head_dim) = (self.kv_heads, self.head_dim);
+        let index = Tensor::from_slice(&fresh).f_to_device(self.device())?;
+        for pool in self.keys.iter().chain(self.values.iter()) {
+            let _ = Self::block_view(pool, kv_heads, head_dim)?.f_index_fill_(1, &index, 0.0)?;
+        }
         Ok(())
     }
 
-    /// Checks the slots of one pass: distinct, in range, with room for `new_tokens` more.
-    pub(crate) fn check(
-        &self,
-        slots: &[usize],
-        layers: usize,
-        kind: Kind,
-        device: Device,
-        new_tokens: i64,
-    ) -> Result<()> {
-        let (cache_kind, cache_device) = self.keys.first().map_or((kind, device), |k| (k.kind(), k.device()));
-        if self.keys.len() != layers || cache_kind != kind || cache_device != device {
+    /// Bytes one block takes over every layer (keys and values) for `kv_heads` heads.
+    pub fn block_bytes(cfg: &ModelConfig, kv_heads: i64, kind: Kind) -> usize {
+        let elements = 2 * cfg.num_hidden_layers * BLOCK_SIZE as i64 * kv_heads * cfg.head_dim;
+        elements as usize * kind.elt_size_in_bytes()
+    }
+
+    /// Usable blocks (ids `0..blocks`).
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// The zero block that pads block tables.
+    pub(crate) fn pad_block(&self) -> i64 {
+        self.blocks as i64
+    }
+
+    /// Copies block `from` into block `to` in every layer (copy on write of a shared block).
+    pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
+        if from >= self.blocks || to >= self.blocks {
+            return Err(Error::InvalidInput(format!("block {from} or {to} is outside the pool of {}", self.blocks)));
+        }
+        let (size, from, to) = (BLOCK_SIZE as i64, from as i64, to as i64);
+        for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let source = pool.f_narrow(1, from * size, size)?;
+            pool.f_narrow(1, to * size, size)?.f_copy_(&source)?;
+        }
+        self.touched[to as usize] = self.touched[from as usize];
+        Ok(())
+    }
+
+    /// Checks that the pool was made for this model: layers, KV heads, dtype and device.
+    pub(crate) fn check(&self, layers: usize, kv_heads: i64, kind: Kind, device: Device) -> Result<()> {
+        let (pool_kind, pool_device) = self.keys.first().map_or((kind, device), |k| (k.kind(), k.device()));
+        if self.keys.len() != layers || self.kv_heads != kv_heads || pool_kind != kind || pool_device != device {
             return Err(Error::InvalidInput(format!(
-                "slot cache is for {} layers, {cache_kind:?} on {cache_device:?}; the model has {layers} layers, {kind:?} on {device:?}",
-                self.keys.len()
+                "paged KV cache is for {} layers of {} KV heads, {pool_kind:?} on {pool_device:?}; the model has {layers} \
+                 layers of {kv_heads}, {kind:?} on {device:?}",
+                self.keys.len(),
+                self.kv_heads
             )));
         }
-        for (i, &slot) in slots.iter().enumerate() {
-            if slot >= self.slots() || slots[..i].contains(&slot) {
-                return Err(Error::InvalidInput(format!("slot {slot} is out of range or repeated")));
-            }
-            if self.lens[slot] + new_tokens > self.capacity {
-                return Err(Error::InvalidInput(format!(
-                    "slot {slot} holds {} of {} tokens; {new_tokens} more do not fit",
-                    self.lens[slot], self.capacity
-                )));
-            }
-        }
         Ok(())
     }
 
-    pub(crate) fn advance(&mut self, slots: &[usize], new_tokens: i64) {
-        for &slot in slots {
-            self.lens[slot] += new_tokens;
-        }
+    /// A layer's pool as blocks: [kv_heads, blocks + 1, BLOCK_SIZE, head_dim].
+    pub(crate) fn block_view(pool: &Tensor, kv_heads: i64, head_dim: i64) -> Result<Tensor> {
+        Ok(pool.f_view([kv_heads, -1, BLOCK_SIZE as i64, head_dim])?)
+    }
+
+    /// The device the pools live on.
+    pub(crate) fn device(&self) -> Device {
+        self.keys.first().map_or(Device::Cpu, Tensor::device)
+    }
+
+    pub(crate) fn shape(&self) -> (i64, i64) {
+        (self.kv_heads, self.head_dim)
     }
 }
 
-/// One pass's view of a [`SlotCache`]: which rows, and where each row's new tokens go.
-pub(crate) struct SlotView<'a> {
-    pub cache: &'a mut SlotCache,
-    pub slots: &'a [usize],
-    /// Index tensor of `slots` on the cache's device.
-    pub index: Tensor,
-    /// Keys visible after this pass: the longest row's length plus the new tokens.
-    pub visible: i64,
-}
-
-impl LayerCache for SlotView<'_> {
-    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let new = k.size()[2];
-        if new == 1 {
-            // One token per row: a single indexed write per tensor at (slot, position).
-            let positions: Vec<i64> = self.slots.iter().map(|&slot| self.cache.lens[slot]).collect();
-            let positions = Tensor::from_slice(&positions).f_to_device(self.index.device())?;
-            let at = [Some(self.index.shallow_clone()), None, Some(positions), None];
-            for (store, value) in [(&mut self.cache.keys[layer], k), (&mut self.cache.values[layer], v)] {
-                let _ = store.f_index_put_(&at, &value.f_squeeze_dim(2)?, false)?;
-            }
-        } else {
-            for (row, &slot) in self.slots.iter().enumerate() {
-                let at = self.cache.lens[slot];
-                for (store, value) in [(&self.cache.keys[layer], k), (&self.cache.values[layer], v)] {
-                    store
-                        .f_narrow(0, slot as i64, 1)?
-                        .f_narrow(2, at, new)?
-                        .f_copy_(&value.f_narrow(0, row as i64, 1)?)?;
-                }
-            }
-        }
-        // Consecutive ascending slots are a view of the storage; others are gathered.
-        let first = self.slots[0];
-        let consecutive = self.slots.iter().enumerate().all(|(i, &slot)| slot == first + i);
-        let rows = |store: &Tensor| -> Result<Tensor> {
-            let selected = if consecutive {
-                store.f_narrow(0, first as i64, self.slots.len() as i64)?
-            } else {
-                store.f_index_select(0, &self.index)?
-            };
-            Ok(selected.f_narrow(2, 0, self.visible)?)
-        };
-        Ok((rows(&self.cache.keys[layer])?, rows(&self.cache.values[layer])?))
-    }
+/// One sequence's share of a paged forward pass: `tokens` continue the `context` tokens
+/// already in its blocks, and `blocks` (its block table) holds positions
+/// `0..context + tokens.len()`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqChunk {
+    pub tokens: Vec<i64>,
+    pub context: usize,
+    pub blocks: Vec<u32>,
+    /// Whether the pass returns logits for this chunk's last token.
+    pub logits: bool,
 }

@@ -5,10 +5,11 @@
 //! - [`config`]: `config.json` → [`ModelConfig`] (Llama, Qwen2, Qwen3, Mistral).
 //! - [`model`]: the layers and [`CausalLm`] (training logprobs, cached inference forward).
 //! - [`rope`]: rotary embeddings, including Llama 3 scaling.
-//! - [`cache`]: the preallocated [`KvCache`] and [`SlotCache`] (continuous batching).
+//! - [`cache`]: the preallocated [`KvCache`] and the block pools of [`PagedCache`]
+//!   (continuous batching).
 //! - [`weights`] and [`pretrained`]: safetensors load (memory-mapped) and save (sharded).
 //! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates.
-//! - [`sampling`]: single-sequence generation for the CLI.
+//! - [`sampling`]: batched sampling on the device; single-sequence generation for the CLI.
 //! - [`init`]: a new model directory with a trained tokenizer (`keel model init`).
 //! - [`device`]: device and dtype names, CUDA probing without panics.
 
@@ -25,9 +26,9 @@ pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
 
-pub use cache::{KvCache, SlotCache};
+pub use cache::{BLOCK_SIZE, KvCache, PagedCache, SeqChunk};
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{CausalLm, Init, SlotModel};
+pub use model::{CausalLm, Init, PagedModel};
 pub use tokenizer::Tokenizer;
 pub use weights::SaveOptions;

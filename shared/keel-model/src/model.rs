@@ -3,57 +3,23 @@
 //! `nn::VarStore` under Hugging Face's tensor names, so loading and saving are direct maps
 //! and an optimiser can train them.
 //!
-//! Two forward paths: [`CausalLm::token_logprobs`] for training and scoring (full right-padded
-//! sequences, logprobs of the next tokens computed in vocabulary chunks) and
-//! [`CausalLm::forward`] with an optional [`KvCache`] for prefill and incremental decoding.
+//! Three forward paths: [`CausalLm::token_logprobs`] for training and scoring (full
+//! right-padded sequences, logprobs of the next tokens computed in vocabulary chunks),
+//! [`CausalLm::forward`] with an optional [`KvCache`] for prefill and incremental decoding,
+//! and [`CausalLm::forward_paged`] for the generator: chunks of many sequences packed into
+//! one pass over a [`PagedCache`] (see [`paged`]).
 
 use tch::{Device, Kind, Tensor, nn};
 
+pub mod paged;
 pub mod tp;
 
-use crate::cache::{KvCache, LayerCache, SlotCache, SlotView};
+pub use paged::PagedModel;
+
+use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::rope::{self, Rotary};
-
-/// A model that decodes sequences held in the slots of a [`SlotCache`]: a whole
-/// [`CausalLm`] or one tensor-parallel rank ([`tp::TpCausalLm`], whose logits are gathered
-/// so every rank gets the full vocabulary).
-pub trait SlotModel {
-    fn config(&self) -> &ModelConfig;
-    /// A cache of `slots` sequences of up to `capacity` tokens for this model.
-    fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache>;
-    /// Logits [B, S, vocab] for `input_ids` [B, S] continuing the sequences in `slots`.
-    fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor>;
-}
-
-impl SlotModel for CausalLm {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache> {
-        SlotCache::new(&self.cfg, slots, capacity, self.kind, self.device())
-    }
-
-    fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
-        CausalLm::forward_slots(self, input_ids, cache, slots)
-    }
-}
-
-impl<C: keel_collective::Collective> SlotModel for tp::TpCausalLm<C> {
-    fn config(&self) -> &ModelConfig {
-        tp::TpCausalLm::config(self)
-    }
-
-    fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache> {
-        tp::TpCausalLm::slot_cache(self, slots, capacity)
-    }
-
-    fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
-        tp::TpCausalLm::forward_slots(self, input_ids, cache, slots)
-    }
-}
 
 /// How new parameters are filled.
 #[derive(Debug, Clone, Copy)]
@@ -138,7 +104,7 @@ impl RmsNorm {
 
 /// Which keys each query may attend to.
 #[derive(Debug)]
-enum Mask {
+pub(crate) enum Mask {
     /// One query that sees every cached key.
     All,
     /// Plain causal attention over a fresh sequence.
@@ -146,6 +112,8 @@ enum Mask {
     /// An explicit [1 or B, 1, S, T] boolean mask (cache plus several queries, a window, or
     /// rows of different lengths).
     Allowed(Tensor),
+    /// The cache knows each row's keys and masks them itself ([`paged`]).
+    InCache,
 }
 
 impl Mask {
@@ -228,6 +196,58 @@ struct Positions<'a> {
     cos: &'a Tensor,
     sin: &'a Tensor,
     mask: &'a Mask,
+    window: Option<i64>,
+}
+
+impl<'a> Positions<'a> {
+    /// The positions of a layer with attention window `window`.
+    fn of(cos: &'a Tensor, sin: &'a Tensor, masks: &'a Masks, window: Option<i64>) -> Self {
+        let (_, mask) = masks.iter().find(|(w, _)| *w == window).expect("a mask was built for every window");
+        Self { cos, sin, mask, window }
+    }
+}
+
+/// [B, kv_heads, T, D] → [B, heads, T, D] for grouped-query attention.
+fn repeat_kv(x: &Tensor, heads: i64) -> Result<Tensor> {
+    let size = x.size();
+    let (b, kv_heads, t, d) = (size[0], size[1], size[2], size[3]);
+    let groups = heads / kv_heads;
+    if groups == 1 {
+        return Ok(x.shallow_clone());
+    }
+    Ok(x.f_unsqueeze(2)?.f_expand([b, kv_heads, groups, t, d], false)?.f_reshape([b, heads, t, d])?)
+}
+
+/// Scaled dot-product attention of `q` [B, heads, S, D] over `k`, `v` [B, kv_heads, T, D]
+/// under `mask`; [B, heads, S, D].
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<Tensor> {
+    let size = q.size();
+    let (b, heads, queries, d) = (size[0], size[1], size[2], size[3]);
+    let kv_heads = k.size()[1];
+    let per_row_mask = match mask {
+        Mask::All => true,
+        Mask::Allowed(allowed) => allowed.size()[1] == 1 && allowed.size()[2] == 1,
+        Mask::Causal | Mask::InCache => false,
+    };
+    if queries == 1 && heads != kv_heads && per_row_mask {
+        // One query per head (decoding): the query heads of a KV group become that group's
+        // queries, so keys and values are read once, never repeated per head.
+        let grouped = q.f_view([b, kv_heads, heads / kv_heads, d])?;
+        let explicit = match mask {
+            Mask::Allowed(allowed) => Some(allowed),
+            _ => None,
+        };
+        let out = Tensor::f_scaled_dot_product_attention(&grouped, k, v, explicit, 0.0, false, None, false)?;
+        return Ok(out.f_view([b, heads, 1, d])?);
+    }
+    let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
+    let (explicit, causal) = match mask {
+        Mask::All => (None, false),
+        Mask::Causal => (None, true),
+        Mask::Allowed(allowed) => (Some(allowed), false),
+        Mask::InCache => return Err(Error::InvalidInput("attention needs the cache's own mask".into())),
+    };
+    Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, explicit, 0.0, causal, None, false)?)
 }
 
 #[derive(Debug)]
@@ -274,22 +294,6 @@ impl Attention {
         Ok(x.f_transpose(1, 2)?)
     }
 
-    /// [B, kv_heads, T, D] → [B, heads, T, D] for grouped-query attention.
-    fn repeat_kv(&self, x: &Tensor) -> Result<Tensor> {
-        let groups = self.heads / self.kv_heads;
-        if groups == 1 {
-            return Ok(x.shallow_clone());
-        }
-        let size = x.size();
-        let (b, t) = (size[0], size[2]);
-        Ok(x.f_unsqueeze(2)?.f_expand([b, self.kv_heads, groups, t, self.head_dim], false)?.f_reshape([
-            b,
-            self.heads,
-            t,
-            self.head_dim,
-        ])?)
-    }
-
     fn forward(
         &self,
         x: &Tensor,
@@ -302,17 +306,10 @@ impl Attention {
         let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None)?;
         let q = rope::apply(&q, at.cos, at.sin)?;
         let k = rope::apply(&k, at.cos, at.sin)?;
-        let (k, v) = match cache {
-            Some((cache, layer)) => cache.append(layer, &k, &v)?,
-            None => (k, v),
+        let out = match cache {
+            Some((cache, layer)) => cache.attend(layer, &q, &k, &v, at.mask, at.window)?,
+            None => attention(&q, &k, &v, at.mask)?,
         };
-        let (k, v) = (self.repeat_kv(&k)?, self.repeat_kv(&v)?);
-        let (explicit, causal) = match at.mask {
-            Mask::All => (None, false),
-            Mask::Causal => (None, true),
-            Mask::Allowed(allowed) => (Some(allowed), false),
-        };
-        let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, explicit, 0.0, causal, None, false)?;
         self.o_proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, s, self.heads * self.head_dim])?)
     }
 }
@@ -495,40 +492,52 @@ impl CausalLm {
         input_ids: &Tensor,
         offsets: &[i64],
         visible: i64,
-        mut cache: Option<&mut dyn LayerCache>,
+        cache: Option<&mut dyn LayerCache>,
     ) -> Result<Tensor> {
         let device = self.device();
-        let windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
-        let (cos, sin, masks) = positions_for(&self.rotary, self.kind, &windows, input_ids, offsets, visible, device)?;
-        let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(device)?, -1, false, false)?;
+        let (cos, sin, masks) =
+            positions_for(&self.rotary, self.kind, &self.windows(), input_ids, offsets, visible, device)?;
+        self.run_layers_at(input_ids, &cos, &sin, &masks, cache)
+    }
+
+    fn windows(&self) -> Vec<Option<i64>> {
+        self.layers.iter().map(|l| l.window).collect()
+    }
+
+    /// The decoder stack over `input_ids` with the rotary tables and masks of its positions.
+    fn run_layers_at(
+        &self,
+        input_ids: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        masks: &Masks,
+        mut cache: Option<&mut dyn LayerCache>,
+    ) -> Result<Tensor> {
+        let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(self.device())?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask was built for every window");
-            let at = Positions { cos: &cos, sin: &sin, mask };
+            let at = Positions::of(cos, sin, masks, layer.window);
             x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)))?;
         }
         self.norm.forward(&x)
     }
 
-    /// Logits [B, S, vocab] (inference, no gradients) for `input_ids` [B, S] continuing the
-    /// sequences held in `slots` of `cache` (row b of the input continues `slots[b]`); each
-    /// slot grows by S. Rows may hold different numbers of tokens: prefill one sequence,
-    /// decode many together.
-    pub fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
-        self.check_input(input_ids, None)?;
-        let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
-        if slots.len() as i64 != b {
-            return Err(Error::InvalidInput(format!("{} slots for a batch of {b}", slots.len())));
-        }
-        cache.check(slots, self.layers.len(), self.kind, self.device(), s)?;
-        let _no_grad = tch::no_grad_guard();
-        let offsets: Vec<i64> = slots.iter().map(|&slot| cache.len(slot)).collect();
-        let visible = offsets.iter().copied().max().unwrap_or(0) + s;
-        let index =
-            Tensor::from_slice(&slots.iter().map(|&x| x as i64).collect::<Vec<_>>()).f_to_device(self.device())?;
-        let mut view = SlotView { cache, slots, index, visible };
-        let hidden = self.run_layers(input_ids, &offsets, visible, Some(&mut view))?;
-        view.cache.advance(slots, s);
-        Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
+    /// Logits [R, vocab] (inference, no gradients) for the last token of each of `chunks`
+    /// that asks for them, in order: every chunk's tokens continue its sequence in `cache`
+    /// (see [`paged`]), all packed into one pass.
+    pub fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+        cache.check(self.layers.len(), self.cfg.num_key_value_heads, self.kind, self.device())?;
+        let windows = self.windows();
+        let vocab = self.cfg.vocab_size;
+        let last = paged::last_hidden(
+            chunks,
+            cache,
+            vocab,
+            &windows,
+            &self.rotary,
+            self.kind,
+            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
+        )?;
+        Ok(last.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
     /// Logits [B, S, vocab] in the parameters' dtype. With a cache (inference only: runs

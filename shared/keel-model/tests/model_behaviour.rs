@@ -1,4 +1,4 @@
-//! KV-cache decoding against the full forward, bit-exact save/load, and clear errors for
+//! KV-cache and paged decoding against the full forward, bit-exact save/load, and clear errors for
 //! bad inputs — on random models built by Keel itself.
 
 #![allow(clippy::unwrap_used)]
@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use keel_model::{CausalLm, Error, Init, KvCache, ModelConfig, SaveOptions, SlotCache};
+use keel_model::{BLOCK_SIZE, CausalLm, Error, Init, KvCache, ModelConfig, PagedCache, SaveOptions, SeqChunk};
 use serde_json::{Value, json};
 use tch::{Device, Kind, Tensor};
 
@@ -58,46 +58,112 @@ fn kv_cache_decoding_matches_full_forward() {
     cached_vs_full(config("MistralForCausalLM", json!({"sliding_window": 5})));
 }
 
-/// Sequences of different lengths prefilled into slots one by one, then decoded together
-/// (with one slot copied from another, as n samples share a prefill), match each sequence's
-/// own full forward.
-fn slots_vs_full(cfg: ModelConfig) {
+/// Log-softmax of `logits` over the last dimension.
+fn logprobs(logits: &Tensor) -> Tensor {
+    logits.log_softmax(-1, Kind::Float)
+}
+
+/// A small deterministic generator for block tables and chunk sizes.
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// Several sequences of different lengths, their blocks scattered at random over the pool,
+/// computed in packed passes that mix prompt chunks of random sizes (chunked prefill) with
+/// single-token decodes, give the logprobs of each sequence's own full forward.
+fn paged_vs_contiguous(cfg: ModelConfig, seed: u64) {
     let model = random_model(cfg, Kind::Float);
-    let seqs: Vec<Vec<i64>> = [7usize, 12, 3]
+    let lengths = [37usize, 5, 18, 1, 50];
+    let seqs: Vec<Vec<i64>> = lengths
         .iter()
         .enumerate()
-        .map(|(r, &n)| (0..n + 5).map(|i| ((i + r * 11) as i64 * 29 + 1) % 97).collect())
+        .map(|(r, &n)| (0..n).map(|i| ((i + r * 13) as i64 * 29 + 1) % 97).collect())
         .collect();
-    let mut cache = SlotCache::new(model.config(), 5, 24, Kind::Float, Device::Cpu).unwrap();
-    let slots = [4usize, 0, 2];
-    let prompt_len = |r: usize| seqs[r].len() - 5;
-    for (r, &slot) in slots.iter().enumerate() {
-        let prompt = Tensor::from_slice(&seqs[r][..prompt_len(r)]).unsqueeze(0);
-        let _ = model.forward_slots(&prompt, &mut cache, &[slot]).unwrap();
-    }
-    // Slot 1 shares sequence 1's prefill and decodes sequence 1 again.
-    cache.copy_slot(0, 1).unwrap();
-    let rows = [0usize, 1, 2, 1];
-    let decode_slots = [4usize, 0, 2, 1];
-    for step in 0..5 {
-        let next: Vec<i64> = rows.iter().map(|&r| seqs[r][prompt_len(r) + step]).collect();
-        let logits = model.forward_slots(&Tensor::from_slice(&next).unsqueeze(1), &mut cache, &decode_slots).unwrap();
-        for (b, &r) in rows.iter().enumerate() {
-            let upto = prompt_len(r) + step + 1;
-            let full = model.forward(&Tensor::from_slice(&seqs[r][..upto]).unsqueeze(0), None).unwrap();
-            let diff = (logits.get(b as i64).get(0) - full.get(0).get(upto as i64 - 1)).abs().max().double_value(&[]);
-            assert!(diff <= 1e-4, "row {b} step {step}: max logit diff {diff:e}");
+    let mut rng = Lcg(seed);
+    let needed: Vec<usize> = lengths.iter().map(|n| n.div_ceil(BLOCK_SIZE)).collect();
+    let pool = needed.iter().sum::<usize>() + 3;
+    let mut free: Vec<u32> = (0..pool as u32).collect();
+    let tables: Vec<Vec<u32>> =
+        needed.iter().map(|&k| (0..k).map(|_| free.swap_remove(rng.below(free.len()))).collect()).collect();
+    let mut cache = PagedCache::new(model.config(), pool, Kind::Float, Device::Cpu).unwrap();
+    let mut computed = vec![0usize; seqs.len()];
+    let mut worst = 0.0f64;
+    while computed.iter().zip(&lengths).any(|(c, n)| c < n) {
+        let mut chunks = Vec::new();
+        let mut which = Vec::new();
+        for r in 0..seqs.len() {
+            if computed[r] == lengths[r] || rng.below(4) == 0 {
+                continue;
+            }
+            let take = (1 + rng.below(12)).min(lengths[r] - computed[r]);
+            let end = computed[r] + take;
+            chunks.push(SeqChunk {
+                tokens: seqs[r][computed[r]..end].to_vec(),
+                context: computed[r],
+                blocks: tables[r].clone(),
+                logits: true,
+            });
+            which.push((r, end));
+            computed[r] = end;
+        }
+        if chunks.is_empty() {
+            continue;
+        }
+        let got = logprobs(&model.forward_paged(&chunks, &mut cache).unwrap());
+        for (row, &(r, end)) in which.iter().enumerate() {
+            let full = model.forward(&Tensor::from_slice(&seqs[r][..end]).unsqueeze(0), None).unwrap();
+            let want = logprobs(&full.get(0).get(end as i64 - 1));
+            worst = worst.max((got.get(row as i64) - want).abs().max().double_value(&[]));
         }
     }
-    assert_eq!((cache.len(4), cache.len(0), cache.len(1), cache.len(3)), (12, 17, 17, 0));
-    let err = model.forward_slots(&Tensor::from_slice(&[1i64, 2]).unsqueeze(1), &mut cache, &[0, 0]).unwrap_err();
-    assert!(err.to_string().contains("repeated"), "{err}");
+    assert!(worst <= 1e-5, "paged logprobs differ from the contiguous forward by {worst:e}");
 }
 
 #[test]
-fn slot_cache_decodes_rows_of_different_lengths_together() {
-    slots_vs_full(config("Qwen3ForCausalLM", json!({"head_dim": 16})));
-    slots_vs_full(config("MistralForCausalLM", json!({"sliding_window": 5})));
+fn paged_attention_matches_the_contiguous_forward() {
+    paged_vs_contiguous(config("Qwen3ForCausalLM", json!({"head_dim": 16})), 1);
+    paged_vs_contiguous(config("LlamaForCausalLM", json!({})), 2);
+    paged_vs_contiguous(config("MistralForCausalLM", json!({"sliding_window": 9})), 3);
+}
+
+/// A block copied from another (copy on write) continues as the original would, and a
+/// chunk that asks for no logits still fills the cache.
+#[test]
+fn copied_blocks_and_chunks_without_logits() {
+    let model = random_model(config("Qwen2ForCausalLM", json!({})), Kind::Float);
+    let prompt: Vec<i64> = (0..20).map(|i| (i * 7 + 2) % 97).collect();
+    let mut cache = PagedCache::new(model.config(), 4, Kind::Float, Device::Cpu).unwrap();
+    let chunk = |tokens: &[i64], context: usize, blocks: &[u32], logits: bool| SeqChunk {
+        tokens: tokens.to_vec(),
+        context,
+        blocks: blocks.to_vec(),
+        logits,
+    };
+    let none = model.forward_paged(&[chunk(&prompt[..12], 0, &[0, 1], false)], &mut cache).unwrap();
+    assert_eq!(none.size(), [0, 97]);
+    let _ = model.forward_paged(&[chunk(&prompt[12..], 12, &[0, 1], true)], &mut cache).unwrap();
+    // Block 1 (positions 16..20) is copied to block 2; both sequences decode the same token.
+    cache.copy_block(1, 2).unwrap();
+    let both =
+        model.forward_paged(&[chunk(&[5], 20, &[0, 1], true), chunk(&[5], 20, &[0, 2], true)], &mut cache).unwrap();
+    let mut whole = prompt.clone();
+    whole.push(5);
+    let full = model.forward(&Tensor::from_slice(&whole).unsqueeze(0), None).unwrap().get(0).get(20);
+    for row in 0..2 {
+        let diff = (both.get(row) - &full).abs().max().double_value(&[]);
+        assert!(diff <= 1e-4, "row {row}: {diff:e}");
+    }
+    // Bad chunks are refused with what is wrong.
+    let err = model.forward_paged(&[chunk(&[1, 2], 15, &[0], true)], &mut cache).unwrap_err().to_string();
+    assert!(err.contains("blocks hold 16"), "{err}");
+    let err = model.forward_paged(&[chunk(&[1], 0, &[9], true)], &mut cache).unwrap_err().to_string();
+    assert!(err.contains("block 9"), "{err}");
+    assert!(model.forward_paged(&[chunk(&[500], 0, &[0], true)], &mut cache).is_err());
 }
 
 #[test]

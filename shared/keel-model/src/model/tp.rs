@@ -31,10 +31,10 @@ use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Attention, CausalLm, Linear, Masks, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
-    padded_ids, positions_for,
+    Attention, CausalLm, Linear, Masks, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, padded_ids,
+    positions_for,
 };
-use crate::cache::{LayerCache, SlotCache, SlotView};
+use crate::cache::{LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::rope::Rotary;
@@ -343,8 +343,7 @@ impl<C: Collective> TpCausalLm<C> {
     /// Rotary tables and masks for `ids` [B, S] whose row b starts at `offsets[b]` and sees
     /// `visible` keys.
     fn positions(&self, ids: &Tensor, offsets: &[i64], visible: i64) -> Result<(Tensor, Tensor, Masks)> {
-        let windows: Vec<Option<i64>> = self.shards.layers.iter().map(|l| l.window).collect();
-        positions_for(&self.rotary, self.kind, &windows, ids, offsets, visible, self.device)
+        positions_for(&self.rotary, self.kind, &self.windows(), ids, offsets, visible, self.device)
     }
 
     /// Final hidden states [B, S, hidden] (replicated on every rank) of `ids` [B, S] whose
@@ -354,13 +353,28 @@ impl<C: Collective> TpCausalLm<C> {
         ids: &Tensor,
         offsets: &[i64],
         visible: i64,
-        mut cache: Option<&mut dyn LayerCache>,
+        cache: Option<&mut dyn LayerCache>,
     ) -> Result<Tensor> {
         let (cos, sin, masks) = self.positions(ids, offsets, visible)?;
+        self.run_layers_at(ids, &cos, &sin, &masks, cache)
+    }
+
+    fn windows(&self) -> Vec<Option<i64>> {
+        self.shards.layers.iter().map(|l| l.window).collect()
+    }
+
+    /// The decoder stack over `ids` with the rotary tables and masks of its positions.
+    fn run_layers_at(
+        &self,
+        ids: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        masks: &Masks,
+        mut cache: Option<&mut dyn LayerCache>,
+    ) -> Result<Tensor> {
         let mut x = self.embed(ids)?;
         for (index, layer) in self.shards.layers.iter().enumerate() {
-            let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask for every window");
-            let at = Positions { cos: &cos, sin: &sin, mask };
+            let at = Positions::of(cos, sin, masks, layer.window);
             let normed = layer.input_layernorm.forward(&x)?;
             let attn = layer.attention.forward(&normed, &at, cache.as_deref_mut().map(|c| (c, index)))?;
             let attn = add_bias(self.all_reduce(attn, ReduceOp::Sum)?, layer.o_bias.as_ref())?;
@@ -404,8 +418,7 @@ impl<C: Collective> TpCausalLm<C> {
         let mut segments = Vec::with_capacity(2 * self.shards.layers.len() + 1);
         let mut x = embedded.shallow_clone();
         for layer in &self.shards.layers {
-            let (_, mask) = masks.iter().find(|(w, _)| *w == layer.window).expect("a mask for every window");
-            let at = Positions { cos: &cos, sin: &sin, mask };
+            let at = Positions::of(&cos, &sin, &masks, layer.window);
             let attention = |a: &Tensor| layer.attention.forward(a, &at, None);
             x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
             let mlp = |a: &Tensor| layer.mlp.forward(a);
@@ -517,31 +530,28 @@ impl<C: Collective> TpCausalLm<C> {
         Ok(picked.f_sub(&sum_exp.f_log()?)?)
     }
 
-    /// A slot cache for this rank's KV heads (see [`SlotCache`]).
-    pub fn slot_cache(&self, slots: usize, capacity: i64) -> Result<SlotCache> {
-        SlotCache::with_kv_heads(&self.cfg, self.kv_heads, slots, capacity, self.kind, self.device)
+    /// A paged cache of `blocks` blocks of this rank's KV heads (see [`PagedCache`]).
+    pub fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
+        PagedCache::with_kv_heads(&self.cfg, self.kv_heads, blocks, self.kind, self.device)
     }
 
-    /// Logits [B, S, vocab] (inference) for `input_ids` continuing the sequences in `slots`
-    /// of this rank's `cache`, as [`CausalLm::forward_slots`]. The vocabulary slices are
-    /// gathered, so every rank gets the same full logits.
-    pub fn forward_slots(&self, input_ids: &Tensor, cache: &mut SlotCache, slots: &[usize]) -> Result<Tensor> {
-        let (b, s) = check_ids(self.cfg.vocab_size, input_ids, None)?;
-        if slots.len() as i64 != b {
-            return Err(Error::InvalidInput(format!("{} slots for a batch of {b}", slots.len())));
-        }
-        cache.check(slots, self.shards.layers.len(), self.kind, self.device, s)?;
-        let _no_grad = tch::no_grad_guard();
-        let offsets: Vec<i64> = slots.iter().map(|&slot| cache.len(slot)).collect();
-        let visible = offsets.iter().copied().max().unwrap_or(0) + s;
-        let index =
-            Tensor::from_slice(&slots.iter().map(|&x| x as i64).collect::<Vec<_>>()).f_to_device(self.device)?;
-        let ids = input_ids.f_to_device(self.device)?;
-        let mut view = SlotView { cache, slots, index, visible };
-        let hidden = self.run_layers(&ids, &offsets, visible, Some(&mut view))?;
-        view.cache.advance(slots, s);
-        let local = hidden.f_linear::<Tensor>(&self.shards.lm_head, None)?;
-        self.gather_vocab(&local)
+    /// Logits [R, vocab] (inference) for `chunks` continuing their sequences in this rank's
+    /// `cache`, as [`super::CausalLm::forward_paged`]. The vocabulary slices are gathered, so
+    /// every rank gets the same full logits.
+    pub fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+        cache.check(self.shards.layers.len(), self.kv_heads, self.kind, self.device)?;
+        let windows = self.windows();
+        let vocab = self.cfg.vocab_size;
+        let last = super::paged::last_hidden(
+            chunks,
+            cache,
+            vocab,
+            &windows,
+            &self.rotary,
+            self.kind,
+            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
+        )?;
+        self.gather_vocab(&last.f_linear::<Tensor>(&self.shards.lm_head, None)?)
     }
 
     /// Full logits from every rank's vocabulary slice [.., local vocab]: each slice is padded
@@ -1051,23 +1061,27 @@ mod tests {
         tch::manual_seed(8);
         let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
         randomize_biases_and_norms(&full);
-        // Two prompts prefilled in slots 2 and 0, then three decode steps of both together.
-        let run = |forward: &mut dyn FnMut(&Tensor, &[usize]) -> Tensor| -> Vec<Tensor> {
-            let mut out = vec![
-                forward(&Tensor::from_slice(&[5i64, 9, 33, 71, 2]).view([1, 5]), &[2]),
-                forward(&Tensor::from_slice(&[40i64, 41, 100]).view([1, 3]), &[0]),
-            ];
+        // Two prompts prefilled into blocks 2 and 0, then three decode steps of both together.
+        let run = |forward: &mut dyn FnMut(&[SeqChunk]) -> Tensor| -> Vec<Tensor> {
+            let chunk = |tokens: Vec<i64>, context: usize, block: u32| SeqChunk {
+                tokens,
+                context,
+                blocks: vec![block],
+                logits: true,
+            };
+            let mut out = vec![forward(&[chunk(vec![5, 9, 33, 71, 2], 0, 2), chunk(vec![40, 41, 100], 0, 0)])];
             for step in 0..3i64 {
-                out.push(forward(&Tensor::from_slice(&[step + 10, step + 60]).view([2, 1]), &[0, 2]));
+                let at = step as usize;
+                out.push(forward(&[chunk(vec![step + 10], 3 + at, 0), chunk(vec![step + 60], 5 + at, 2)]));
             }
             out
         };
-        let mut cache = SlotCache::new(full.config(), 3, 16, Kind::Float, Device::Cpu).expect("a cache");
-        let expected = run(&mut |ids, slots| full.forward_slots(ids, &mut cache, slots).expect("TP=1 forward"));
+        let mut cache = PagedCache::new(full.config(), 3, Kind::Float, Device::Cpu).expect("a cache");
+        let expected = run(&mut |chunks| full.forward_paged(chunks, &mut cache).expect("TP=1 forward"));
         for world in [2, 4] {
             let results = on_shards(&full, world, move |model| {
-                let mut cache = model.slot_cache(3, 16).expect("a rank's cache");
-                run(&mut |ids, slots| model.forward_slots(ids, &mut cache, slots).expect("TP forward"))
+                let mut cache = model.paged_cache(3).expect("a rank's cache");
+                run(&mut |chunks| model.forward_paged(chunks, &mut cache).expect("TP forward"))
             });
             for logits in results {
                 for (got, want) in logits.iter().zip(&expected) {

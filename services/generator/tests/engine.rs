@@ -1,0 +1,160 @@
+//! The scheduler on a small random model: preemption and recomputation, shared and cached
+//! prefixes, chunked prefill and batch composition never change what a seeded request
+//! produces; a pool too small for one sequence is refused at start-up.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::Ordering;
+
+use keel_generator::engine::{Engine, EngineConfig, RefitMode};
+use keel_generator::request::{Event, GenRequest};
+use keel_model::sampling::SamplingParams;
+use keel_model::{BLOCK_SIZE, CausalLm, Init, ModelConfig};
+use tch::{Device, Kind};
+
+fn model() -> CausalLm {
+    let cfg = ModelConfig::from_json(serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 97, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+    }))
+    .unwrap();
+    tch::manual_seed(11);
+    CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.5 }).unwrap()
+}
+
+fn engine(blocks: usize, max_num_seqs: usize, max_num_batched_tokens: usize) -> Engine {
+    let config = EngineConfig { max_num_seqs, max_num_batched_tokens, max_model_len: 96, refit_mode: RefitMode::Drain };
+    Engine::start(model(), None, blocks, config).unwrap()
+}
+
+fn request(prompt: Vec<i64>, n: usize, seed: u64, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt,
+        n,
+        max_tokens,
+        sampling: SamplingParams { temperature: 1.0, top_p: 0.95, top_k: None, min_p: 0.0, seed },
+        stop_token_ids: Vec::new(),
+        stop: Vec::new(),
+        include_stop_str_in_output: false,
+        top_logprobs: 2,
+        min_tokens: 0,
+    }
+}
+
+fn prompt(len: usize, salt: i64) -> Vec<i64> {
+    (0..len as i64).map(|i| (i * 31 + salt * 7 + 3) % 97).collect()
+}
+
+/// Tokens and logprobs of every sample of every request, all submitted at once.
+type Outputs = Vec<Vec<(Vec<i64>, Vec<f32>)>>;
+
+fn run(engine: &Engine, requests: Vec<GenRequest>) -> Outputs {
+    let receivers: Vec<_> = requests
+        .into_iter()
+        .map(|r| {
+            let n = r.n;
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            engine.submit(r, tx).unwrap();
+            (rx, n)
+        })
+        .collect();
+    receivers
+        .into_iter()
+        .map(|(mut rx, n)| {
+            let mut samples = vec![(Vec::new(), Vec::new()); n];
+            let mut finished = 0;
+            while let Some(event) = rx.blocking_recv() {
+                match event {
+                    Event::Token(t) => {
+                        samples[t.index].0.push(t.token);
+                        samples[t.index].1.push(t.logprob);
+                    }
+                    Event::Finished { .. } => finished += 1,
+                    Event::Failed(message) => panic!("generation failed: {message}"),
+                }
+            }
+            assert_eq!(finished, n, "every sample finishes");
+            samples
+        })
+        .collect()
+}
+
+fn assert_same(got: &Outputs, want: &Outputs, what: &str) {
+    for (r, (g, w)) in got.iter().zip(want).enumerate() {
+        for (s, (gs, ws)) in g.iter().zip(w).enumerate() {
+            assert_eq!(gs.0, ws.0, "{what}: request {r} sample {s} tokens differ");
+            let worst = gs.1.iter().zip(&ws.1).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= 1e-4, "{what}: request {r} sample {s} logprobs differ by {worst:e}");
+        }
+    }
+}
+
+fn requests() -> Vec<GenRequest> {
+    vec![
+        request(prompt(40, 1), 3, 5, 40),
+        request(prompt(7, 2), 1, 9, 60),
+        request(prompt(23, 3), 2, 13, 50),
+        request(prompt(60, 4), 1, 17, 30),
+    ]
+}
+
+/// With a pool that holds one full sequence, samples are preempted and recomputed, and
+/// still produce what they produce with room for all.
+#[test]
+fn preempted_samples_produce_what_unpreempted_ones_do() {
+    let roomy = engine(256, 16, 8192);
+    let want = run(&roomy, requests());
+    assert_eq!(roomy.stats.preemptions.load(Ordering::Relaxed), 0);
+    let tight = engine(96 / BLOCK_SIZE, 16, 8192);
+    let got = run(&tight, requests());
+    assert!(tight.stats.preemptions.load(Ordering::Relaxed) > 0, "the small pool preempted");
+    assert_same(&got, &want, "preempted");
+    assert_eq!(tight.stats.blocks_used.load(Ordering::Relaxed), 0, "every block is let go");
+}
+
+/// Prompt chunks of 5 tokens per step give what whole prefills give.
+#[test]
+fn chunked_prefill_equals_whole_prefill() {
+    let want = run(&engine(256, 16, 8192), requests());
+    let chunked = engine(256, 16, 5);
+    assert_same(&run(&chunked, requests()), &want, "chunked");
+    let steps = chunked.stats.steps.load(Ordering::Relaxed);
+    let tokens = chunked.stats.step_tokens.load(Ordering::Relaxed);
+    assert!(tokens <= 5 * steps, "no step computed more than its budget: {tokens} tokens in {steps} steps");
+}
+
+/// The n samples of a request (sharing its prompt's blocks) and a request whose prompt is
+/// found in the prefix cache produce what separate, uncached requests with the same seeds
+/// produce.
+#[test]
+fn shared_and_cached_prefixes_equal_uncached_requests() {
+    let shared_prompt = prompt(45, 8);
+    let separate: Vec<GenRequest> = (0..3).map(|i| request(shared_prompt.clone(), 1, 21 + i, 30)).collect::<Vec<_>>();
+    // One request at a time on engines that never saw the prompt: nothing is shared.
+    let want: Vec<_> = separate.into_iter().map(|r| run(&engine(256, 16, 8192), vec![r]).remove(0).remove(0)).collect();
+    let engine = engine(256, 16, 8192);
+    let forked = run(&engine, vec![request(shared_prompt.clone(), 3, 21, 30)]).remove(0);
+    assert_same(&vec![forked], &vec![want.clone()], "forked samples");
+    let hits = engine.stats.prefix_hits.load(Ordering::Relaxed);
+    let cached = run(&engine, vec![request(shared_prompt, 3, 21, 30)]).remove(0);
+    assert_same(&vec![cached], &vec![want], "prefix-cached");
+    let after = engine.stats.prefix_hits.load(Ordering::Relaxed);
+    assert_eq!(after - hits, 2, "the prompt's two full blocks came from the cache");
+}
+
+/// A seeded request produces the same tokens alone and among others.
+#[test]
+fn seeded_output_does_not_depend_on_the_batch() {
+    let alone = run(&engine(256, 16, 8192), vec![request(prompt(23, 3), 2, 13, 50)]);
+    let together = run(&engine(256, 16, 8192), requests());
+    assert_same(&together[2..3].to_vec(), &alone, "batched");
+}
+
+#[test]
+fn a_pool_too_small_for_one_sequence_is_refused() {
+    let config =
+        EngineConfig { max_num_seqs: 4, max_num_batched_tokens: 64, max_model_len: 96, refit_mode: RefitMode::Drain };
+    let error = Engine::start(model(), None, 5, config).unwrap_err().to_string();
+    assert!(error.contains("fewer than one sequence of max_model_len 96 needs (6 blocks)"), "{error}");
+}

@@ -1,0 +1,344 @@
+//! The paged forward pass: chunks of many sequences (one token of each decoding sequence,
+//! any number of prompt tokens of others) packed into one pass of the linear layers, with
+//! attention reading and writing the [`PagedCache`] blocks where they are.
+//!
+//! Packing puts the single-token chunks first, then the longer ones, each contiguous. In
+//! every layer the new keys and values are written to their slots in one indexed copy; the
+//! single-token chunks then attend together, over their own blocks gathered by block table
+//! (padded with the pool's zero block and masked to each row's length); each longer chunk
+//! attends on its own: to its fresh keys with a causal mask when it starts a sequence, or to
+//! its blocks with a causal mask offset by its context when it continues one (chunked
+//! prefill, recomputation, a prefix found in the cache). No pass touches blocks of sequences
+//! that are not in it, so the work per step follows the tokens in the step, not the pool.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{Mask, Masks, attention};
+use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::rope::Rotary;
+
+/// A model that decodes sequences held in a [`PagedCache`]: a whole [`super::CausalLm`] or
+/// one tensor-parallel rank ([`super::tp::TpCausalLm`], whose logits are gathered so every
+/// rank gets the full vocabulary).
+pub trait PagedModel {
+    fn config(&self) -> &ModelConfig;
+    /// A pool of `blocks` blocks of this model's (or rank's) KV heads.
+    fn paged_cache(&self, blocks: usize) -> Result<PagedCache>;
+    /// Logits [R, vocab] for the last token of every chunk that asks for them, in order.
+    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor>;
+}
+
+impl PagedModel for super::CausalLm {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
+        PagedCache::new(&self.cfg, blocks, self.kind, self.device())
+    }
+
+    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+        super::CausalLm::forward_paged(self, chunks, cache)
+    }
+}
+
+impl<C: keel_collective::Collective> PagedModel for super::tp::TpCausalLm<C> {
+    fn config(&self) -> &ModelConfig {
+        super::tp::TpCausalLm::config(self)
+    }
+
+    fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
+        super::tp::TpCausalLm::paged_cache(self, blocks)
+    }
+
+    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+        super::tp::TpCausalLm::forward_paged(self, chunks, cache)
+    }
+}
+
+/// Final hidden states [R, hidden] of the last token of every chunk that asks for logits
+/// (inference, no gradients): the chunks are checked, packed and run through `layers` (given
+/// the packed ids, the rotary tables, the masks and the pass's view of `cache`). What a
+/// whole model and a tensor-parallel rank share of a paged pass; each applies its own head.
+pub(crate) fn last_hidden(
+    chunks: &[SeqChunk],
+    cache: &mut PagedCache,
+    vocab: i64,
+    windows: &[Option<i64>],
+    rotary: &Rotary,
+    kind: Kind,
+    layers: impl FnOnce(&Tensor, &Tensor, &Tensor, &Masks, &mut dyn LayerCache) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let _no_grad = tch::no_grad_guard();
+    cache.zero_fresh(chunks)?;
+    let packed = Packed::new(chunks, vocab, cache, windows, cache.device())?;
+    let (cos, sin) = rotary.cos_sin(&packed.positions, kind)?;
+    let masks = in_cache_masks(windows);
+    let (ids, rows) = (packed.ids.shallow_clone(), packed.logit_rows.shallow_clone());
+    let mut step = packed.step(cache);
+    let hidden = layers(&ids, &cos, &sin, &masks, &mut step)?;
+    Ok(hidden.f_squeeze_dim(0)?.f_index_select(0, &rows)?)
+}
+
+/// One [`Mask::InCache`] per distinct window: the paged step masks by itself.
+fn in_cache_masks(windows: &[Option<i64>]) -> Masks {
+    let mut distinct = windows.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    distinct.into_iter().map(|w| (w, Mask::InCache)).collect()
+}
+
+/// The single-token chunks, attending together.
+struct Decodes {
+    rows: i64,
+    /// Block ids [rows · blocks_per_row], padded with the zero block.
+    blocks: Tensor,
+    /// Keys each row reads: the longest row's.
+    keys: i64,
+    /// Mask [1, rows, 1, keys] per window (none when every row sees every key).
+    masks: Vec<(Option<i64>, Option<Tensor>)>,
+}
+
+/// A longer chunk, attending on its own.
+struct Prefill {
+    start: i64,
+    len: i64,
+    context: i64,
+    /// Its block ids when it continues a sequence (context > 0).
+    blocks: Option<Tensor>,
+    masks: Vec<(Option<i64>, Mask)>,
+}
+
+/// A batch of chunks packed for one pass.
+struct Packed {
+    /// Token ids [1, N] in packed order.
+    ids: Tensor,
+    /// Positions [1, N].
+    positions: Tensor,
+    /// Packed index of the last token of each chunk that asks for logits, in the caller's
+    /// order [R].
+    logit_rows: Tensor,
+    /// Where each token's key and value go: [N] rows of the flattened pool.
+    slots: Tensor,
+    decodes: Option<Decodes>,
+    prefills: Vec<Prefill>,
+}
+
+fn ids_tensor(values: &[i64], device: Device) -> Result<Tensor> {
+    Ok(Tensor::from_slice(values).f_to_device(device)?)
+}
+
+/// Checks one chunk against the vocabulary and the pool.
+fn check_chunk(index: usize, chunk: &SeqChunk, vocab: i64, blocks: usize) -> Result<()> {
+    if chunk.tokens.is_empty() {
+        return Err(Error::InvalidInput(format!("chunk {index} has no tokens")));
+    }
+    if let Some((position, &id)) = chunk.tokens.iter().enumerate().find(|(_, id)| !(0..vocab).contains(*id)) {
+        return Err(Error::TokenOutOfRange { id, row: index, position, vocab_size: vocab });
+    }
+    let end = chunk.context + chunk.tokens.len();
+    if chunk.blocks.len() * BLOCK_SIZE < end {
+        return Err(Error::InvalidInput(format!(
+            "chunk {index} reaches position {end} but its {} blocks hold {}",
+            chunk.blocks.len(),
+            chunk.blocks.len() * BLOCK_SIZE
+        )));
+    }
+    if let Some(bad) = chunk.blocks.iter().find(|&&b| b as usize >= blocks) {
+        return Err(Error::InvalidInput(format!("chunk {index} names block {bad}; the pool has {blocks}")));
+    }
+    Ok(())
+}
+
+/// The pool row of position `p` of a sequence with block table `blocks`.
+fn slot(blocks: &[u32], p: usize) -> i64 {
+    i64::from(blocks[p / BLOCK_SIZE]) * BLOCK_SIZE as i64 + (p % BLOCK_SIZE) as i64
+}
+
+impl Packed {
+    fn new(
+        chunks: &[SeqChunk],
+        vocab: i64,
+        cache: &PagedCache,
+        windows: &[Option<i64>],
+        device: Device,
+    ) -> Result<Self> {
+        if chunks.is_empty() {
+            return Err(Error::InvalidInput("a paged pass needs at least one chunk".into()));
+        }
+        for (i, chunk) in chunks.iter().enumerate() {
+            check_chunk(i, chunk, vocab, cache.blocks())?;
+        }
+        let order: Vec<usize> = (0..chunks.len())
+            .filter(|&i| chunks[i].tokens.len() == 1)
+            .chain((0..chunks.len()).filter(|&i| chunks[i].tokens.len() > 1))
+            .collect();
+        let mut distinct = windows.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let (mut ids, mut positions, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        let mut last = vec![0i64; chunks.len()];
+        for &i in &order {
+            let chunk = &chunks[i];
+            for (k, &id) in chunk.tokens.iter().enumerate() {
+                let p = chunk.context + k;
+                ids.push(id);
+                positions.push(p as i64);
+                slots.push(slot(&chunk.blocks, p));
+            }
+            last[i] = ids.len() as i64 - 1;
+        }
+        let singles: Vec<&SeqChunk> = order.iter().map(|&i| &chunks[i]).take_while(|c| c.tokens.len() == 1).collect();
+        let decodes = if singles.is_empty() {
+            None
+        } else {
+            Some(Self::decodes(&singles, cache.pad_block(), &distinct, device)?)
+        };
+        let mut prefills = Vec::new();
+        let mut start = singles.len() as i64;
+        for chunk in order[singles.len()..].iter().map(|&i| &chunks[i]) {
+            let len = chunk.tokens.len() as i64;
+            let context = chunk.context as i64;
+            let blocks = if context > 0 {
+                let used = (chunk.context + chunk.tokens.len()).div_ceil(BLOCK_SIZE);
+                let table: Vec<i64> = chunk.blocks[..used].iter().map(|&b| i64::from(b)).collect();
+                Some(ids_tensor(&table, device)?)
+            } else {
+                None
+            };
+            let masks =
+                distinct.iter().map(|&w| Ok((w, Mask::new(len, context, w, device)?))).collect::<Result<Vec<_>>>()?;
+            prefills.push(Prefill { start, len, context, blocks, masks });
+            start += len;
+        }
+        let rows: Vec<i64> = (0..chunks.len()).filter(|&i| chunks[i].logits).map(|i| last[i]).collect();
+        Ok(Self {
+            ids: ids_tensor(&ids, device)?.f_unsqueeze(0)?,
+            positions: ids_tensor(&positions, device)?.f_unsqueeze(0)?,
+            logit_rows: ids_tensor(&rows, device)?,
+            slots: ids_tensor(&slots, device)?,
+            decodes,
+            prefills,
+        })
+    }
+
+    fn decodes(singles: &[&SeqChunk], pad: i64, windows: &[Option<i64>], device: Device) -> Result<Decodes> {
+        let lens: Vec<i64> = singles.iter().map(|c| c.context as i64 + 1).collect();
+        let per_row = singles.iter().map(|c| (c.context + 1).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
+        let mut table = Vec::with_capacity(singles.len() * per_row);
+        for chunk in singles {
+            let used = (chunk.context + 1).div_ceil(BLOCK_SIZE);
+            table.extend(chunk.blocks[..used].iter().map(|&b| i64::from(b)));
+            table.extend(std::iter::repeat_n(pad, per_row - used));
+        }
+        // Keys past the longest row are padding every row masks: they are not read at all.
+        let keys = lens.iter().copied().max().unwrap_or(1);
+        let rows = singles.len() as i64;
+        let query = ids_tensor(&lens, device)?.f_sub_scalar(1)?.f_view([1, rows, 1, 1])?;
+        let key = Tensor::f_arange(keys, (Kind::Int64, device))?.f_view([1, 1, 1, keys])?;
+        let masks = windows
+            .iter()
+            .map(|&w| {
+                let bounded = w.is_some_and(|w| lens.iter().any(|&l| l > w));
+                if !bounded && lens.iter().all(|&l| l == keys) {
+                    return Ok((w, None));
+                }
+                let mut allowed = key.f_le_tensor(&query)?;
+                if let Some(w) = w {
+                    allowed = allowed.f_logical_and(&query.f_sub(&key)?.f_lt(w)?)?;
+                }
+                Ok((w, Some(allowed)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Decodes { rows, blocks: ids_tensor(&table, device)?, keys, masks })
+    }
+
+    /// The pass's view of `cache`.
+    fn step(self, cache: &mut PagedCache) -> PagedStep<'_> {
+        PagedStep { cache, packed: self }
+    }
+}
+
+/// One paged pass over `cache`.
+struct PagedStep<'a> {
+    cache: &'a mut PagedCache,
+    packed: Packed,
+}
+
+impl PagedStep<'_> {
+    /// Blocks `blocks` (`rows` tables of equal length, one after the other) of `pool` as
+    /// [kv_heads, rows, keys, D], in one contiguous copy.
+    fn gather(&self, pool: &Tensor, blocks: &Tensor, rows: i64) -> Result<Tensor> {
+        let (kv_heads, head_dim) = self.cache.shape();
+        let gathered = PagedCache::block_view(pool, kv_heads, head_dim)?.f_index_select(1, blocks)?;
+        Ok(gathered.f_view([kv_heads, rows, -1, head_dim])?)
+    }
+}
+
+/// Attention of a few queries per (KV head, row) `q` [kv_heads, rows, group, D] over `k`,
+/// `v` [kv_heads, rows, keys, D] under `mask` [1, rows, 1, keys]. On the CPU it is two
+/// batched matrix products around a softmax in f32: libtorch's CPU SDPA kernel takes about
+/// twice as long for so few queries per batch entry; elsewhere it is SDPA.
+fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    if q.device() != Device::Cpu {
+        return Ok(Tensor::f_scaled_dot_product_attention(q, k, v, mask, 0.0, false, None, false)?);
+    }
+    let scale = (q.size()[3] as f64).powf(-0.5);
+    let mut scores = q.f_mul_scalar(scale)?.f_matmul(&k.f_transpose(-1, -2)?)?;
+    if let Some(allowed) = mask {
+        scores = scores.f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?;
+    }
+    let weights = scores.f_softmax(-1, Kind::Float)?.f_to_kind(v.kind())?;
+    Ok(weights.f_matmul(v)?)
+}
+
+impl LayerCache for PagedStep<'_> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _mask: &Mask,
+        window: Option<i64>,
+    ) -> Result<Tensor> {
+        // [1, kv_heads, N, D] → the N slots of each head's pool.
+        let _ = self.cache.keys[layer].f_index_copy_(1, &self.packed.slots, &k.f_squeeze_dim(0)?)?;
+        let _ = self.cache.values[layer].f_index_copy_(1, &self.packed.slots, &v.f_squeeze_dim(0)?)?;
+        let (keys, values) = (&self.cache.keys[layer], &self.cache.values[layer]);
+        let mut outs = Vec::with_capacity(1 + self.packed.prefills.len());
+        if let Some(d) = &self.packed.decodes {
+            // Attention batched over (KV head, row), the query heads of a KV group as that
+            // group's queries: [1, heads, rows, D] → [kv_heads, rows, group, D] and back.
+            let (kv_heads, head_dim) = self.cache.shape();
+            let heads = q.size()[1];
+            let group = heads / kv_heads;
+            let qd =
+                q.f_narrow(2, 0, d.rows)?.f_reshape([kv_heads, group, d.rows, head_dim])?.f_permute([0, 2, 1, 3])?;
+            let kd = self.gather(keys, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
+            let vd = self.gather(values, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
+            let mask = d.masks.iter().find(|(w, _)| *w == window).and_then(|(_, m)| m.as_ref());
+            let out = decode_attention(&qd, &kd, &vd, mask)?;
+            outs.push(out.f_permute([0, 2, 1, 3])?.f_reshape([1, heads, d.rows, head_dim])?);
+        }
+        for p in &self.packed.prefills {
+            let qp = q.f_narrow(2, p.start, p.len)?;
+            let (kp, vp) = match &p.blocks {
+                None => (k.f_narrow(2, p.start, p.len)?, v.f_narrow(2, p.start, p.len)?),
+                Some(blocks) => {
+                    // [kv_heads, 1, keys, D] → [1, kv_heads, keys, D].
+                    let visible = p.context + p.len;
+                    let gathered = |pool: &Tensor| -> Result<Tensor> {
+                        Ok(self.gather(pool, blocks, 1)?.f_narrow(2, 0, visible)?.f_transpose(0, 1)?)
+                    };
+                    (gathered(keys)?, gathered(values)?)
+                }
+            };
+            let (_, mask) = p.masks.iter().find(|(w, _)| *w == window).expect("a mask for every window");
+            outs.push(attention(&qp, &kp, &vp, mask)?);
+        }
+        Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::f_cat(&outs, 2)? })
+    }
+}
