@@ -1,6 +1,8 @@
 """Prints a GRPO run's step-time breakdown: bench/grpo-step pipes the run's metrics and its
 event stream (SSE) here. The wall time between consecutive step records includes what the
-step timer does not see (recording in Postgres, checkpoint uploads)."""
+step timer does not see (recording in Postgres, checkpoint uploads). Given the JSON line of
+bench/trl_grpo_step.py too, it then prints Keel's mean step time next to TRL GRPOTrainer's
+on the same step, and the ratio Keel / TRL (below 1 favours Keel)."""
 
 import json
 import sys
@@ -9,7 +11,7 @@ from datetime import datetime
 PHASES = ["generation", "reward_calculation", "policy_and_reference_logprobs", "policy_training", "weight_sync"]
 
 
-def main(metrics_file, events_file, label):
+def main(metrics_file, events_file, label, trl_file=None, engine_file=None):
     with open(metrics_file) as f:
         series = {m["name"]: dict(m["points"]) for m in json.load(f)["metrics"]}
     step_times = []
@@ -42,7 +44,45 @@ def main(metrics_file, events_file, label):
     tps = series.get("performance/generation_tokens_per_second")
     if tps:
         print("generation tokens/s: %.0f" % (sum(tps[s] for s in steps) / len(steps)))
+    if trl_file:
+        with open(trl_file) as f:
+            trl = json.loads(f.read().strip().splitlines()[-1])
+        print_comparison(whole, wall_mean, mean("generation"), trl)
+    if engine_file:
+        with open(engine_file) as f:
+            bench = json.loads(f.read().strip().splitlines()[-1])
+        # All sequences' time: to the first token of every one, then the rest of the tokens.
+        alone = bench["ttft_s"] + bench["batch"] * (bench["decode_tokens"] - 1) / bench["decode_tokens_per_s"]
+        print()
+        print(
+            "generation in the stack vs `keel generate bench` (%d sequences x %d prompt tokens x %d new): "
+            "%.3f s vs %.3f s, ratio %.2f"
+            % (bench["batch"], bench["prompt_tokens"], bench["decode_tokens"], mean("generation"), alone,
+               mean("generation") / alone)
+        )
+
+
+def print_comparison(keel_step, keel_wall, keel_generation, trl):
+    """Keel's step timer, wall time and generation phase next to TRL's (step timer:
+    on_step_begin -> on_step_end; wall: between step ends; generation: model.generate)."""
+    print()
+    print(
+        f"Keel vs TRL {trl['trl_version']} GRPOTrainer (same model and task, micro batch "
+        f"{trl['micro_batch']}, {trl['threads']} threads, TRL steps {trl['first_step']}-"
+        f"{trl['first_step'] + trl['steps'] - 1})"
+    )
+    print("%-36s%10s%10s%12s" % ("", "keel s", "trl s", "keel / trl"))
+    rows = [
+        ("step time", keel_step, trl["step_s"]),
+        ("wall time per step", keel_wall, trl.get("wall_step_s")),
+        ("generation", keel_generation, trl.get("generation_s")),
+    ]
+    for name, keel, ref in rows:
+        if ref is None:
+            print("%-36s%10.3f%10s%12s" % (name, keel, "-", "-"))
+        else:
+            print("%-36s%10.3f%10.3f%12.2f" % (name, keel, ref, keel / ref))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])
