@@ -20,6 +20,8 @@ use crate::bench::median;
 pub enum GenerateCommand {
     /// Measure time to first token and decode tokens/s of the generator engine.
     Bench(GenerateBenchArgs),
+    /// Load a running OpenAI-compatible server with random prompts (as `vllm bench serve`).
+    ServeBench(crate::serve::ServeBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -52,6 +54,7 @@ pub struct GenerateBenchArgs {
 pub fn run(command: GenerateCommand) -> anyhow::Result<()> {
     match command {
         GenerateCommand::Bench(args) => bench(args),
+        GenerateCommand::ServeBench(args) => crate::serve::run(args),
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
 //! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`; [`generate`] holds
-//! `keel generate bench`; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
+//! `keel generate bench`; [`serve`] holds `keel generate serve-bench`, a load generator for
+//! OpenAI-compatible servers; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
 //! `keel checkpoint list|upload|download|export`; [`run`] holds `keel run submit|list|show|watch|cancel|samples`.
 //! Commands return `anyhow` errors whose chain reads as one line.
 
@@ -12,6 +13,7 @@ pub mod generate;
 pub mod model;
 pub mod reward;
 pub mod run;
+pub mod serve;
 pub mod train;
 
 use clap::{Parser, Subcommand};
