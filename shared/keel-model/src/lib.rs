@@ -12,10 +12,13 @@
 //! - [`sampling`]: batched sampling on the device; single-sequence generation for the CLI.
 //! - [`init`]: a new model directory with a trained tokenizer (`keel model init`).
 //! - [`device`]: device and dtype names, CUDA probing without panics.
+//! - [`cuda`]: CUDA kernels for inference (NVRTC, cudarc), each checked against its tch path
+//!   at load and switched off when it cannot run.
 
 pub mod cache;
 pub mod chat;
 pub mod config;
+pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod init;

@@ -95,11 +95,21 @@ impl RmsNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x32 = x.f_to_kind(Kind::Float)?;
-        let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
-        let normed = x32.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
-        Ok(self.weight.f_mul(&normed.f_to_kind(x.kind())?)?)
+        rms_norm(x, &self.weight, self.eps)
     }
+}
+
+/// `weight · x / sqrt(mean(x²) + eps)` over the last dimension, the norm in f32.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = x.f_to_kind(Kind::Float)?;
+    let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
+    let normed = x32.f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?;
+    Ok(weight.f_mul(&normed.f_to_kind(x.kind())?)?)
+}
+
+/// `silu(gate) · up`: the gated activation of the MLP.
+pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok(gate.f_silu()?.f_mul(up)?)
 }
 
 /// Which keys each query may attend to.
@@ -332,8 +342,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(x)?.f_silu()?;
-        self.down_proj.forward(&gate.f_mul(&self.up_proj.forward(x)?)?)
+        self.down_proj.forward(&silu_mul(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
     }
 }
 

@@ -1,0 +1,148 @@
+//! Launch shapes of the kernels in `kernels.cu`, computed and checked on the host: grid and
+//! block sizes within CUDA's limits, shared memory within the default 48 KiB, and the split
+//! of long contexts for decode attention. Pure functions, tested without a GPU.
+
+use super::KernelError;
+
+/// CUDA's limits on a launch.
+const MAX_THREADS: u32 = 1024;
+const MAX_GRID_X: i64 = (1 << 31) - 1;
+const MAX_GRID_YZ: i64 = 65_535;
+const MAX_SHARED_BYTES: i64 = 48 * 1024;
+/// Threads per block of the elementwise kernels.
+const ELEMENTWISE_THREADS: u32 = 256;
+/// Threads per block of decode attention: four warps.
+pub const ATTENTION_THREADS: u32 = 128;
+/// Keys one decode-attention block takes when a context is split.
+pub const PARTITION: i64 = 512;
+/// (head, row) pairs from which decode attention has enough blocks without splitting.
+const BUSY_PAIRS: i64 = 256;
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+/// ⌈a / b⌉ for positive i64 (`div_ceil` on signed integers is not stable).
+fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+fn shape_error(message: String) -> KernelError {
+    KernelError::Shape(message)
+}
+
+fn grid_x(what: &str, blocks: i64) -> Result<u32, KernelError> {
+    if !(1..=MAX_GRID_X).contains(&blocks) {
+        return Err(shape_error(format!("{what}: {blocks} blocks is outside CUDA's grid (1..={MAX_GRID_X})")));
+    }
+    Ok(blocks as u32)
+}
+
+fn grid_yz(what: &str, blocks: i64) -> Result<u32, KernelError> {
+    if !(1..=MAX_GRID_YZ).contains(&blocks) {
+        return Err(shape_error(format!("{what}: {blocks} is outside CUDA's grid y/z limit (1..={MAX_GRID_YZ})")));
+    }
+    Ok(blocks as u32)
+}
+
+/// One block per row of `cols` values (RMSNorm): a warp multiple of threads, at most 1024.
+pub fn per_row(rows: i64, cols: i64) -> Result<LaunchShape, KernelError> {
+    if cols < 1 {
+        return Err(shape_error(format!("rows of {cols} values")));
+    }
+    let threads = (cols.min(i64::from(MAX_THREADS)) as u32).div_ceil(32) * 32;
+    Ok(LaunchShape { grid: (grid_x("rows", rows)?, 1, 1), block: (threads, 1, 1), shared_bytes: 0 })
+}
+
+/// One thread per item of `n`.
+pub fn elementwise(n: i64) -> Result<LaunchShape, KernelError> {
+    if n < 1 {
+        return Err(shape_error(format!("{n} elements")));
+    }
+    let blocks = ceil_div(n, i64::from(ELEMENTWISE_THREADS));
+    Ok(LaunchShape { grid: (grid_x("elements", blocks)?, 1, 1), block: (ELEMENTWISE_THREADS, 1, 1), shared_bytes: 0 })
+}
+
+/// Decode attention of `rows` queries of `heads` heads of `dim` values over at most
+/// `max_keys` keys a row: the launch, the keys each block takes and the number of splits
+/// (above 1, partial results go through the reduction). A context is split when there are
+/// few (head, row) pairs to spread over the GPU, or when one block's scores would not fit in
+/// shared memory.
+pub fn paged_decode(heads: i64, rows: i64, max_keys: i64, dim: i64) -> Result<(LaunchShape, i64, i64), KernelError> {
+    if dim < 1 || dim > i64::from(MAX_THREADS) * 4 || max_keys < 1 {
+        return Err(shape_error(format!("decode attention of head size {dim} over {max_keys} keys")));
+    }
+    let whole = ceil_div(max_keys, 32) * 32;
+    let fits = (dim + whole) * 4 <= MAX_SHARED_BYTES;
+    let partition = if fits && (heads * rows >= BUSY_PAIRS || whole <= PARTITION) { whole } else { PARTITION };
+    let splits = ceil_div(max_keys, partition);
+    let shared = (dim + partition) * 4;
+    if shared > MAX_SHARED_BYTES {
+        return Err(shape_error(format!("decode attention needs {shared} bytes of shared memory")));
+    }
+    let shape = LaunchShape {
+        grid: (grid_x("heads", heads)?, grid_yz("rows", rows)?, grid_yz("splits", splits)?),
+        block: (ATTENTION_THREADS, 1, 1),
+        shared_bytes: shared as u32,
+    };
+    Ok((shape, partition, splits))
+}
+
+/// The reduction over splits: one block per (head, row), threads over the head's values.
+pub fn paged_reduce(heads: i64, rows: i64, dim: i64) -> Result<LaunchShape, KernelError> {
+    let threads = (dim.clamp(1, i64::from(MAX_THREADS)) as u32).div_ceil(32) * 32;
+    Ok(LaunchShape {
+        grid: (grid_x("heads", heads)?, grid_yz("rows", rows)?, 1),
+        block: (threads, 1, 1),
+        shared_bytes: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_and_elements_stay_within_cuda_limits() {
+        assert_eq!(per_row(7, 1024).unwrap().block, (1024, 1, 1));
+        assert_eq!(per_row(7, 4096).unwrap().block, (1024, 1, 1));
+        assert_eq!(per_row(7, 40).unwrap().block, (64, 1, 1), "a warp multiple");
+        assert_eq!(per_row(7, 40).unwrap().grid, (7, 1, 1));
+        assert!(per_row(0, 40).is_err() && per_row(3, 0).is_err());
+        assert_eq!(elementwise(257).unwrap().grid, (2, 1, 1));
+        assert!(elementwise(0).is_err());
+        assert!(elementwise(MAX_GRID_X * 256 + 1).is_err(), "past the grid");
+    }
+
+    #[test]
+    fn decode_attention_splits_long_contexts_of_small_batches() {
+        // Batch 1, 16 heads, a 4096-token context: 8 splits of 512 keys.
+        let (shape, partition, splits) = paged_decode(16, 1, 4096, 128).unwrap();
+        assert_eq!((partition, splits), (512, 8));
+        assert_eq!(shape.grid, (16, 1, 8));
+        assert_eq!(shape.shared_bytes, ((128 + 512) * 4) as u32);
+        // 64 rows × 16 heads: enough blocks, one split over the whole context.
+        let (shape, partition, splits) = paged_decode(16, 64, 1000, 128).unwrap();
+        assert_eq!((partition, splits), (1024, 1));
+        assert_eq!(shape.grid, (16, 64, 1));
+        // Short contexts never split.
+        assert_eq!(paged_decode(2, 1, 100, 64).unwrap().2, 1);
+        // A context too long for one block's shared memory splits even when the GPU is busy.
+        let (shape, partition, splits) = paged_decode(32, 256, 32_768, 128).unwrap();
+        assert_eq!((partition, splits), (512, 64));
+        assert!(i64::from(shape.shared_bytes) <= MAX_SHARED_BYTES);
+    }
+
+    #[test]
+    fn impossible_attention_launches_are_refused() {
+        assert!(paged_decode(16, 70_000, 100, 128).is_err(), "rows past grid y");
+        assert!(paged_decode(16, 1, 0, 128).is_err());
+        assert!(paged_decode(16, 1, 100, 0).is_err());
+        assert!(paged_decode(16, 1, 100, 1 << 13).is_err());
+        assert_eq!(paged_reduce(16, 3, 128).unwrap().block, (128, 1, 1));
+    }
+}
