@@ -70,6 +70,9 @@ pub struct Stats {
     pub refits: AtomicU64,
     /// How long the last refit took (waiting for the drain included), microseconds.
     pub last_refit_micros: AtomicU64,
+    /// Keel's CUDA kernels running, and switched off at start-up (their tch path runs).
+    pub kernels_on: AtomicUsize,
+    pub kernels_off: AtomicUsize,
 }
 
 /// How a refit treats running samples.

@@ -29,6 +29,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +60,9 @@ pub struct Config {
     /// On CUDA, the fraction of the GPU's memory this generator may use (weights, KV cache
     /// and activations), as vLLM's option of the same name.
     pub gpu_memory_utilization: f64,
+    /// On CUDA, Keel's own kernels for RMSNorm, rotary embedding, SiLU·mul and decode
+    /// attention, each checked against its tch path at start-up (false: tch everywhere).
+    pub cuda_kernels: bool,
     /// Requests waiting to run before new ones get 429.
     pub max_waiting: usize,
     /// NATS server for rollouts and refits (default `KEEL_NATS_URL` or nats://127.0.0.1:4222).
@@ -113,6 +117,7 @@ pub fn default_config() -> Config {
         max_model_len: None,
         kv_cache_memory_bytes: None,
         gpu_memory_utilization: 0.85,
+        cuda_kernels: true,
         max_waiting: 64,
         nats_url: keel_service::nats::default_url(),
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
@@ -140,12 +145,20 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
     let world = config.tensor_parallel_size;
     let blocks = kv_cache_blocks(config, &model_config, device, kind)?;
     let dir = model_dir.to_path_buf();
+    let kernels = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+    let use_kernels = config.cuda_kernels && device != tch::Device::Cpu && world == 1;
+    let counts = kernels.clone();
     let backend = move || {
         if world > 1 {
-            backend::Backend::sharded(&dir, world, device, kind, blocks)
-        } else {
-            keel_model::CausalLm::load(&dir, device, kind).and_then(|model| backend::Backend::whole(model, blocks))
+            return backend::Backend::sharded(&dir, world, device, kind, blocks);
         }
+        let mut model = keel_model::CausalLm::load(&dir, device, kind)?;
+        if use_kernels {
+            let (on, off) = attach_kernels(&mut model, device, kind);
+            counts.0.store(on, Ordering::Relaxed);
+            counts.1.store(off, Ordering::Relaxed);
+        }
+        backend::Backend::whole(model, blocks)
     };
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     if eos_token_ids.is_empty() {
@@ -163,6 +176,8 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
     };
     let engine =
         engine::Engine::start_with(backend, Some(tokenizer.clone()), engine_config).map_err(|e| e.to_string())?;
+    engine.stats.kernels_on.store(kernels.0.load(Ordering::Relaxed), Ordering::Relaxed);
+    engine.stats.kernels_off.store(kernels.1.load(Ordering::Relaxed), Ordering::Relaxed);
     let limits = request::Limits {
         vocab_size,
         max_model_len: max_model_len as usize,
@@ -224,6 +239,29 @@ fn kv_cache_blocks(
     Ok(backend::blocks_in(cfg, kv_heads, kind, bytes))
 }
 
+/// Loads Keel's CUDA kernels for `model`'s device and dtype (see `keel_model::cuda`): a
+/// kernel that does not compile or does not match its tch path is logged and left off, and
+/// the model runs the tch path for it. Returns how many kernels run and how many are off.
+fn attach_kernels(model: &mut keel_model::CausalLm, device: tch::Device, kind: tch::Kind) -> (usize, usize) {
+    use keel_model::cuda::{Kernel, Kernels};
+    let all = Kernel::ALL.len();
+    match Kernels::load(device, &[kind]) {
+        Ok(kernels) => {
+            for (kernel, why) in kernels.fallbacks() {
+                tracing::warn!(kernel = kernel.name(), "CUDA kernel off, using the tch path: {why}");
+            }
+            let off = kernels.fallbacks().len();
+            tracing::info!(on = all - off, off, "CUDA kernels loaded");
+            model.use_kernels(Arc::new(kernels));
+            (all - off, off)
+        }
+        Err(e) => {
+            tracing::warn!("CUDA kernels off, using the tch path: {e}");
+            (0, all)
+        }
+    }
+}
+
 /// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
 /// NATS rollout and refit subjects too.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
@@ -238,7 +276,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     tracing::info!(
         model = %loaded.model_name,
         max_num_seqs = config.max_num_seqs,
-        kv_blocks = loaded.engine.stats.blocks_total.load(std::sync::atomic::Ordering::Relaxed),
+        kv_blocks = loaded.engine.stats.blocks_total.load(Ordering::Relaxed),
         "model loaded"
     );
     let client = keel_service::nats::connect(&config.nats_url).await?;

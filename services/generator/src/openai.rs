@@ -665,6 +665,20 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         gauge(&s.waiting),
     );
     metric(&mut out, &format!("{p}_running_sequences"), "gauge", "Sequences running now.", gauge(&s.running));
+    metric(
+        &mut out,
+        &format!("{p}_cuda_kernels_on"),
+        "gauge",
+        "Keel CUDA kernels in use (checked against their tch path at start-up).",
+        gauge(&s.kernels_on),
+    );
+    metric(
+        &mut out,
+        &format!("{p}_cuda_kernels_off"),
+        "gauge",
+        "Keel CUDA kernels switched off at start-up (failed to compile, load or match); their tch path runs.",
+        gauge(&s.kernels_off),
+    );
     let (total, used) = (gauge(&s.blocks_total), gauge(&s.blocks_used));
     metric(&mut out, &format!("{p}_kv_blocks_used"), "gauge", "KV-cache blocks held by sequences.", used);
     metric(&mut out, &format!("{p}_kv_blocks_free"), "gauge", "KV-cache blocks free or evictable.", total - used);

@@ -72,6 +72,15 @@ pub enum Error {
     Collective(keel_collective::Error),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
+    /// A CUDA kernel could not run (see [`crate::cuda`]).
+    #[error("{0}")]
+    Kernel(Box<crate::cuda::KernelError>),
+}
+
+impl From<crate::cuda::KernelError> for Error {
+    fn from(e: crate::cuda::KernelError) -> Self {
+        Error::Kernel(Box::new(e))
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -9,6 +9,8 @@
 //! and [`CausalLm::forward_paged`] for the generator: chunks of many sequences packed into
 //! one pass over a [`PagedCache`] (see [`paged`]).
 
+use std::sync::Arc;
+
 use tch::{Device, Kind, Tensor, nn};
 
 pub mod paged;
@@ -18,6 +20,7 @@ pub use paged::PagedModel;
 
 use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
+use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
 use crate::rope::{self, Rotary};
 
@@ -94,9 +97,29 @@ impl RmsNorm {
         Ok(Self { weight: p.ones("weight", &[size])?, eps })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        rms_norm(x, &self.weight, self.eps)
+    fn forward(&self, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
+        match kernel_for(kernels, Kernel::RmsNorm, x) {
+            Some(k) => Ok(k.rms_norm(x, None, &self.weight, self.eps)?.0),
+            None => rms_norm(x, &self.weight, self.eps),
+        }
     }
+
+    /// (`x + residual`, its norm), fused into one kernel where one runs.
+    fn add_forward(&self, x: &Tensor, residual: &Tensor, kernels: Option<&Kernels>) -> Result<(Tensor, Tensor)> {
+        if let Some(k) = kernel_for(kernels, Kernel::RmsNorm, x)
+            && let (normed, Some(sum)) = k.rms_norm(x, Some(residual), &self.weight, self.eps)?
+        {
+            return Ok((sum, normed));
+        }
+        let sum = x.f_add(residual)?;
+        let normed = rms_norm(&sum, &self.weight, self.eps)?;
+        Ok((sum, normed))
+    }
+}
+
+/// The kernels, when `kernel` runs for `x` (its device and dtype, and no gradient needed).
+fn kernel_for<'k>(kernels: Option<&'k Kernels>, kernel: Kernel, x: &Tensor) -> Option<&'k Kernels> {
+    kernels.filter(|k| !x.requires_grad() && k.runs(kernel, x.device(), x.kind()))
 }
 
 /// `weight · x / sqrt(mean(x²) + eps)` over the last dimension, the norm in f32.
@@ -207,13 +230,27 @@ struct Positions<'a> {
     sin: &'a Tensor,
     mask: &'a Mask,
     window: Option<i64>,
+    /// CUDA kernels the layers may use instead of tch ops (inference on a GPU).
+    kernels: Option<&'a Kernels>,
 }
 
 impl<'a> Positions<'a> {
     /// The positions of a layer with attention window `window`.
     fn of(cos: &'a Tensor, sin: &'a Tensor, masks: &'a Masks, window: Option<i64>) -> Self {
         let (_, mask) = masks.iter().find(|(w, _)| *w == window).expect("a mask was built for every window");
-        Self { cos, sin, mask, window }
+        Self { cos, sin, mask, window, kernels: None }
+    }
+
+    fn with_kernels(self, kernels: Option<&'a Kernels>) -> Self {
+        Self { kernels, ..self }
+    }
+
+    /// Rotary embedding of `x` [B, H, S, D] at these positions.
+    fn rotate(&self, x: &Tensor) -> Result<Tensor> {
+        match kernel_for(self.kernels, Kernel::Rotary, x) {
+            Some(k) => Ok(k.rotary(x, self.cos, self.sin)?),
+            None => rope::apply(x, self.cos, self.sin),
+        }
     }
 }
 
@@ -294,11 +331,11 @@ impl Attention {
     }
 
     /// [B, S, heads·D] → [B, heads, S, D], with the per-head norm where the model has one.
-    fn split_heads(&self, x: &Tensor, heads: i64, norm: Option<&RmsNorm>) -> Result<Tensor> {
+    fn split_heads(&self, x: &Tensor, heads: i64, norm: Option<&RmsNorm>, kernels: Option<&Kernels>) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
         let x = x.f_view([b, s, heads, self.head_dim])?;
         let x = match norm {
-            Some(norm) => norm.forward(&x)?,
+            Some(norm) => norm.forward(&x, kernels)?,
             None => x,
         };
         Ok(x.f_transpose(1, 2)?)
@@ -311,11 +348,11 @@ impl Attention {
         cache: Option<(&mut (dyn LayerCache + '_), usize)>,
     ) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
-        let q = self.split_heads(&self.q_proj.forward(x)?, self.heads, self.q_norm.as_ref())?;
-        let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref())?;
-        let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None)?;
-        let q = rope::apply(&q, at.cos, at.sin)?;
-        let k = rope::apply(&k, at.cos, at.sin)?;
+        let q = self.split_heads(&self.q_proj.forward(x)?, self.heads, self.q_norm.as_ref(), at.kernels)?;
+        let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref(), at.kernels)?;
+        let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None, at.kernels)?;
+        let q = at.rotate(&q)?;
+        let k = at.rotate(&k)?;
         let out = match cache {
             Some((cache, layer)) => cache.attend(layer, &q, &k, &v, at.mask, at.window)?,
             None => attention(&q, &k, &v, at.mask)?,
@@ -341,8 +378,13 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down_proj.forward(&silu_mul(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
+    fn forward(&self, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
+        let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
+        let activated = match kernel_for(kernels, Kernel::SiluMul, &gate) {
+            Some(k) => k.silu_mul(&gate, &up)?,
+            None => silu_mul(&gate, &up)?,
+        };
+        self.down_proj.forward(&activated)
     }
 }
 
@@ -376,9 +418,9 @@ impl DecoderLayer {
         at: &Positions<'_>,
         cache: Option<(&mut (dyn LayerCache + '_), usize)>,
     ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, at, cache)?;
-        let h = x.f_add(&attn)?;
-        Ok(h.f_add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x, at.kernels)?, at, cache)?;
+        let (h, normed) = self.post_attention_layernorm.add_forward(x, &attn, at.kernels)?;
+        Ok(h.f_add(&self.mlp.forward(&normed, at.kernels)?)?)
     }
 }
 
@@ -393,6 +435,8 @@ pub struct CausalLm {
     lm_head: Tensor,
     rotary: Rotary,
     kind: Kind,
+    /// CUDA kernels for inference passes ([`Self::use_kernels`]).
+    kernels: Option<Arc<Kernels>>,
 }
 
 /// Largest number of logits (batch × positions × vocabulary) materialised at once when
@@ -420,11 +464,17 @@ impl CausalLm {
             root.sub("lm_head").weight("weight", &[cfg.vocab_size, cfg.hidden_size])?
         };
         let rotary = Rotary::new(&cfg.rope, cfg.head_dim, device)?;
-        Ok(Self { cfg, vs, embed_tokens, layers, norm, lm_head, rotary, kind })
+        Ok(Self { cfg, vs, embed_tokens, layers, norm, lm_head, rotary, kind, kernels: None })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Runs inference passes (no gradients) with `kernels` where they run for the model's
+    /// device and dtype; the tch path everywhere else.
+    pub fn use_kernels(&mut self, kernels: Arc<Kernels>) {
+        self.kernels = Some(kernels);
     }
 
     pub fn var_store(&self) -> &nn::VarStore {
@@ -524,10 +574,10 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(self.device())?, -1, false, false)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            let at = Positions::of(cos, sin, masks, layer.window);
+            let at = Positions::of(cos, sin, masks, layer.window).with_kernels(self.kernels.as_deref());
             x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)))?;
         }
-        self.norm.forward(&x)
+        self.norm.forward(&x, self.kernels.as_deref())
     }
 
     /// Logits [R, vocab] (inference, no gradients) for the last token of each of `chunks`
@@ -544,6 +594,7 @@ impl CausalLm {
             &windows,
             &self.rotary,
             self.kind,
+            self.kernels.as_deref(),
             |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
         )?;
         Ok(last.f_linear::<Tensor>(&self.lm_head, None)?)

@@ -16,6 +16,7 @@ use tch::{Device, Kind, Tensor};
 use super::{Mask, Masks, attention};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
+use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
 use crate::rope::Rotary;
 
@@ -62,6 +63,9 @@ impl<C: keel_collective::Collective> PagedModel for super::tp::TpCausalLm<C> {
 /// (inference, no gradients): the chunks are checked, packed and run through `layers` (given
 /// the packed ids, the rotary tables, the masks and the pass's view of `cache`). What a
 /// whole model and a tensor-parallel rank share of a paged pass; each applies its own head.
+/// With `kernels` whose decode attention runs here, the single-token chunks attend through
+/// it, reading their blocks in place.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn last_hidden(
     chunks: &[SeqChunk],
     cache: &mut PagedCache,
@@ -69,15 +73,17 @@ pub(crate) fn last_hidden(
     windows: &[Option<i64>],
     rotary: &Rotary,
     kind: Kind,
+    kernels: Option<&Kernels>,
     layers: impl FnOnce(&Tensor, &Tensor, &Tensor, &Masks, &mut dyn LayerCache) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
     cache.zero_fresh(chunks)?;
-    let packed = Packed::new(chunks, vocab, cache, windows, cache.device())?;
+    let kernels = kernels.filter(|k| k.runs(Kernel::PagedDecode, cache.device(), kind));
+    let packed = Packed::new(chunks, vocab, cache, windows, cache.device(), kernels.is_some())?;
     let (cos, sin) = rotary.cos_sin(&packed.positions, kind)?;
     let masks = in_cache_masks(windows);
     let (ids, rows) = (packed.ids.shallow_clone(), packed.logit_rows.shallow_clone());
-    let mut step = packed.step(cache);
+    let mut step = packed.step(cache, kernels);
     let hidden = layers(&ids, &cos, &sin, &masks, &mut step)?;
     Ok(hidden.f_squeeze_dim(0)?.f_index_select(0, &rows)?)
 }
@@ -99,6 +105,9 @@ struct Decodes {
     keys: i64,
     /// Mask [1, rows, 1, keys] per window (none when every row sees every key).
     masks: Vec<(Option<i64>, Option<Tensor>)>,
+    /// For the decode-attention kernel: block tables [rows, blocks_per_row] and keys per row
+    /// [rows], both int32.
+    kernel_tables: Option<(Tensor, Tensor)>,
 }
 
 /// A longer chunk, attending on its own.
@@ -164,6 +173,7 @@ impl Packed {
         cache: &PagedCache,
         windows: &[Option<i64>],
         device: Device,
+        kernel: bool,
     ) -> Result<Self> {
         if chunks.is_empty() {
             return Err(Error::InvalidInput("a paged pass needs at least one chunk".into()));
@@ -194,7 +204,7 @@ impl Packed {
         let decodes = if singles.is_empty() {
             None
         } else {
-            Some(Self::decodes(&singles, cache.pad_block(), &distinct, device)?)
+            Some(Self::decodes(&singles, cache.pad_block(), &distinct, device, kernel)?)
         };
         let mut prefills = Vec::new();
         let mut start = singles.len() as i64;
@@ -224,7 +234,13 @@ impl Packed {
         })
     }
 
-    fn decodes(singles: &[&SeqChunk], pad: i64, windows: &[Option<i64>], device: Device) -> Result<Decodes> {
+    fn decodes(
+        singles: &[&SeqChunk],
+        pad: i64,
+        windows: &[Option<i64>],
+        device: Device,
+        kernel: bool,
+    ) -> Result<Decodes> {
         let lens: Vec<i64> = singles.iter().map(|c| c.context as i64 + 1).collect();
         let per_row = singles.iter().map(|c| (c.context + 1).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
         let mut table = Vec::with_capacity(singles.len() * per_row);
@@ -252,12 +268,20 @@ impl Packed {
                 Ok((w, Some(allowed)))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Decodes { rows, blocks: ids_tensor(&table, device)?, keys, masks })
+        let kernel_tables = if kernel {
+            let table32: Vec<i32> = table.iter().map(|&b| b as i32).collect();
+            let lens32: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let tables = Tensor::from_slice(&table32).f_view([rows, per_row as i64])?.f_to_device(device)?;
+            Some((tables, Tensor::from_slice(&lens32).f_to_device(device)?))
+        } else {
+            None
+        };
+        Ok(Decodes { rows, blocks: ids_tensor(&table, device)?, keys, masks, kernel_tables })
     }
 
     /// The pass's view of `cache`.
-    fn step(self, cache: &mut PagedCache) -> PagedStep<'_> {
-        PagedStep { cache, packed: self }
+    fn step<'a>(self, cache: &'a mut PagedCache, kernels: Option<&'a Kernels>) -> PagedStep<'a> {
+        PagedStep { cache, packed: self, kernels }
     }
 }
 
@@ -265,6 +289,8 @@ impl Packed {
 struct PagedStep<'a> {
     cache: &'a mut PagedCache,
     packed: Packed,
+    /// Kernels whose decode attention runs on this cache's device and dtype.
+    kernels: Option<&'a Kernels>,
 }
 
 impl PagedStep<'_> {
@@ -309,7 +335,14 @@ impl LayerCache for PagedStep<'_> {
         let _ = self.cache.values[layer].f_index_copy_(1, &self.packed.slots, &v.f_squeeze_dim(0)?)?;
         let (keys, values) = (&self.cache.keys[layer], &self.cache.values[layer]);
         let mut outs = Vec::with_capacity(1 + self.packed.prefills.len());
-        if let Some(d) = &self.packed.decodes {
+        if let (Some(d), Some(kernels)) = (&self.packed.decodes, self.kernels)
+            && let Some((tables, lens)) = &d.kernel_tables
+        {
+            // [1, heads, rows, D] → [heads, rows, D], attended where the blocks lie.
+            let qd = q.f_narrow(2, 0, d.rows)?.f_squeeze_dim(0)?;
+            let out = kernels.paged_decode(&qd, keys, values, tables, lens, d.keys, BLOCK_SIZE as i64, window)?;
+            outs.push(out.f_unsqueeze(0)?);
+        } else if let Some(d) = &self.packed.decodes {
             // Attention batched over (KV head, row), the query heads of a KV group as that
             // group's queries: [1, heads, rows, D] → [kv_heads, rows, group, D] and back.
             let (kv_heads, head_dim) = self.cache.shape();

@@ -375,15 +375,15 @@ impl<C: Collective> TpCausalLm<C> {
         let mut x = self.embed(ids)?;
         for (index, layer) in self.shards.layers.iter().enumerate() {
             let at = Positions::of(cos, sin, masks, layer.window);
-            let normed = layer.input_layernorm.forward(&x)?;
+            let normed = layer.input_layernorm.forward(&x, None)?;
             let attn = layer.attention.forward(&normed, &at, cache.as_deref_mut().map(|c| (c, index)))?;
             let attn = add_bias(self.all_reduce(attn, ReduceOp::Sum)?, layer.o_bias.as_ref())?;
             let h = x.f_add(&attn)?;
-            let mlp = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h)?)?;
+            let mlp = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h, None)?, None)?;
             let mlp = add_bias(self.all_reduce(mlp, ReduceOp::Sum)?, layer.down_bias.as_ref())?;
             x = h.f_add(&mlp)?;
         }
-        self.shards.norm.forward(&x)
+        self.shards.norm.forward(&x, None)
     }
 
     /// The chunk length of the logprob loop: the same on every rank (each must make the same
@@ -421,11 +421,11 @@ impl<C: Collective> TpCausalLm<C> {
             let at = Positions::of(&cos, &sin, &masks, layer.window);
             let attention = |a: &Tensor| layer.attention.forward(a, &at, None);
             x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
-            let mlp = |a: &Tensor| layer.mlp.forward(a);
+            let mlp = |a: &Tensor| layer.mlp.forward(a, None);
             x = self.segment(&x, &layer.post_attention_layernorm, mlp, layer.down_bias.as_ref(), &mut segments)?;
         }
         let input = leaf(&x)?;
-        let normed = self.shards.norm.forward(&input)?;
+        let normed = self.shards.norm.forward(&input, None)?;
         let branch_input = leaf(&normed)?;
         let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
         let share = self.largest_vocab_share();
@@ -445,7 +445,7 @@ impl<C: Collective> TpCausalLm<C> {
         segments: &mut Vec<Segment>,
     ) -> Result<Tensor> {
         let input = leaf(x)?;
-        let normed = norm.forward(&input)?;
+        let normed = norm.forward(&input, None)?;
         let branch_input = leaf(&normed)?;
         let partial = branch(&branch_input)?;
         let output = input.f_add(&add_bias(self.reduce_sum(&partial)?, bias)?)?;
@@ -549,6 +549,7 @@ impl<C: Collective> TpCausalLm<C> {
             &windows,
             &self.rotary,
             self.kind,
+            None,
             |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
         )?;
         self.gather_vocab(&last.f_linear::<Tensor>(&self.shards.lm_head, None)?)
