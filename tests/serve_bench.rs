@@ -1,6 +1,6 @@
-//! `keel generate serve-bench` against the generator as a process: every request of a
-//! Poisson load completes with all its tokens and the timings are reported; bad arguments
-//! and an unreachable server are one error line.
+//! `keel generate serve-bench` against the generator as a process (HTTP only, no NATS):
+//! every request of a Poisson load completes with all its tokens and the timings are
+//! reported; bad arguments and an unreachable server are one error line.
 
 #![allow(clippy::unwrap_used)]
 
@@ -20,7 +20,12 @@ fn a_poisson_load_completes_and_reports_its_latencies() {
     keel_model_init(&model);
     let generator = ServiceProcess::start(
         "generator",
-        &[("KEEL_GENERATOR__MODEL", model.to_str().unwrap()), ("KEEL_GENERATOR__MAX_NUM_SEQS", "4")],
+        &[
+            ("KEEL_GENERATOR__MODEL", model.to_str().unwrap()),
+            ("KEEL_GENERATOR__MAX_NUM_SEQS", "4"),
+            // HTTP only: a standalone server needs no NATS.
+            ("KEEL_GENERATOR__NATS_URL", ""),
+        ],
     );
     let prompts = dir.path().join("prompts.json");
     let out = serve_bench(&[

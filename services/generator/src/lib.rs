@@ -65,7 +65,8 @@ pub struct Config {
     pub cuda_kernels: bool,
     /// Requests waiting to run before new ones get 429.
     pub max_waiting: usize,
-    /// NATS server for rollouts and refits (default `KEEL_NATS_URL` or nats://127.0.0.1:4222).
+    /// NATS server for rollouts and refits (default `KEEL_NATS_URL` or nats://127.0.0.1:4222);
+    /// empty: serve the HTTP API only, as a standalone OpenAI-compatible server.
     pub nats_url: String,
     /// Prefix of every subject (`keel.v1`).
     pub subject_prefix: String,
@@ -279,10 +280,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         kv_blocks = loaded.engine.stats.blocks_total.load(Ordering::Relaxed),
         "model loaded"
     );
-    let client = keel_service::nats::connect(&config.nats_url).await?;
-    let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let mut parts = keel_service::parts::Parts::default();
-    parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), parts.stopped()));
+    if config.nats_url.is_empty() {
+        tracing::info!("no nats_url: serving HTTP only (no rollouts or refits over NATS)");
+    } else {
+        let client = keel_service::nats::connect(&config.nats_url).await?;
+        let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+        parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), parts.stopped()));
+    }
     let app = openai::routes(loaded).merge(keel_service::health_routes(SERVICE));
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
