@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor, nn};
 
+pub mod decode;
 pub mod paged;
 pub mod tp;
 
@@ -598,6 +599,23 @@ impl CausalLm {
             |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
         )?;
         Ok(last.f_linear::<Tensor>(&self.lm_head, None)?)
+    }
+
+    /// Logits [rows, vocab] of a fixed-shape decode step over `batch` (see [`decode`]):
+    /// what a CUDA graph captures, and what [`Self::forward_paged`] gives for the same rows.
+    pub fn forward_decode(&self, batch: &decode::DecodeBatch, cache: &mut PagedCache) -> Result<Tensor> {
+        cache.check(self.layers.len(), self.cfg.num_key_value_heads, self.kind, self.device())?;
+        let windows = self.windows();
+        let hidden = decode::decode_hidden(
+            batch,
+            cache,
+            &windows,
+            &self.rotary,
+            self.kind,
+            self.kernels.as_deref(),
+            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
+        )?;
+        Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
     /// Logits [B, S, vocab] in the parameters' dtype. With a cache (inference only: runs

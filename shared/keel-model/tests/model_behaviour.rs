@@ -131,6 +131,79 @@ fn paged_attention_matches_the_contiguous_forward() {
     paged_vs_contiguous(config("MistralForCausalLM", json!({"sliding_window": 9})), 3);
 }
 
+/// The fixed-shape decode step (what a CUDA graph captures) gives what the packed pass
+/// gives for the same rows: padded to a larger batch, with wider block tables than the rows
+/// need, over prompts of different lengths, several steps in a row; bad rows are refused.
+fn decode_batch_vs_packed(cfg: ModelConfig) {
+    let model = random_model(cfg, Kind::Float);
+    let lengths = [37usize, 5, 18, 1, 33];
+    let steps = 4;
+    let needed: Vec<usize> = lengths.iter().map(|n| (n + steps).div_ceil(BLOCK_SIZE)).collect();
+    let pool = needed.iter().sum::<usize>() + 2;
+    // Tables taken from the end of the pool backwards, so no row's blocks are in order.
+    let mut next = pool as u32;
+    let tables: Vec<Vec<u32>> = needed
+        .iter()
+        .map(|&k| {
+            (0..k)
+                .map(|_| {
+                    next -= 1;
+                    next
+                })
+                .collect()
+        })
+        .collect();
+    let mut cache = PagedCache::new(model.config(), pool, Kind::Float, Device::Cpu).unwrap();
+    let mut seqs: Vec<Vec<i64>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| (0..n).map(|i| ((i + r * 11) as i64 * 23 + 4) % 97).collect())
+        .collect();
+    let prefill: Vec<SeqChunk> = seqs
+        .iter()
+        .zip(&tables)
+        .map(|(s, t)| SeqChunk { tokens: s[..s.len() - 1].to_vec(), context: 0, blocks: t.clone(), logits: false })
+        .filter(|c| !c.tokens.is_empty())
+        .collect();
+    let _ = model.forward_paged(&prefill, &mut cache).unwrap();
+    let mut batch = keel_model::DecodeBatch::new(8, 6, Device::Cpu).unwrap();
+    for _ in 0..steps {
+        let chunks: Vec<SeqChunk> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| SeqChunk {
+                tokens: vec![s[s.len() - 1]],
+                context: s.len() - 1,
+                blocks: t.clone(),
+                logits: true,
+            })
+            .collect();
+        let want = logprobs(&model.forward_paged(&chunks, &mut cache).unwrap());
+        batch.fill(&chunks, &mut cache).unwrap();
+        let got = model.forward_decode(&batch, &mut cache).unwrap();
+        assert_eq!(got.size(), [8, 97], "every row of the batch, padding included");
+        let got = logprobs(&got.narrow(0, 0, lengths.len() as i64));
+        let worst = (got - &want).abs().max().double_value(&[]);
+        assert!(worst <= 1e-5, "the decode step differs from the packed pass by {worst:e}");
+        let next = Vec::<i64>::try_from(want.argmax(-1, false)).unwrap();
+        for (s, t) in seqs.iter_mut().zip(next) {
+            s.push(t);
+        }
+    }
+    let too_wide = SeqChunk { tokens: vec![1], context: 6 * BLOCK_SIZE, blocks: vec![0; 7], logits: true };
+    let error = batch.fill(&[too_wide], &mut cache).unwrap_err().to_string();
+    assert!(error.contains("at most 6 blocks"), "{error}");
+    let nine: Vec<SeqChunk> =
+        (0..9).map(|_| SeqChunk { tokens: vec![1], context: 0, blocks: vec![0], logits: true }).collect();
+    assert!(batch.fill(&nine, &mut cache).unwrap_err().to_string().contains("9 sequences"));
+}
+
+#[test]
+fn the_fixed_shape_decode_step_matches_the_packed_pass() {
+    decode_batch_vs_packed(config("Qwen3ForCausalLM", json!({"head_dim": 16})));
+    decode_batch_vs_packed(config("MistralForCausalLM", json!({"sliding_window": 9})));
+}
+
 /// A block copied from another (copy on write) continues as the original would, and a
 /// chunk that asks for no logits still fills the cache.
 #[test]

@@ -89,7 +89,7 @@ pub(crate) fn last_hidden(
 }
 
 /// One [`Mask::InCache`] per distinct window: the paged step masks by itself.
-fn in_cache_masks(windows: &[Option<i64>]) -> Masks {
+pub(super) fn in_cache_masks(windows: &[Option<i64>]) -> Masks {
     let mut distinct = windows.to_vec();
     distinct.sort_unstable();
     distinct.dedup();
@@ -307,7 +307,7 @@ impl PagedStep<'_> {
 /// `v` [kv_heads, rows, keys, D] under `mask` [1, rows, 1, keys]. On the CPU it is two
 /// batched matrix products around a softmax in f32: libtorch's CPU SDPA kernel takes about
 /// twice as long for so few queries per batch entry; elsewhere it is SDPA.
-fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+pub(super) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     if q.device() != Device::Cpu {
         return Ok(Tensor::f_scaled_dot_product_attention(q, k, v, mask, 0.0, false, None, false)?);
     }
