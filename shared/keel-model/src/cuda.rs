@@ -9,11 +9,13 @@
 //! or agree is switched off and named in [`Kernels::fallbacks`], and the model keeps using
 //! tch for it. Kernels run only on tensors that need no gradient (they have no backward).
 //!
-//! Launches go to the CUDA legacy default stream, which is libtorch's current stream unless
-//! something sets another, so kernels and tch ops run in the order they are issued.
-//! `launch` holds the launch shapes, checked on the host.
+//! Launches go to libtorch's current stream (through the [`graph`] shim once it is loaded,
+//! the capture stream during a CUDA graph capture; the legacy default stream before), so
+//! kernels and tch ops run in the order they are issued. `launch` holds the launch shapes,
+//! checked on the host.
 
 pub mod check;
+pub mod graph;
 pub mod launch;
 
 use std::collections::HashMap;
@@ -248,9 +250,11 @@ impl Kernels {
         let function = self.functions.get(&name).ok_or_else(|| KernelError::Unavailable(format!("{name} is off")))?;
         self.context.bind_to_thread().map_err(|e| KernelError::Driver(e.to_string()))?;
         let mut params: Vec<*mut c_void> = args.iter_mut().map(Arg::param).collect();
+        let stream = graph::current_stream(self.ordinal).unwrap_or(std::ptr::null_mut());
         // SAFETY: the arguments match the entry point's parameter list in kernels.cu, every
         // pointer is the data of a live CUDA tensor of this device whose extent the checks in
-        // the callers guarantee, and the null stream orders the launch after libtorch's work.
+        // the callers guarantee, and the launch goes to libtorch's current stream (the legacy
+        // default stream, null, until the graph shim is loaded), after libtorch's work.
         #[allow(unsafe_code)]
         unsafe {
             cudarc::driver::result::launch_kernel(
@@ -258,7 +262,7 @@ impl Kernels {
                 shape.grid,
                 shape.block,
                 shape.shared_bytes,
-                std::ptr::null_mut(),
+                stream.cast(),
                 &mut params,
             )
         }

@@ -1,10 +1,14 @@
-//! The CUDA kernels: the program compiles with NVRTC for the GPUs Keel targets (no GPU
-//! needed), loading them where there is no GPU is an error and never a panic, and on a GPU
-//! every kernel matches its tch path in f32, bf16 and f16 (skipped, and said so, elsewhere).
+//! The CUDA kernels and graphs: the program compiles with NVRTC for the GPUs Keel targets
+//! and the graph shim is built and loads (no GPU needed), loading kernels or capturing a
+//! graph where there is no GPU is an error and never a panic, and on a GPU every kernel
+//! matches its tch path in f32, bf16 and f16 and decoding with kernels and graphs matches
+//! the tch path (skipped, and said so, elsewhere).
 
 #![allow(clippy::unwrap_used)]
 
+use keel_model::cuda::graph::{CudaGraph, GraphPool};
 use keel_model::cuda::{Kernel, Kernels, compile};
+use keel_model::model::decode::graph_buckets;
 use tch::{Device, Kind};
 
 #[test]
@@ -24,6 +28,35 @@ fn the_kernels_compile_with_nvrtc_for_ampere_and_hopper() {
 fn an_unknown_architecture_is_a_compile_error() {
     let error = compile("compute_1").unwrap_err().to_string();
     assert!(error.contains("do not compile"), "{error}");
+}
+
+#[test]
+fn graphs_are_captured_at_1_2_4_8_and_multiples_of_8() {
+    assert_eq!(graph_buckets(1), [1]);
+    assert_eq!(graph_buckets(6), [1, 2, 4, 6]);
+    assert_eq!(graph_buckets(8), [1, 2, 4, 8]);
+    assert_eq!(graph_buckets(30), [1, 2, 4, 8, 16, 24, 30]);
+    assert_eq!(graph_buckets(256).len(), 3 + 32);
+}
+
+#[test]
+fn the_graph_shim_loads_and_without_a_gpu_a_capture_is_an_error() {
+    keel_model::cuda::graph::available().expect("the CUDA graph shim is built against .venv's torch and loads");
+    if gpu().is_some() {
+        return;
+    }
+    // A pool id is a counter in libtorch: no GPU needed. Capturing needs one.
+    let pool = GraphPool::new().expect("a graph pool id");
+    let mut ran = false;
+    let captured = CudaGraph::capture(Device::Cuda(0), &pool, || {
+        ran = true;
+        Ok(())
+    });
+    let error = captured.unwrap_err().to_string();
+    assert!(error.contains("CUDA graph") && error.lines().count() == 1, "{error}");
+    assert!(!ran, "nothing runs when the capture cannot start");
+    let error = CudaGraph::capture(Device::Cpu, &pool, || Ok(())).unwrap_err().to_string();
+    assert!(error.contains("need a CUDA device"), "{error}");
 }
 
 fn gpu() -> Option<Device> {
@@ -116,6 +149,82 @@ fn on_a_gpu_greedy_decoding_with_kernels_equals_the_tch_path() {
         if kind == Kind::Float {
             assert_eq!(same, prompts, "f32 greedy decoding must not change");
             assert!(worst < 1e-3, "f32 logits differ by {worst:e}");
+        } else {
+            assert!(same * 10 >= prompts * 9, "bf16: only {same}/{prompts} identical");
+        }
+    }
+}
+
+/// On a GPU, decode steps replayed from CUDA graphs (rows padded to their bucket) give the
+/// tokens and logits of the eager step with the same kernels; the fraction of identical
+/// greedy sequences is printed.
+#[test]
+fn on_a_gpu_graph_replays_equal_eager_decoding() {
+    use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Init, ModelConfig, PagedCache, SeqChunk};
+    let Some(device) = gpu() else { return };
+    let cfg = ModelConfig::from_json(serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1000, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+    }))
+    .unwrap();
+    for kind in [Kind::Float, Kind::BFloat16] {
+        tch::manual_seed(5);
+        let mut model = CausalLm::new(cfg.clone(), device, kind, Init::Random { std: 0.2 }).unwrap();
+        model.use_kernels(std::sync::Arc::new(Kernels::load(device, &[kind]).unwrap()));
+        let (prompts, new_tokens, max_len) = (19usize, 16usize, 128usize);
+        let width = max_len.div_ceil(BLOCK_SIZE);
+        let mut cache = PagedCache::new(&cfg, 2 * prompts * width, kind, device).unwrap();
+        let mut graphs = DecodeGraphs::capture(&model, &mut cache, 24, width).unwrap();
+        assert_eq!(graphs.buckets(), [1, 2, 4, 8, 16, 24]);
+        let decode = |model: &CausalLm, cache: &mut PagedCache, graphs: Option<&mut DecodeGraphs>, offset: usize| {
+            let tables: Vec<Vec<u32>> =
+                (0..prompts).map(|p| (0..width).map(|b| ((offset + p) * width + b) as u32).collect()).collect();
+            let mut seqs: Vec<Vec<i64>> =
+                (0..prompts).map(|p| (0..(5 + p * 3)).map(|i| ((p * 71 + i * 13) % 1000) as i64).collect()).collect();
+            let prefill: Vec<SeqChunk> = seqs
+                .iter()
+                .zip(&tables)
+                .map(|(s, t)| SeqChunk { tokens: s.clone(), context: 0, blocks: t.clone(), logits: true })
+                .collect();
+            let first = model.forward_paged(&prefill, cache).unwrap().argmax(-1, false).to_device(Device::Cpu);
+            for (s, t) in seqs.iter_mut().zip(Vec::<i64>::try_from(first).unwrap()) {
+                s.push(t);
+            }
+            let mut graphs = graphs;
+            let mut all_logits = Vec::new();
+            for _ in 1..new_tokens {
+                let chunks: Vec<SeqChunk> = seqs
+                    .iter()
+                    .zip(&tables)
+                    .map(|(s, t)| SeqChunk {
+                        tokens: vec![s[s.len() - 1]],
+                        context: s.len() - 1,
+                        blocks: t.clone(),
+                        logits: true,
+                    })
+                    .collect();
+                let logits = match graphs.as_deref_mut() {
+                    Some(g) => g.run(&chunks, cache).unwrap(),
+                    None => model.forward_paged(&chunks, cache).unwrap(),
+                };
+                let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu);
+                for (s, t) in seqs.iter_mut().zip(Vec::<i64>::try_from(logits.argmax(-1, false)).unwrap()) {
+                    s.push(t);
+                }
+                all_logits.push(logits);
+            }
+            (seqs, all_logits)
+        };
+        let (want, want_logits) = decode(&model, &mut cache, None, 0);
+        let (got, got_logits) = decode(&model, &mut cache, Some(&mut graphs), prompts);
+        let same = got.iter().zip(&want).filter(|(g, w)| g == w).count();
+        let worst =
+            got_logits.iter().zip(&want_logits).map(|(g, w)| (g - w).abs().max().double_value(&[])).fold(0.0, f64::max);
+        eprintln!("{kind:?}: graphs {same}/{prompts} identical greedy sequences; largest logit difference {worst:e}");
+        if kind == Kind::Float {
+            assert_eq!(same, prompts);
+            assert!(worst < 1e-3, "{worst:e}");
         } else {
             assert!(same * 10 >= prompts * 9, "bf16: only {same}/{prompts} identical");
         }

@@ -216,3 +216,98 @@ impl LayerCache for DecodeStep<'_> {
         }
     }
 }
+
+/// Batch sizes a decode step is captured at: 1, 2, 4, 8, then multiples of 8 up to
+/// `max_num_seqs` (which is always one). A step runs in the smallest that holds it.
+pub fn graph_buckets(max_num_seqs: usize) -> Vec<usize> {
+    let mut buckets: Vec<usize> =
+        [1, 2, 4].into_iter().chain((8..).step_by(8)).take_while(|&b| b < max_num_seqs).collect();
+    buckets.push(max_num_seqs.max(1));
+    buckets
+}
+
+/// A decode step captured at one batch size, with its buffers and its output.
+#[derive(Debug)]
+struct Captured {
+    batch: DecodeBatch,
+    graph: crate::cuda::graph::CudaGraph,
+    logits: Tensor,
+}
+
+/// The decode step of one model captured as CUDA graphs, one per batch-size bucket
+/// ([`graph_buckets`]), sharing one memory pool. A step of single-token rows is replayed
+/// in the smallest bucket that holds it, its rows padded; anything else runs eagerly.
+#[derive(Debug)]
+pub struct DecodeGraphs {
+    captured: Vec<Captured>,
+    width: usize,
+}
+
+impl DecodeGraphs {
+    /// Captures `model`'s decode step over `cache` for every bucket up to `max_num_seqs`
+    /// rows of tables `width` blocks wide (`max_model_len` / BLOCK_SIZE, rounded up). Needs
+    /// the model's paged decode kernel (the gather path reads every row's whole table, too
+    /// slow at full width). Each graph is replayed once and compared with the eager step.
+    pub fn capture(model: &super::CausalLm, cache: &mut PagedCache, max_num_seqs: usize, width: usize) -> Result<Self> {
+        let device = model.device();
+        let runs = model.kernels.as_deref().is_some_and(|k| k.runs(Kernel::PagedDecode, device, model.kind()));
+        if !runs {
+            return Err(Error::Device("CUDA graphs need the paged decode kernel, which is off".into()));
+        }
+        let pool = crate::cuda::graph::GraphPool::new()?;
+        let mut captured = Vec::new();
+        // Largest first, so smaller graphs reuse the pool's memory.
+        for rows in graph_buckets(max_num_seqs).into_iter().rev() {
+            let mut batch = DecodeBatch::new(rows, width, device)?;
+            batch.fill(&[], cache)?;
+            // Warm-up: libtorch settles its allocations and lazy initialisation eagerly first.
+            let eager = model.forward_decode(&batch, cache)?;
+            let _ = model.forward_decode(&batch, cache)?;
+            let (graph, logits) =
+                crate::cuda::graph::CudaGraph::capture(device, &pool, || model.forward_decode(&batch, cache))?;
+            graph.replay()?;
+            let worst = logits.f_sub(&eager)?.f_abs()?.f_max()?.f_to_kind(Kind::Double)?.f_double_value(&[])?;
+            if !(worst <= 1e-3) {
+                return Err(Error::Device(format!(
+                    "the decode graph of {rows} rows differs from the eager step by {worst:e}"
+                )));
+            }
+            captured.push(Captured { batch, graph, logits });
+        }
+        captured.reverse();
+        Ok(Self { captured, width })
+    }
+
+    /// The batch sizes captured.
+    pub fn buckets(&self) -> Vec<usize> {
+        self.captured.iter().map(|c| c.batch.rows()).collect()
+    }
+
+    /// Whether `chunks` can replay a graph: single tokens wanting logits, few enough rows,
+    /// tables within the captured width.
+    pub fn fits(&self, chunks: &[SeqChunk]) -> bool {
+        let rows = self.captured.last().map_or(0, |c| c.batch.rows());
+        !chunks.is_empty()
+            && chunks.len() <= rows
+            && chunks
+                .iter()
+                .all(|c| c.tokens.len() == 1 && c.logits && (c.context + 1).div_ceil(BLOCK_SIZE) <= self.width)
+    }
+
+    /// Logits [chunks, vocab] of a decode step replayed in the smallest bucket that holds
+    /// `chunks` (which must [fit](Self::fits)). The tensor is the graph's output buffer:
+    /// read it before the next step.
+    pub fn run(&mut self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+        if !self.fits(chunks) {
+            return Err(Error::InvalidInput(format!("{} chunks do not fit the captured decode graphs", chunks.len())));
+        }
+        let bucket = self
+            .captured
+            .iter_mut()
+            .find(|c| c.batch.rows() >= chunks.len())
+            .ok_or_else(|| Error::InvalidInput("no decode graph holds this step".into()))?;
+        bucket.batch.fill(chunks, cache)?;
+        bucket.graph.replay()?;
+        Ok(bucket.logits.f_narrow(0, 0, chunks.len() as i64)?)
+    }
+}
