@@ -7,14 +7,19 @@ use std::path::{Path, PathBuf};
 
 use keel_collective::{RankGroup, SharedComm, rank_zero};
 use keel_model::model::tp::{StagedWeights, TpCausalLm};
-use keel_model::{CausalLm, Error, ModelConfig, PagedCache, Result, SeqChunk};
+use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Error, ModelConfig, PagedCache, Result, SeqChunk};
 use tch::{Device, Kind, Tensor};
 
 // One per generator, made once and never moved on a hot path: its size does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Backend {
-    Whole { model: CausalLm, cache: PagedCache },
+    /// One model; `graphs` replays decode steps captured as CUDA graphs.
+    Whole {
+        model: CausalLm,
+        cache: PagedCache,
+        graphs: Option<DecodeGraphs>,
+    },
     Sharded(Sharded),
 }
 
@@ -42,7 +47,22 @@ impl Backend {
     /// One model with a pool of `blocks` blocks.
     pub fn whole(model: CausalLm, blocks: usize) -> Result<Self> {
         let cache = PagedCache::new(model.config(), blocks, model.kind(), model.device())?;
-        Ok(Self::Whole { model, cache })
+        Ok(Self::Whole { model, cache, graphs: None })
+    }
+
+    /// Captures the model's decode step as CUDA graphs for batches of up to
+    /// `max_num_seqs` sequences of up to `max_model_len` tokens (see [`DecodeGraphs`]).
+    /// Returns the batch sizes captured; on an error the backend stays eager.
+    pub fn capture_graphs(&mut self, max_num_seqs: usize, max_model_len: usize) -> Result<Vec<usize>> {
+        match self {
+            Self::Whole { model, cache, graphs } => {
+                let captured = DecodeGraphs::capture(model, cache, max_num_seqs, max_model_len.div_ceil(BLOCK_SIZE))?;
+                let buckets = captured.buckets();
+                *graphs = Some(captured);
+                Ok(buckets)
+            }
+            Self::Sharded(_) => Err(Error::Device("CUDA graphs are not captured under tensor parallelism".into())),
+        }
     }
 
     /// `dir` split over `world` ranks on `device` (rank r on `cuda:N+r` for CUDA), each
@@ -79,7 +99,10 @@ impl Backend {
     /// [`CausalLm::forward_paged`]), on the device of the model (rank 0's under TP).
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Tensor> {
         match self {
-            Self::Whole { model, cache } => model.forward_paged(chunks, cache),
+            Self::Whole { graphs: Some(graphs), model, cache } if graphs.fits(chunks) => {
+                graphs.run(model, chunks, cache)
+            }
+            Self::Whole { model, cache, .. } => model.forward_paged(chunks, cache),
             Self::Sharded(s) => {
                 let logits = first(s.group.run_all(chunks.to_vec(), |(model, cache, _), chunks| {
                     let logits = model.forward_paged(&chunks, cache)?;

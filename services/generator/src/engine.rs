@@ -73,6 +73,8 @@ pub struct Stats {
     /// Keel's CUDA kernels running, and switched off at start-up (their tch path runs).
     pub kernels_on: AtomicUsize,
     pub kernels_off: AtomicUsize,
+    /// Batch sizes whose decode step replays a CUDA graph (0: eager).
+    pub graph_buckets: AtomicUsize,
 }
 
 /// How a refit treats running samples.

@@ -63,6 +63,9 @@ pub struct Config {
     /// On CUDA, Keel's own kernels for RMSNorm, rotary embedding, SiLU·mul and decode
     /// attention, each checked against its tch path at start-up (false: tch everywhere).
     pub cuda_kernels: bool,
+    /// On CUDA, run every step eagerly instead of replaying decode steps captured as CUDA
+    /// graphs at start-up (vLLM's `enforce_eager`).
+    pub enforce_eager: bool,
     /// Requests waiting to run before new ones get 429.
     pub max_waiting: usize,
     /// NATS server for rollouts and refits (default `KEEL_NATS_URL` or nats://127.0.0.1:4222);
@@ -119,6 +122,7 @@ pub fn default_config() -> Config {
         kv_cache_memory_bytes: None,
         gpu_memory_utilization: 0.85,
         cuda_kernels: true,
+        enforce_eager: false,
         max_waiting: 64,
         nats_url: keel_service::nats::default_url(),
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
@@ -146,9 +150,12 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
     let world = config.tensor_parallel_size;
     let blocks = kv_cache_blocks(config, &model_config, device, kind)?;
     let dir = model_dir.to_path_buf();
-    let kernels = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+    // Kernels on and off, and CUDA graph buckets captured, for /metrics.
+    let counts = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)]);
     let use_kernels = config.cuda_kernels && device != tch::Device::Cpu && world == 1;
-    let counts = kernels.clone();
+    let use_graphs = use_kernels && !config.enforce_eager;
+    let (max_num_seqs, max_len) = (config.max_num_seqs, max_model_len as usize);
+    let loaded_counts = counts.clone();
     let backend = move || {
         if world > 1 {
             return backend::Backend::sharded(&dir, world, device, kind, blocks);
@@ -156,10 +163,22 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         let mut model = keel_model::CausalLm::load(&dir, device, kind)?;
         if use_kernels {
             let (on, off) = attach_kernels(&mut model, device, kind);
-            counts.0.store(on, Ordering::Relaxed);
-            counts.1.store(off, Ordering::Relaxed);
+            loaded_counts[0].store(on, Ordering::Relaxed);
+            loaded_counts[1].store(off, Ordering::Relaxed);
         }
-        backend::Backend::whole(model, blocks)
+        let mut backend = backend::Backend::whole(model, blocks)?;
+        if use_graphs {
+            let started = std::time::Instant::now();
+            match backend.capture_graphs(max_num_seqs, max_len) {
+                Ok(buckets) => {
+                    let seconds = started.elapsed().as_secs_f64();
+                    tracing::info!(?buckets, seconds, "decode steps captured as CUDA graphs");
+                    loaded_counts[2].store(buckets.len(), Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!("CUDA graphs off, every step runs eagerly: {e}"),
+            }
+        }
+        Ok(backend)
     };
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     if eos_token_ids.is_empty() {
@@ -177,8 +196,9 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
     };
     let engine =
         engine::Engine::start_with(backend, Some(tokenizer.clone()), engine_config).map_err(|e| e.to_string())?;
-    engine.stats.kernels_on.store(kernels.0.load(Ordering::Relaxed), Ordering::Relaxed);
-    engine.stats.kernels_off.store(kernels.1.load(Ordering::Relaxed), Ordering::Relaxed);
+    engine.stats.kernels_on.store(counts[0].load(Ordering::Relaxed), Ordering::Relaxed);
+    engine.stats.kernels_off.store(counts[1].load(Ordering::Relaxed), Ordering::Relaxed);
+    engine.stats.graph_buckets.store(counts[2].load(Ordering::Relaxed), Ordering::Relaxed);
     let limits = request::Limits {
         vocab_size,
         max_model_len: max_model_len as usize,

@@ -679,6 +679,13 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         "Keel CUDA kernels switched off at start-up (failed to compile, load or match); their tch path runs.",
         gauge(&s.kernels_off),
     );
+    metric(
+        &mut out,
+        &format!("{p}_cuda_graph_buckets"),
+        "gauge",
+        "Batch sizes whose decode step replays a CUDA graph (0: every step runs eagerly).",
+        gauge(&s.graph_buckets),
+    );
     let (total, used) = (gauge(&s.blocks_total), gauge(&s.blocks_used));
     metric(&mut out, &format!("{p}_kv_blocks_used"), "gauge", "KV-cache blocks held by sequences.", used);
     metric(&mut out, &format!("{p}_kv_blocks_free"), "gauge", "KV-cache blocks free or evictable.", total - used);

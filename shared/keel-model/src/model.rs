@@ -604,9 +604,15 @@ impl CausalLm {
     /// Logits [rows, vocab] of a fixed-shape decode step over `batch` (see [`decode`]):
     /// what a CUDA graph captures, and what [`Self::forward_paged`] gives for the same rows.
     pub fn forward_decode(&self, batch: &decode::DecodeBatch, cache: &mut PagedCache) -> Result<Tensor> {
+        self.lm_logits(&self.decode_hidden_states(batch, cache)?)
+    }
+
+    /// Final hidden states [rows, hidden] of a fixed-shape decode step: [`Self::forward_decode`]
+    /// without the LM head (a CUDA graph captures this; the head runs on the real rows only).
+    pub fn decode_hidden_states(&self, batch: &decode::DecodeBatch, cache: &mut PagedCache) -> Result<Tensor> {
         cache.check(self.layers.len(), self.cfg.num_key_value_heads, self.kind, self.device())?;
         let windows = self.windows();
-        let hidden = decode::decode_hidden(
+        decode::decode_hidden(
             batch,
             cache,
             &windows,
@@ -614,7 +620,12 @@ impl CausalLm {
             self.kind,
             self.kernels.as_deref(),
             |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
-        )?;
+        )
+    }
+
+    /// Logits [.., vocab] of final hidden states [.., hidden].
+    pub fn lm_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
         Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 

@@ -205,7 +205,7 @@ fn on_a_gpu_graph_replays_equal_eager_decoding() {
                     })
                     .collect();
                 let logits = match graphs.as_deref_mut() {
-                    Some(g) => g.run(&chunks, cache).unwrap(),
+                    Some(g) => g.run(model, &chunks, cache).unwrap(),
                     None => model.forward_paged(&chunks, cache).unwrap(),
                 };
                 let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu);

@@ -226,12 +226,14 @@ pub fn graph_buckets(max_num_seqs: usize) -> Vec<usize> {
     buckets
 }
 
-/// A decode step captured at one batch size, with its buffers and its output.
+/// A decode step captured at one batch size, with its buffers and its output (final hidden
+/// states: the LM head runs after the replay, on the real rows only, so no bucket keeps a
+/// [rows, vocab] buffer in the pool).
 #[derive(Debug)]
 struct Captured {
     batch: DecodeBatch,
     graph: crate::cuda::graph::CudaGraph,
-    logits: Tensor,
+    hidden: Tensor,
 }
 
 /// The decode step of one model captured as CUDA graphs, one per batch-size bucket
@@ -261,18 +263,18 @@ impl DecodeGraphs {
             let mut batch = DecodeBatch::new(rows, width, device)?;
             batch.fill(&[], cache)?;
             // Warm-up: libtorch settles its allocations and lazy initialisation eagerly first.
-            let eager = model.forward_decode(&batch, cache)?;
-            let _ = model.forward_decode(&batch, cache)?;
-            let (graph, logits) =
-                crate::cuda::graph::CudaGraph::capture(device, &pool, || model.forward_decode(&batch, cache))?;
+            let eager = model.decode_hidden_states(&batch, cache)?;
+            let _ = model.decode_hidden_states(&batch, cache)?;
+            let (graph, hidden) =
+                crate::cuda::graph::CudaGraph::capture(device, &pool, || model.decode_hidden_states(&batch, cache))?;
             graph.replay()?;
-            let worst = logits.f_sub(&eager)?.f_abs()?.f_max()?.f_to_kind(Kind::Double)?.f_double_value(&[])?;
+            let worst = hidden.f_sub(&eager)?.f_abs()?.f_max()?.f_to_kind(Kind::Double)?.f_double_value(&[])?;
             if !(worst <= 1e-3) {
                 return Err(Error::Device(format!(
                     "the decode graph of {rows} rows differs from the eager step by {worst:e}"
                 )));
             }
-            captured.push(Captured { batch, graph, logits });
+            captured.push(Captured { batch, graph, hidden });
         }
         captured.reverse();
         Ok(Self { captured, width })
@@ -294,10 +296,9 @@ impl DecodeGraphs {
                 .all(|c| c.tokens.len() == 1 && c.logits && (c.context + 1).div_ceil(BLOCK_SIZE) <= self.width)
     }
 
-    /// Logits [chunks, vocab] of a decode step replayed in the smallest bucket that holds
-    /// `chunks` (which must [fit](Self::fits)). The tensor is the graph's output buffer:
-    /// read it before the next step.
-    pub fn run(&mut self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+    /// Logits [chunks, vocab] of a decode step of `model` replayed in the smallest bucket
+    /// that holds `chunks` (which must [fit](Self::fits)), the LM head applied after it.
+    pub fn run(&mut self, model: &super::CausalLm, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
         if !self.fits(chunks) {
             return Err(Error::InvalidInput(format!("{} chunks do not fit the captured decode graphs", chunks.len())));
         }
@@ -308,6 +309,6 @@ impl DecodeGraphs {
             .ok_or_else(|| Error::InvalidInput("no decode graph holds this step".into()))?;
         bucket.batch.fill(chunks, cache)?;
         bucket.graph.replay()?;
-        Ok(bucket.logits.f_narrow(0, 0, chunks.len() as i64)?)
+        model.lm_logits(&bucket.hidden.f_narrow(0, 0, chunks.len() as i64)?)
     }
 }
