@@ -19,7 +19,15 @@ use crate::request::{Draft, collect};
 /// The run whose weights this generator serves (None: its start-up model).
 type ServingRun = Arc<Mutex<Option<String>>>;
 
-async fn rollout(state: &AppState, serving_run: &ServingRun, payload: &[u8]) -> Reply<RolloutReply> {
+/// Serves one rollout request. When the caller said how long it waits
+/// ([`keel_service::nats::caller_timeout`]), the samples are abandoned at that deadline: the
+/// engine stops decoding them at its next step instead of finishing work nobody reads.
+async fn rollout(
+    state: &AppState,
+    serving_run: &ServingRun,
+    payload: &[u8],
+    deadline: Option<tokio::time::Instant>,
+) -> Reply<RolloutReply> {
     let request: RolloutRequest = match serde_json::from_slice(payload) {
         Ok(request) => request,
         Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("malformed request: {e}")),
@@ -77,7 +85,18 @@ async fn rollout(state: &AppState, serving_run: &ServingRun, payload: &[u8]) -> 
     if let Err(e) = state.engine.submit(generation, tx) {
         return Reply::error(error_types::UNAVAILABLE, e);
     }
-    let samples = match collect(rx, n).await {
+    let collected = match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline, collect(rx, n)).await {
+            Ok(collected) => collected,
+            Err(_) => {
+                // Dropping the receiver (inside the timed-out future) aborts the samples.
+                warn!(run_id = %request.run_id, "rollout abandoned: its caller's timeout passed");
+                return Reply::error(error_types::UNAVAILABLE, "the caller's timeout passed before the rollout finished");
+            }
+        },
+        None => collect(rx, n).await,
+    };
+    let samples = match collected {
         Ok(samples) => samples,
         Err(message) => return Reply::error(error_types::INVALID_REQUEST, message),
     };
@@ -119,9 +138,10 @@ pub async fn serve(
             message = requests.next() => {
                 let Some(message) = message else { return Err("the rollout subscription ended".into()) };
                 let (state, client, serving_run) = (state.clone(), client.clone(), serving_run.clone());
+                let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
                 tokio::spawn(async move {
                     let body = keel_service::nats::served("generator.generate", &message, async {
-                        let reply = rollout(&state, &serving_run, &message.payload).await;
+                        let reply = rollout(&state, &serving_run, &message.payload, deadline).await;
                         serde_json::to_vec(&reply).unwrap_or_default()
                     })
                     .await;

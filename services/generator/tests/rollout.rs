@@ -116,3 +116,57 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+/// A rollout whose caller gives up (its `Keel-Timeout-Ms` passes) is abandoned: the engine
+/// stops decoding its samples at once instead of finishing work nobody will read.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let first = model(dir.path(), "first", Preset::Tiny, 1);
+    let mut config = default_config();
+    config.max_num_seqs = 4;
+    config.max_model_len = Some(1024);
+    let state = load(&config, &first).unwrap();
+    let stats = state.engine.stats.clone();
+    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+    let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
+        let _ = stopped.await;
+    }));
+    // 4 samples of 1000 tokens: far longer than the caller's 300 ms.
+    let request = json!({"run_id": "r1", "prompt_token_ids": [5, 88, 17], "n": 4, "max_tokens": 1000,
+        "sampling": {"temperature": 1.0}, "ignore_eos": true});
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let asked = loop {
+        let headers = async_nats::HeaderMap::new();
+        let sent = keel_service::nats::request(
+            &client,
+            subjects.generate(),
+            headers,
+            request.to_string().into_bytes(),
+            Duration::from_millis(300),
+        )
+        .await;
+        match sent {
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                assert!(Instant::now() < deadline, "no generator answered");
+            }
+            other => break other,
+        }
+    };
+    let gave_up = Instant::now();
+    assert!(matches!(&asked, Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut), "{asked:?}");
+    // The samples leave the engine at its next step; poll with a deadline.
+    while stats.running.load(Ordering::Relaxed) > 0 || stats.waiting.load(Ordering::Relaxed) > 0 {
+        assert!(gave_up.elapsed() < Duration::from_secs(10), "the generator is still decoding abandoned samples");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let generated = stats.generated_tokens.load(Ordering::Relaxed);
+    assert!(generated < 4 * 1000, "decoding stopped early: {generated} tokens");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(stats.generated_tokens.load(Ordering::Relaxed), generated, "and does not resume");
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

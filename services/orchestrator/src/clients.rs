@@ -72,14 +72,14 @@ impl Nats {
             messaging.message.body.size = bytes.len(),
         );
         let headers = span.in_scope(keel_telemetry::nats_headers);
-        let request = self.client.request_with_headers(subject.clone(), headers, bytes.into());
-        let message = match tokio::time::timeout(timeout, request).instrument(span).await {
-            Err(_) => {
+        let request = keel_service::nats::request(&self.client, subject.clone(), headers, bytes, timeout);
+        let message = match request.instrument(span).await {
+            Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut => {
                 let message = format!("no reply within {:.0} s", timeout.as_secs_f64());
                 return Err(CallError::NoAnswer { subject, message });
             }
-            Ok(Err(e)) => return Err(CallError::NoAnswer { subject, message: e.to_string() }),
-            Ok(Ok(message)) => message,
+            Err(e) => return Err(CallError::NoAnswer { subject, message: e.to_string() }),
+            Ok(message) => message,
         };
         match serde_json::from_slice::<Reply<Rep>>(&message.payload) {
             Ok(Reply::Ok(reply)) => Ok(reply),

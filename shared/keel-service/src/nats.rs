@@ -1,4 +1,6 @@
-//! NATS helpers: connecting (with a clear error); [`served`] and [`server_span`], which put
+//! NATS helpers: connecting (with a clear error); [`request`], whose timeout is the
+//! caller's and travels with it, and [`caller_timeout`] on the receiving side; [`served`]
+//! and [`server_span`], which put
 //! the handling of a request in a span that continues the sender's trace (W3C headers) and
 //! record its latency; and [`Bulk`], which carries message bodies too large for one NATS
 //! message (over [`MAX_INLINE_BYTES`]) through a JetStream object store bucket. Objects
@@ -24,6 +26,31 @@ pub async fn connect(url: &str) -> Result<async_nats::Client, String> {
         .connect(url)
         .await
         .map_err(|e| format!("cannot connect to NATS at {url}: {e}"))
+}
+
+/// The header in which a request says how long its sender waits for the reply, in
+/// milliseconds: past that the sender has given up, and a receiver stops the work.
+pub const TIMEOUT_HEADER: &str = "Keel-Timeout-Ms";
+
+/// Sends a request and waits up to `timeout` for its reply — this timeout, not the client's
+/// default (async-nats gives up after 10 s unless told otherwise) — and tells the receiver
+/// in [`TIMEOUT_HEADER`].
+pub async fn request(
+    client: &async_nats::Client,
+    subject: String,
+    mut headers: async_nats::HeaderMap,
+    body: Vec<u8>,
+    timeout: Duration,
+) -> Result<async_nats::Message, async_nats::RequestError> {
+    headers.insert(TIMEOUT_HEADER, timeout.as_millis().to_string());
+    let request = async_nats::Request::new().headers(headers).payload(body.into()).timeout(Some(timeout));
+    client.send_request(subject, request).await
+}
+
+/// How long the sender of `message` waits for its reply, when it said ([`request`]).
+pub fn caller_timeout(message: &async_nats::Message) -> Option<Duration> {
+    let value = message.headers.as_ref()?.get(TIMEOUT_HEADER)?;
+    value.as_str().parse::<u64>().ok().map(Duration::from_millis)
 }
 
 /// A server span for handling `message` as `operation` (e.g. `trainer.train`), a child of
@@ -147,4 +174,47 @@ fn uuid_like() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     format!("{nanos:x}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use futures::StreamExt;
+
+    use super::*;
+
+    /// Against the real NATS: a client whose default request timeout (1 s) is shorter than
+    /// the reply takes (1.5 s) still gets it when the request's own timeout is longer, and
+    /// the receiver reads that timeout; a shorter own timeout gives up.
+    #[tokio::test]
+    async fn a_request_waits_for_its_own_timeout_and_tells_the_receiver() {
+        let client = async_nats::ConnectOptions::new()
+            .request_timeout(Some(Duration::from_secs(1)))
+            .connect(default_url())
+            .await
+            .unwrap();
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let subject = format!("keeltest.timeout.{}.{nanos}", std::process::id());
+        let mut requests = client.subscribe(subject.clone()).await.unwrap();
+        client.flush().await.unwrap();
+        let responder = {
+            let client = client.clone();
+            tokio::spawn(async move {
+                while let Some(message) = requests.next().await {
+                    let said = caller_timeout(&message).map_or(0, |t| t.as_millis());
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    if let Some(reply) = message.reply {
+                        client.publish(reply, said.to_string().into()).await.unwrap();
+                    }
+                }
+            })
+        };
+        let headers = async_nats::HeaderMap::new;
+        let reply = request(&client, subject.clone(), headers(), b"x".to_vec(), Duration::from_secs(4)).await.unwrap();
+        assert_eq!(&reply.payload[..], b"4000", "the receiver reads the caller's timeout");
+        let error = request(&client, subject, headers(), b"x".to_vec(), Duration::from_millis(300)).await.unwrap_err();
+        assert_eq!(error.kind(), async_nats::RequestErrorKind::TimedOut);
+        responder.abort();
+    }
 }

@@ -63,13 +63,15 @@ impl RewardModelEnv {
         let batch = bulk.wrap(Sequences { input_ids }).await.map_err(trainer)?;
         let request = ScoreRequest { run_id: self.run_id.clone(), batch };
         let body = serde_json::to_vec(&request).map_err(|e| SampleError::new("internal", e.to_string()))?;
-        let ask = self.nats.request_with_headers(self.subject.clone(), keel_telemetry::nats_headers(), body.into());
-        let message = tokio::time::timeout(self.timeout, ask)
+        let headers = keel_telemetry::nats_headers();
+        let message = keel_service::nats::request(&self.nats, self.subject.clone(), headers, body, self.timeout)
             .await
-            .map_err(|_| {
-                SampleError::new("timeout", format!("{} did not answer within {:?}", self.subject, self.timeout))
-            })?
-            .map_err(|e| trainer(format!("{}: {e}", self.subject)))?;
+            .map_err(|e| match e.kind() {
+                async_nats::RequestErrorKind::TimedOut => {
+                    SampleError::new("timeout", format!("{} did not answer within {:?}", self.subject, self.timeout))
+                }
+                _ => trainer(format!("{}: {e}", self.subject)),
+            })?;
         match serde_json::from_slice::<Reply<ScoreReply>>(&message.payload) {
             Ok(Reply::Ok(reply)) if reply.scores.len() == n => Ok(reply.scores),
             Ok(Reply::Ok(reply)) => Err(trainer(format!("{} scores for {n} sequences", reply.scores.len()))),
