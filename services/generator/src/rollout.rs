@@ -91,7 +91,10 @@ async fn rollout(
             Err(_) => {
                 // Dropping the receiver (inside the timed-out future) aborts the samples.
                 warn!(run_id = %request.run_id, "rollout abandoned: its caller's timeout passed");
-                return Reply::error(error_types::UNAVAILABLE, "the caller's timeout passed before the rollout finished");
+                return Reply::error(
+                    error_types::UNAVAILABLE,
+                    "the caller's timeout passed before the rollout finished",
+                );
             }
         },
         None => collect(rx, n).await,

@@ -1,7 +1,9 @@
 //! The orchestrator's side of the NATS protocols: a claimed trainer worker, rollouts from
 //! the generator queue group and environment steps from the reward queue group. Requests to
-//! a queue group that time out, find nobody, or are refused as `unavailable` are retried
-//! with backoff, so a dead or overloaded replica's work goes to another.
+//! a queue group that time out or are refused as `unavailable` are retried with backoff, so
+//! a dead or overloaded replica's work goes to another; while nobody serves the group at
+//! all (every replica restarting, a model still loading) the request is retried with
+//! backoff and jitter for the configured patience, without spending a retry.
 
 use std::time::Duration;
 
@@ -18,9 +20,12 @@ use tracing::Instrument;
 /// Why a request got no useful answer.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CallError {
-    /// Nobody answered in time, or nobody listens (worth another try).
+    /// Nobody answered in time (worth another try: the work may be lost).
     #[error("{subject}: no answer: {message}")]
     NoAnswer { subject: String, message: String },
+    /// Nobody serves the subject, or NATS is unreachable: worth waiting for.
+    #[error("{subject}: nobody serves it: {message}")]
+    Absent { subject: String, message: String },
     /// The service refused with a typed error.
     #[error("{subject}: {body}")]
     Refused { subject: String, body: ErrorBody },
@@ -51,6 +56,8 @@ pub struct Nats {
     pub bulk: Bulk,
     pub timeout: Duration,
     pub retries: u32,
+    /// How long a queue-group request waits for the group to come back when nobody serves it.
+    pub patience: keel_client::retry::Patience,
 }
 
 impl Nats {
@@ -78,7 +85,7 @@ impl Nats {
                 let message = format!("no reply within {:.0} s", timeout.as_secs_f64());
                 return Err(CallError::NoAnswer { subject, message });
             }
-            Err(e) => return Err(CallError::NoAnswer { subject, message: e.to_string() }),
+            Err(e) => return Err(CallError::Absent { subject, message: e.to_string() }),
             Ok(message) => message,
         };
         match serde_json::from_slice::<Reply<Rep>>(&message.payload) {
@@ -92,6 +99,15 @@ impl Nats {
     /// replica takes it) up to `retries` times with exponential backoff; one refused because
     /// every replica is full is retried until the request timeout has passed.
     pub async fn call_group<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        subject: String,
+        body: &Req,
+    ) -> Result<Rep, CallError> {
+        let absent = |e: &CallError| matches!(e, CallError::Absent { .. });
+        self.patience.retry(&subject, absent, || self.call_group_once(subject.clone(), body)).await
+    }
+
+    async fn call_group_once<Req: Serialize, Rep: DeserializeOwned>(
         &self,
         subject: String,
         body: &Req,
@@ -128,7 +144,7 @@ impl Nats {
         let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds };
         match self.call::<_, ClaimReply>(self.subjects.trainer_claim(), &request, Duration::from_secs(10)).await {
             Ok(reply) => Ok(Some(Trainer::new(self.clone(), reply.worker_id, run_id.to_string()))),
-            Err(CallError::NoAnswer { .. }) => Ok(None),
+            Err(CallError::NoAnswer { .. } | CallError::Absent { .. }) => Ok(None),
             Err(e) if e.kind() == Some("busy") => Ok(None),
             Err(e) => Err(e),
         }

@@ -65,6 +65,10 @@ pub struct Config {
     pub request_retries: u32,
     /// Starts of a run (the first and resumes after failures) before it ends `failed`.
     pub max_attempts: i32,
+    /// How long a run waits, retrying with backoff, for a dependency that is gone (the
+    /// checkpoint store unreachable, nobody serving the generator or reward queue group)
+    /// before the call fails and costs the run an attempt.
+    pub dependency_patience_seconds: f64,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -77,6 +81,12 @@ impl keel_service::ServiceConfig for Config {
         positive("trainer_lease_seconds", self.trainer_lease_seconds)?;
         positive("poll_seconds", self.poll_seconds)?;
         positive("request_timeout_seconds", self.request_timeout_seconds)?;
+        if !(self.dependency_patience_seconds.is_finite() && self.dependency_patience_seconds >= 0.0) {
+            return Err(format!(
+                "dependency_patience_seconds: must be zero or more, got {}",
+                self.dependency_patience_seconds
+            ));
+        }
         if self.max_concurrent_runs == 0 {
             return Err("max_concurrent_runs: must be at least 1".into());
         }
@@ -108,6 +118,7 @@ pub fn default_config() -> Config {
         request_timeout_seconds: 600.0,
         request_retries: 5,
         max_attempts: 3,
+        dependency_patience_seconds: 600.0,
     }
 }
 
@@ -117,20 +128,23 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
+    let patience = Duration::from_secs_f64(config.dependency_patience_seconds);
     let nats = clients::Nats {
         client,
         subjects,
         bulk,
         timeout: Duration::from_secs_f64(config.request_timeout_seconds),
         retries: config.request_retries,
+        patience: keel_client::retry::Patience::new(patience),
     };
     let work_dir = std::path::absolute(&config.work_dir).map_err(|e| format!("work_dir: {e}"))?;
     std::fs::create_dir_all(&work_dir).map_err(|e| format!("work_dir {}: {e}", work_dir.display()))?;
+    // The API answers at once (a submit is not held while the store is away); runs wait.
     let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url);
     let scheduler = scheduler::Scheduler {
         pool: pool.clone(),
         nats,
-        checkpoints: checkpoints.clone(),
+        checkpoints: checkpoints.clone().with_patience(keel_client::retry::Patience::new(patience)),
         work_dir,
         owner: uuid::Uuid::new_v4(),
         run_lease: Duration::from_secs_f64(config.run_lease_seconds),

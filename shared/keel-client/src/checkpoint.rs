@@ -10,13 +10,21 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
 
+use crate::retry::Patience;
 use crate::{Error, Result, checked, io, json, unreachable};
 
-/// A checkpoint service at `url` (`http://host:8083`).
+/// A checkpoint service at `url` (`http://host:8083`). Every call waits out a service that
+/// cannot be reached or answers 502/503/504, for up to its [`Patience`] (none by default).
 #[derive(Debug, Clone)]
 pub struct CheckpointClient {
     url: String,
     http: reqwest::Client,
+    patience: Patience,
+}
+
+/// Worth retrying: the service is not there (yet), or a proxy in front of it says so.
+fn transient(e: &Error) -> bool {
+    matches!(e, Error::Unreachable { .. } | Error::Api { status: 502..=504, .. })
 }
 
 /// What a new checkpoint records besides its files.
@@ -31,11 +39,20 @@ pub struct NewCheckpoint {
 
 impl CheckpointClient {
     pub fn new(url: &str) -> Self {
-        Self { url: url.trim_end_matches('/').to_string(), http: reqwest::Client::new() }
+        Self { url: url.trim_end_matches('/').to_string(), http: reqwest::Client::new(), patience: Patience::none() }
+    }
+
+    /// The same client, retrying calls for up to `patience` while the service is away.
+    pub fn with_patience(self, patience: Patience) -> Self {
+        Self { patience, ..self }
     }
 
     /// A run's complete checkpoints, oldest step first.
     pub async fn list(&self, run_id: &str) -> Result<Vec<Checkpoint>> {
+        self.patience.retry("list checkpoints", transient, || self.list_once(run_id)).await
+    }
+
+    async fn list_once(&self, run_id: &str) -> Result<Vec<Checkpoint>> {
         let response = self
             .http
             .get(format!("{}/v1/checkpoints", self.url))
@@ -49,6 +66,10 @@ impl CheckpointClient {
 
     /// The run's latest complete checkpoint, if it has one.
     pub async fn latest(&self, run_id: &str) -> Result<Option<Checkpoint>> {
+        self.patience.retry("latest checkpoint", transient, || self.latest_once(run_id)).await
+    }
+
+    async fn latest_once(&self, run_id: &str) -> Result<Option<Checkpoint>> {
         let response = self
             .http
             .get(format!("{}/v1/runs/{run_id}/checkpoints/latest", self.url))
@@ -63,6 +84,10 @@ impl CheckpointClient {
     }
 
     pub async fn get(&self, id: Uuid) -> Result<Checkpoint> {
+        self.patience.retry("get checkpoint", transient, || self.get_once(id)).await
+    }
+
+    async fn get_once(&self, id: Uuid) -> Result<Checkpoint> {
         let response = self
             .http
             .get(format!("{}/v1/checkpoints/{id}", self.url))
@@ -75,8 +100,13 @@ impl CheckpointClient {
 
     /// Uploads every regular file under `dir` (hidden entries left out) as one checkpoint:
     /// create, stream the files the store does not hold yet, commit. Returns the committed
-    /// checkpoint.
+    /// checkpoint. A try cut off by an outage is started again as a whole (files the store
+    /// received already are not sent twice; an uncommitted checkpoint is never visible).
     pub async fn upload_dir(&self, dir: &Path, new: NewCheckpoint) -> Result<Checkpoint> {
+        self.patience.retry("upload checkpoint", transient, || self.upload_dir_once(dir, new.clone())).await
+    }
+
+    async fn upload_dir_once(&self, dir: &Path, new: NewCheckpoint) -> Result<Checkpoint> {
         let root = dir.to_path_buf();
         let files = tokio::task::spawn_blocking(move || -> Result<Vec<FileEntry>> {
             files_under(&root)?
@@ -138,7 +168,11 @@ impl CheckpointClient {
         if out.exists() {
             return Err(Error::Invalid(format!("{} exists already", out.display())));
         }
-        let checkpoint = self.get(id).await?;
+        self.patience.retry("download checkpoint", transient, || self.download_dir_once(id, out)).await
+    }
+
+    async fn download_dir_once(&self, id: Uuid, out: &Path) -> Result<()> {
+        let checkpoint = self.get_once(id).await?;
         if checkpoint.status != "complete" {
             return Err(Error::Invalid(format!("checkpoint {id} is not committed")));
         }

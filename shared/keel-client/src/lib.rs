@@ -6,8 +6,11 @@
 //!   download one as a directory (every file checked against its sha256, appearing only when
 //!   complete), export a tar, list and find the latest.
 //! - [`runs`]: the orchestrator's run API (submit, list, show, metrics, samples, cancel).
+//! - [`retry`]: waiting out a service that is briefly gone (backoff with jitter, a patience
+//!   window), which the checkpoint client applies to every call.
 
 pub mod checkpoint;
+pub mod retry;
 pub mod runs;
 
 /// What went wrong talking to a Keel service.
