@@ -267,6 +267,7 @@ pub async fn lease(
     if !(request.seconds > 0.0 && request.seconds <= 7.0 * 86400.0) {
         return Err(Failure(Error::Invalid("seconds: must be more than 0 and at most a week".into())));
     }
+    crate::service::check_holder(&request.holder).map_err(Failure)?;
     let checkpoint = s.complete(parse_id(&id)?).await?;
     let mut conn = s.pool.acquire().await?;
     Ok((

@@ -97,6 +97,25 @@ fn event(c: &Checkpoint) -> CheckpointEvent {
     CheckpointEvent { id: c.id, run_id: c.run_id.clone(), step: c.step, metrics: c.metrics.clone() }
 }
 
+/// Whether `value` holds a NUL character anywhere (a string or a key), which Postgres can
+/// store neither in text nor in jsonb.
+fn json_has_nul(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(json_has_nul),
+        serde_json::Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || json_has_nul(v)),
+        _ => false,
+    }
+}
+
+/// A lease holder: a name that says who reads the checkpoint.
+pub fn check_holder(holder: &str) -> Result<()> {
+    if holder.is_empty() || holder.len() > 200 || holder.chars().any(char::is_control) {
+        return Err(Error::Invalid("holder: must be 1 to 200 characters, none of them control characters".into()));
+    }
+    Ok(())
+}
+
 fn validate(request: &CreateCheckpoint) -> Result<()> {
     let mut problems = Vec::new();
     let run_chars = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
@@ -127,10 +146,16 @@ fn validate(request: &CreateCheckpoint) -> Result<()> {
     if request.metrics.values().any(|v| !v.is_finite()) {
         problems.push("metrics: values must be finite".into());
     }
+    if request.metrics.keys().any(|k| k.is_empty() || k.len() > 200 || k.chars().any(char::is_control)) {
+        problems.push("metrics: names must be 1 to 200 characters, none of them control characters".into());
+    }
+    if json_has_nul(&request.info) {
+        problems.push("info: must not contain a NUL character".into());
+    }
     if let Some(r) = &request.retention
-        && (r.metric.is_empty() || r.keep_top_k > 10_000)
+        && (r.metric.is_empty() || r.keep_top_k > 10_000 || r.metric.chars().any(char::is_control))
     {
-        problems.push("retention: needs a metric and keep_top_k of at most 10000".into());
+        problems.push("retention: needs a metric (no control characters) and keep_top_k of at most 10000".into());
     }
     if problems.is_empty() { Ok(()) } else { Err(Error::Invalid(problems.join("; "))) }
 }
@@ -159,6 +184,10 @@ impl Checkpoints {
     }
 
     pub async fn list(&self, run_id: &str) -> Result<Vec<Checkpoint>> {
+        // No run id holds a NUL (create refuses them), and Postgres cannot compare one.
+        if run_id.contains('\0') {
+            return Ok(Vec::new());
+        }
         let mut conn = self.pool.acquire().await?;
         Ok(db::list(&mut conn, run_id).await?)
     }

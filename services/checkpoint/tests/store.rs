@@ -230,6 +230,45 @@ async fn bad_requests_name_the_field() {
     assert_eq!(stack.blob_count(), 0);
 }
 
+/// NUL characters (which Postgres cannot store) are refused with 422, or find nothing;
+/// never a 500.
+#[tokio::test]
+async fn nul_characters_are_refused_or_find_nothing() {
+    let stack = Stack::start().await;
+    let c = Client::new(&stack);
+    let good = entry("a.bin", b"x");
+    let cases = [
+        (json!({"run_id": "r\u{0}", "step": 1, "files": [good]}), "run_id"),
+        (json!({"run_id": "r", "step": 1, "files": [good], "metrics": {"lo\u{0}ss": 1.0}}), "metrics"),
+        (json!({"run_id": "r", "step": 1, "files": [good], "info": {"a": ["b\u{0}"]}}), "info"),
+        (json!({"run_id": "r", "step": 1, "files": [good], "info": {"k\u{0}": 1}}), "info"),
+        (
+            json!({"run_id": "r", "step": 1, "files": [good], "retention": {"metric": "m\u{0}", "keep_top_k": 1}}),
+            "retention",
+        ),
+    ];
+    for (body, needle) in cases {
+        let (status, reply) = c.create(body.clone()).await;
+        assert_eq!(status, 422, "{body}: {reply}");
+        assert!(reply["error"]["message"].as_str().unwrap().contains(needle), "{body}: {reply}");
+    }
+    let listed = c.get("/v1/checkpoints?run_id=r%00x").await;
+    assert_eq!(listed.status(), 200);
+    assert_eq!(listed.json::<Value>().await.unwrap(), json!([]));
+    assert_eq!(c.get("/v1/runs/r%00x/checkpoints/latest").await.status(), 404);
+    assert_eq!(c.get("/v1/runs/r%00x/checkpoints/best?metric=m").await.status(), 404);
+    let made = c.checkpoint("r", 1, json!({}), &[("a.bin", b"x")], Value::Null).await;
+    let lease = c
+        .http
+        .post(format!("{}/v1/checkpoints/{}/leases", c.url, made.id))
+        .json(&json!({"holder": "h\u{0}", "seconds": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lease.status(), 422);
+    assert!(lease.text().await.unwrap().contains("holder"));
+}
+
 #[tokio::test]
 async fn concurrent_uploads_to_one_run() {
     let stack = Stack::start().await;

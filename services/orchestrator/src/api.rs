@@ -142,8 +142,8 @@ async fn find(pool: &PgPool, id: Uuid) -> Answer<Run> {
 #[utoipa::path(post, path = "/v1/runs", request_body(content((RunSpec = "application/yaml"), (RunSpec = "application/json"))),
     responses((status = 201, body = Run), (status = 422, description = "every problem of the spec, each with its field path")))]
 pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Answer<(StatusCode, Json<Run>)> {
-    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
-    let spec = spec::parse(&body, content_type).map_err(|p| Failure::InvalidSpec(vec![p]))?;
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let spec = spec::parse_async(body, content_type).await.map_err(|p| Failure::InvalidSpec(vec![p]))?;
     let problems = spec::problems(&spec, &state.checkpoints).await;
     if !problems.is_empty() {
         return Err(Failure::InvalidSpec(problems));

@@ -27,10 +27,47 @@ fn path_of(path: &serde_path_to_error::Path) -> String {
     }
 }
 
-/// The spec, or the one shape problem the parser found.
+/// Deepest nesting of `[` and `{` a spec may have (a real one has fewer than ten levels);
+/// deeper bodies are refused before the parser sees them.
+const MAX_NESTING: usize = 64;
+
+/// How deep `[`/`{` nest in `body`, ignoring brackets inside quoted strings.
+fn nesting(body: &[u8]) -> usize {
+    let (mut depth, mut deepest, mut quote, mut escaped) = (0usize, 0usize, None, false);
+    for &b in body {
+        match quote {
+            Some(q) => {
+                if escaped {
+                    escaped = false;
+                } else if b == b'\\' && q == b'"' {
+                    escaped = true;
+                } else if b == q {
+                    quote = None;
+                }
+            }
+            None => match b {
+                b'"' | b'\'' => quote = Some(b),
+                b'[' | b'{' => {
+                    depth += 1;
+                    deepest = deepest.max(depth);
+                }
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            },
+        }
+    }
+    deepest
+}
+
+/// The spec, or the one shape problem the parser found. Run it off the async workers
+/// ([`parse_async`]): parsing a large body takes a while.
 pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(FieldError::new("spec", "the body is empty: send a run spec in YAML or JSON"));
+    }
+    let depth = nesting(body);
+    if depth > MAX_NESTING {
+        return Err(FieldError::new("spec", format!("nested {depth} levels deep; at most {MAX_NESTING} are allowed")));
     }
     if is_yaml(body, content_type) {
         let deserializer = serde_yaml::Deserializer::from_slice(body);
@@ -43,9 +80,45 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
     }
 }
 
-/// Every problem of a parsed spec.
+/// [`parse`] on a blocking thread.
+pub async fn parse_async(body: bytes::Bytes, content_type: Option<String>) -> Result<RunSpec, FieldError> {
+    tokio::task::spawn_blocking(move || parse(&body, content_type.as_deref()))
+        .await
+        .unwrap_or_else(|e| Err(FieldError::new("spec", format!("the parser failed: {e}"))))
+}
+
+/// The field paths of every string in `value` that holds a NUL character (which Postgres
+/// cannot store), e.g. `name` or `environments.default.name`.
+fn nul_strings(value: &serde_json::Value, at: &str, out: &mut Vec<FieldError>) {
+    let join = |key: &str| if at.is_empty() { key.to_string() } else { format!("{at}.{key}") };
+    match value {
+        serde_json::Value::String(s) if s.contains('\0') => {
+            out.push(FieldError::new(if at.is_empty() { "spec" } else { at }, "must not contain a NUL character"));
+        }
+        serde_json::Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                nul_strings(item, &format!("{at}[{i}]"), out);
+            }
+        }
+        serde_json::Value::Object(map) => {
+            for (key, item) in map {
+                if key.contains('\0') {
+                    out.push(FieldError::new(join("<key>"), "a key must not contain a NUL character"));
+                }
+                nul_strings(item, &join(key), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Every problem of a parsed spec. Datasets are made or read only when their own fields
+/// have no problem (a size past the limit is refused, never allocated).
 pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient) -> Vec<FieldError> {
     let mut problems = spec.problems();
+    if let Ok(value) = serde_json::to_value(spec) {
+        nul_strings(&value, "", &mut problems);
+    }
     if let Some(path) = &spec.model.path {
         let dir = Path::new(path);
         if !dir.join("config.json").is_file() {
@@ -62,6 +135,9 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient) -> Vec<Fie
     }
     let train = std::iter::once(("data.train", &spec.data.train));
     for (field, dataset) in train.chain(spec.data.validation.iter().map(|d| ("data.validation", d))) {
+        if problems.iter().any(|p| p.field.starts_with(field)) {
+            continue;
+        }
         let needs = if field == "data.validation" { keel_protocol::run::Algorithm::Eval } else { spec.algorithm };
         if let Err(problem) = data::load_async(dataset, needs, field).await {
             problems.push(problem);

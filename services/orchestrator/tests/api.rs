@@ -114,6 +114,66 @@ async fn bad_specs_are_refused_naming_every_field() {
     assert_eq!(listed["runs"].as_array().unwrap().len(), 0, "nothing refused was stored");
 }
 
+/// Hostile sizes and strings are refused at once with 422 naming the field: nothing is
+/// allocated or generated for them, and nothing is stored.
+#[tokio::test]
+async fn hostile_specs_are_refused_before_any_work() {
+    let api = Api::start(None).await;
+    let grpo = |extra: Value| {
+        let mut spec = json!({
+            "algorithm": "grpo",
+            "model": {"path": api.model.path()},
+            "data": {"train": {"kind": "arithmetic"}},
+            "environments": {"default": {"name": "math"}},
+            "training": {"loss": {"type": "clipped_pg"}, "global_batch_size": 8, "micro_batch_size": 4},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
+        });
+        for (key, value) in extra.as_object().unwrap() {
+            spec[key] = value.clone();
+        }
+        spec.to_string()
+    };
+    let cases = [
+        (grpo(json!({"data": {"train": {"kind": "arithmetic", "size": 95_403_352_724u64}}})), "data.train.size"),
+        // Not an integer: a shape error, at the dataset (serde reports tagged enums whole).
+        (grpo(json!({"data": {"train": {"kind": "arithmetic", "size": 1e9}}})), "data.train"),
+        (
+            grpo(json!({"data": {"train": {"kind": "arithmetic", "operations": "", "max_operand": 4_000_000_000u64}}})),
+            "data.train.operations",
+        ),
+        (
+            grpo(json!({"grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 1_000_000_000}})),
+            "grpo.num_generations_per_prompt",
+        ),
+        (
+            grpo(json!({"grpo": {"num_prompts_per_step": 1u64 << 62, "num_generations_per_prompt": 4}})),
+            "grpo.num_prompts_per_step",
+        ),
+        (grpo(json!({"max_total_sequence_length": 1u64 << 40})), "max_total_sequence_length"),
+        (grpo(json!({"validation": {"num_samples": 1_000_000_000}})), "validation.num_samples"),
+        (grpo(json!({"name": "nul\u{0}name"})), "name"),
+        (grpo(json!({"environments": {"default": {"name": "ma\u{0}th"}}})), "environments.default.name"),
+    ];
+    for (spec, field) in cases {
+        let started = std::time::Instant::now();
+        let (status, body) = api.submit(&spec, "application/json").await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{field}: {body}");
+        assert!(fields(&body).contains(&field.to_string()), "{field}: {body}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{field}: refused only after {:?}",
+            started.elapsed()
+        );
+    }
+    // 100,000 levels of nesting: refused before parsing.
+    let deep = format!("algorithm: sft\nname: {}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    let (status, body) = api.submit(&deep, "application/yaml").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("levels deep"), "{body}");
+    let (_, listed) = api.get("/v1/runs").await;
+    assert_eq!(listed["runs"].as_array().unwrap().len(), 0, "nothing refused was stored");
+}
+
 #[tokio::test]
 async fn runs_are_listed_paged_shown_and_cancelled() {
     let api = Api::start(None).await;

@@ -135,6 +135,23 @@ pub enum ArithmeticSplit {
 
 /// The most records the arithmetic generator makes (they are held in memory).
 pub const MAX_ARITHMETIC_SIZE: usize = 10_000_000;
+/// The largest arithmetic operand: products stay exact in 64 bits.
+pub const MAX_ARITHMETIC_OPERAND: u32 = 1_000_000_000;
+
+/// Bounds on the sizes a run spec asks for, checked before anything is allocated: far above
+/// what a real run uses (NeMo-RL recipes run hundreds of prompts × tens of generations per
+/// step, sequences of tens of thousands of tokens), far below what would exhaust memory.
+pub mod limits {
+    /// Samples one GRPO step generates (prompts × generations) and trains on.
+    pub const MAX_SAMPLES_PER_STEP: usize = 1 << 20;
+    pub const MAX_GENERATIONS_PER_PROMPT: usize = 4096;
+    /// Tokens in one sequence, prompt and response.
+    pub const MAX_SEQUENCE_LENGTH: usize = 1 << 20;
+    /// Samples per validation prompt.
+    pub const MAX_VALIDATION_SAMPLES: usize = 4096;
+    /// Environment turns of one multi-turn sample.
+    pub const MAX_ROLLOUT_TURNS: u32 = 1024;
+}
 
 fn default_arithmetic_size() -> usize {
     1000
@@ -460,11 +477,30 @@ impl RunSpec {
             check(&mut p, g.num_prompts_per_step >= 1, "grpo.num_prompts_per_step", "must be at least 1");
             check(
                 &mut p,
-                g.num_generations_per_prompt >= 2,
+                (2..=limits::MAX_GENERATIONS_PER_PROMPT).contains(&g.num_generations_per_prompt),
                 "grpo.num_generations_per_prompt",
-                "must be at least 2 (advantages compare samples of one prompt)",
+                format!(
+                    "must be at least 2 (advantages compare samples of one prompt) and at most {}, got {}",
+                    limits::MAX_GENERATIONS_PER_PROMPT,
+                    g.num_generations_per_prompt
+                ),
             );
-            check(&mut p, g.max_rollout_turns >= 1, "grpo.max_rollout_turns", "must be at least 1");
+            let samples = g.num_prompts_per_step.checked_mul(g.num_generations_per_prompt);
+            check(
+                &mut p,
+                samples.is_some_and(|n| n <= limits::MAX_SAMPLES_PER_STEP),
+                "grpo.num_prompts_per_step",
+                format!(
+                    "num_prompts_per_step × num_generations_per_prompt must be at most {} samples per step",
+                    limits::MAX_SAMPLES_PER_STEP
+                ),
+            );
+            check(
+                &mut p,
+                (1..=limits::MAX_ROLLOUT_TURNS).contains(&g.max_rollout_turns),
+                "grpo.max_rollout_turns",
+                format!("must be 1 to {}, got {}", limits::MAX_ROLLOUT_TURNS, g.max_rollout_turns),
+            );
             if let Some(shaping) = &g.overlong_shaping {
                 check(
                     &mut p,
@@ -481,12 +517,22 @@ impl RunSpec {
             }
             check(&mut p, g.dynamic_sampling.max_rounds >= 1, "grpo.dynamic_sampling.max_rounds", "must be at least 1");
         }
-        check(&mut p, self.max_total_sequence_length >= 2, "max_total_sequence_length", "must be at least 2");
+        check(
+            &mut p,
+            (2..=limits::MAX_SEQUENCE_LENGTH).contains(&self.max_total_sequence_length),
+            "max_total_sequence_length",
+            format!("must be 2 to {}, got {}", limits::MAX_SEQUENCE_LENGTH, self.max_total_sequence_length),
+        );
         check(&mut p, self.max_num_steps >= 1, "max_num_steps", "must be at least 1");
         check(&mut p, self.max_num_epochs >= 1, "max_num_epochs", "must be at least 1");
         check(&mut p, self.prompt.template.contains("{prompt}"), "prompt.template", "must contain `{prompt}`");
         let v = &self.validation;
-        check(&mut p, v.num_samples >= 1, "validation.num_samples", "must be at least 1");
+        check(
+            &mut p,
+            (1..=limits::MAX_VALIDATION_SAMPLES).contains(&v.num_samples),
+            "validation.num_samples",
+            format!("must be 1 to {}, got {}", limits::MAX_VALIDATION_SAMPLES, v.num_samples),
+        );
         for (i, k) in v.pass_at_k.iter().enumerate() {
             check(
                 &mut p,
@@ -521,7 +567,13 @@ impl RunSpec {
                 DatasetSpec::Jsonl { path, .. } => {
                     check(&mut p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
                 }
-                DatasetSpec::Arithmetic { size, operations, .. } => {
+                DatasetSpec::Arithmetic { size, operations, max_operand, .. } => {
+                    check(
+                        &mut p,
+                        *max_operand <= MAX_ARITHMETIC_OPERAND,
+                        &format!("{field}.max_operand"),
+                        format!("must be at most {MAX_ARITHMETIC_OPERAND}, got {max_operand}"),
+                    );
                     check(
                         &mut p,
                         (1..=MAX_ARITHMETIC_SIZE).contains(size),
@@ -544,7 +596,7 @@ impl RunSpec {
         let (global, micro) = (training.global_batch_size, training.micro_batch_size);
         match self.algorithm {
             Algorithm::Grpo => {
-                let rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt;
+                let rows = self.grpo.num_prompts_per_step.saturating_mul(self.grpo.num_generations_per_prompt);
                 check(
                     p,
                     global > 0 && rows.is_multiple_of(global.max(1)),

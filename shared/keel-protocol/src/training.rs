@@ -407,7 +407,13 @@ impl TrainingConfig {
             );
         }
         let (global, micro) = (self.global_batch_size, self.micro_batch_size);
-        check(&mut problems, global >= 1, &field("global_batch_size"), "must be at least 1");
+        let most = crate::run::limits::MAX_SAMPLES_PER_STEP;
+        check(
+            &mut problems,
+            (1..=most).contains(&global),
+            &field("global_batch_size"),
+            format!("must be 1 to {most}, got {global}"),
+        );
         check(&mut problems, micro >= 1, &field("micro_batch_size"), "must be at least 1");
         check(
             &mut problems,
