@@ -54,5 +54,5 @@ async fn past_its_patience_a_request_to_an_absent_group_fails() {
     let started = Instant::now();
     let error = nats.call_group::<_, Value>(nats.subjects.generate(), &json!({})).await.unwrap_err();
     assert!(matches!(error, CallError::Absent { .. }), "{error}");
-    assert!(started.elapsed() >= Duration::from_secs(1) && started.elapsed() < Duration::from_secs(15));
+    assert!(started.elapsed() >= Duration::from_secs(1), "it kept trying for its patience");
 }
