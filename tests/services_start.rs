@@ -55,3 +55,52 @@ fn bad_configuration_stops_a_service_with_one_line() {
         );
     }
 }
+
+/// A NATS server (with JetStream) of the test's own on a free port, killed when dropped.
+struct OwnNats(std::process::Child, String, tempfile::TempDir);
+
+impl OwnNats {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let store = tempfile::tempdir().unwrap();
+        let binary = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).is_file())
+            .unwrap_or("nats-server");
+        let child = Command::new(binary)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(store.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server (Debian's nats-server package, as set-up installs)");
+        let url = format!("nats://127.0.0.1:{port}");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Self(child, url, store)
+    }
+}
+
+impl Drop for OwnNats {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Services connected to a NATS that has since gone away still stop on SIGTERM.
+#[test]
+fn services_stop_on_sigterm_after_nats_went_away() {
+    let nats = OwnNats::start();
+    let env = [("KEEL_NATS_URL", nats.1.as_str())];
+    let running: Vec<(&str, ServiceProcess)> =
+        ["reward", "trainer"].iter().map(|s| (*s, ServiceProcess::start(s, &env))).collect();
+    drop(nats);
+    for (service, process) in running {
+        let status = process.terminate();
+        assert!(status.success(), "keel-{service} exited with {status} on SIGTERM without NATS");
+    }
+}

@@ -78,11 +78,28 @@ pub async fn serve(
             }
         });
     }
-    for subscription in [&mut scores, &mut steps] {
-        if let Err(e) = subscription.unsubscribe().await {
-            warn!("cannot unsubscribe: {e}");
+    // Finish what is in flight and send its replies — but a NATS that is gone would hold
+    // the unsubscribe and the flush forever, and a stopping service must stop.
+    let connected = || client.connection_state() == async_nats::connection::State::Connected;
+    let drain = async {
+        if connected() {
+            for subscription in [&mut scores, &mut steps] {
+                if let Err(e) = subscription.unsubscribe().await {
+                    warn!("cannot unsubscribe: {e}");
+                }
+            }
+        }
+        while in_flight.join_next().await.is_some() {}
+        if connected() { client.flush().await.map_err(|e| format!("NATS flush failed: {e}")) } else { Ok(()) }
+    };
+    match tokio::time::timeout(DRAIN_LIMIT, drain).await {
+        Ok(drained) => drained,
+        Err(_) => {
+            warn!("stopping without sending every reply: NATS did not take them within {DRAIN_LIMIT:?}");
+            Ok(())
         }
     }
-    while in_flight.join_next().await.is_some() {}
-    client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))
 }
+
+/// How long a stopping service waits for in-flight requests and their replies.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);

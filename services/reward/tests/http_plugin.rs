@@ -276,7 +276,7 @@ async fn bad_configurations_are_refused_with_the_field() {
                 authorization_env: Some("KEEL_REWARD_SECRET_SURELY_UNSET".into()),
                 ..config("http://x/".into())
             },
-            "KEEL_REWARD_SECRET_SURELY_UNSET` is not set",
+            "`KEEL_REWARD_SECRET_SURELY_UNSET` may not be sent to http://x/",
         ),
         (
             HttpRewardConfig { authorization_env: Some("PATH".into()), ..config("http://x/".into()) },
@@ -290,4 +290,46 @@ async fn bad_configurations_are_refused_with_the_field() {
             other => panic!("expected an invalid request naming {needle}, got {other:?}"),
         }
     }
+}
+
+/// A secret goes only to the URLs its operator bound it to (`<secret>_URL`); a request
+/// naming another URL is refused in the same words as one naming a secret that does not
+/// exist, so refusals reveal nothing.
+#[tokio::test]
+async fn secrets_go_only_to_the_urls_the_operator_bound_them_to() {
+    let (url, _) = start().await;
+    // SAFETY: nextest runs each test in a process of its own; nothing else reads the
+    // environment while these are set.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("KEEL_REWARD_SECRET_PLUGIN_TEST", "Bearer s3cret");
+        std::env::set_var("KEEL_REWARD_SECRET_PLUGIN_TEST_URL", format!("{url}/auth"));
+        std::env::set_var("KEEL_REWARD_SECRET_UNBOUND_TEST", "Bearer s3cret");
+    }
+    let scorer = scorer();
+    let named = |var: &'static str, at: String| HttpRewardConfig { authorization_env: Some(var.into()), ..config(at) };
+    let bound = step(&scorer, named("KEEL_REWARD_SECRET_PLUGIN_TEST", format!("{url}/auth")), OnError::Fail, 1).await;
+    assert_eq!(bound.unwrap()[0].reward, 1.0, "the bound URL gets the secret");
+    let refusal = |var: &'static str, at: String| {
+        let scorer = scorer.clone();
+        async move {
+            match step(&scorer, named(var, at), OnError::Fail, 1).await {
+                Err(Error::InvalidRequest(message)) => message,
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+        }
+    };
+    let elsewhere = refusal("KEEL_REWARD_SECRET_PLUGIN_TEST", "http://attacker.example/collect".into()).await;
+    let sibling = refusal("KEEL_REWARD_SECRET_PLUGIN_TEST", format!("{url}/authx")).await;
+    let unbound = refusal("KEEL_REWARD_SECRET_UNBOUND_TEST", format!("{url}/auth")).await;
+    let missing = refusal("KEEL_REWARD_SECRET_NOT_THERE", "http://attacker.example/collect".into()).await;
+    for message in [&elsewhere, &sibling, &unbound, &missing] {
+        assert!(message.contains("may not be sent to"), "{message}");
+        assert!(!message.contains("s3cret"), "{message}");
+    }
+    assert_eq!(
+        elsewhere.replace("PLUGIN_TEST", "X"),
+        missing.replace("NOT_THERE", "X"),
+        "a secret that exists and one that does not are refused alike"
+    );
 }

@@ -29,8 +29,33 @@ const MAX_BATCH: usize = 1024;
 
 /// Environment variables `authorization_env` may name: a request must not be able to send
 /// any other of the service's variables (a database URL, cloud credentials) to a URL it
-/// chooses.
+/// chooses. Each secret `KEEL_REWARD_SECRET_X` is bound by the operator to the URLs it may
+/// go to with `KEEL_REWARD_SECRET_X_URL` (a URL prefix): a request naming another URL gets
+/// the same refusal as one naming a secret that does not exist, so refusals reveal nothing.
 pub const SECRET_PREFIX: &str = "KEEL_REWARD_SECRET_";
+
+/// Whether `url` is under `prefix`: same scheme, host and port, and a path that starts with
+/// the prefix's path (at a `/` boundary).
+fn url_under(url: &reqwest::Url, prefix: &str) -> bool {
+    let Ok(prefix) = reqwest::Url::parse(prefix) else { return false };
+    let (path, base) = (url.path(), prefix.path().trim_end_matches('/'));
+    url.scheme() == prefix.scheme()
+        && url.host_str() == prefix.host_str()
+        && url.port_or_known_default() == prefix.port_or_known_default()
+        && (path == base || path.starts_with(&format!("{base}/")))
+}
+
+/// The value of secret `var` when the operator allows it to be sent to `url`.
+fn secret_for(var: &str, url: &reqwest::Url) -> Result<String, String> {
+    let bound = std::env::var(format!("{var}_URL")).ok().filter(|prefix| url_under(url, prefix));
+    match (bound, std::env::var(var)) {
+        (Some(_), Ok(value)) => Ok(value),
+        _ => Err(format!(
+            "authorization_env: `{var}` may not be sent to {url} (the operator binds each secret to its URLs with \
+             `{var}_URL`)"
+        )),
+    }
+}
 
 /// Upper bounds, so that no request holds a slot for ever.
 const MAX_RETRIES: u32 = 10;
@@ -72,20 +97,17 @@ impl HttpEnv {
         if let Some((field, _, least, most)) = bounded.iter().find(|(_, v, least, most)| v < least || v > most) {
             return Err(format!("{field}: must be {least} to {most}"));
         }
-        let token =
-            match (&config.authorization, &config.authorization_env) {
-                (Some(_), Some(_)) => {
-                    return Err("authorization_env: give authorization or authorization_env, not both".into());
-                }
-                (Some(value), None) => Some(value.clone()),
-                (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => {
-                    return Err(format!("authorization_env: must name a variable starting with {SECRET_PREFIX}"));
-                }
-                (None, Some(var)) => Some(std::env::var(var).map_err(|_| {
-                    format!("authorization_env: `{var}` is not set in the reward service's environment")
-                })?),
-                (None, None) => None,
-            };
+        let token = match (&config.authorization, &config.authorization_env) {
+            (Some(_), Some(_)) => {
+                return Err("authorization_env: give authorization or authorization_env, not both".into());
+            }
+            (Some(value), None) => Some(value.clone()),
+            (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => {
+                return Err(format!("authorization_env: must name a variable starting with {SECRET_PREFIX}"));
+            }
+            (None, Some(var)) => Some(secret_for(var, &url)?),
+            (None, None) => None,
+        };
         let authorization = token
             .map(|t| HeaderValue::from_str(&t).map_err(|_| "authorization: not a valid header value".to_string()))
             .transpose()?
