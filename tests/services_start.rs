@@ -57,7 +57,12 @@ fn bad_configuration_stops_a_service_with_one_line() {
 }
 
 /// A NATS server (with JetStream) of the test's own on a free port, killed when dropped.
-struct OwnNats(std::process::Child, String, tempfile::TempDir);
+struct OwnNats {
+    child: std::process::Child,
+    url: String,
+    /// JetStream's store, removed when dropped.
+    _store: tempfile::TempDir,
+}
 
 impl OwnNats {
     fn start() -> Self {
@@ -80,14 +85,14 @@ impl OwnNats {
             assert!(std::time::Instant::now() < deadline, "nats-server did not start");
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        Self(child, url, store)
+        Self { child, url, _store: store }
     }
 }
 
 impl Drop for OwnNats {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -95,7 +100,7 @@ impl Drop for OwnNats {
 #[test]
 fn services_stop_on_sigterm_after_nats_went_away() {
     let nats = OwnNats::start();
-    let env = [("KEEL_NATS_URL", nats.1.as_str())];
+    let env = [("KEEL_NATS_URL", nats.url.as_str())];
     let running: Vec<(&str, ServiceProcess)> =
         ["reward", "trainer"].iter().map(|s| (*s, ServiceProcess::start(s, &env))).collect();
     drop(nats);

@@ -2,6 +2,7 @@
 //! replica may answer) and weights-updated events on `<prefix>.weights.updated` (every
 //! replica refits). Replies use the `{"ok"} / {"error": {type, message}}` envelope.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -19,12 +20,17 @@ use crate::request::{Draft, collect};
 /// The run whose weights this generator serves (None: its start-up model).
 type ServingRun = Arc<Mutex<Option<String>>>;
 
+/// Per run, the latest weight version this generator refused to load, and why: a rollout
+/// that needs it is told so at once instead of waiting for weights that will never come.
+type RefusedRefits = Arc<Mutex<HashMap<String, (u64, String)>>>;
+
 /// Serves one rollout request. When the caller said how long it waits
 /// ([`keel_service::nats::caller_timeout`]), the samples are abandoned at that deadline: the
 /// engine stops decoding them at its next step instead of finishing work nobody reads.
 async fn rollout(
     state: &AppState,
     serving_run: &ServingRun,
+    refused: &RefusedRefits,
     payload: &[u8],
     deadline: Option<tokio::time::Instant>,
 ) -> Reply<RolloutReply> {
@@ -32,6 +38,18 @@ async fn rollout(
         Ok(request) => request,
         Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("malformed request: {e}")),
     };
+    let wanted_run = request.weights_of.as_ref().unwrap_or(&request.run_id);
+    let refusal = refused.lock().ok().and_then(|r| r.get(wanted_run).cloned());
+    if let Some((version, why)) = refusal
+        && request.min_weight_version > 0
+        && version >= request.min_weight_version
+        && state.engine.weight_version() < request.min_weight_version
+    {
+        return Reply::error(
+            error_types::REFIT_FAILED,
+            format!("this generator could not load run {wanted_run}'s weights (version {version}): {why}"),
+        );
+    }
     if let Some(wanted) = &request.weights_of {
         let serving = serving_run.lock().map(|run| run.clone()).unwrap_or_default();
         if serving.as_ref() != Some(wanted) {
@@ -134,17 +152,19 @@ pub async fn serve(
     client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
     info!(subject = %subjects.generate(), "serving rollouts");
     let serving_run = ServingRun::default();
+    let refused = RefusedRefits::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => return Ok(()),
             message = requests.next() => {
                 let Some(message) = message else { return Err("the rollout subscription ended".into()) };
-                let (state, client, serving_run) = (state.clone(), client.clone(), serving_run.clone());
+                let (state, client, serving_run, refused) =
+                    (state.clone(), client.clone(), serving_run.clone(), refused.clone());
                 let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
                 tokio::spawn(async move {
                     let body = keel_service::nats::served("generator.generate", &message, async {
-                        let reply = rollout(&state, &serving_run, &message.payload, deadline).await;
+                        let reply = rollout(&state, &serving_run, &refused, &message.payload, deadline).await;
                         serde_json::to_vec(&reply).unwrap_or_default()
                     })
                     .await;
@@ -159,7 +179,8 @@ pub async fn serve(
                 let Some(message) = message else { return Err("the weights subscription ended".into()) };
                 match serde_json::from_slice::<WeightsUpdated>(&message.payload) {
                     Ok(update) => {
-                        let (engine, serving_run) = (state.engine.clone(), serving_run.clone());
+                        let (engine, serving_run, refused) =
+                            (state.engine.clone(), serving_run.clone(), refused.clone());
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
                         tokio::spawn(tracing::Instrument::instrument(async move {
@@ -168,9 +189,17 @@ pub async fn serve(
                                     if let Ok(mut run) = serving_run.lock() {
                                         *run = Some(update.run_id.clone());
                                     }
+                                    if let Ok(mut refused) = refused.lock() {
+                                        refused.remove(&update.run_id);
+                                    }
                                     info!(version = update.version, run_id = %update.run_id, seconds, "weights updated");
                                 }
-                                Err(e) => warn!(version = update.version, "refit refused: {e}"),
+                                Err(e) => {
+                                    warn!(version = update.version, "refit refused: {e}");
+                                    if let Ok(mut refused) = refused.lock() {
+                                        refused.insert(update.run_id.clone(), (update.version, e.to_string()));
+                                    }
+                                }
                             }
                         }, span));
                     }

@@ -113,6 +113,19 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
         assert_eq!(reply["ok"]["weight_version"], 1, "{reply}");
     }
     assert_eq!(refits(&stats), 1, "a refused refit is not counted");
+    // A rollout that needs the refused version hears why at once, not `stale_weights`.
+    let mut needs_refused = request.clone();
+    needs_refused["min_weight_version"] = json!(2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reply = loop {
+        let reply = ask(needs_refused.clone()).await;
+        if reply["error"]["type"] != "stale_weights" {
+            break reply;
+        }
+        assert!(Instant::now() < deadline, "the refused refit was never reported");
+    };
+    assert_eq!(reply["error"]["type"], "refit_failed", "{reply}");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("version 2"), "{reply}");
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }

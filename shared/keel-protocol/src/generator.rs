@@ -79,6 +79,9 @@ pub struct RolloutReply {
 pub mod error_types {
     pub const INVALID_REQUEST: &str = "invalid_request";
     pub const STALE_WEIGHTS: &str = "stale_weights";
+    /// The run's weights of the version asked for were refused by this generator (another
+    /// architecture or shape): waiting will not help.
+    pub const REFIT_FAILED: &str = "refit_failed";
     pub const UNAVAILABLE: &str = "unavailable";
 }
 

@@ -244,7 +244,8 @@ async fn generate_turn(
 }
 
 /// A rollout from any generator serving this run's weights; a generator that serves other
-/// weights refuses, the weights are announced again and the request retried.
+/// weights refuses, the weights are announced again and the request retried. A generator
+/// that could not load them (`refit_failed`: another architecture or shape) ends it at once.
 async fn generate(ctx: &RunContext, request: &RolloutRequest, weights: &(PathBuf, u64)) -> Result<RolloutReply> {
     let deadline = Instant::now() + REFIT_WAIT;
     loop {
