@@ -1,6 +1,6 @@
 //! The public REST API (`openapi/keel.yaml`): submit, list, show and cancel runs; a run's
 //! metrics, samples, checkpoints and live events (SSE). When a token is configured every
-//! `/v1` route wants `Authorization: Bearer <token>`.
+//! `/v1` route and `/metrics` want `Authorization: Bearer <token>`.
 //!
 //! Errors are `{"error": {"type", "message"}}`; a refused spec (422, `invalid_spec`) also
 //! lists every problem as `problems: [{field, message}]`.
@@ -98,8 +98,10 @@ pub fn routes(state: AppState) -> Router {
         .route("/v1/runs/{id}/events", get(events))
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/checkpoints", get(checkpoints))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
-        .route("/metrics", get(prometheus));
+        // Run counts and names are the API's data too: with a token, Prometheus sends it
+        // (`authorization` / `bearer_token` in its scrape configuration).
+        .route("/metrics", get(prometheus))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
     api.with_state(state)
 }
 

@@ -226,4 +226,7 @@ async fn a_configured_token_is_required() {
     assert_eq!(api.send(wrong).await.0, StatusCode::UNAUTHORIZED);
     let right = Request::get("/v1/runs").header("authorization", "Bearer s3cret").body(Body::empty()).unwrap();
     assert_eq!(api.send(right).await.0, StatusCode::OK);
+    assert_eq!(api.get("/metrics").await.0, StatusCode::UNAUTHORIZED, "metrics need the token too");
+    let scrape = Request::get("/metrics").header("authorization", "Bearer s3cret").body(Body::empty()).unwrap();
+    assert_eq!(api.send(scrape).await.0, StatusCode::OK);
 }
