@@ -2,10 +2,11 @@
 //! `migrations/`, applied at start-up). Repository functions take an executor so they
 //! compose inside transactions.
 //!
-//! Ownership: the orchestrator instance driving a run is its `owner` and renews
-//! `heartbeat_at`; every write a driver makes checks that it still owns the run, so an
-//! instance that lost its run (its lease ran out and another took over) cannot record a
-//! step twice. A step's metrics, samples, dataloader position and event are written in one
+//! Ownership: each claim of a run has an `owner` id of its own (a fresh one per claim, so
+//! two claims by one instance differ too), and its driver renews `heartbeat_at`; every
+//! write a driver makes checks that its claim still owns the run, so a driver that lost its
+//! run (its lease ran out and another claim took over, even one by the same instance)
+//! cannot record a step twice. A step's metrics, samples, dataloader position and event are written in one
 //! transaction.
 
 use std::collections::BTreeMap;

@@ -146,7 +146,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         nats,
         checkpoints: checkpoints.clone().with_patience(keel_client::retry::Patience::new(patience)),
         work_dir,
-        owner: uuid::Uuid::new_v4(),
+        claims: Default::default(),
         run_lease: Duration::from_secs_f64(config.run_lease_seconds),
         trainer_lease: Duration::from_secs_f64(config.trainer_lease_seconds),
         poll: Duration::from_secs_f64(config.poll_seconds),

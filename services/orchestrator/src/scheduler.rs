@@ -5,7 +5,9 @@
 //! queue and resumed from its latest checkpoint until `max_attempts`; then it ends `failed`
 //! with the reason.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_client::checkpoint::CheckpointClient;
@@ -26,8 +28,10 @@ pub struct Scheduler {
     pub nats: Nats,
     pub checkpoints: CheckpointClient,
     pub work_dir: PathBuf,
-    /// This instance.
-    pub owner: Uuid,
+    /// The claims this instance's drivers hold. Every claim of a run — even a second claim
+    /// by this instance, after it stalled past the lease — gets an owner id of its own, so a
+    /// driver whose lease lapsed fails its next fenced write (step, rewind, end) and stops.
+    pub claims: Arc<Mutex<HashSet<Uuid>>>,
     pub run_lease: Duration,
     pub trainer_lease: Duration,
     pub poll: Duration,
@@ -64,11 +68,12 @@ impl Scheduler {
             }
         }
         drivers.shutdown().await;
+        let claims: Vec<Uuid> = self.claims.lock().map(|c| c.iter().copied().collect()).unwrap_or_default();
         if let Ok(mut db) = self.pool.acquire().await {
             let _ = sqlx::query(
-                "UPDATE runs SET heartbeat_at = now() - interval '1 day' WHERE owner = $1 AND status = 'running'",
+                "UPDATE runs SET heartbeat_at = now() - interval '1 day' WHERE owner = ANY($1) AND status = 'running'",
             )
-            .bind(self.owner)
+            .bind(&claims)
             .execute(&mut *db)
             .await;
         }
@@ -98,7 +103,8 @@ impl Scheduler {
         } else {
             None
         };
-        db::start_run(&mut tx, run.id, self.owner, resumed).await.map_err(|e| e.to_string())?;
+        let owner = Uuid::new_v4();
+        db::start_run(&mut tx, run.id, owner, resumed).await.map_err(|e| e.to_string())?;
         sqlx::query("UPDATE runs SET trainer_worker = $2 WHERE id = $1")
             .bind(run.id)
             .bind(trainer.as_ref().map(|t| t.worker.clone()))
@@ -106,11 +112,14 @@ impl Scheduler {
             .await
             .map_err(|e| e.to_string())?;
         tx.commit().await.map_err(|e| e.to_string())?;
+        if let Ok(mut claims) = self.claims.lock() {
+            claims.insert(owner);
+        }
         tracing::info!(run_id = %run.id, algorithm = run.algorithm.name(), resumed, worker = ?trainer.as_ref().map(|t| &t.worker), "run started");
         Ok(Some(RunContext {
             id: run.id,
             spec: run.spec,
-            owner: self.owner,
+            owner,
             pool: self.pool.clone(),
             nats: self.nats.clone(),
             trainer,
@@ -145,7 +154,7 @@ impl Scheduler {
         let heartbeat = driver::heartbeat(
             self.pool.clone(),
             ctx.id,
-            self.owner,
+            ctx.owner,
             ctx.trainer.clone(),
             ctx.stop.clone(),
             (self.run_lease / 3).min(self.trainer_lease / 3),
@@ -167,6 +176,9 @@ impl Scheduler {
         {
             tracing::warn!("cannot remove {}: {e}", ctx.run_dir.display());
         }
+        if let Ok(mut claims) = self.claims.lock() {
+            claims.remove(&ctx.owner);
+        }
     }
 
     /// Records the end of a run, or puts a failed one back in the queue while it has
@@ -176,7 +188,7 @@ impl Scheduler {
         if let Err(Stop::Failed(reason)) = result {
             let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM runs WHERE id = $1 AND owner = $2")
                 .bind(ctx.id)
-                .bind(self.owner)
+                .bind(ctx.owner)
                 .fetch_optional(&mut *tx)
                 .await?
                 .unwrap_or(i32::MAX);
@@ -195,8 +207,86 @@ impl Scheduler {
             if status == RunStatus::Failed {
                 tracing::error!(run_id = %ctx.id, "run failed: {}", reason.as_deref().unwrap_or_default());
             }
-            db::finish_run(&mut tx, ctx.id, self.owner, status, reason.as_deref()).await?;
+            db::finish_run(&mut tx, ctx.id, ctx.owner, status, reason.as_deref()).await?;
         }
         tx.commit().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// The report's case: an orchestrator stalled past its lease claims its own live run
+    /// again. The second claim gets an owner of its own, so the first driver's next step,
+    /// heartbeat and end are refused (it stops) while the second driver's step is recorded:
+    /// no step is recorded twice.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_second_claim_fences_out_the_first_driver_even_on_the_same_instance() {
+        let database = keel_testkit::TestDatabase::new("keel_orch_fence");
+        let pool = db::connect(&database.url).await.unwrap();
+        let spec = crate::spec::parse(
+            b"algorithm: eval\nmodel: {path: /m}\ndata: {train: {kind: arithmetic, size: 4}}\n",
+            Some("application/yaml"),
+        )
+        .unwrap();
+        let run = db::insert_run(&mut *pool.acquire().await.unwrap(), &spec).await.unwrap();
+        let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+        let bulk = keel_service::nats::Bulk::open(client.clone(), "keel-test-bulk").await.unwrap();
+        let nats = Nats {
+            client,
+            subjects: keel_protocol::Subjects::new(&format!("keeltest.fence{}", Uuid::new_v4().simple())).unwrap(),
+            bulk,
+            timeout: Duration::from_secs(5),
+            retries: 0,
+            patience: keel_client::retry::Patience::none(),
+        };
+        let work_dir = tempfile::tempdir().unwrap();
+        let scheduler = Scheduler {
+            pool: pool.clone(),
+            nats,
+            checkpoints: CheckpointClient::new("http://127.0.0.1:9"),
+            work_dir: work_dir.path().to_path_buf(),
+            claims: Arc::default(),
+            run_lease: Duration::from_secs(20),
+            trainer_lease: Duration::from_secs(60),
+            poll: Duration::from_secs(1),
+            max_concurrent_runs: 1,
+            max_attempts: 3,
+        };
+        let first = scheduler.claim_next().await.unwrap().unwrap();
+        assert_eq!(first.id, run.id);
+        let step = |n: u64| db::StepRecord {
+            step: n,
+            metrics: [("train/loss".to_string(), n as f64)].into(),
+            samples: Vec::new(),
+            dataloader: serde_json::json!({}),
+        };
+        assert!(db::record_step(&mut *pool.acquire().await.unwrap(), run.id, first.owner, &step(1)).await.unwrap());
+        // The first driver stalls past its lease; the same instance claims the run again.
+        sqlx::query("UPDATE runs SET heartbeat_at = now() - interval '1 day' WHERE id = $1")
+            .bind(run.id)
+            .execute(&pool)
+            .await
+            .unwrap();
+        let second = scheduler.claim_next().await.unwrap().unwrap();
+        assert_eq!(second.id, run.id);
+        assert_ne!(second.owner, first.owner, "every claim has an owner of its own");
+        let mut db = pool.acquire().await.unwrap();
+        assert!(!db::record_step(&mut db, run.id, first.owner, &step(2)).await.unwrap(), "the stale driver is fenced");
+        assert_eq!(db::heartbeat(&mut db, run.id, first.owner).await.unwrap(), db::Lease::Lost);
+        assert!(db::record_step(&mut db, run.id, second.owner, &step(2)).await.unwrap());
+        assert!(
+            !db::finish_run(&mut db, run.id, first.owner, keel_protocol::run::RunStatus::Failed, None).await.unwrap(),
+            "nor can it end the run"
+        );
+        let losses: Vec<i64> = sqlx::query_scalar("SELECT step::bigint FROM metrics WHERE run_id = $1 ORDER BY step")
+            .bind(run.id)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert_eq!(losses, [1, 2], "each step recorded once");
     }
 }

@@ -109,6 +109,7 @@ impl StopFlag {
 pub struct RunContext {
     pub id: Uuid,
     pub spec: RunSpec,
+    /// This claim of the run (see `db`'s ownership): the fence on every write.
     pub owner: Uuid,
     pub pool: PgPool,
     pub nats: Nats,
