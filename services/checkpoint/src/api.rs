@@ -114,26 +114,26 @@ pub async fn list(State(s): State<Checkpoints>, Query(q): Query<RunQuery>) -> An
     Ok(axum::Json(s.list(&q.run_id).await?))
 }
 
-#[utoipa::path(get, path = "/v1/checkpoints/{id}", responses((status = 200, body = Checkpoint), (status = 404)))]
+#[utoipa::path(get, path = "/v1/checkpoints/{id}", params(("id" = Uuid, Path, description = "The checkpoint's id")), responses((status = 200, body = Checkpoint), (status = 404)))]
 pub async fn show(State(s): State<Checkpoints>, Path(id): Path<String>) -> Answer<axum::Json<Checkpoint>> {
     Ok(axum::Json(s.get(parse_id(&id)?).await?))
 }
 
 /// Deletes a checkpoint (409 while a lease holds it).
-#[utoipa::path(delete, path = "/v1/checkpoints/{id}", responses((status = 204), (status = 404), (status = 409)))]
+#[utoipa::path(delete, path = "/v1/checkpoints/{id}", params(("id" = Uuid, Path, description = "The checkpoint's id")), responses((status = 204), (status = 404), (status = 409)))]
 pub async fn remove(State(s): State<Checkpoints>, Path(id): Path<String>) -> Answer<StatusCode> {
     s.delete(parse_id(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// Makes the checkpoint visible once every file is present (409 listing the missing ones).
-#[utoipa::path(post, path = "/v1/checkpoints/{id}/commit", responses((status = 200, body = Checkpoint), (status = 409)))]
+#[utoipa::path(post, path = "/v1/checkpoints/{id}/commit", params(("id" = Uuid, Path, description = "The checkpoint's id")), responses((status = 200, body = Checkpoint), (status = 409)))]
 pub async fn commit(State(s): State<Checkpoints>, Path(id): Path<String>) -> Answer<axum::Json<Checkpoint>> {
     Ok(axum::Json(s.commit(parse_id(&id)?).await?))
 }
 
 /// Streams one declared file in; it must hash to its declared sha256 and size.
-#[utoipa::path(put, path = "/v1/checkpoints/{id}/files/{path}", request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+#[utoipa::path(put, path = "/v1/checkpoints/{id}/files/{path}", params(("id" = Uuid, Path, description = "The checkpoint's id"), ("path" = String, Path, description = "A file's path inside the checkpoint")), request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 204), (status = 404), (status = 409), (status = 413), (status = 422, description = "sha256 mismatch"), (status = 503, description = "Every upload slot is taken; retry after `Retry-After`"), (status = 507)))]
 pub async fn upload(
     State(s): State<Checkpoints>,
@@ -166,6 +166,7 @@ fn file_of(c: &Checkpoint, path: &str) -> Result<FileEntry, Failure> {
 
 /// Downloads a file of a complete checkpoint; honours a single `Range`.
 #[utoipa::path(get, path = "/v1/checkpoints/{id}/files/{path}",
+    params(("id" = Uuid, Path, description = "The checkpoint's id"), ("path" = String, Path, description = "A file's path inside the checkpoint")),
     responses((status = 200, content_type = "application/octet-stream"), (status = 206), (status = 404), (status = 416)))]
 pub async fn download(
     State(s): State<Checkpoints>,
@@ -227,7 +228,7 @@ fn tar_header(file: &FileEntry, mtime: u64) -> Result<Vec<u8>, Failure> {
 }
 
 /// The whole checkpoint as a tar stream of its HF directory (`tar -x` gives the directory).
-#[utoipa::path(get, path = "/v1/checkpoints/{id}/archive", responses((status = 200, content_type = "application/x-tar"), (status = 404)))]
+#[utoipa::path(get, path = "/v1/checkpoints/{id}/archive", params(("id" = Uuid, Path, description = "The checkpoint's id")), responses((status = 200, content_type = "application/x-tar"), (status = 404)))]
 pub async fn archive(State(s): State<Checkpoints>, Path(id): Path<String>) -> Answer<Response> {
     let checkpoint = s.complete(parse_id(&id)?).await?;
     let mtime = checkpoint.created_at as u64;
@@ -257,7 +258,7 @@ pub async fn archive(State(s): State<Checkpoints>, Path(id): Path<String>) -> An
 }
 
 /// Promises to read the checkpoint: neither retention nor `DELETE` removes it meanwhile.
-#[utoipa::path(post, path = "/v1/checkpoints/{id}/leases", request_body = LeaseRequest, responses((status = 201, body = Lease)))]
+#[utoipa::path(post, path = "/v1/checkpoints/{id}/leases", params(("id" = Uuid, Path, description = "The checkpoint's id")), request_body = LeaseRequest, responses((status = 201, body = Lease)))]
 pub async fn lease(
     State(s): State<Checkpoints>,
     Path(id): Path<String>,
@@ -276,7 +277,7 @@ pub async fn lease(
     ))
 }
 
-#[utoipa::path(delete, path = "/v1/checkpoints/{id}/leases/{lease}", responses((status = 204), (status = 404)))]
+#[utoipa::path(delete, path = "/v1/checkpoints/{id}/leases/{lease}", params(("id" = Uuid, Path, description = "The checkpoint's id"), ("lease" = Uuid, Path, description = "The lease's id")), responses((status = 204), (status = 404)))]
 pub async fn release(State(s): State<Checkpoints>, Path((id, lease)): Path<(String, String)>) -> Answer<StatusCode> {
     let (id, lease) = (parse_id(&id)?, parse_id(&lease)?);
     let mut conn = s.pool.acquire().await?;
@@ -290,7 +291,7 @@ pub async fn release(State(s): State<Checkpoints>, Path((id, lease)): Path<(Stri
 }
 
 /// The run's latest complete checkpoint (highest step, then newest).
-#[utoipa::path(get, path = "/v1/runs/{run_id}/checkpoints/latest", responses((status = 200, body = Checkpoint), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{run_id}/checkpoints/latest", params(("run_id" = String, Path, description = "The run's id")), responses((status = 200, body = Checkpoint), (status = 404)))]
 pub async fn latest(State(s): State<Checkpoints>, Path(run_id): Path<String>) -> Answer<axum::Json<Checkpoint>> {
     let all = s.list(&run_id).await?;
     let newest = retention::latest(&all).cloned();
@@ -306,7 +307,7 @@ pub struct BestQuery {
 }
 
 /// The run's best complete checkpoint by a metric (ties go to the newer).
-#[utoipa::path(get, path = "/v1/runs/{run_id}/checkpoints/best", params(BestQuery), responses((status = 200, body = Checkpoint), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{run_id}/checkpoints/best", params(("run_id" = String, Path, description = "The run's id"), BestQuery), responses((status = 200, body = Checkpoint), (status = 404)))]
 pub async fn best(
     State(s): State<Checkpoints>,
     Path(run_id): Path<String>,

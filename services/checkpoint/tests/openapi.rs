@@ -28,4 +28,6 @@ fn the_committed_openapi_document_matches_the_code() {
     ] {
         assert!(document["paths"].get(path).is_some(), "{path} is not documented");
     }
+    let undeclared = keel_testkit::undeclared_path_parameters(&document);
+    assert!(undeclared.is_empty(), "path parameters not declared: {undeclared:?}");
 }

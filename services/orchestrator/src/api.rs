@@ -185,7 +185,7 @@ pub async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> 
 }
 
 /// A run with its latest metrics.
-#[utoipa::path(get, path = "/v1/runs/{id}", responses((status = 200, body = Run), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{id}", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, body = Run), (status = 404)))]
 pub async fn show(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Run>> {
     Ok(Json(find(&state.pool, parse_id(&id)?).await?))
 }
@@ -200,7 +200,7 @@ pub struct MetricsQuery {
 }
 
 /// A run's metrics by step.
-#[utoipa::path(get, path = "/v1/runs/{id}/metrics", params(MetricsQuery), responses((status = 200, body = Metrics), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{id}/metrics", params(("id" = Uuid, Path, description = "The run's id"), MetricsQuery), responses((status = 200, body = Metrics), (status = 404)))]
 pub async fn metrics(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -224,7 +224,7 @@ pub struct SamplesQuery {
 }
 
 /// Recorded prompts, completions and rewards, latest step first.
-#[utoipa::path(get, path = "/v1/runs/{id}/samples", params(SamplesQuery), responses((status = 200, body = Samples), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{id}/samples", params(("id" = Uuid, Path, description = "The run's id"), SamplesQuery), responses((status = 200, body = Samples), (status = 404)))]
 pub async fn samples(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -238,7 +238,7 @@ pub async fn samples(
 
 /// Status changes and step metrics as server-sent events (`id` = sequence number; send
 /// `Last-Event-ID` to continue). The stream ends after the run's final status.
-#[utoipa::path(get, path = "/v1/runs/{id}/events", responses((status = 200, description = "text/event-stream of RunEventRecord"), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{id}/events", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, description = "text/event-stream of RunEventRecord"), (status = 404)))]
 pub async fn events(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -282,7 +282,7 @@ pub async fn events(
 
 /// Cancels a run: a queued run at once, a running one at its next phase boundary (its
 /// trainer is then released).
-#[utoipa::path(post, path = "/v1/runs/{id}/cancel", responses((status = 200, body = Run), (status = 404), (status = 409, description = "the run has already ended")))]
+#[utoipa::path(post, path = "/v1/runs/{id}/cancel", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, body = Run), (status = 404), (status = 409, description = "the run has already ended")))]
 pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Run>> {
     let run = find(&state.pool, parse_id(&id)?).await?;
     if !db::request_cancel(&mut *state.pool.acquire().await?, run.id).await? {
@@ -292,7 +292,7 @@ pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> An
 }
 
 /// The run's checkpoints in the checkpoint store (those retention kept).
-#[utoipa::path(get, path = "/v1/runs/{id}/checkpoints", responses((status = 200, body = Vec<Checkpoint>), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{id}/checkpoints", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, body = Vec<Checkpoint>), (status = 404)))]
 pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Vec<Checkpoint>>> {
     let run = find(&state.pool, parse_id(&id)?).await?;
     let list = state.checkpoints.list(&run.id.to_string()).await.map_err(|e| Failure::Upstream(e.to_string()))?;

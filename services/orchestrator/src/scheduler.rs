@@ -232,7 +232,7 @@ mod tests {
             Some("application/yaml"),
         )
         .unwrap();
-        let run = db::insert_run(&mut *pool.acquire().await.unwrap(), &spec).await.unwrap();
+        let run = db::insert_run(&mut pool.acquire().await.unwrap(), &spec).await.unwrap();
         let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
         let bulk = keel_service::nats::Bulk::open(client.clone(), "keel-test-bulk").await.unwrap();
         let nats = Nats {
@@ -264,7 +264,7 @@ mod tests {
             samples: Vec::new(),
             dataloader: serde_json::json!({}),
         };
-        assert!(db::record_step(&mut *pool.acquire().await.unwrap(), run.id, first.owner, &step(1)).await.unwrap());
+        assert!(db::record_step(&mut pool.acquire().await.unwrap(), run.id, first.owner, &step(1)).await.unwrap());
         // The first driver stalls past its lease; the same instance claims the run again.
         sqlx::query("UPDATE runs SET heartbeat_at = now() - interval '1 day' WHERE id = $1")
             .bind(run.id)

@@ -27,6 +27,8 @@ fn the_committed_documents_match_the_code() {
     for path in ["/v1/runs", "/v1/runs/{id}/metrics", "/v1/runs/{id}/events", "/v1/runs/{id}/cancel"] {
         assert!(document["paths"].get(path).is_some(), "{path} is not documented");
     }
+    let undeclared = keel_testkit::undeclared_path_parameters(&document);
+    assert!(undeclared.is_empty(), "path parameters not declared: {undeclared:?}");
     let schema = run_spec_schema();
     check("run-spec.schema.json", &(serde_json::to_string_pretty(&schema).unwrap() + "\n"));
     for name in ["RunSpec", "GrpoSpec", "TrainingConfig", "EnvConfig", "DatasetSpec"] {

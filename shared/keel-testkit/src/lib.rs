@@ -7,6 +7,7 @@
 //! - [`ServiceProcess`]: a service binary started as a process on a free port;
 //!   [`keel_model_init`]: a tiny model made with the `keel` binary.
 //! - [`TestDatabase`]: a database of the test's own, dropped afterwards.
+//! - [`undeclared_path_parameters`]: what an OpenAPI document's operations leave undeclared.
 
 mod database;
 mod process;
@@ -79,4 +80,27 @@ pub fn max_abs_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
             x.iter().zip(y).map(|(p, q)| if p.is_nan() || q.is_nan() { f64::INFINITY } else { (p - q).abs() })
         })
         .fold(0.0, f64::max)
+}
+
+/// Every `{name}` segment of an OpenAPI document's paths that an operation under it does
+/// not declare as an `in: path` parameter, as `METHOD /path {name}` (empty when the
+/// document is complete: a client generator can call every operation).
+pub fn undeclared_path_parameters(document: &Value) -> Vec<String> {
+    let mut missing = Vec::new();
+    let Some(paths) = document["paths"].as_object() else { return missing };
+    for (path, operations) in paths {
+        let names: Vec<&str> =
+            path.split('/').filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}')).collect();
+        for (method, operation) in operations.as_object().into_iter().flatten() {
+            let declared = |name: &str| {
+                operation["parameters"]
+                    .as_array()
+                    .is_some_and(|ps| ps.iter().any(|p| p["name"] == name && p["in"] == "path"))
+            };
+            for name in names.iter().filter(|n| !declared(n)) {
+                missing.push(format!("{} {path} {{{name}}}", method.to_uppercase()));
+            }
+        }
+    }
+    missing
 }
