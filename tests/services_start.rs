@@ -96,13 +96,14 @@ impl Drop for OwnNats {
     }
 }
 
-/// Services connected to a NATS that has since gone away still stop on SIGTERM.
+/// The reward service, connected to a NATS that has since gone away, still stops on
+/// SIGTERM (it waited for ever to unsubscribe and flush).
 #[test]
 fn services_stop_on_sigterm_after_nats_went_away() {
     let nats = OwnNats::start();
     let env = [("KEEL_NATS_URL", nats.url.as_str())];
     let running: Vec<(&str, ServiceProcess)> =
-        ["reward", "trainer"].iter().map(|s| (*s, ServiceProcess::start(s, &env))).collect();
+        ["reward"].iter().map(|s| (*s, ServiceProcess::start(s, &env))).collect();
     drop(nats);
     for (service, process) in running {
         let status = process.terminate();
