@@ -162,6 +162,11 @@ stack_start() {
     fi
   done
   stack_say "starting the services (subject prefix $prefix)"
+  # The checkpoint store wants a token; the orchestrator and `keel checkpoint` send it.
+  if [ -z "${KEEL_CHECKPOINT_TOKEN:-}" ]; then
+    KEEL_CHECKPOINT_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+  fi
+  export KEEL_CHECKPOINT_TOKEN
   stack_service checkpoint KEEL_CHECKPOINT__SUBJECT_PREFIX="$prefix" \
     KEEL_CHECKPOINT__STORAGE__ROOT="$KEEL_STATE/checkpoints"
   stack_service trainer KEEL_TRAINER__SUBJECT_PREFIX="$prefix"

@@ -49,6 +49,9 @@ pub struct Config {
     pub pending_expiry_seconds: f64,
     /// Uploads at once (each holds about 24 MiB of buffers); more get 503 with `Retry-After`.
     pub max_uploads: usize,
+    /// When set, every route but `/healthz` wants `Authorization: Bearer <token>` (the
+    /// orchestrator's `checkpoint_token`, the CLI's `--token`).
+    pub api_token: Option<String>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -59,6 +62,9 @@ impl keel_service::ServiceConfig for Config {
         }
         if !(1.0..=1e8).contains(&self.pending_expiry_seconds) {
             return Err("pending_expiry_seconds: must be 1 to 100000000".into());
+        }
+        if self.api_token.as_deref() == Some("") {
+            return Err("api_token: must not be empty (leave it unset for no auth)".into());
         }
         Ok(())
     }
@@ -74,6 +80,7 @@ pub fn default_config() -> Config {
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
         pending_expiry_seconds: 24.0 * 3600.0,
         max_uploads: 16,
+        api_token: std::env::var("KEEL_CHECKPOINT_TOKEN").ok().filter(|t| !t.is_empty()),
     }
 }
 
@@ -129,7 +136,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
             }
         })
     };
-    let app = api::routes(checkpoints).merge(keel_service::health_routes(SERVICE));
+    let app = keel_service::require_bearer(api::routes(checkpoints), config.api_token.clone())
+        .merge(keel_service::health_routes(SERVICE));
     let served = keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string());
     sweeper.abort();
     served

@@ -122,11 +122,8 @@ pub async fn prometheus(State(state): State<AppState>) -> Answer<Response> {
 }
 
 async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(token) = &state.token {
-        let sent = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        if sent.and_then(|v| v.strip_prefix("Bearer ")) != Some(token.as_str()) {
-            return Failure::Unauthorized.into_response();
-        }
+    if !keel_service::bearer_matches(&request, state.token.as_deref()) {
+        return Failure::Unauthorized.into_response();
     }
     next.run(request).await
 }

@@ -47,6 +47,8 @@ pub struct Config {
     /// The trainer's bulk bucket (training batches above 1 MiB go through it).
     pub bulk_bucket: String,
     pub checkpoint_url: String,
+    /// The checkpoint store's API token, when it has one.
+    pub checkpoint_token: Option<String>,
     /// Scratch space for runs (saved weights the generators load, downloaded checkpoints).
     /// It must be the same path on the trainer and generator machines (a shared volume).
     pub work_dir: PathBuf,
@@ -109,6 +111,7 @@ pub fn default_config() -> Config {
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
         bulk_bucket: "keel-bulk".into(),
         checkpoint_url: std::env::var("KEEL_CHECKPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:8083".into()),
+        checkpoint_token: std::env::var("KEEL_CHECKPOINT_TOKEN").ok().filter(|t| !t.is_empty()),
         work_dir: PathBuf::from(".keel/orchestrator"),
         api_token: None,
         run_lease_seconds: 20.0,
@@ -140,7 +143,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let work_dir = std::path::absolute(&config.work_dir).map_err(|e| format!("work_dir: {e}"))?;
     std::fs::create_dir_all(&work_dir).map_err(|e| format!("work_dir {}: {e}", work_dir.display()))?;
     // The API answers at once (a submit is not held while the store is away); runs wait.
-    let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url);
+    let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url)
+        .with_token(config.checkpoint_token.as_deref());
     let scheduler = scheduler::Scheduler {
         pool: pool.clone(),
         nats,

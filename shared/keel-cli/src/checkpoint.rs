@@ -45,6 +45,15 @@ pub struct Service {
     /// The checkpoint service.
     #[arg(long, env = "KEEL_CHECKPOINT_URL", default_value = "http://127.0.0.1:8083")]
     url: String,
+    /// The store's API token, when it has one.
+    #[arg(long, env = "KEEL_CHECKPOINT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+impl Service {
+    fn client(&self) -> CheckpointClient {
+        CheckpointClient::new(&self.url).with_token(self.token.as_deref())
+    }
 }
 
 #[derive(Debug, Args)]
@@ -66,7 +75,7 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
     runtime.block_on(async {
         match command {
             CheckpointCommand::List { service, run } => {
-                for c in CheckpointClient::new(&service.url).list(&run).await? {
+                for c in service.client().list(&run).await? {
                     let size: u64 = c.files.iter().map(|f| f.size).sum();
                     println!(
                         "{}  step {:>6}  {:>12} bytes  {}",
@@ -85,15 +94,15 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
                     metrics.insert(name.to_string(), value.parse::<f64>().with_context(|| format!("--metric `{m}`"))?);
                 }
                 let new = NewCheckpoint { run_id: args.run, step: args.step, metrics, ..NewCheckpoint::default() };
-                let committed = CheckpointClient::new(&args.service.url).upload_dir(&args.dir, new).await?;
+                let committed = args.service.client().upload_dir(&args.dir, new).await?;
                 println!("{}", committed.id);
             }
             CheckpointCommand::Download { service, id, out } => {
-                CheckpointClient::new(&service.url).download_dir(id, &out).await?;
+                service.client().download_dir(id, &out).await?;
                 println!("{}", out.display());
             }
             CheckpointCommand::Export { service, id, out } => {
-                CheckpointClient::new(&service.url).export_tar(id, &out).await?;
+                service.client().export_tar(id, &out).await?;
                 println!("{}", out.display());
             }
         }

@@ -22,6 +22,16 @@ pub struct CheckpointClient {
     patience: Patience,
 }
 
+/// Every request carries the trace context and, when the store wants one, the bearer token.
+fn default_headers(token: Option<&str>) -> reqwest::header::HeaderMap {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(mut value) = token.and_then(|t| reqwest::header::HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    headers
+}
+
 /// Worth retrying: the service is not there (yet), or a proxy in front of it says so.
 fn transient(e: &Error) -> bool {
     matches!(e, Error::Unreachable { .. } | Error::Api { status: 502..=504, .. })
@@ -40,6 +50,13 @@ pub struct NewCheckpoint {
 impl CheckpointClient {
     pub fn new(url: &str) -> Self {
         Self { url: url.trim_end_matches('/').to_string(), http: reqwest::Client::new(), patience: Patience::none() }
+    }
+
+    /// The same client, sending `Authorization: Bearer <token>` on every request (the
+    /// store's `api_token`).
+    pub fn with_token(self, token: Option<&str>) -> Self {
+        let http = reqwest::Client::builder().default_headers(default_headers(token)).build().unwrap_or(self.http);
+        Self { http, ..self }
     }
 
     /// The same client, retrying calls for up to `patience` while the service is away.

@@ -1,5 +1,6 @@
 //! HTTP pieces every service has: `GET /healthz`, the JSON error body
-//! (`{"error": {"type", "message"}}`) with a 404 fallback, serving until shutdown, and
+//! (`{"error": {"type", "message"}}`) with a 404 fallback, bearer-token authentication
+//! ([`require_bearer`]), serving until shutdown, and
 //! [`observe`]: one span per request (a child of the caller's `traceparent`) and the
 //! request latency histogram.
 
@@ -28,6 +29,33 @@ impl IntoResponse for ApiError {
         let body = json!({"error": {"type": self.error_type, "message": self.message}});
         (self.status, Json(body)).into_response()
     }
+}
+
+/// Whether `request` carries `Authorization: Bearer <token>` (always, with no token).
+pub fn bearer_matches(request: &Request, token: Option<&str>) -> bool {
+    let Some(token) = token else { return true };
+    let sent = request.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    // Compared in constant time, so the answer's timing says nothing about the token.
+    sent.and_then(|v| v.strip_prefix("Bearer ")).is_some_and(|sent| {
+        sent.len() == token.len() && sent.bytes().zip(token.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+    })
+}
+
+/// Wraps every route of `router` so that, when `token` is set, a request without
+/// `Authorization: Bearer <token>` gets 401 and a JSON error naming what to send.
+pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token: Option<String>) -> Router<S> {
+    let token = std::sync::Arc::new(token);
+    router.route_layer(axum::middleware::from_fn(move |request: Request, next: Next| {
+        let token = token.clone();
+        async move {
+            if bearer_matches(&request, token.as_deref()) {
+                next.run(request).await
+            } else {
+                let message = "send Authorization: Bearer <token>".to_string();
+                ApiError { status: StatusCode::UNAUTHORIZED, error_type: "unauthorized", message }.into_response()
+            }
+        }
+    }))
 }
 
 async fn not_found(uri: Uri) -> ApiError {

@@ -22,4 +22,4 @@ pub mod postgres;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
-pub use http::{ApiError, health_routes, run_http, serve};
+pub use http::{ApiError, bearer_matches, health_routes, require_bearer, run_http, serve};
