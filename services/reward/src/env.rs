@@ -59,6 +59,8 @@ impl<E: SampleEnv> Environment for Blocking<E> {
 #[derive(Clone)]
 pub struct EnvContext {
     pub http: reqwest::Client,
+    /// Whether `http` environments may name loopback and private addresses.
+    pub allow_private: bool,
     /// For `reward_model` (trainer requests); none when the service runs without NATS.
     pub nats: Option<async_nats::Client>,
     pub subjects: Subjects,
@@ -86,7 +88,7 @@ fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Envi
         EnvConfig::ExactMatch(c) => Arc::new(Blocking(Arc::new(envs::matching::ExactMatch::new(c)?))),
         EnvConfig::Regex(c) => Arc::new(Blocking(Arc::new(envs::matching::RegexEnv::new(c)?))),
         EnvConfig::MultipleChoice(c) => Arc::new(Blocking(Arc::new(envs::matching::MultipleChoice::new(c)?))),
-        EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone())?),
+        EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone(), ctx.allow_private)?),
         EnvConfig::RewardModel(c) => Arc::new(envs::reward_model::RewardModelEnv::new(
             c,
             ctx.nats.clone(),

@@ -42,6 +42,10 @@ pub struct Config {
     /// The JetStream object-store bucket for bodies over 1 MiB (the trainers' `bulk_bucket`).
     pub bulk_bucket: String,
     pub sandbox: sandbox::SandboxConfig,
+    /// Whether the `http` environment may call loopback, private and link-local addresses
+    /// (a plugin on this host or network). Off: a run spec cannot make this service reach
+    /// what only it can reach.
+    pub http_allow_private_addresses: bool,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -66,15 +70,22 @@ pub fn default_config() -> Config {
         max_samples: 4096,
         bulk_bucket: "keel-bulk".into(),
         sandbox: sandbox::SandboxConfig::default(),
+        http_allow_private_addresses: false,
     }
 }
 
 /// The handlers' state for `config`, connected to `nats` when given.
 pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::AppState, String> {
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
-    let http = reqwest::Client::builder().build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+    let allow_private = config.http_allow_private_addresses;
+    let mut http = reqwest::Client::builder();
+    if !allow_private {
+        http = http.dns_resolver(std::sync::Arc::new(envs::addresses::PublicOnly));
+    }
+    let http = http.build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
     let sandbox = sandbox::Sandbox::new(config.sandbox.clone());
-    let ctx = env::EnvContext { http, nats, subjects, bulk_bucket: config.bulk_bucket.clone(), sandbox };
+    let bulk_bucket = config.bulk_bucket.clone();
+    let ctx = env::EnvContext { http, allow_private, nats, subjects, bulk_bucket, sandbox };
     let scorer = scoring::Scorer::new(ctx, config.max_in_flight, config.max_samples);
     Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
 }

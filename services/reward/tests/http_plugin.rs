@@ -117,9 +117,11 @@ async fn start() -> (String, Arc<Counters>) {
     (url, counters)
 }
 
+/// The plugins of these tests listen on 127.0.0.1: the operator allows private addresses.
 fn scorer() -> Scorer {
     let mut config = keel_reward::default_config();
     config.nats_url = String::new();
+    config.http_allow_private_addresses = true;
     keel_reward::state(&config, None).unwrap().scorer
 }
 
@@ -332,4 +334,30 @@ async fn secrets_go_only_to_the_urls_the_operator_bound_them_to() {
         missing.replace("NOT_THERE", "X"),
         "a secret that exists and one that does not are refused alike"
     );
+}
+
+/// By default a run cannot point the `http` environment inside: a plugin on 127.0.0.1, the
+/// cloud metadata address and `localhost` are refused naming the setting that allows them.
+#[tokio::test]
+async fn private_addresses_are_refused_unless_the_operator_allows_them() {
+    let (url, _) = start().await;
+    let mut config = keel_reward::default_config();
+    config.nats_url = String::new();
+    let strict = keel_reward::state(&config, None).unwrap().scorer;
+    for target in [format!("{url}/ok"), "http://169.254.169.254/latest/meta-data".into(), "http://localhost:9/".into()]
+    {
+        match step(&strict, config_for(&target), OnError::Fail, 1).await {
+            Err(Error::InvalidRequest(message)) => {
+                assert!(message.contains("http_allow_private_addresses"), "{message}")
+            }
+            other => panic!("expected {target} to be refused, got {other:?}"),
+        }
+    }
+    // Refused when the environment is built: nothing was sent. The operator's switch lets
+    // the same plugin through.
+    assert_eq!(step(&scorer(), config_for(&format!("{url}/ok")), OnError::Fail, 1).await.unwrap()[0].reward, 1.0);
+}
+
+fn config_for(url: &str) -> HttpRewardConfig {
+    config(url.to_string())
 }

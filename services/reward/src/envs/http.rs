@@ -80,10 +80,15 @@ enum Failure {
 }
 
 impl HttpEnv {
-    pub fn new(config: &HttpRewardConfig, client: reqwest::Client) -> Result<Self, String> {
+    /// The environment for `config`, calling through `client`; `allow_private` lets the URL
+    /// name a loopback or private address (see [`super::addresses`]).
+    pub fn new(config: &HttpRewardConfig, client: reqwest::Client, allow_private: bool) -> Result<Self, String> {
         let url = reqwest::Url::parse(&config.url).map_err(|e| format!("url: `{}` is not a URL: {e}", config.url))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(format!("url: `{}` must be http or https", config.url));
+        }
+        if !allow_private {
+            super::addresses::check_host(&url)?;
         }
         let bounded = [
             ("timeout_ms", config.timeout_ms, 1, MAX_TIMEOUT_MS),

@@ -3,6 +3,7 @@
 //! [`http`] (the user's reward service) and [`reward_model`] (a Bradley–Terry model on a
 //! trainer worker).
 
+pub mod addresses;
 pub mod code;
 pub mod http;
 pub mod matching;
