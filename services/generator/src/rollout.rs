@@ -24,6 +24,70 @@ type ServingRun = Arc<Mutex<Option<String>>>;
 /// that needs it is told so at once instead of waiting for weights that will never come.
 type RefusedRefits = Arc<Mutex<HashMap<String, (u64, String)>>>;
 
+/// Rollouts under way by `request_id`, each with the reply body it will send: a retry of
+/// one (same id) waits for that reply instead of generating again.
+type InFlight = Arc<Mutex<HashMap<String, tokio::sync::watch::Receiver<Option<Arc<Vec<u8>>>>>>>;
+
+/// The request id of a rollout payload, if it names one (read before the full parse).
+fn request_id(payload: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        request_id: Option<String>,
+    }
+    serde_json::from_slice::<Id>(payload).ok()?.request_id
+}
+
+/// Serves a rollout message once per request id: the first copy runs `work` and shares its
+/// reply body; copies that arrive while it runs wait for that body (up to `deadline`).
+async fn deduplicated<F>(
+    in_flight: &InFlight,
+    id: Option<String>,
+    deadline: Option<tokio::time::Instant>,
+    work: F,
+) -> Vec<u8>
+where
+    F: std::future::Future<Output = Vec<u8>>,
+{
+    let Some(id) = id else { return work.await };
+    let joined = {
+        let Ok(mut map) = in_flight.lock() else { return work.await };
+        match map.get(&id) {
+            Some(receiver) => Err(receiver.clone()),
+            None => {
+                let (sender, receiver) = tokio::sync::watch::channel(None);
+                map.insert(id.clone(), receiver);
+                Ok(sender)
+            }
+        }
+    };
+    match joined {
+        Ok(sender) => {
+            let body = Arc::new(work.await);
+            let _ = sender.send(Some(body.clone()));
+            if let Ok(mut map) = in_flight.lock() {
+                map.remove(&id);
+            }
+            body.as_ref().clone()
+        }
+        Err(mut receiver) => {
+            info!(request_id = %id, "a retry joined the rollout already under way");
+            let wait = receiver.wait_for(Option::is_some);
+            let waited = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, wait).await.ok(),
+                None => Some(wait.await),
+            };
+            match waited {
+                Some(Ok(body)) => body.as_ref().map(|b| b.as_ref().clone()).unwrap_or_default(),
+                _ => serde_json::to_vec(&Reply::<()>::error(
+                    error_types::UNAVAILABLE,
+                    "the rollout this retry joined did not finish in time",
+                ))
+                .unwrap_or_default(),
+            }
+        }
+    }
+}
+
 /// Serves one rollout request. When the caller said how long it waits
 /// ([`keel_service::nats::caller_timeout`]), the samples are abandoned at that deadline: the
 /// engine stops decoding them at its next step instead of finishing work nobody reads.
@@ -153,19 +217,24 @@ pub async fn serve(
     info!(subject = %subjects.generate(), "serving rollouts");
     let serving_run = ServingRun::default();
     let refused = RefusedRefits::default();
+    let in_flight = InFlight::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => return Ok(()),
             message = requests.next() => {
                 let Some(message) = message else { return Err("the rollout subscription ended".into()) };
-                let (state, client, serving_run, refused) =
-                    (state.clone(), client.clone(), serving_run.clone(), refused.clone());
+                let (state, client, serving_run, refused, in_flight) =
+                    (state.clone(), client.clone(), serving_run.clone(), refused.clone(), in_flight.clone());
                 let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
                 tokio::spawn(async move {
+                    let id = request_id(&message.payload);
                     let body = keel_service::nats::served("generator.generate", &message, async {
-                        let reply = rollout(&state, &serving_run, &refused, &message.payload, deadline).await;
-                        serde_json::to_vec(&reply).unwrap_or_default()
+                        deduplicated(&in_flight, id, deadline, async {
+                            let reply = rollout(&state, &serving_run, &refused, &message.payload, deadline).await;
+                            serde_json::to_vec(&reply).unwrap_or_default()
+                        })
+                        .await
                     })
                     .await;
                     if let Some(to) = message.reply

@@ -188,3 +188,51 @@ async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+/// A retry of a rollout still under way (same `request_id`) joins it: both copies get the
+/// same reply and the engine generates once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_with_the_same_request_id_joins_the_rollout_under_way() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let first = model(dir.path(), "first", Preset::Tiny, 1);
+    let mut config = default_config();
+    config.max_num_seqs = 4;
+    config.max_model_len = Some(512);
+    let state = load(&config, &first).unwrap();
+    let stats = state.engine.stats.clone();
+    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+    let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
+        let _ = stopped.await;
+    }));
+    let ask = |body: Value| {
+        let (client, subject) = (client.clone(), subjects.generate());
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match client.request(subject.clone(), body.to_string().into()).await {
+                    Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
+                    Err(e) => assert!(Instant::now() < deadline, "no generator answered: {e}"),
+                }
+            }
+        }
+    };
+    // Warm up (and wait for the subscription) with a request of its own.
+    let warm = json!({"run_id": "r1", "prompt_token_ids": [1, 2], "max_tokens": 2, "sampling": {"temperature": 0.0}});
+    assert!(ask(warm).await.get("ok").is_some());
+    let before = stats.requests_finished.load(Ordering::Relaxed);
+    let request = json!({"run_id": "r1", "prompt_token_ids": [5, 88, 17], "n": 2, "max_tokens": 300,
+        "sampling": {"temperature": 1.0}, "ignore_eos": true, "request_id": "rollout-7"});
+    let (one, two) = tokio::join!(ask(request.clone()), ask(request.clone()));
+    assert!(one.get("ok").is_some(), "{one}");
+    assert_eq!(one, two, "the retry got the reply of the work it joined");
+    assert_eq!(stats.requests_finished.load(Ordering::Relaxed) - before, 1, "generated once");
+    // Once finished, the same id runs again (it is no longer in flight).
+    let again = ask(request).await;
+    assert!(again.get("ok").is_some());
+    assert_eq!(stats.requests_finished.load(Ordering::Relaxed) - before, 2);
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

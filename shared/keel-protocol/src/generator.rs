@@ -51,6 +51,11 @@ pub struct RolloutRequest {
     pub include_stop_str_in_output: bool,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Names one logical request across its retries: a generator that is still working on
+    /// a request with this id answers the retry with that work's reply instead of starting
+    /// it again (the retry after a lost reply, or one sent to the same replica).
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 
 fn one() -> usize {

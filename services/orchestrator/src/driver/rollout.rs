@@ -210,6 +210,8 @@ async fn generate_turn(
             stop: e.stop.clone(),
             include_stop_str_in_output: true,
             ignore_eos: false,
+            // One id per logical rollout: its retries join the work already under way.
+            request_id: Some(uuid::Uuid::new_v4().to_string()),
         };
         requests.push((members, request));
     }
