@@ -251,6 +251,21 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Writes one pass's keys and values `k`, `v` [1, kv_heads, N, D] of `layer` to the N
+    /// pool rows `slots`.
+    pub(crate) fn write(&mut self, layer: usize, slots: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        let _ = self.keys[layer].f_index_copy_(1, slots, &k.f_squeeze_dim(0)?)?;
+        let _ = self.values[layer].f_index_copy_(1, slots, &v.f_squeeze_dim(0)?)?;
+        Ok(())
+    }
+
+    /// Blocks `blocks` (`rows` tables of equal length, one after the other) of `pool` (a
+    /// layer's keys or values) as [kv_heads, rows, keys, D], in one contiguous copy.
+    pub(crate) fn gather(&self, pool: &Tensor, blocks: &Tensor, rows: i64) -> Result<Tensor> {
+        let gathered = Self::block_view(pool, self.kv_heads, self.head_dim)?.f_index_select(1, blocks)?;
+        Ok(gathered.f_view([self.kv_heads, rows, -1, self.head_dim])?)
+    }
+
     /// A layer's pool as blocks: [kv_heads, blocks + 1, BLOCK_SIZE, head_dim].
     pub(crate) fn block_view(pool: &Tensor, kv_heads: i64, head_dim: i64) -> Result<Tensor> {
         Ok(pool.f_view([kv_heads, -1, BLOCK_SIZE as i64, head_dim])?)
@@ -259,10 +274,6 @@ impl PagedCache {
     /// The device the pools live on.
     pub(crate) fn device(&self) -> Device {
         self.keys.first().map_or(Device::Cpu, Tensor::device)
-    }
-
-    pub(crate) fn shape(&self) -> (i64, i64) {
-        (self.kv_heads, self.head_dim)
     }
 }
 

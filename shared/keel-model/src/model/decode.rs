@@ -8,7 +8,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::paged::{decode_attention, in_cache_masks};
+use super::paged::{grouped_decode, in_cache_masks};
 use super::{Mask, Masks};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::cuda::{Kernel, Kernels};
@@ -180,9 +180,7 @@ impl LayerCache for DecodeStep<'_> {
         _mask: &Mask,
         window: Option<i64>,
     ) -> Result<Tensor> {
-        let slots = &self.batch.slots;
-        let _ = self.cache.keys[layer].f_index_copy_(1, slots, &k.f_squeeze_dim(0)?)?;
-        let _ = self.cache.values[layer].f_index_copy_(1, slots, &v.f_squeeze_dim(0)?)?;
+        self.cache.write(layer, &self.batch.slots, k, v)?;
         let (keys, values) = (&self.cache.keys[layer], &self.cache.values[layer]);
         let (rows, width) = (self.batch.rows, self.batch.width);
         match &self.read {
@@ -200,18 +198,10 @@ impl LayerCache for DecodeStep<'_> {
                 Ok(out.f_unsqueeze(0)?)
             }
             Read::Gather { masks } => {
-                let (kv_heads, head_dim) = self.cache.shape();
-                let heads = q.size()[1];
-                let group = heads / kv_heads;
                 let blocks = self.batch.tables.f_reshape([-1])?;
-                let gather = |pool: &Tensor| -> Result<Tensor> {
-                    let gathered = PagedCache::block_view(pool, kv_heads, head_dim)?.f_index_select(1, &blocks)?;
-                    Ok(gathered.f_view([kv_heads, rows, width * BLOCK_SIZE as i64, head_dim])?)
-                };
-                let qd = q.f_reshape([kv_heads, group, rows, head_dim])?.f_permute([0, 2, 1, 3])?;
+                let (kd, vd) = (self.cache.gather(keys, &blocks, rows)?, self.cache.gather(values, &blocks, rows)?);
                 let mask = masks.iter().find(|(w, _)| *w == window).map(|(_, m)| m);
-                let out = decode_attention(&qd, &gather(keys)?, &gather(values)?, mask)?;
-                Ok(out.f_permute([0, 2, 1, 3])?.f_reshape([1, heads, rows, head_dim])?)
+                grouped_decode(q, &kd, &vd, mask)
             }
         }
     }

@@ -293,14 +293,17 @@ struct PagedStep<'a> {
     kernels: Option<&'a Kernels>,
 }
 
-impl PagedStep<'_> {
-    /// Blocks `blocks` (`rows` tables of equal length, one after the other) of `pool` as
-    /// [kv_heads, rows, keys, D], in one contiguous copy.
-    fn gather(&self, pool: &Tensor, blocks: &Tensor, rows: i64) -> Result<Tensor> {
-        let (kv_heads, head_dim) = self.cache.shape();
-        let gathered = PagedCache::block_view(pool, kv_heads, head_dim)?.f_index_select(1, blocks)?;
-        Ok(gathered.f_view([kv_heads, rows, -1, head_dim])?)
-    }
+/// Decode attention of single-token rows `q` [1, heads, rows, D] over their gathered keys
+/// and values `k`, `v` [kv_heads, rows, keys, D], batched over (KV head, row) with the query
+/// heads of a KV group as that group's queries (no repeat_kv); returns [1, heads, rows, D].
+pub(super) fn grouped_decode(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let [_, heads, rows, head_dim] = q.size()[..] else {
+        return Err(Error::InvalidInput(format!("decode queries {:?} are not [1, heads, rows, D]", q.size())));
+    };
+    let kv_heads = k.size()[0];
+    let qd = q.f_reshape([kv_heads, heads / kv_heads, rows, head_dim])?.f_permute([0, 2, 1, 3])?;
+    let out = decode_attention(&qd, k, v, mask)?;
+    Ok(out.f_permute([0, 2, 1, 3])?.f_reshape([1, heads, rows, head_dim])?)
 }
 
 /// Attention of a few queries per (KV head, row) `q` [kv_heads, rows, group, D] over `k`,
@@ -330,9 +333,7 @@ impl LayerCache for PagedStep<'_> {
         _mask: &Mask,
         window: Option<i64>,
     ) -> Result<Tensor> {
-        // [1, kv_heads, N, D] → the N slots of each head's pool.
-        let _ = self.cache.keys[layer].f_index_copy_(1, &self.packed.slots, &k.f_squeeze_dim(0)?)?;
-        let _ = self.cache.values[layer].f_index_copy_(1, &self.packed.slots, &v.f_squeeze_dim(0)?)?;
+        self.cache.write(layer, &self.packed.slots, k, v)?;
         let (keys, values) = (&self.cache.keys[layer], &self.cache.values[layer]);
         let mut outs = Vec::with_capacity(1 + self.packed.prefills.len());
         if let (Some(d), Some(kernels)) = (&self.packed.decodes, self.kernels)
@@ -343,18 +344,10 @@ impl LayerCache for PagedStep<'_> {
             let out = kernels.paged_decode(&qd, keys, values, tables, lens, d.keys, BLOCK_SIZE as i64, window)?;
             outs.push(out.f_unsqueeze(0)?);
         } else if let Some(d) = &self.packed.decodes {
-            // Attention batched over (KV head, row), the query heads of a KV group as that
-            // group's queries: [1, heads, rows, D] → [kv_heads, rows, group, D] and back.
-            let (kv_heads, head_dim) = self.cache.shape();
-            let heads = q.size()[1];
-            let group = heads / kv_heads;
-            let qd =
-                q.f_narrow(2, 0, d.rows)?.f_reshape([kv_heads, group, d.rows, head_dim])?.f_permute([0, 2, 1, 3])?;
-            let kd = self.gather(keys, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
-            let vd = self.gather(values, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
+            let kd = self.cache.gather(keys, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
+            let vd = self.cache.gather(values, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
             let mask = d.masks.iter().find(|(w, _)| *w == window).and_then(|(_, m)| m.as_ref());
-            let out = decode_attention(&qd, &kd, &vd, mask)?;
-            outs.push(out.f_permute([0, 2, 1, 3])?.f_reshape([1, heads, d.rows, head_dim])?);
+            outs.push(grouped_decode(&q.f_narrow(2, 0, d.rows)?, &kd, &vd, mask)?);
         }
         for p in &self.packed.prefills {
             let qp = q.f_narrow(2, p.start, p.len)?;
@@ -364,7 +357,7 @@ impl LayerCache for PagedStep<'_> {
                     // [kv_heads, 1, keys, D] → [1, kv_heads, keys, D].
                     let visible = p.context + p.len;
                     let gathered = |pool: &Tensor| -> Result<Tensor> {
-                        Ok(self.gather(pool, blocks, 1)?.f_narrow(2, 0, visible)?.f_transpose(0, 1)?)
+                        Ok(self.cache.gather(pool, blocks, 1)?.f_narrow(2, 0, visible)?.f_transpose(0, 1)?)
                     };
                     (gathered(keys)?, gathered(values)?)
                 }
