@@ -20,16 +20,8 @@ pub struct CheckpointClient {
     url: String,
     http: reqwest::Client,
     patience: Patience,
-}
-
-/// Every request carries the trace context and, when the store wants one, the bearer token.
-fn default_headers(token: Option<&str>) -> reqwest::header::HeaderMap {
-    let mut headers = reqwest::header::HeaderMap::new();
-    if let Some(mut value) = token.and_then(|t| reqwest::header::HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
-        value.set_sensitive(true);
-        headers.insert(reqwest::header::AUTHORIZATION, value);
-    }
-    headers
+    /// `Authorization: Bearer <token>` for a store that wants one.
+    authorization: Option<reqwest::header::HeaderValue>,
 }
 
 /// Worth retrying: the service is not there (yet), or a proxy in front of it says so.
@@ -49,14 +41,35 @@ pub struct NewCheckpoint {
 
 impl CheckpointClient {
     pub fn new(url: &str) -> Self {
-        Self { url: url.trim_end_matches('/').to_string(), http: reqwest::Client::new(), patience: Patience::none() }
+        Self {
+            url: url.trim_end_matches('/').to_string(),
+            http: reqwest::Client::new(),
+            patience: Patience::none(),
+            authorization: None,
+        }
     }
 
     /// The same client, sending `Authorization: Bearer <token>` on every request (the
     /// store's `api_token`).
     pub fn with_token(self, token: Option<&str>) -> Self {
-        let http = reqwest::Client::builder().default_headers(default_headers(token)).build().unwrap_or(self.http);
-        Self { http, ..self }
+        // A token that is not a valid header value is sent as nothing, and the store says 401.
+        let authorization = token.and_then(|t| reqwest::header::HeaderValue::from_str(&format!("Bearer {t}")).ok());
+        Self {
+            authorization: authorization.map(|mut v| {
+                v.set_sensitive(true);
+                v
+            }),
+            ..self
+        }
+    }
+
+    /// Every request's headers: the trace context, and the token when there is one.
+    fn headers(&self) -> reqwest::header::HeaderMap {
+        let mut headers = keel_telemetry::http_headers();
+        if let Some(value) = &self.authorization {
+            headers.insert(reqwest::header::AUTHORIZATION, value.clone());
+        }
+        headers
     }
 
     /// The same client, retrying calls for up to `patience` while the service is away.
@@ -74,7 +87,7 @@ impl CheckpointClient {
             .http
             .get(format!("{}/v1/checkpoints", self.url))
             .query(&[("run_id", run_id)])
-            .headers(keel_telemetry::http_headers())
+            .headers(self.headers())
             .send()
             .await
             .map_err(unreachable("list checkpoints"))?;
@@ -90,7 +103,7 @@ impl CheckpointClient {
         let response = self
             .http
             .get(format!("{}/v1/runs/{run_id}/checkpoints/latest", self.url))
-            .headers(keel_telemetry::http_headers())
+            .headers(self.headers())
             .send()
             .await
             .map_err(unreachable("latest checkpoint"))?;
@@ -108,7 +121,7 @@ impl CheckpointClient {
         let response = self
             .http
             .get(format!("{}/v1/checkpoints/{id}", self.url))
-            .headers(keel_telemetry::http_headers())
+            .headers(self.headers())
             .send()
             .await
             .map_err(unreachable("get"))?;
@@ -149,7 +162,7 @@ impl CheckpointClient {
             .http
             .post(format!("{url}/v1/checkpoints"))
             .json(&request)
-            .headers(keel_telemetry::http_headers())
+            .headers(self.headers())
             .send()
             .await
             .map_err(unreachable("create"))?;
@@ -163,7 +176,7 @@ impl CheckpointClient {
                 .http
                 .put(format!("{url}/v1/checkpoints/{}/files/{path}", created.id))
                 .body(body)
-                .headers(keel_telemetry::http_headers())
+                .headers(self.headers())
                 .send()
                 .await
                 .map_err(unreachable(&what))?;
@@ -172,7 +185,7 @@ impl CheckpointClient {
         let response = self
             .http
             .post(format!("{url}/v1/checkpoints/{}/commit", created.id))
-            .headers(keel_telemetry::http_headers())
+            .headers(self.headers())
             .send()
             .await
             .map_err(unreachable("commit"))?;
@@ -209,7 +222,7 @@ impl CheckpointClient {
             let response = self
                 .http
                 .get(format!("{}/v1/checkpoints/{id}/files/{}", self.url, file.path))
-                .headers(keel_telemetry::http_headers())
+                .headers(self.headers())
                 .send()
                 .await
                 .map_err(unreachable(&what))?;
@@ -242,7 +255,7 @@ impl CheckpointClient {
         let response = self
             .http
             .get(format!("{}/v1/checkpoints/{id}/archive", self.url))
-            .headers(keel_telemetry::http_headers())
+            .headers(self.headers())
             .send()
             .await
             .map_err(unreachable("export"))?;
