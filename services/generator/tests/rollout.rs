@@ -33,35 +33,57 @@ fn greedy(dir: &Path, prompt: &[i64], tokens: usize) -> Vec<i64> {
     generate(&local, prompt, tokens, &[], SamplingParams { temperature: 0.0, ..Default::default() }).unwrap().tokens
 }
 
+/// A generator serving `dir` over the real NATS, on subjects of its own.
+struct Serving {
+    client: async_nats::Client,
+    subjects: Subjects,
+    stats: std::sync::Arc<keel_generator::engine::Stats>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), String>>,
+}
+
+impl Serving {
+    async fn start(dir: &Path, max_model_len: i64) -> Self {
+        let mut config = default_config();
+        config.max_num_seqs = 4;
+        config.max_model_len = Some(max_model_len);
+        let state = load(&config, dir).unwrap();
+        let stats = state.engine.stats.clone();
+        let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+        let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
+            let _ = stopped.await;
+        }));
+        Self { client, subjects, stats, stop, server }
+    }
+
+    /// A rollout's reply, retried until the generator has subscribed.
+    async fn ask(&self, body: Value) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match self.client.request(self.subjects.generate(), body.to_string().into()).await {
+                Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
+                Err(e) => assert!(Instant::now() < deadline, "no generator answered: {e}"),
+            }
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.server.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     let dir = tempfile::tempdir().unwrap();
     let first = model(dir.path(), "first", Preset::Tiny, 1);
     let second = model(dir.path(), "second", Preset::Tiny, 2);
     let bigger = model(dir.path(), "bigger", Preset::Small, 3);
-    let mut config = default_config();
-    config.max_num_seqs = 4;
-    config.max_model_len = Some(128);
-    let state = load(&config, &first).unwrap();
-    let stats = state.engine.stats.clone();
-    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-    let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
-        let _ = stopped.await;
-    }));
-    let ask = |body: Value| {
-        let (client, subject) = (client.clone(), subjects.generate());
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                match client.request(subject.clone(), body.to_string().into()).await {
-                    Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
-                    Err(e) => assert!(Instant::now() < deadline, "no generator answered: {e}"),
-                }
-            }
-        }
-    };
+    let serving = Serving::start(&first, 128).await;
+    let (client, subjects, stats) = (serving.client.clone(), serving.subjects.clone(), serving.stats.clone());
+    let ask = |body: Value| serving.ask(body);
     let prompt = vec![5i64, 88, 17, 201, 33];
     let request = json!({"run_id": "r1", "prompt_token_ids": prompt, "n": 2, "max_tokens": 12,
         "sampling": {"temperature": 0.0}, "ignore_eos": true});
@@ -126,8 +148,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     };
     assert_eq!(reply["error"]["type"], "refit_failed", "{reply}");
     assert!(reply["error"]["message"].as_str().unwrap().contains("version 2"), "{reply}");
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    serving.stop().await;
 }
 
 /// A rollout whose caller gives up (its `Keel-Timeout-Ms` passes) is abandoned: the engine
@@ -137,17 +158,8 @@ async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
     use std::sync::atomic::Ordering;
     let dir = tempfile::tempdir().unwrap();
     let first = model(dir.path(), "first", Preset::Tiny, 1);
-    let mut config = default_config();
-    config.max_num_seqs = 4;
-    config.max_model_len = Some(1024);
-    let state = load(&config, &first).unwrap();
-    let stats = state.engine.stats.clone();
-    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-    let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
-        let _ = stopped.await;
-    }));
+    let serving = Serving::start(&first, 1024).await;
+    let (client, subjects, stats) = (&serving.client, &serving.subjects, serving.stats.clone());
     // 4 samples of 1000 tokens: far longer than the caller's 300 ms.
     let request = json!({"run_id": "r1", "prompt_token_ids": [5, 88, 17], "n": 4, "max_tokens": 1000,
         "sampling": {"temperature": 1.0}, "ignore_eos": true});
@@ -155,7 +167,7 @@ async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
     let asked = loop {
         let headers = async_nats::HeaderMap::new();
         let sent = keel_service::nats::request(
-            &client,
+            client,
             subjects.generate(),
             headers,
             request.to_string().into_bytes(),
@@ -185,8 +197,7 @@ async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
     assert!(generated < 4 * 1000, "decoding stopped early: {generated} tokens");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(stats.generated_tokens.load(Ordering::Relaxed), generated, "and does not resume");
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    serving.stop().await;
 }
 
 /// A retry of a rollout still under way (same `request_id`) joins it: both copies get the
@@ -196,29 +207,9 @@ async fn a_retry_with_the_same_request_id_joins_the_rollout_under_way() {
     use std::sync::atomic::Ordering;
     let dir = tempfile::tempdir().unwrap();
     let first = model(dir.path(), "first", Preset::Tiny, 1);
-    let mut config = default_config();
-    config.max_num_seqs = 4;
-    config.max_model_len = Some(512);
-    let state = load(&config, &first).unwrap();
-    let stats = state.engine.stats.clone();
-    let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-    let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
-        let _ = stopped.await;
-    }));
-    let ask = |body: Value| {
-        let (client, subject) = (client.clone(), subjects.generate());
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                match client.request(subject.clone(), body.to_string().into()).await {
-                    Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
-                    Err(e) => assert!(Instant::now() < deadline, "no generator answered: {e}"),
-                }
-            }
-        }
-    };
+    let serving = Serving::start(&first, 512).await;
+    let stats = serving.stats.clone();
+    let ask = |body: Value| serving.ask(body);
     // Warm up (and wait for the subscription) with a request of its own.
     let warm = json!({"run_id": "r1", "prompt_token_ids": [1, 2], "max_tokens": 2, "sampling": {"temperature": 0.0}});
     assert!(ask(warm).await.get("ok").is_some());
@@ -233,6 +224,5 @@ async fn a_retry_with_the_same_request_id_joins_the_rollout_under_way() {
     let again = ask(request).await;
     assert!(again.get("ok").is_some());
     assert_eq!(stats.requests_finished.load(Ordering::Relaxed) - before, 2);
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    serving.stop().await;
 }
