@@ -90,19 +90,40 @@ fn on_a_gpu_every_kernel_matches_its_tch_path() {
     }
 }
 
+/// A small Qwen3 shape (grouped-query heads of 64) for the GPU decoding tests.
+fn small_qwen3() -> keel_model::ModelConfig {
+    keel_model::ModelConfig::from_json(serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1000, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+    }))
+    .unwrap()
+}
+
+/// Greedy sequences and per-step logits of one path against another's: prints the fraction
+/// of identical sequences and the largest logit difference; f32 must agree on every
+/// sequence (logits within 1e-3), bf16 on at least 90% (ties may flip).
+fn agree(kind: Kind, what: &str, got: (&[Vec<i64>], &[tch::Tensor]), want: (&[Vec<i64>], &[tch::Tensor])) {
+    let total = want.0.len();
+    let same = got.0.iter().zip(want.0).filter(|(g, w)| g == w).count();
+    let worst = got.1.iter().zip(want.1).map(|(g, w)| (g - w).abs().max().double_value(&[])).fold(0.0, f64::max);
+    eprintln!("{kind:?} {what}: {same}/{total} identical greedy sequences; largest logit difference {worst:e}");
+    if kind == Kind::Float {
+        assert_eq!(same, total, "{what}: f32 greedy decoding must not change");
+        assert!(worst < 1e-3, "{what}: f32 logits differ by {worst:e}");
+    } else {
+        assert!(same * 10 >= total * 9, "{what}: bf16: only {same}/{total} identical");
+    }
+}
+
 /// Greedy decoding of 200 prompts on a small random Qwen3 with kernels, against the tch
 /// path on the same GPU: the fraction of identical sequences (bf16 ties aside) and the
 /// largest logit difference are printed; f32 must agree on every sequence.
 #[test]
 fn on_a_gpu_greedy_decoding_with_kernels_equals_the_tch_path() {
-    use keel_model::{BLOCK_SIZE, CausalLm, Init, ModelConfig, PagedCache, SeqChunk};
+    use keel_model::{BLOCK_SIZE, CausalLm, Init, PagedCache, SeqChunk};
     let Some(device) = gpu() else { return };
-    let cfg = ModelConfig::from_json(serde_json::json!({
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 1000, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-    }))
-    .unwrap();
+    let cfg = small_qwen3();
     for kind in [Kind::Float, Kind::BFloat16] {
         tch::manual_seed(3);
         let mut model = CausalLm::new(cfg.clone(), device, kind, Init::Random { std: 0.2 }).unwrap();
@@ -140,18 +161,7 @@ fn on_a_gpu_greedy_decoding_with_kernels_equals_the_tch_path() {
         assert!(kernels.fallbacks().is_empty(), "{:?}", kernels.fallbacks());
         model.use_kernels(std::sync::Arc::new(kernels));
         let (got, got_logits) = decode(&model);
-        let same = got.iter().zip(&want).filter(|(g, w)| g == w).count();
-        let worst =
-            got_logits.iter().zip(&want_logits).map(|(g, w)| (g - w).abs().max().double_value(&[])).fold(0.0, f64::max);
-        eprintln!(
-            "{kind:?}: {same}/{prompts} identical greedy sequences; first-step-onward largest logit difference {worst:e}"
-        );
-        if kind == Kind::Float {
-            assert_eq!(same, prompts, "f32 greedy decoding must not change");
-            assert!(worst < 1e-3, "f32 logits differ by {worst:e}");
-        } else {
-            assert!(same * 10 >= prompts * 9, "bf16: only {same}/{prompts} identical");
-        }
+        agree(kind, "kernels", (&got, &got_logits), (&want, &want_logits));
     }
 }
 
@@ -160,14 +170,9 @@ fn on_a_gpu_greedy_decoding_with_kernels_equals_the_tch_path() {
 /// greedy sequences is printed.
 #[test]
 fn on_a_gpu_graph_replays_equal_eager_decoding() {
-    use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Init, ModelConfig, PagedCache, SeqChunk};
+    use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Init, PagedCache, SeqChunk};
     let Some(device) = gpu() else { return };
-    let cfg = ModelConfig::from_json(serde_json::json!({
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 1000, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-    }))
-    .unwrap();
+    let cfg = small_qwen3();
     for kind in [Kind::Float, Kind::BFloat16] {
         tch::manual_seed(5);
         let mut model = CausalLm::new(cfg.clone(), device, kind, Init::Random { std: 0.2 }).unwrap();
@@ -218,15 +223,6 @@ fn on_a_gpu_graph_replays_equal_eager_decoding() {
         };
         let (want, want_logits) = decode(&model, &mut cache, None, 0);
         let (got, got_logits) = decode(&model, &mut cache, Some(&mut graphs), prompts);
-        let same = got.iter().zip(&want).filter(|(g, w)| g == w).count();
-        let worst =
-            got_logits.iter().zip(&want_logits).map(|(g, w)| (g - w).abs().max().double_value(&[])).fold(0.0, f64::max);
-        eprintln!("{kind:?}: graphs {same}/{prompts} identical greedy sequences; largest logit difference {worst:e}");
-        if kind == Kind::Float {
-            assert_eq!(same, prompts);
-            assert!(worst < 1e-3, "{worst:e}");
-        } else {
-            assert!(same * 10 >= prompts * 9, "bf16: only {same}/{prompts} identical");
-        }
+        agree(kind, "graphs", (&got, &got_logits), (&want, &want_logits));
     }
 }
