@@ -229,7 +229,7 @@ pub async fn serve(
                 let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
                 tokio::spawn(async move {
                     let id = request_id(&message.payload);
-                    let body = keel_service::nats::served("generator.generate", &message, async {
+                    let body = keel_service::nats::served(&client, "generator.generate", &message, async {
                         deduplicated(&in_flight, id, deadline, async {
                             let reply = rollout(&state, &serving_run, &refused, &message.payload, deadline).await;
                             serde_json::to_vec(&reply).unwrap_or_default()

@@ -53,7 +53,7 @@ pub async fn serve(
         let (scorer, client) = (scorer.clone(), client.clone());
         in_flight.spawn(async move {
             let operation = if is_step { "reward.env_step" } else { "reward.score" };
-            let body = keel_service::nats::served(operation, &message, async {
+            let body = keel_service::nats::served(&client, operation, &message, async {
                 if is_step {
                     let request = parse::<EnvStepRequest>(&message.payload);
                     envelope(async { scorer.step(request?).await }.await)

@@ -38,6 +38,9 @@ const LEASE_CHECK: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 struct Claim {
     run_id: String,
+    /// The run's current holder of the claim, when the run named one: requests naming
+    /// another are refused.
+    holder: Option<String>,
     lease: Duration,
     deadline: Instant,
     in_flight: usize,
@@ -119,6 +122,10 @@ impl Shared {
                 ));
             }
             Some(held) => {
+                if request.holder.is_some() && held.holder != request.holder {
+                    info!(run_id = %request.run_id, holder = ?request.holder, "claimed again by a new holder");
+                    held.holder = request.holder;
+                }
                 held.lease = lease;
                 held.deadline = Instant::now() + lease;
             }
@@ -126,6 +133,7 @@ impl Shared {
                 info!(run_id = %request.run_id, "claimed");
                 *claim = Some(Claim {
                     run_id: request.run_id,
+                    holder: request.holder,
                     lease,
                     deadline: Instant::now() + lease,
                     in_flight: 0,
@@ -140,11 +148,13 @@ impl Shared {
         encode(parse(payload).and_then(|r| self.claim(r)))
     }
 
-    /// Admits a request of `run_id`: it must hold the claim. Counts it as in flight.
-    fn admit(&self, run_id: &str) -> Answer<()> {
+    /// Admits a request of `run_id` made for `holder`: they must hold the claim. Counts it
+    /// as in flight.
+    fn admit(&self, run_id: &str, holder: Option<&str>) -> Answer<()> {
         let mut claim = self.lock();
         match claim.as_mut() {
             Some(held) if held.run_id == run_id => {
+                stale_holder(held, holder)?;
                 held.in_flight += 1;
                 Ok(())
             }
@@ -204,6 +214,7 @@ impl Shared {
     async fn op<Req, Rep, Fut>(
         self: &Arc<Self>,
         payload: &[u8],
+        holder: Option<&str>,
         run_of: impl Fn(&Req) -> &str,
         work: impl FnOnce(Arc<Self>, Req) -> Fut,
     ) -> Answer<Rep>
@@ -214,32 +225,34 @@ impl Shared {
         let request: Req = parse(payload)?;
         let run_id = run_of(&request).to_string();
         tracing::Span::current().record("run_id", run_id.as_str());
-        self.admit(&run_id)?;
+        self.admit(&run_id, holder)?;
         let outcome = work(self.clone(), request).await;
         self.finish(&run_id);
         outcome
     }
 
-    async fn handle(self: Arc<Self>, op: TrainerOp, payload: Bytes) -> Vec<u8> {
+    async fn handle(self: Arc<Self>, op: TrainerOp, payload: Bytes, holder: Option<String>) -> Vec<u8> {
         let payload = &payload[..];
+        let h = holder.as_deref();
         match op {
             TrainerOp::Claim => self.claim_body(payload),
-            TrainerOp::Heartbeat => encode(self.op(payload, |r: &RunRequest| &r.run_id, heartbeat).await),
-            TrainerOp::Release => encode(self.release(payload).await),
-            TrainerOp::Load => encode(self.op(payload, |r: &LoadRequest| &r.run_id, load).await),
-            TrainerOp::Logprobs => encode(self.op(payload, |r: &LogprobsRequest| &r.run_id, logprobs).await),
-            TrainerOp::Train => encode(self.op(payload, |r: &TrainRequest| &r.run_id, train).await),
-            TrainerOp::Score => encode(self.op(payload, |r: &ScoreRequest| &r.run_id, score).await),
-            TrainerOp::Save => encode(self.op(payload, |r: &SaveRequest| &r.run_id, save).await),
+            TrainerOp::Heartbeat => encode(self.op(payload, h, |r: &RunRequest| &r.run_id, heartbeat).await),
+            TrainerOp::Release => encode(self.release(payload, h).await),
+            TrainerOp::Load => encode(self.op(payload, h, |r: &LoadRequest| &r.run_id, load).await),
+            TrainerOp::Logprobs => encode(self.op(payload, h, |r: &LogprobsRequest| &r.run_id, logprobs).await),
+            TrainerOp::Train => encode(self.op(payload, h, |r: &TrainRequest| &r.run_id, train).await),
+            TrainerOp::Score => encode(self.op(payload, h, |r: &ScoreRequest| &r.run_id, score).await),
+            TrainerOp::Save => encode(self.op(payload, h, |r: &SaveRequest| &r.run_id, save).await),
         }
     }
 
-    async fn release(&self, payload: &[u8]) -> Answer<Released> {
+    async fn release(&self, payload: &[u8], holder: Option<&str>) -> Answer<Released> {
         let request: RunRequest = parse(payload)?;
         {
             let mut claim = self.lock();
             match claim.as_ref() {
                 Some(held) if held.run_id == request.run_id => {
+                    stale_holder(held, holder)?;
                     claim.take();
                 }
                 _ => {
@@ -253,6 +266,21 @@ impl Shared {
         info!(run_id = %request.run_id, "released");
         self.drop_models().await;
         Ok(Released { worker_id: self.worker_id.clone() })
+    }
+}
+
+/// Refuses a request made for a holder of the run other than the claim's current one.
+fn stale_holder(held: &Claim, holder: Option<&str>) -> Answer<()> {
+    match held.holder.as_deref() {
+        Some(current) if holder != Some(current) => Err(refuse(
+            error_types::STALE_HOLDER,
+            format!(
+                "run {} claimed this worker again as {current}; a request for {} is refused",
+                held.run_id,
+                holder.unwrap_or("no holder")
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -408,10 +436,17 @@ impl Worker {
         tokio::spawn(async move {
             let client = shared.client.clone();
             let operation = format!("trainer.{}", op.name());
-            let body = keel_service::nats::served(&operation, &message, async {
+            let body = keel_service::nats::served(&client, &operation, &message, async {
                 match decided {
                     Some(body) => body,
-                    None => shared.handle(op, message.payload.clone()).await,
+                    None => {
+                        let holder = message
+                            .headers
+                            .as_ref()
+                            .and_then(|h| h.get(keel_protocol::trainer::HOLDER_HEADER))
+                            .map(|v| v.as_str().to_string());
+                        shared.handle(op, message.payload.clone(), holder).await
+                    }
                 }
             })
             .await;

@@ -1,8 +1,9 @@
 //! NATS helpers: connecting (with a clear error); [`request`], whose timeout is the
 //! caller's and travels with it, and [`caller_timeout`] on the receiving side; [`served`]
 //! and [`server_span`], which put
-//! the handling of a request in a span that continues the sender's trace (W3C headers) and
-//! record its latency; and [`Bulk`], which carries message bodies too large for one NATS
+//! the handling of a request in a span that continues the sender's trace (W3C headers),
+//! record its latency and tell the sender the work is still going on (so a request whose
+//! receiver died is given up in [`SILENCE_LIMIT`], not at its full timeout); and [`Bulk`], which carries message bodies too large for one NATS
 //! message (over [`MAX_INLINE_BYTES`]) through a JetStream object store bucket. Objects
 //! expire after a day, so an abandoned batch does not stay forever.
 
@@ -32,25 +33,87 @@ pub async fn connect(url: &str) -> Result<async_nats::Client, String> {
 /// milliseconds: past that the sender has given up, and a receiver stops the work.
 pub const TIMEOUT_HEADER: &str = "Keel-Timeout-Ms";
 
+/// The header in which a request asks its receiver to say, every so many milliseconds,
+/// that the work is still going on ([`served`] does).
+pub const PROGRESS_HEADER: &str = "Keel-Progress-Ms";
+
+/// The header that marks a message on a request's reply subject as a sign of progress
+/// rather than the reply.
+pub const WORKING_HEADER: &str = "Keel-Working";
+
+/// How often a receiver says it is still working on a request (more often when the
+/// sender's silence limit is shorter than three of these).
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+/// A receiver that said it was working and then stayed silent this long is taken for gone
+/// (killed, partitioned away): the request fails as timed out, long before its own timeout.
+pub const SILENCE_LIMIT: Duration = Duration::from_secs(30);
+
 /// Sends a request and waits up to `timeout` for its reply — this timeout, not the client's
 /// default (async-nats gives up after 10 s unless told otherwise) — and tells the receiver
-/// in [`TIMEOUT_HEADER`].
+/// in [`TIMEOUT_HEADER`]. The receiver is asked for progress ([`PROGRESS_HEADER`]); once it
+/// has given a sign of life, silence for [`SILENCE_LIMIT`] ends the wait early (as
+/// `TimedOut`). A receiver that gives none is waited for up to `timeout`.
 pub async fn request(
+    client: &async_nats::Client,
+    subject: String,
+    headers: async_nats::HeaderMap,
+    body: Vec<u8>,
+    timeout: Duration,
+) -> Result<async_nats::Message, async_nats::RequestError> {
+    request_within(client, subject, headers, body, timeout, SILENCE_LIMIT).await
+}
+
+/// [`request`] with a silence limit of the caller's.
+pub async fn request_within(
     client: &async_nats::Client,
     subject: String,
     mut headers: async_nats::HeaderMap,
     body: Vec<u8>,
     timeout: Duration,
+    silence: Duration,
 ) -> Result<async_nats::Message, async_nats::RequestError> {
+    use async_nats::{RequestError, RequestErrorKind};
+    use futures::StreamExt;
     headers.insert(TIMEOUT_HEADER, timeout.as_millis().to_string());
-    let request = async_nats::Request::new().headers(headers).payload(body.into()).timeout(Some(timeout));
-    client.send_request(subject, request).await
+    // At least three signs of life fit in the silence limit.
+    headers.insert(PROGRESS_HEADER, PROGRESS_EVERY.min(silence / 3).as_millis().to_string());
+    let other = |e: &dyn std::fmt::Display| RequestError::with_source(RequestErrorKind::Other, e.to_string());
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| other(&e))?;
+    client.publish_with_reply_and_headers(subject, inbox, headers, body.into()).await.map_err(|e| other(&e))?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut heard = false;
+    loop {
+        let wait = if heard { deadline.min(tokio::time::Instant::now() + silence) } else { deadline };
+        match tokio::time::timeout_at(wait, replies.next()).await {
+            Ok(Some(message)) if message.status == Some(async_nats::StatusCode::NO_RESPONDERS) => {
+                return Err(RequestError::new(RequestErrorKind::NoResponders));
+            }
+            Ok(Some(message)) if message.headers.as_ref().is_some_and(|h| h.get(WORKING_HEADER).is_some()) => {
+                heard = true;
+            }
+            Ok(Some(message)) => return Ok(message),
+            Ok(None) => return Err(other(&"the connection closed before the reply")),
+            Err(_) if wait < deadline => {
+                let silent = format!("the receiver was working on it, then silent for {:.0} s", silence.as_secs_f64());
+                return Err(RequestError::with_source(RequestErrorKind::TimedOut, silent));
+            }
+            Err(_) => return Err(RequestError::new(RequestErrorKind::TimedOut)),
+        }
+    }
 }
 
 /// How long the sender of `message` waits for its reply, when it said ([`request`]).
 pub fn caller_timeout(message: &async_nats::Message) -> Option<Duration> {
     let value = message.headers.as_ref()?.get(TIMEOUT_HEADER)?;
     value.as_str().parse::<u64>().ok().map(Duration::from_millis)
+}
+
+/// How often the sender of `message` wants to hear the work is going on, when it asked.
+fn progress_every(message: &async_nats::Message) -> Option<Duration> {
+    let value = message.headers.as_ref()?.get(PROGRESS_HEADER)?;
+    value.as_str().parse::<u64>().ok().map(|ms| Duration::from_millis(ms.max(100)))
 }
 
 /// A server span for handling `message` as `operation` (e.g. `trainer.train`), a child of
@@ -72,15 +135,39 @@ pub fn server_span(operation: &str, message: &async_nats::Message) -> tracing::S
 
 /// Runs `handle` (which makes the reply body) inside [`server_span`] and records its
 /// latency in `keel_nats_request_duration_seconds{operation, outcome}`; `outcome` is
-/// `error` when the reply is a Keel error envelope.
-pub async fn served<F>(operation: &str, message: &async_nats::Message, handle: F) -> Vec<u8>
+/// `error` when the reply is a Keel error envelope. While it runs, a sender that asked
+/// ([`PROGRESS_HEADER`]) is told the work is going on, at once and then every interval it
+/// asked for (at least 100 ms).
+pub async fn served<F>(
+    client: &async_nats::Client,
+    operation: &str,
+    message: &async_nats::Message,
+    handle: F,
+) -> Vec<u8>
 where
     F: std::future::Future<Output = Vec<u8>>,
 {
     use tracing::Instrument;
     let span = server_span(operation, message);
     let started = std::time::Instant::now();
+    let progress = progress_every(message).zip(message.reply.clone()).map(|(every, reply)| {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(WORKING_HEADER, "1");
+                if client.publish_with_headers(reply.clone(), headers, Default::default()).await.is_err() {
+                    return;
+                }
+            }
+        })
+    });
     let body = handle.instrument(span.clone()).await;
+    if let Some(progress) = progress {
+        progress.abort();
+    }
     let failed = body.starts_with(b"{\"error\"");
     if failed {
         span.record("error", true);
@@ -215,6 +302,58 @@ mod tests {
         assert_eq!(&reply.payload[..], b"4000", "the receiver reads the caller's timeout");
         let error = request(&client, subject, headers(), b"x".to_vec(), Duration::from_millis(300)).await.unwrap_err();
         assert_eq!(error.kind(), async_nats::RequestErrorKind::TimedOut);
+        responder.abort();
+    }
+
+    /// A receiver that says it is working is waited for past the silence limit, for as long
+    /// as the request's timeout; one that said so and then went quiet (killed mid-request) is
+    /// given up after the silence limit; a subject nobody serves fails at once.
+    #[tokio::test]
+    async fn a_working_receiver_is_waited_for_and_a_silent_one_is_given_up_early() {
+        let client = connect(&default_url()).await.unwrap();
+        let subject = format!("keeltest.progress.{}", uuid_like());
+        let mut requests = client.subscribe(subject.clone()).await.unwrap();
+        client.flush().await.unwrap();
+        let responder = {
+            let client = client.clone();
+            tokio::spawn(async move {
+                while let Some(message) = requests.next().await {
+                    let client = client.clone();
+                    tokio::spawn(async move {
+                        if &message.payload[..] == b"slow" {
+                            let body = served(&client, "test.slow", &message, async {
+                                tokio::time::sleep(Duration::from_millis(2500)).await;
+                                b"done".to_vec()
+                            })
+                            .await;
+                            client.publish(message.reply.unwrap(), body.into()).await.unwrap();
+                        } else {
+                            // Says it is working, then dies without a word.
+                            let mut headers = async_nats::HeaderMap::new();
+                            headers.insert(WORKING_HEADER, "1");
+                            client
+                                .publish_with_headers(message.reply.unwrap(), headers, Default::default())
+                                .await
+                                .unwrap();
+                        }
+                    });
+                }
+            })
+        };
+        let headers = async_nats::HeaderMap::new;
+        let (timeout, silence) = (Duration::from_secs(20), Duration::from_secs(1));
+        let reply =
+            request_within(&client, subject.clone(), headers(), b"slow".to_vec(), timeout, silence).await.unwrap();
+        assert_eq!(&reply.payload[..], b"done", "progress kept a 2.5 s request alive past a 1 s silence limit");
+        // With a ten-minute timeout, only the silence limit can end this one.
+        let long = Duration::from_secs(600);
+        let error =
+            request_within(&client, subject.clone(), headers(), b"dies".to_vec(), long, silence).await.unwrap_err();
+        assert_eq!(error.kind(), async_nats::RequestErrorKind::TimedOut);
+        assert!(error.to_string().contains("silent for 1 s"), "{error}");
+        let nobody = format!("keeltest.nobody.{}", uuid_like());
+        let error = request(&client, nobody, headers(), b"x".to_vec(), timeout).await.unwrap_err();
+        assert_eq!(error.kind(), async_nats::RequestErrorKind::NoResponders);
         responder.abort();
     }
 }
