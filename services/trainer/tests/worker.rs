@@ -73,6 +73,15 @@ impl Harness {
         self.raw(op, body.to_string()).await
     }
 
+    /// A request made for `holder` (the header a run's driver sends).
+    async fn call_as(&self, holder: &str, op: TrainerOp, body: Value) -> Value {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(keel_protocol::trainer::HOLDER_HEADER, holder);
+        let subject = self.subjects.trainer(&self.worker, op);
+        let reply = self.client.request_with_headers(subject, headers, body.to_string().into()).await.unwrap();
+        serde_json::from_slice(&reply.payload).unwrap()
+    }
+
     async fn ok(&self, op: TrainerOp, body: Value) -> Value {
         let reply = self.call(op, body).await;
         assert!(reply.get("ok").is_some(), "{op:?} failed: {reply}");
@@ -269,5 +278,28 @@ async fn a_held_worker_refuses_other_claims_until_its_lease_expires() {
     }
     let reply = h.call(TrainerOp::Heartbeat, json!({"run_id": "owner"})).await;
     assert_eq!(error_type(&reply), "wrong_run");
+    h.stop().await;
+}
+
+/// A run's driver whose lease lapsed is replaced by a new claim of the same run: from then
+/// on the worker refuses the old holder's requests (a heartbeat, a save, a release) and
+/// serves the new one's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_newer_holder_of_the_run_fences_out_the_older_one() {
+    let h = Harness::start().await;
+    h.ok(TrainerOp::Claim, json!({"run_id": "r", "lease_seconds": 30.0, "holder": "first"})).await;
+    assert!(h.call_as("first", TrainerOp::Heartbeat, json!({"run_id": "r"})).await.get("ok").is_some());
+    h.ok(TrainerOp::Claim, json!({"run_id": "r", "lease_seconds": 30.0, "holder": "second"})).await;
+    for op in [TrainerOp::Heartbeat, TrainerOp::Release] {
+        let reply = h.call_as("first", op, json!({"run_id": "r"})).await;
+        assert_eq!(error_type(&reply), "stale_holder", "{op:?}: {reply}");
+        assert!(reply["error"]["message"].as_str().unwrap().contains("second"), "{reply}");
+    }
+    let save = h.call_as("first", TrainerOp::Save, json!({"run_id": "r", "path": "/tmp/x", "info": {}})).await;
+    assert_eq!(error_type(&save), "stale_holder", "{save}");
+    let anonymous = h.call(TrainerOp::Heartbeat, json!({"run_id": "r"})).await;
+    assert_eq!(error_type(&anonymous), "stale_holder", "a request naming no holder is refused too: {anonymous}");
+    assert!(h.call_as("second", TrainerOp::Heartbeat, json!({"run_id": "r"})).await.get("ok").is_some());
+    assert!(h.call_as("second", TrainerOp::Release, json!({"run_id": "r"})).await.get("ok").is_some());
     h.stop().await;
 }

@@ -18,6 +18,9 @@ pub mod error_types {
     pub const BUSY: &str = "busy";
     /// The request names a run that does not hold the worker (or nobody holds it).
     pub const WRONG_RUN: &str = "wrong_run";
+    /// The request names a holder of the run that a newer claim replaced (see
+    /// [`ClaimRequest::holder`](super::ClaimRequest::holder)).
+    pub const STALE_HOLDER: &str = "stale_holder";
     /// The body is not valid JSON for the operation, or its contents are inconsistent
     /// (shape mismatch, NaN, out-of-vocabulary token).
     pub const INVALID_REQUEST: &str = "invalid_request";
@@ -44,7 +47,17 @@ pub struct ClaimRequest {
     /// The claim is released when no request or heartbeat arrives for this long.
     #[serde(default = "default_lease_seconds")]
     pub lease_seconds: f64,
+    /// Who in the run holds the claim (the orchestrator's claim of the run). A claim by the
+    /// same run with another holder takes the worker over: from then on, requests that name
+    /// the earlier holder in [`HOLDER_HEADER`] are refused as `stale_holder`, so a driver
+    /// whose lease lapsed cannot train, save or release behind the one that replaced it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
 }
+
+/// The NATS header naming the holder a trainer request is made for (see
+/// [`ClaimRequest::holder`]).
+pub const HOLDER_HEADER: &str = "Keel-Holder";
 
 fn default_lease_seconds() -> f64 {
     60.0
