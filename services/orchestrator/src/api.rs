@@ -155,7 +155,7 @@ pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Byt
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
-    /// queued, running, succeeded, failed or cancelled.
+    /// queued, running, waiting, succeeded, failed or cancelled.
     pub status: Option<String>,
     /// Runs per page (1 to 200, default 50).
     pub limit: Option<i64>,
@@ -169,7 +169,9 @@ pub async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> 
     let status = match q.status.as_deref() {
         None => None,
         Some(s) => Some(RunStatus::from_name(s).ok_or_else(|| {
-            Failure::BadRequest(format!("status: `{s}` is not one of queued, running, succeeded, failed, cancelled"))
+            Failure::BadRequest(format!(
+                "status: `{s}` is not one of queued, running, waiting, succeeded, failed, cancelled"
+            ))
         })?),
     };
     let limit = q.limit.unwrap_or(50);

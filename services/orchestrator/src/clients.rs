@@ -68,6 +68,18 @@ impl Nats {
         body: &Req,
         timeout: Duration,
     ) -> Result<Rep, CallError> {
+        self.call_as(subject, body, timeout, None).await
+    }
+
+    /// [`Nats::call`] on behalf of `holder` (a run's claim of a trainer, sent in
+    /// [`keel_protocol::trainer::HOLDER_HEADER`]).
+    pub async fn call_as<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        subject: String,
+        body: &Req,
+        timeout: Duration,
+        holder: Option<uuid::Uuid>,
+    ) -> Result<Rep, CallError> {
         let bytes = serde_json::to_vec(body)
             .map_err(|e| CallError::Malformed { subject: subject.clone(), message: format!("cannot encode: {e}") })?;
         let span = tracing::info_span!(
@@ -78,11 +90,18 @@ impl Nats {
             messaging.destination.name = %subject,
             messaging.message.body.size = bytes.len(),
         );
-        let headers = span.in_scope(keel_telemetry::nats_headers);
+        let mut headers = span.in_scope(keel_telemetry::nats_headers);
+        if let Some(holder) = holder {
+            headers.insert(keel_protocol::trainer::HOLDER_HEADER, holder.to_string().as_str());
+        }
         let request = keel_service::nats::request(&self.client, subject.clone(), headers, bytes, timeout);
         let message = match request.instrument(span).await {
             Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut => {
-                let message = format!("no reply within {:.0} s", timeout.as_secs_f64());
+                let message = match std::error::Error::source(&e) {
+                    // It went silent mid-request (see `keel_service::nats::SILENCE_LIMIT`).
+                    Some(why) => why.to_string(),
+                    None => format!("no reply within {:.0} s", timeout.as_secs_f64()),
+                };
                 return Err(CallError::NoAnswer { subject, message });
             }
             Err(e) => return Err(CallError::Absent { subject, message: e.to_string() }),
@@ -139,11 +158,17 @@ impl Nats {
         self.call_group(self.subjects.reward_env_step(), request).await
     }
 
-    /// Claims a free trainer worker for `run_id` (None when none is free).
-    pub async fn claim_trainer(&self, run_id: &str, lease_seconds: f64) -> Result<Option<Trainer>, CallError> {
-        let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds };
+    /// Claims a free trainer worker for `run_id` (None when none is free) as `holder` (the
+    /// claim of the run whose requests the worker will take).
+    pub async fn claim_trainer(
+        &self,
+        run_id: &str,
+        lease_seconds: f64,
+        holder: uuid::Uuid,
+    ) -> Result<Option<Trainer>, CallError> {
+        let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds, holder: Some(holder.to_string()) };
         match self.call::<_, ClaimReply>(self.subjects.trainer_claim(), &request, Duration::from_secs(10)).await {
-            Ok(reply) => Ok(Some(Trainer::new(self.clone(), reply.worker_id, run_id.to_string()))),
+            Ok(reply) => Ok(Some(Trainer::new(self.clone(), reply.worker_id, run_id.to_string()).held_by(holder))),
             Err(CallError::NoAnswer { .. } | CallError::Absent { .. }) => Ok(None),
             Err(e) if e.kind() == Some("busy") => Ok(None),
             Err(e) => Err(e),
@@ -157,30 +182,49 @@ pub struct Trainer {
     nats: Nats,
     pub worker: String,
     pub run_id: String,
+    /// The claim of the run this is (every request carries it; the worker refuses a claim
+    /// that a newer one replaced).
+    pub holder: Option<uuid::Uuid>,
 }
 
 impl Trainer {
     pub fn new(nats: Nats, worker: String, run_id: String) -> Self {
-        Self { nats, worker, run_id }
+        Self { nats, worker, run_id, holder: None }
+    }
+
+    /// The same worker, its requests made as `holder`.
+    pub fn held_by(self, holder: uuid::Uuid) -> Self {
+        Self { holder: Some(holder), ..self }
+    }
+
+    /// The same worker, reached through `nats` (the run's own, which reports its waits).
+    pub fn with_nats(self, nats: Nats) -> Self {
+        Self { nats, ..self }
+    }
+
+    fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        op: TrainerOp,
+        body: &Req,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<Rep, CallError>> {
+        self.nats.call_as(self.nats.subjects.trainer(&self.worker, op), body, timeout, self.holder)
     }
 
     /// One operation on the worker; loads and training steps may take long, so the timeout
     /// is the configured one (not the claim's).
     pub async fn op<Req: Serialize, Rep: DeserializeOwned>(&self, op: TrainerOp, body: &Req) -> Result<Rep, CallError> {
-        self.nats.call(self.nats.subjects.trainer(&self.worker, op), body, self.nats.timeout).await
+        self.call(op, body, self.nats.timeout).await
     }
 
     pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
         let body = RunRequest { run_id: self.run_id.clone() };
-        self.nats
-            .call(self.nats.subjects.trainer(&self.worker, TrainerOp::Heartbeat), &body, Duration::from_secs(10))
-            .await
+        self.call(TrainerOp::Heartbeat, &body, Duration::from_secs(10)).await
     }
 
     pub async fn release(&self) {
         let body = RunRequest { run_id: self.run_id.clone() };
-        let subject = self.nats.subjects.trainer(&self.worker, TrainerOp::Release);
-        if let Err(e) = self.nats.call::<_, serde_json::Value>(subject, &body, Duration::from_secs(10)).await {
+        if let Err(e) = self.call::<_, serde_json::Value>(TrainerOp::Release, &body, Duration::from_secs(10)).await {
             tracing::warn!(worker = %self.worker, "release failed (the lease will expire): {e}");
         }
     }

@@ -25,6 +25,13 @@ macro_rules! utc {
     };
 }
 
+/// The statuses of a run an orchestrator drives.
+macro_rules! active {
+    () => {
+        "status IN ('running', 'waiting')"
+    };
+}
+
 macro_rules! run_columns {
     () => {
         concat!(
@@ -188,21 +195,26 @@ pub async fn request_cancel(db: &mut PgConnection, run_id: Uuid) -> sqlx::Result
         append_event(db, run_id, &event).await?;
         return Ok(true);
     }
-    let running =
-        sqlx::query("UPDATE runs SET cancel_requested = true, updated_at = now() WHERE id = $1 AND status = 'running'")
-            .bind(run_id)
-            .execute(db)
-            .await?;
+    let running = sqlx::query(concat!(
+        "UPDATE runs SET cancel_requested = true, updated_at = now() WHERE id = $1 AND ",
+        active!()
+    ))
+    .bind(run_id)
+    .execute(db)
+    .await?;
     Ok(running.rows_affected() == 1)
 }
 
-/// The oldest run waiting to start, or a running one whose owner stopped renewing its
-/// lease, locked for this transaction (other instances skip it).
+/// The oldest run waiting to start, or a running (or waiting) one whose owner stopped
+/// renewing its lease, locked for this transaction (other instances skip it); with the
+/// times it was started.
 pub async fn next_claimable(db: &mut PgConnection, lease_seconds: f64) -> sqlx::Result<Option<(Run, i32)>> {
     let row = sqlx::query(concat!(
         "SELECT ",
         run_columns!(),
-        ", attempts FROM runs WHERE status = 'queued' OR (status = 'running' AND ",
+        ", attempts FROM runs WHERE status = 'queued' OR (",
+        active!(),
+        " AND ",
         "heartbeat_at < now() - make_interval(secs => $1)) ORDER BY created_at FOR UPDATE SKIP LOCKED LIMIT 1"
     ))
     .bind(lease_seconds)
@@ -217,8 +229,8 @@ pub async fn next_claimable(db: &mut PgConnection, lease_seconds: f64) -> sqlx::
 /// Marks a claimed run running under `owner`.
 pub async fn start_run(db: &mut PgConnection, run_id: Uuid, owner: Uuid, resumed: bool) -> sqlx::Result<()> {
     sqlx::query(
-        "UPDATE runs SET status = 'running', owner = $2, heartbeat_at = now(), attempts = attempts + 1, \
-         updated_at = now() WHERE id = $1",
+        "UPDATE runs SET status = 'running', reason = NULL, owner = $2, heartbeat_at = now(), \
+         attempts = attempts + 1, updated_at = now() WHERE id = $1",
     )
     .bind(run_id)
     .bind(owner)
@@ -237,10 +249,11 @@ pub enum Lease {
 
 /// Renews the run's lease if `owner` still holds it.
 pub async fn heartbeat(db: &mut PgConnection, run_id: Uuid, owner: Uuid) -> sqlx::Result<Lease> {
-    let row = sqlx::query(
-        "UPDATE runs SET heartbeat_at = now() WHERE id = $1 AND owner = $2 AND status = 'running' \
-         RETURNING cancel_requested",
-    )
+    let row = sqlx::query(concat!(
+        "UPDATE runs SET heartbeat_at = now() WHERE id = $1 AND owner = $2 AND ",
+        active!(),
+        " RETURNING cancel_requested"
+    ))
     .bind(run_id)
     .bind(owner)
     .fetch_optional(db)
@@ -259,10 +272,10 @@ pub async fn finish_run(
     status: RunStatus,
     reason: Option<&str>,
 ) -> sqlx::Result<bool> {
-    let done = sqlx::query(
-        "UPDATE runs SET status = $3, reason = $4, owner = NULL, updated_at = now() \
-         WHERE id = $1 AND owner = $2 AND status = 'running'",
-    )
+    let done = sqlx::query(concat!(
+        "UPDATE runs SET status = $3, reason = $4, owner = NULL, updated_at = now() WHERE id = $1 AND owner = $2 AND ",
+        active!()
+    ))
     .bind(run_id)
     .bind(owner)
     .bind(status.name())
@@ -276,11 +289,48 @@ pub async fn finish_run(
     Ok(true)
 }
 
+/// Shows the run `waiting` for `reason`, or `running` again (`None`), if `owner` still holds
+/// it and it is not that already. Returns false when the owner lost the run.
+pub async fn set_waiting(db: &mut PgConnection, run_id: Uuid, owner: Uuid, reason: Option<&str>) -> sqlx::Result<bool> {
+    let status = if reason.is_some() { RunStatus::Waiting } else { RunStatus::Running };
+    let changed = sqlx::query(concat!(
+        "UPDATE runs SET status = $3, reason = $4, updated_at = now() WHERE id = $1 AND owner = $2 AND status <> $3 AND ",
+        active!()
+    ))
+    .bind(run_id)
+    .bind(owner)
+    .bind(status.name())
+    .bind(reason)
+    .execute(&mut *db)
+    .await?;
+    if changed.rows_affected() == 1 {
+        let reason = reason.map(str::to_string).or_else(|| Some("what it waited for is back".into()));
+        append_event(db, run_id, &RunEvent::Status { status, reason }).await?;
+        return Ok(true);
+    }
+    let owned = sqlx::query(concat!("SELECT 1 FROM runs WHERE id = $1 AND owner = $2 AND ", active!()))
+        .bind(run_id)
+        .bind(owner)
+        .fetch_optional(db)
+        .await?;
+    Ok(owned.is_some())
+}
+
 /// The steps the run will take, once its data is known (the spec's `max_num_steps` may be
 /// more than its epochs hold).
 pub async fn set_total_steps(db: &mut PgConnection, run_id: Uuid, total: u64) -> sqlx::Result<()> {
     sqlx::query("UPDATE runs SET total_steps = $2 WHERE id = $1").bind(run_id).bind(total as i64).execute(db).await?;
     Ok(())
+}
+
+/// Ends a run nobody holds (its driver vanished too often) as `failed`.
+pub async fn abandon(db: &mut PgConnection, run_id: Uuid, reason: &str) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET status = 'failed', reason = $2, owner = NULL, updated_at = now() WHERE id = $1")
+        .bind(run_id)
+        .bind(reason)
+        .execute(&mut *db)
+        .await?;
+    append_event(db, run_id, &RunEvent::Status { status: RunStatus::Failed, reason: Some(reason.to_string()) }).await
 }
 
 /// Puts a claimed run back in the queue (no trainer was free).
@@ -328,10 +378,10 @@ pub struct StepRecord {
 
 /// Records a step if `owner` still holds the run and the step follows the last one.
 pub async fn record_step(db: &mut PgConnection, run_id: Uuid, owner: Uuid, record: &StepRecord) -> sqlx::Result<bool> {
-    let advanced = sqlx::query(
-        "UPDATE runs SET step = $3, heartbeat_at = now(), updated_at = now() \
-         WHERE id = $1 AND owner = $2 AND status = 'running' AND step = $3 - 1",
-    )
+    let advanced = sqlx::query(concat!(
+        "UPDATE runs SET step = $3, heartbeat_at = now(), updated_at = now() WHERE id = $1 AND owner = $2 AND step = $3 - 1 AND ",
+        active!()
+    ))
     .bind(run_id)
     .bind(owner)
     .bind(record.step as i64)

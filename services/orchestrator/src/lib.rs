@@ -67,10 +67,11 @@ pub struct Config {
     pub request_retries: u32,
     /// Starts of a run (the first and resumes after failures) before it ends `failed`.
     pub max_attempts: i32,
-    /// How long a run waits, retrying with backoff, for a dependency that is gone (the
-    /// checkpoint store unreachable, nobody serving the generator or reward queue group)
-    /// before the call fails and costs the run an attempt.
-    pub dependency_patience_seconds: f64,
+    /// How long a run's call retries, with backoff, a dependency that is gone (the checkpoint
+    /// store unreachable, nobody serving the generator or reward queue group) before the run
+    /// shows `waiting` with the reason; it goes on waiting until the dependency is back or
+    /// the run is cancelled, and no attempt is spent on it.
+    pub dependency_grace_seconds: f64,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -83,10 +84,10 @@ impl keel_service::ServiceConfig for Config {
         positive("trainer_lease_seconds", self.trainer_lease_seconds)?;
         positive("poll_seconds", self.poll_seconds)?;
         positive("request_timeout_seconds", self.request_timeout_seconds)?;
-        if !(self.dependency_patience_seconds.is_finite() && self.dependency_patience_seconds >= 0.0) {
+        if !(self.dependency_grace_seconds.is_finite() && self.dependency_grace_seconds >= 0.0) {
             return Err(format!(
-                "dependency_patience_seconds: must be zero or more, got {}",
-                self.dependency_patience_seconds
+                "dependency_grace_seconds: must be zero or more, got {}",
+                self.dependency_grace_seconds
             ));
         }
         if self.max_concurrent_runs == 0 {
@@ -121,7 +122,7 @@ pub fn default_config() -> Config {
         request_timeout_seconds: 600.0,
         request_retries: 5,
         max_attempts: 3,
-        dependency_patience_seconds: 600.0,
+        dependency_grace_seconds: 120.0,
     }
 }
 
@@ -131,7 +132,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
-    let patience = Duration::from_secs_f64(config.dependency_patience_seconds);
+    let patience = Duration::from_secs_f64(config.dependency_grace_seconds);
     let nats = clients::Nats {
         client,
         subjects,

@@ -3,7 +3,11 @@
 //! had before, if it still holds the run), and its driver runs in a task with a heartbeat.
 //! A run waits in `queued` while no trainer is free. A run that fails is put back in the
 //! queue and resumed from its latest checkpoint until `max_attempts`; then it ends `failed`
-//! with the reason.
+//! with the reason. Every start counts as an attempt, however the one before ended — a
+//! poison run that crashes each orchestrator that drives it ends `failed` too — except one
+//! handed over by an orchestrator that shut down cleanly. A shared service that is away
+//! costs no attempt: the run's calls wait for it (the run shows `waiting` past the grace
+//! period).
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -20,7 +24,7 @@ use uuid::Uuid;
 
 use crate::clients::{Nats, Trainer};
 use crate::db;
-use crate::driver::{self, RunContext, Stop, StopFlag};
+use crate::driver::{self, RunContext, Stop, StopFlag, Waits};
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -70,8 +74,10 @@ impl Scheduler {
         drivers.shutdown().await;
         let claims: Vec<Uuid> = self.claims.lock().map(|c| c.iter().copied().collect()).unwrap_or_default();
         if let Ok(mut db) = self.pool.acquire().await {
+            // Handed over, not failed: the next start is not counted against the run.
             let _ = sqlx::query(
-                "UPDATE runs SET heartbeat_at = now() - interval '1 day' WHERE owner = ANY($1) AND status = 'running'",
+                "UPDATE runs SET heartbeat_at = now() - interval '1 day', attempts = greatest(attempts - 1, 0) \
+                 WHERE owner = ANY($1) AND status IN ('running', 'waiting')",
             )
             .bind(&claims)
             .execute(&mut *db)
@@ -88,22 +94,35 @@ impl Scheduler {
         else {
             return Ok(None);
         };
-        let resumed = attempts > 0;
+        // Queued runs have attempts left (`settle` checked); a run whose driver vanished
+        // (its orchestrator crashed or hung) may not.
+        let resumed = attempts > 0 || run.status != RunStatus::Queued;
+        if run.status != RunStatus::Queued && attempts >= self.max_attempts {
+            let reason = format!(
+                "its orchestrator stopped while driving it {attempts} times (the last time at step {}); \
+                 the run may be what stops it",
+                run.step
+            );
+            tracing::error!(run_id = %run.id, "run failed: {reason}");
+            db::abandon(&mut tx, run.id, &reason).await.map_err(|e| e.to_string())?;
+            tx.commit().await.map_err(|e| e.to_string())?;
+            return Ok(None);
+        }
         let run_key = run.id.to_string();
+        let owner = Uuid::new_v4();
         let trainer = if run.algorithm.loss_name().is_some() {
             let previous: Option<String> = sqlx::query_scalar("SELECT trainer_worker FROM runs WHERE id = $1")
                 .bind(run.id)
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(|e| e.to_string())?;
-            match self.claim_trainer(&run_key, previous).await {
+            match self.claim_trainer(&run_key, previous, owner).await {
                 Some(trainer) => Some(trainer),
                 None => return Ok(None),
             }
         } else {
             None
         };
-        let owner = Uuid::new_v4();
         db::start_run(&mut tx, run.id, owner, resumed).await.map_err(|e| e.to_string())?;
         sqlx::query("UPDATE runs SET trainer_worker = $2 WHERE id = $1")
             .bind(run.id)
@@ -116,32 +135,37 @@ impl Scheduler {
             claims.insert(owner);
         }
         tracing::info!(run_id = %run.id, algorithm = run.algorithm.name(), resumed, worker = ?trainer.as_ref().map(|t| &t.worker), "run started");
+        let stop = StopFlag::default();
+        let waits = Arc::new(Waits::new(stop.clone()));
+        let mut nats = self.nats.clone();
+        nats.patience = nats.patience.watched_by(waits.clone());
         Ok(Some(RunContext {
             id: run.id,
             spec: run.spec,
             owner,
             pool: self.pool.clone(),
-            nats: self.nats.clone(),
-            trainer,
-            checkpoints: self.checkpoints.clone(),
+            trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),
+            nats,
+            checkpoints: self.checkpoints.clone().watched_by(waits.clone()),
             run_dir: self.work_dir.join("runs").join(run.id.to_string()),
-            stop: StopFlag::default(),
+            stop,
+            waits,
             announced: std::sync::Mutex::new(None),
         }))
     }
 
-    /// The worker the run held before (it renews the claim for the same run), else any
-    /// free one.
-    async fn claim_trainer(&self, run_id: &str, previous: Option<String>) -> Option<Trainer> {
+    /// The worker the run held before (it renews the claim for the same run, and from now
+    /// on refuses the previous claim's requests), else any free one.
+    async fn claim_trainer(&self, run_id: &str, previous: Option<String>, holder: Uuid) -> Option<Trainer> {
         let lease_seconds = self.trainer_lease.as_secs_f64();
         if let Some(worker) = previous {
-            let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds };
+            let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds, holder: Some(holder.to_string()) };
             let subject = self.nats.subjects.trainer(&worker, TrainerOp::Claim);
             if let Ok(reply) = self.nats.call::<_, ClaimReply>(subject, &request, Duration::from_secs(5)).await {
                 return Some(Trainer::new(self.nats.clone(), reply.worker_id, run_id.to_string()));
             }
         }
-        match self.nats.claim_trainer(run_id, lease_seconds).await {
+        match self.nats.claim_trainer(run_id, lease_seconds, holder).await {
             Ok(trainer) => trainer,
             Err(e) => {
                 tracing::warn!(run_id, "trainer claim failed: {e}");
@@ -157,10 +181,17 @@ impl Scheduler {
             ctx.owner,
             ctx.trainer.clone(),
             ctx.stop.clone(),
+            ctx.waits.clone(),
             (self.run_lease / 3).min(self.trainer_lease / 3),
         );
         let result = driver::drive(&ctx).await;
         heartbeat.abort();
+        // A call that stopped waiting because the run was cancelled or lost fails with the
+        // dependency's error; the run ended for the stop's reason.
+        let result = match (result, ctx.stop.check()) {
+            (Err(Stop::Failed(_)), Err(stop)) => Err(stop),
+            (result, _) => result,
+        };
         // A run taken over by another orchestrator keeps its trainer: the new owner renews
         // the same claim.
         if let Some(trainer) = ctx.trainer.as_ref().filter(|_| !matches!(result, Err(Stop::Lost))) {

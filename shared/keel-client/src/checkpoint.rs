@@ -77,6 +77,12 @@ impl CheckpointClient {
         Self { patience, ..self }
     }
 
+    /// The same client, telling `watcher` of a wait that outlasts its patience instead of
+    /// giving up (see [`crate::retry::Watcher`]).
+    pub fn watched_by(self, watcher: std::sync::Arc<dyn crate::retry::Watcher>) -> Self {
+        Self { patience: self.patience.clone().watched_by(watcher), ..self }
+    }
+
     /// A run's complete checkpoints, oldest step first.
     pub async fn list(&self, run_id: &str) -> Result<Vec<Checkpoint>> {
         self.patience.retry("list checkpoints", transient, || self.list_once(run_id)).await

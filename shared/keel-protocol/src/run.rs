@@ -634,18 +634,23 @@ impl RunSpec {
 pub enum RunStatus {
     Queued,
     Running,
+    /// Running, but held up by a dependency that has been gone past the grace period (the
+    /// reason names it); the run carries on by itself when it is back.
+    Waiting,
     Succeeded,
     Failed,
     Cancelled,
 }
 
 impl RunStatus {
-    pub const ALL: [RunStatus; 5] = [Self::Queued, Self::Running, Self::Succeeded, Self::Failed, Self::Cancelled];
+    pub const ALL: [RunStatus; 6] =
+        [Self::Queued, Self::Running, Self::Waiting, Self::Succeeded, Self::Failed, Self::Cancelled];
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Queued => "queued",
             Self::Running => "running",
+            Self::Waiting => "waiting",
             Self::Succeeded => "succeeded",
             Self::Failed => "failed",
             Self::Cancelled => "cancelled",
@@ -668,7 +673,7 @@ pub struct Run {
     pub name: Option<String>,
     pub algorithm: Algorithm,
     pub status: RunStatus,
-    /// Why the run failed or was cancelled.
+    /// Why the run failed, was cancelled, or is waiting.
     pub reason: Option<String>,
     /// Steps completed (recorded metrics go up to this step).
     pub step: u64,

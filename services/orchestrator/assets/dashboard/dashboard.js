@@ -119,8 +119,8 @@
   }
 
   const shortId = (id) => String(id).slice(0, 8);
-  const isLive = (run) => run.status === 'queued' || run.status === 'running';
-  const badge = (status) => el('span', { class: 'badge status-' + status }, status);
+  const isLive = (run) => run.status === 'queued' || run.status === 'running' || run.status === 'waiting';
+  const badge = (status, reason) => el('span', { class: 'badge status-' + status, title: reason || '' }, status);
   const option = (value, label) => el('option', { value: value }, label);
 
   // Replaces a <select>'s [value, label] options, only when they changed (an open list stays open).
@@ -286,7 +286,7 @@
       } },
       el('td', null, el('a', { href: href, title: run.id }, run.name || shortId(run.id))),
       el('td', null, el('span', { class: 'algo' }, run.algorithm)),
-      el('td', null, badge(run.status)),
+      el('td', null, badge(run.status, run.reason)),
       el('td', null, progress(run)),
       el('td', { class: 'nowrap' }, fmtTime(run.created_at)),
       el('td', { class: 'num' }, fmt(m['train/reward'])),
@@ -348,7 +348,7 @@
           el('h1', null, run.name || 'Run ' + shortId(run.id)), badge(run.status),
           el('span', { class: 'algo' }, run.algorithm),
           isLive(run) ? el('span', { class: 'muted live' }, 'live · refreshing every 3 s') : null),
-        run.reason ? el('p', { class: 'reason' }, (run.status === 'failed' ? 'Failed: ' : 'Reason: ') + run.reason) : null,
+        run.reason ? el('p', { class: 'reason' }, ({ failed: 'Failed: ', waiting: 'Waiting for: ' }[run.status] || 'Reason: ') + run.reason) : null,
         el('dl', { class: 'facts' },
           el('div', null, el('dt', null, 'ID'), el('dd', null, el('code', null, run.id))),
           el('div', null, el('dt', null, 'Progress'), el('dd', null, progress(run))),

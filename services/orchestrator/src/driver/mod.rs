@@ -104,6 +104,49 @@ impl StopFlag {
     }
 }
 
+/// The run's calls that are waiting for a dependency past the grace period (see
+/// [`keel_client::retry::Watcher`]); the heartbeat shows the run `waiting` while there are
+/// any, and a cancelled or lost run stops waiting.
+#[derive(Debug)]
+pub struct Waits {
+    stop: StopFlag,
+    /// Calls waiting now, and the reason the latest one gave.
+    state: std::sync::Mutex<(usize, String)>,
+}
+
+impl Waits {
+    pub fn new(stop: StopFlag) -> Self {
+        Self { stop, state: std::sync::Mutex::new((0, String::new())) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, String)> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// What the run is waiting for, if it is.
+    pub fn reason(&self) -> Option<String> {
+        let state = self.lock();
+        (state.0 > 0).then(|| state.1.clone())
+    }
+}
+
+impl keel_client::retry::Watcher for Waits {
+    fn wait_started(&self, reason: &str) {
+        let mut state = self.lock();
+        state.0 += 1;
+        state.1 = reason.to_string();
+    }
+
+    fn keep_waiting(&self) -> bool {
+        self.stop.check().is_ok()
+    }
+
+    fn wait_ended(&self) {
+        let mut state = self.lock();
+        state.0 = state.0.saturating_sub(1);
+    }
+}
+
 /// Everything a driver works with.
 #[derive(Debug)]
 pub struct RunContext {
@@ -118,6 +161,8 @@ pub struct RunContext {
     /// This run's scratch directory on the disk shared with the trainer and generators.
     pub run_dir: PathBuf,
     pub stop: StopFlag,
+    /// The run's waits for dependencies (its `nats` and `checkpoints` report to it).
+    pub waits: Arc<Waits>,
     /// When the weights were last announced (a refusal announces them again, at most every
     /// [`REANNOUNCE_AFTER`]).
     pub announced: std::sync::Mutex<Option<Instant>>,
@@ -332,26 +377,47 @@ pub fn outcome(result: &Result<()>) -> Option<(RunStatus, Option<String>)> {
     }
 }
 
-/// Renews the run's lease (and the trainer's) until dropped; sets `stop` on cancel or loss.
+/// Renews the run's lease (and the trainer's) until dropped; sets `stop` on cancel or loss;
+/// shows the run `waiting` while its calls wait for a dependency, `running` when they no
+/// longer do.
 pub fn heartbeat(
     pool: PgPool,
     run_id: Uuid,
     owner: Uuid,
     trainer: Option<Trainer>,
     stop: StopFlag,
+    waits: Arc<Waits>,
     every: Duration,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
+        // What the database shows: waiting (true) or running.
+        let mut shown_waiting = false;
         loop {
             tick.tick().await;
             match pool.acquire().await {
-                Ok(mut db) => match db::heartbeat(&mut db, run_id, owner).await {
-                    Ok(db::Lease::Held { cancel_requested: true }) => stop.set_cancelled(),
-                    Ok(db::Lease::Held { .. }) => {}
-                    Ok(db::Lease::Lost) => stop.set_lost(),
-                    Err(e) => tracing::warn!(%run_id, "heartbeat failed: {e}"),
-                },
+                Ok(mut db) => {
+                    match db::heartbeat(&mut db, run_id, owner).await {
+                        Ok(db::Lease::Held { cancel_requested: true }) => stop.set_cancelled(),
+                        Ok(db::Lease::Held { .. }) => {}
+                        Ok(db::Lease::Lost) => stop.set_lost(),
+                        Err(e) => tracing::warn!(%run_id, "heartbeat failed: {e}"),
+                    }
+                    let reason = waits.reason();
+                    if reason.is_some() != shown_waiting {
+                        match db::set_waiting(&mut db, run_id, owner, reason.as_deref()).await {
+                            Ok(true) => {
+                                shown_waiting = reason.is_some();
+                                match &reason {
+                                    Some(reason) => tracing::warn!(%run_id, "run waiting: {reason}"),
+                                    None => tracing::info!(%run_id, "run no longer waiting"),
+                                }
+                            }
+                            Ok(false) => stop.set_lost(),
+                            Err(e) => tracing::warn!(%run_id, "cannot show the run waiting: {e}"),
+                        }
+                    }
+                }
                 Err(e) => tracing::warn!(%run_id, "heartbeat failed: {e}"),
             }
             if let Some(trainer) = &trainer
