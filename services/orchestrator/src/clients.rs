@@ -123,7 +123,7 @@ impl Nats {
         body: &Req,
     ) -> Result<Rep, CallError> {
         let absent = |e: &CallError| matches!(e, CallError::Absent { .. });
-        self.patience.retry(&subject, absent, || self.call_group_once(subject.clone(), body)).await
+        self.patience.retry("NATS request", absent, || self.call_group_once(subject.clone(), body)).await
     }
 
     async fn call_group_once<Req: Serialize, Rep: DeserializeOwned>(

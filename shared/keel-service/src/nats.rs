@@ -20,13 +20,58 @@ pub fn default_url() -> String {
     std::env::var("KEEL_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
-/// Connects to `url`.
+/// Connects to `url`; a user and password in it (`nats://user:password@host:4222`) are the
+/// credentials the server's authorization wants. Errors show the URL without the password.
 pub async fn connect(url: &str) -> Result<async_nats::Client, String> {
-    async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .map_err(|e| format!("cannot connect to NATS at {url}: {e}"))
+    let shown = redacted(url);
+    let address: async_nats::ServerAddr =
+        url.parse().map_err(|e| format!("cannot connect to NATS at {shown}: not a NATS URL: {e}"))?;
+    let mut options = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(5));
+    if let Some(user) = address.username() {
+        let password = address.password().unwrap_or_default();
+        options = async_nats::ConnectOptions::with_user_and_password(decoded(user), decoded(password))
+            .connection_timeout(Duration::from_secs(5));
+    }
+    options.connect(address).await.map_err(|e| format!("cannot connect to NATS at {shown}: {e}"))
+}
+
+/// `url` with its password replaced by `***`.
+pub fn redacted(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((credentials, host)) => {
+                let user = credentials.split(':').next().unwrap_or_default();
+                if credentials.contains(':') {
+                    format!("{scheme}://{user}:***@{host}")
+                } else {
+                    format!("{scheme}://{user}@{host}")
+                }
+            }
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+/// A URL's user or password with its percent-escapes (`%40` for `@`) decoded.
+fn decoded(part: &str) -> String {
+    let bytes = part.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1).copied().and_then(hex), bytes.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(high), Some(low)) => {
+                out.push((high * 16 + low) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The header in which a request says how long its sender waits for the reply, in
@@ -51,9 +96,11 @@ pub const SILENCE_LIMIT: Duration = Duration::from_secs(30);
 
 /// Sends a request and waits up to `timeout` for its reply — this timeout, not the client's
 /// default (async-nats gives up after 10 s unless told otherwise) — and tells the receiver
-/// in [`TIMEOUT_HEADER`]. The receiver is asked for progress ([`PROGRESS_HEADER`]); once it
-/// has given a sign of life, silence for [`SILENCE_LIMIT`] ends the wait early (as
-/// `TimedOut`). A receiver that gives none is waited for up to `timeout`.
+/// in [`TIMEOUT_HEADER`]. The receiver is asked for progress ([`PROGRESS_HEADER`]), which
+/// [`served`] gives at once and then every few seconds: silence for [`SILENCE_LIMIT`] —
+/// since the request was sent or since the last sign of life — ends the wait early (as
+/// `TimedOut`), so a request delivered to a receiver that died before it could answer is
+/// given up in seconds. Every receiver of Keel's requests answers through [`served`].
 pub async fn request(
     client: &async_nats::Client,
     subject: String,
@@ -85,7 +132,7 @@ pub async fn request_within(
     let deadline = tokio::time::Instant::now() + timeout;
     let mut heard = false;
     loop {
-        let wait = if heard { deadline.min(tokio::time::Instant::now() + silence) } else { deadline };
+        let wait = deadline.min(tokio::time::Instant::now() + silence);
         match tokio::time::timeout_at(wait, replies.next()).await {
             Ok(Some(message)) if message.status == Some(async_nats::StatusCode::NO_RESPONDERS) => {
                 return Err(RequestError::new(RequestErrorKind::NoResponders));
@@ -96,7 +143,12 @@ pub async fn request_within(
             Ok(Some(message)) => return Ok(message),
             Ok(None) => return Err(other(&"the connection closed before the reply")),
             Err(_) if wait < deadline => {
-                let silent = format!("the receiver was working on it, then silent for {:.0} s", silence.as_secs_f64());
+                let seconds = silence.as_secs_f64();
+                let silent = if heard {
+                    format!("the receiver was working on it, then silent for {seconds:.0} s")
+                } else {
+                    format!("no receiver said it was working on it within {seconds:.0} s")
+                };
                 return Err(RequestError::with_source(RequestErrorKind::TimedOut, silent));
             }
             Err(_) => return Err(RequestError::new(RequestErrorKind::TimedOut)),
@@ -306,8 +358,9 @@ mod tests {
     }
 
     /// A receiver that says it is working is waited for past the silence limit, for as long
-    /// as the request's timeout; one that said so and then went quiet (killed mid-request) is
-    /// given up after the silence limit; a subject nobody serves fails at once.
+    /// as the request's timeout; one that said so and then went quiet (killed mid-request), or
+    /// never said anything (killed as the request arrived), is given up after the silence
+    /// limit; a subject nobody serves fails at once.
     #[tokio::test]
     async fn a_working_receiver_is_waited_for_and_a_silent_one_is_given_up_early() {
         let client = connect(&default_url()).await.unwrap();
@@ -327,6 +380,8 @@ mod tests {
                             })
                             .await;
                             client.publish(message.reply.unwrap(), body.into()).await.unwrap();
+                        } else if &message.payload[..] == b"mute" {
+                            // Dies as the request arrives, before it can say anything.
                         } else {
                             // Says it is working, then dies without a word.
                             let mut headers = async_nats::HeaderMap::new();
@@ -351,9 +406,22 @@ mod tests {
             request_within(&client, subject.clone(), headers(), b"dies".to_vec(), long, silence).await.unwrap_err();
         assert_eq!(error.kind(), async_nats::RequestErrorKind::TimedOut);
         assert!(error.to_string().contains("silent for 1 s"), "{error}");
+        let error =
+            request_within(&client, subject.clone(), headers(), b"mute".to_vec(), long, silence).await.unwrap_err();
+        assert_eq!(error.kind(), async_nats::RequestErrorKind::TimedOut);
+        assert!(error.to_string().contains("no receiver said it was working on it within 1 s"), "{error}");
         let nobody = format!("keeltest.nobody.{}", uuid_like());
         let error = request(&client, nobody, headers(), b"x".to_vec(), timeout).await.unwrap_err();
         assert_eq!(error.kind(), async_nats::RequestErrorKind::NoResponders);
         responder.abort();
+    }
+
+    #[test]
+    fn urls_are_shown_without_their_password_and_credentials_are_decoded() {
+        assert_eq!(redacted("nats://trainer:s3cret@nats:4222"), "nats://trainer:***@nats:4222");
+        assert_eq!(redacted("nats://token@nats:4222"), "nats://token@nats:4222");
+        assert_eq!(redacted("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(decoded("p%40ss%3Aword"), "p@ss:word");
+        assert_eq!(decoded("plain%zz"), "plain%zz");
     }
 }
