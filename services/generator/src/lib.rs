@@ -78,6 +78,12 @@ pub struct Config {
     /// Ranks the model is split over (tensor parallelism; 1: none). On the CPU the ranks
     /// are threads; on CUDA rank r uses `cuda:N+r` from `device`, over NCCL.
     pub tensor_parallel_size: usize,
+    /// When set, the OpenAI API wants `Authorization: Bearer <api_key>` (vLLM's `--api-key`);
+    /// `/healthz` stays open. Default: `KEEL_GENERATOR_API_KEY` when set.
+    pub api_key: Option<String>,
+    /// The directories a refit may load weights from (the path a refit names must resolve
+    /// inside one). Default: `.keel`, `/var/lib/keel` and the system's temporary directory.
+    pub path_roots: Vec<PathBuf>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -105,6 +111,9 @@ impl keel_service::ServiceConfig for Config {
             return Err("max_model_len: must be at least 2".into());
         }
         keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        if self.api_key.as_deref() == Some("") {
+            return Err("api_key: must not be empty (leave it unset for no key)".into());
+        }
         Ok(())
     }
 }
@@ -128,6 +137,8 @@ pub fn default_config() -> Config {
         subject_prefix: keel_protocol::Subjects::default().prefix().to_string(),
         refit_mode: engine::RefitMode::Drain,
         tensor_parallel_size: 1,
+        api_key: std::env::var("KEEL_GENERATOR_API_KEY").ok().filter(|k| !k.is_empty()),
+        path_roots: keel_service::paths::default_roots(),
     }
 }
 
@@ -283,6 +294,11 @@ fn attach_kernels(model: &mut keel_model::CausalLm, device: tch::Device, kind: t
     }
 }
 
+/// The HTTP routes: the OpenAI API (behind `api_key` when set) and `/healthz`.
+pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
+    keel_service::require_bearer(openai::routes(state), api_key).merge(keel_service::health_routes(SERVICE))
+}
+
 /// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
 /// NATS rollout and refit subjects too.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
@@ -306,9 +322,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     } else {
         let client = keel_service::nats::connect(&config.nats_url).await?;
         let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
-        parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), parts.stopped()));
+        let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_GENERATOR__PATH_ROOTS")?;
+        parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), roots, parts.stopped()));
     }
-    let app = openai::routes(loaded).merge(keel_service::health_routes(SERVICE));
+    let app = app(loaded, config.api_key.clone());
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
     parts.run_until(shutdown).await

@@ -3,7 +3,6 @@
 //! replica refits). Replies use the `{"ok"} / {"error": {type, message}}` envelope.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
@@ -203,6 +202,7 @@ pub async fn serve(
     client: async_nats::Client,
     subjects: Subjects,
     state: AppState,
+    roots: keel_service::paths::PathRoots,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     let mut requests = client
@@ -252,8 +252,13 @@ pub async fn serve(
                             (state.engine.clone(), serving_run.clone(), refused.clone());
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
+                        let path = roots.check("path", &update.path);
                         tokio::spawn(tracing::Instrument::instrument(async move {
-                            match engine.refit(PathBuf::from(&update.path), update.version).await {
+                            let refit = match path {
+                                Ok(path) => engine.refit(path, update.version).await.map_err(|e| e.to_string()),
+                                Err(e) => Err(e),
+                            };
+                            match refit {
                                 Ok(seconds) => {
                                     if let Ok(mut run) = serving_run.lock() {
                                         *run = Some(update.run_id.clone());
@@ -266,7 +271,7 @@ pub async fn serve(
                                 Err(e) => {
                                     warn!(version = update.version, "refit refused: {e}");
                                     if let Ok(mut refused) = refused.lock() {
-                                        refused.insert(update.run_id.clone(), (update.version, e.to_string()));
+                                        refused.insert(update.run_id.clone(), (update.version, e));
                                     }
                                 }
                             }

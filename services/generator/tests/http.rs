@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use keel_generator::{Config, default_config, load, openai};
+use keel_generator::{Config, default_config, load};
 use keel_model::init::{InitSpec, Preset, init_model};
 use keel_model::sampling::{SamplingParams, generate};
 use keel_model::{Architecture, CausalLm};
@@ -44,7 +44,7 @@ async fn serve(model: &Path, tune: impl FnOnce(&mut Config)) -> Server {
     let mut config = serve_config();
     tune(&mut config);
     let state = load(&config, model).unwrap();
-    let app = openai::routes(state).merge(keel_service::health_routes("generator"));
+    let app = keel_generator::app(state, config.api_key.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -465,6 +465,32 @@ async fn bad_requests_get_openai_errors_and_overload_gets_429() {
     assert!(outcomes.iter().all(|o| o.0 == 200 || *o == (429, Some("1".to_string()))), "{outcomes:?}");
     assert!(outcomes.iter().filter(|o| o.0 == 429).count() >= 1, "{outcomes:?}");
     assert!(outcomes.iter().filter(|o| o.0 == 200).count() >= 2, "{outcomes:?}");
+    let health = server.client.get(format!("{}/healthz", server.url)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+/// With an API key (vLLM's `--api-key`), the OpenAI API answers only requests that carry it
+/// (401 naming what to send); `/healthz` stays open.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_api_key_guards_the_openai_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |c| c.api_key = Some("sk-keel".into())).await;
+    let body = json!({"model": "tiny", "prompt": prompt_ids(), "max_tokens": 2, "temperature": 0.0});
+    let (status, refused) = server.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, 401, "{refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains("Bearer"), "{refused}");
+    let models = server.client.get(format!("{}/v1/models", server.url)).bearer_auth("wrong").send().await.unwrap();
+    assert_eq!(models.status(), 401);
+    let answered = server
+        .client
+        .post(format!("{}/v1/completions", server.url))
+        .bearer_auth("sk-keel")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answered.status(), 200);
     let health = server.client.get(format!("{}/healthz", server.url)).send().await.unwrap();
     assert_eq!(health.status(), 200);
 }

@@ -52,7 +52,9 @@ impl Serving {
         let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
         let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, async move {
+        // Refits may load from the directory the test's models are in.
+        let roots = keel_service::paths::PathRoots::new(&[dir.parent().unwrap().to_path_buf()], "path_roots").unwrap();
+        let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, roots, async move {
             let _ = stopped.await;
         }));
         Self { client, subjects, stats, stop, server }
@@ -148,6 +150,23 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     };
     assert_eq!(reply["error"]["type"], "refit_failed", "{reply}");
     assert!(reply["error"]["message"].as_str().unwrap().contains("version 2"), "{reply}");
+
+    // Weights from outside the generator's path roots are refused, the path named.
+    let update = json!({"run_id": "r1", "version": 3, "path": "/usr/lib"});
+    client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
+    needs_refused["min_weight_version"] = json!(3);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reply = loop {
+        let reply = ask(needs_refused.clone()).await;
+        let message = reply["error"]["message"].as_str().unwrap_or_default().to_string();
+        if message.contains("version 3") {
+            break reply;
+        }
+        assert!(Instant::now() < deadline, "the refit from outside the roots was never refused: {reply}");
+    };
+    assert_eq!(reply["error"]["type"], "refit_failed", "{reply}");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("`/usr/lib` is outside"), "{reply}");
+    assert_eq!(refits(&stats), 1);
     serving.stop().await;
 }
 

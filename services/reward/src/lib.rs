@@ -46,6 +46,9 @@ pub struct Config {
     /// (a plugin on this host or network). Off: a run spec cannot make this service reach
     /// what only it can reach.
     pub http_allow_private_addresses: bool,
+    /// When set, every route but `/healthz` wants `Authorization: Bearer <api_token>`.
+    /// Default: `KEEL_REWARD_TOKEN` when set.
+    pub api_token: Option<String>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -57,6 +60,9 @@ impl keel_service::ServiceConfig for Config {
             return Err("max_samples: must be at least 1".into());
         }
         keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        if self.api_token.as_deref() == Some("") {
+            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+        }
         self.sandbox.validate()
     }
 }
@@ -71,6 +77,7 @@ pub fn default_config() -> Config {
         bulk_bucket: "keel-bulk".into(),
         sandbox: sandbox::SandboxConfig::default(),
         http_allow_private_addresses: false,
+        api_token: std::env::var("KEEL_REWARD_TOKEN").ok().filter(|t| !t.is_empty()),
     }
 }
 
@@ -90,6 +97,12 @@ pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::A
     Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
 }
 
+/// The HTTP routes: scoring, environment steps and metrics (behind `api_token` when set),
+/// and `/healthz`.
+pub fn app(state: api::AppState, api_token: Option<String>) -> axum::Router {
+    keel_service::require_bearer(api::routes(state), api_token).merge(keel_service::health_routes(SERVICE))
+}
+
 /// Serves REST and, with a NATS URL, the reward queue group, until `shutdown` completes.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
     let client = match config.nats_url.as_str() {
@@ -105,7 +118,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
         parts.spawn("nats", nats::serve(client, subjects, state.scorer.clone(), parts.stopped()));
     }
-    let app = api::routes(state).merge(keel_service::health_routes(SERVICE));
+    let app = app(state, config.api_token.clone());
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
     parts.run_until(shutdown).await

@@ -10,10 +10,15 @@ use serde_json::{Value, json};
 use utoipa::OpenApi;
 
 async fn serve_rest() -> String {
+    serve_rest_with(None).await
+}
+
+async fn serve_rest_with(api_token: Option<&str>) -> String {
     let mut config = keel_reward::default_config();
     config.nats_url = String::new();
+    config.api_token = api_token.map(str::to_string);
     let state = keel_reward::state(&config, None).unwrap();
-    let app = keel_reward::api::routes(state).merge(keel_service::health_routes(keel_reward::SERVICE));
+    let app = keel_reward::app(state, config.api_token.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(keel_service::serve(listener, app, std::future::pending()));
@@ -112,6 +117,30 @@ async fn rest_errors_name_the_field() {
     assert!(reply["error"]["message"].as_str().unwrap().contains("samples[0].messages"), "{reply}");
     // The service is still up.
     assert_eq!(reqwest::get(format!("{url}/healthz")).await.unwrap().status(), 200);
+}
+
+/// With a token, scoring, environment steps and metrics answer only requests that carry it;
+/// `/healthz` stays open.
+#[tokio::test]
+async fn a_token_guards_every_route_but_health() {
+    let url = serve_rest_with(Some("r3ward")).await;
+    let body =
+        r#"{"env": {"name": "math"}, "samples": [{"completion": "\\boxed{2}", "metadata": {"ground_truth": "2"}}]}"#;
+    let (status, refused) = post(&format!("{url}/v1/score"), body).await;
+    assert_eq!(status, 401, "{refused}");
+    let http = reqwest::Client::new();
+    let metrics = http.get(format!("{url}/metrics")).send().await.unwrap();
+    assert_eq!(metrics.status(), 401);
+    let scored = http
+        .post(format!("{url}/v1/score"))
+        .bearer_auth("r3ward")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(scored.status(), 200);
+    assert_eq!(http.get(format!("{url}/healthz")).send().await.unwrap().status(), 200);
 }
 
 #[tokio::test]

@@ -63,6 +63,10 @@ pub struct Config {
     pub bulk_bucket: String,
     /// The longest lease a run may ask for, in seconds.
     pub max_lease_seconds: f64,
+    /// The directories `load` may read models from and `save` may write into (a path a
+    /// request names must resolve inside one). Default: `.keel`, `/var/lib/keel` and the
+    /// system's temporary directory.
+    pub path_roots: Vec<std::path::PathBuf>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -95,6 +99,7 @@ pub fn default_config() -> Config {
         device: "cpu".into(),
         bulk_bucket: "keel-bulk".into(),
         max_lease_seconds: 3600.0,
+        path_roots: keel_service::paths::default_roots(),
     }
 }
 
@@ -107,9 +112,10 @@ pub async fn run(
     let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
     let subjects = Subjects::new(&config.subject_prefix)?;
     let worker_id = config.worker_id.clone().unwrap_or_else(|| format!("w{}", uuid::Uuid::new_v4().simple()));
-    let worker =
-        worker::Worker::new(client, subjects, worker_id, config.device.clone(), config.max_lease_seconds, bulk)
-            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+    let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_TRAINER__PATH_ROOTS")?;
+    let (device, max_lease) = (config.device.clone(), config.max_lease_seconds);
+    let worker = worker::Worker::new(client, subjects, worker_id, device, max_lease, bulk, roots)
+        .map_err(|e| format!("cannot start the engine thread: {e}"))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_stop = {
         let mut rx = stop_rx.clone();

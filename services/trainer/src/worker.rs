@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use async_nats::{Client, Message, Subscriber};
 use bytes::Bytes;
 use futures::StreamExt;
+use keel_service::paths::PathRoots;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
@@ -57,6 +58,8 @@ struct Shared {
     claim: Mutex<Option<Claim>>,
     engine: EngineThread,
     bulk: Bulk,
+    /// Where loads and saves may read and write.
+    roots: PathRoots,
 }
 
 /// A request-level failure: a typed error reply.
@@ -301,6 +304,11 @@ async fn heartbeat(shared: Arc<Shared>, _: RunRequest) -> Answer<HeartbeatReply>
 }
 
 async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
+    let paths = std::iter::once(("policy.path", &request.policy))
+        .chain(request.reference.iter().map(|r| ("reference.path", r)));
+    for (what, source) in paths {
+        shared.roots.check(what, &source.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+    }
     let problems = request.training.problems("training");
     if !problems.is_empty() {
         return Err(Error::InvalidConfig(join_problems(&problems)).into());
@@ -378,6 +386,7 @@ async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<ScoreReply>
 }
 
 async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
+    shared.roots.check("path", &request.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
     let started = Instant::now();
     let path = request.path.clone();
     let (step, files) = shared
@@ -404,9 +413,11 @@ impl Worker {
         device: String,
         max_lease: f64,
         bulk: Bulk,
+        roots: PathRoots,
     ) -> std::io::Result<Self> {
         let engine = EngineThread::start()?;
-        let shared = Shared { client, worker_id, device, max_lease, claim: Mutex::new(None), engine, bulk };
+        let claim = Mutex::new(None);
+        let shared = Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots };
         Ok(Self { shared: Arc::new(shared), subjects })
     }
 

@@ -150,11 +150,10 @@ async fn a_run_drives_a_worker_from_claim_to_release() {
         h.call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": model}, "training": unknown})).await;
     assert_eq!(error_type(&reply), "invalid_request");
     assert!(reply["error"]["message"].as_str().unwrap().contains("ppo-magic"), "{reply}");
+    // A model that is not there (inside the worker's path roots) fails to load.
+    let missing = std::env::temp_dir().join(format!("keel-no-model-{}", uuid::Uuid::new_v4().simple()));
     let reply = h
-        .call(
-            TrainerOp::Load,
-            json!({"run_id": "run-a", "policy": {"path": "/nonexistent/model"}, "training": sft_training()}),
-        )
+        .call(TrainerOp::Load, json!({"run_id": "run-a", "policy": {"path": missing}, "training": sft_training()}))
         .await;
     assert_eq!(error_type(&reply), "load_failed");
 
@@ -301,5 +300,25 @@ async fn a_newer_holder_of_the_run_fences_out_the_older_one() {
     assert_eq!(error_type(&anonymous), "stale_holder", "a request naming no holder is refused too: {anonymous}");
     assert!(h.call_as("second", TrainerOp::Heartbeat, json!({"run_id": "r"})).await.get("ok").is_some());
     assert!(h.call_as("second", TrainerOp::Release, json!({"run_id": "r"})).await.get("ok").is_some());
+    h.stop().await;
+}
+
+/// A load or save naming a path outside the worker's roots (default: `.keel`,
+/// `/var/lib/keel` and the temporary directory) is refused before anything is read or
+/// written, naming the path and the setting.
+#[tokio::test(flavor = "multi_thread")]
+async fn loads_and_saves_outside_the_path_roots_are_refused() {
+    let h = Harness::start().await;
+    h.ok(TrainerOp::Claim, json!({"run_id": "r"})).await;
+    let load = json!({"run_id": "r", "policy": {"path": "/usr/share"}, "training": sft_training()});
+    let reply = h.call(TrainerOp::Load, load).await;
+    assert_eq!(error_type(&reply), "invalid_request", "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(message.contains("policy.path: `/usr/share` is outside") && message.contains("KEEL_TRAINER__PATH_ROOTS"));
+    let reply = h.call(TrainerOp::Save, json!({"run_id": "r", "path": "/usr/local/keel-save", "info": {}})).await;
+    assert_eq!(error_type(&reply), "invalid_request", "{reply}");
+    assert!(!std::path::Path::new("/usr/local/keel-save").exists(), "nothing was written");
+    let reply = h.call(TrainerOp::Save, json!({"run_id": "r", "path": "/tmp/../etc/keel", "info": {}})).await;
+    assert!(reply["error"]["message"].as_str().unwrap().contains("without `..`"), "{reply}");
     h.stop().await;
 }

@@ -22,6 +22,10 @@ pub struct ServeBenchArgs {
     /// The server's base URL, e.g. http://127.0.0.1:8000.
     #[arg(long)]
     url: String,
+    /// The server's API key, sent as `Authorization: Bearer <key>` (a Keel generator's
+    /// `api_key`, vLLM's `--api-key`).
+    #[arg(long, env = "KEEL_GENERATOR_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// The served model's name (default: the first one `/v1/models` lists).
     #[arg(long)]
     model: Option<String>,
@@ -108,7 +112,14 @@ fn arrivals(count: usize, rate: f64, seed: u64) -> Vec<f64> {
 
 async fn serve_bench(args: ServeBenchArgs, prompts: Vec<Vec<i64>>) -> anyhow::Result<()> {
     let base = args.url.trim_end_matches('/').to_string();
-    let client = reqwest::Client::builder().pool_max_idle_per_host(4096).build()?;
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(key) = &args.api_key {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .context("--api-key: not a valid header value")?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    let client = reqwest::Client::builder().pool_max_idle_per_host(4096).default_headers(headers).build()?;
     let model = match &args.model {
         Some(model) => model.clone(),
         None => served_model(&client, &base).await?,

@@ -51,6 +51,12 @@ pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token
             if bearer_matches(&request, token.as_deref()) {
                 next.run(request).await
             } else {
+                let sent = if request.headers().contains_key(axum::http::header::AUTHORIZATION) {
+                    "a wrong token"
+                } else {
+                    "no token"
+                };
+                tracing::warn!(method = %request.method(), path = request.uri().path(), "refused a request with {sent} (401)");
                 let message = "send Authorization: Bearer <token>".to_string();
                 ApiError { status: StatusCode::UNAUTHORIZED, error_type: "unauthorized", message }.into_response()
             }

@@ -18,6 +18,7 @@ pub mod json;
 pub mod metrics;
 pub mod nats;
 pub mod parts;
+pub mod paths;
 pub mod postgres;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
