@@ -4,9 +4,12 @@
 #
 #   stack_build release|debug     runs scripts/setup (unless KEEL_SKIP_SETUP=1), builds, sets
 #                                 KEEL_BIN and LD_LIBRARY_PATH
-#   stack_check_infra             NATS and PostgreSQL reachable (starts a nats-server of its
-#                                 own under $KEEL_STATE when none runs on a loopback URL)
-#   stack_start PREFIX MODEL_DIR  sets KEEL_API_URL
+#   stack_check_infra             NATS (when KEEL_NATS_URL is given) and PostgreSQL reachable
+#   stack_start PREFIX MODEL_DIR  starts, unless KEEL_NATS_URL was given, a nats-server of the
+#                                 stack's own with authentication (docker/nats.conf: each
+#                                 service a user allowed only its subjects; passwords made
+#                                 here) on KEEL_STACK_NATS_PORT (4223), then the services;
+#                                 sets KEEL_API_URL
 #   stack_stop                    SIGTERM to everything started here, waits (then SIGKILL)
 # The functions use `say` when the caller defines it. OTEL_EXPORTER_OTLP_ENDPOINT, when set,
 # is passed on to every service (traces over OTLP/HTTP, e.g. to Jaeger on :4318).
@@ -21,6 +24,8 @@
 
 KEEL_STATE=${KEEL_STATE:-.keel}
 stack_pids=()
+declare -gA stack_nats_password=()
+stack_nats_host=
 
 # --- The services: start order, default port, command, host-independent environment -----
 # Commands and values are words without spaces. Host-specific settings (listen address,
@@ -70,35 +75,59 @@ stack_build() {
 
 stack_reachable() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 
-# A nats-server of the stack's own (JetStream on, store and log under $KEEL_STATE), for when
-# none runs and scripts/setup did not start one (KEEL_SKIP_SETUP=1, no root).
+# The stack's own nats-server, with JetStream (store and log under $KEEL_STATE) and Keel's
+# authorization (docker/nats.conf, its subjects moved to PREFIX, the passwords in the
+# server's environment); each service's KEEL_<SERVICE>__NATS_URL carries its user and
+# password. Ends the stack on failure.
 stack_start_nats() {
-  local host=$1 port=$2 server
-  server=$(command -v nats-server || { [ -x /usr/sbin/nats-server ] && echo /usr/sbin/nats-server; }) || return 1
+  local prefix=$1 port=${KEEL_STACK_NATS_PORT:-4223} server name upper
+  server=$(command -v nats-server || { [ -x /usr/sbin/nats-server ] && echo /usr/sbin/nats-server; }) || {
+    echo "nats-server is not installed (run scripts/setup, or set KEEL_NATS_URL to a server of yours)" >&2
+    return 1
+  }
+  if stack_reachable 127.0.0.1 "$port"; then
+    echo "port $port (the stack's nats-server) is taken: set KEEL_STACK_NATS_PORT, or KEEL_NATS_URL" >&2
+    return 1
+  fi
   mkdir -p "$KEEL_STATE/nats" "$KEEL_STATE/logs"
-  echo "starting $server with JetStream on $host:$port (log: $KEEL_STATE/logs/nats-server.log)"
-  "$server" -a "$host" -p "$port" -js -sd "$KEEL_STATE/nats" >"$KEEL_STATE/logs/nats-server.log" 2>&1 &
+  sed "s/keel\.v1\./$prefix./g" docker/nats.conf >"$KEEL_STATE/nats.conf"
+  local -a passwords=()
+  for name in "${stack_names[@]}"; do
+    upper=${name^^}
+    stack_nats_password[$name]=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+    passwords+=("KEEL_NATS_${upper}_PASSWORD=${stack_nats_password[$name]}")
+  done
+  stack_say "starting nats-server with authentication on 127.0.0.1:$port (log: $KEEL_STATE/logs/nats-server.log)"
+  env "${passwords[@]}" "$server" -c "$KEEL_STATE/nats.conf" -a 127.0.0.1 -p "$port" -js -sd "$KEEL_STATE/nats" \
+    >"$KEEL_STATE/logs/nats-server.log" 2>&1 &
   stack_pids+=($!)
+  stack_nats_host=127.0.0.1:$port
   for _ in $(seq 1 50); do
-    stack_reachable "$host" "$port" && return 0
+    stack_reachable 127.0.0.1 "$port" && return 0
     sleep 0.2
   done
+  echo "nats-server did not start; its log:" >&2
+  tail -20 "$KEEL_STATE/logs/nats-server.log" >&2
   return 1
 }
 
+# KEEL_<SERVICE>__NATS_URL=... for NAME when the stack runs its own nats-server.
+stack_nats_url() {
+  local name=$1
+  [ -n "${stack_nats_host:-}" ] || return 0
+  echo "KEEL_${name^^}__NATS_URL=nats://$name:${stack_nats_password[$name]}@$stack_nats_host"
+}
+
 stack_check_infra() {
-  export KEEL_NATS_URL=${KEEL_NATS_URL:-nats://127.0.0.1:4222}
   export KEEL_DATABASE_URL=${KEEL_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/keel}
-  local nats=${KEEL_NATS_URL#nats://}
-  local nats_host=${nats%:*} nats_port=${nats##*:}
-  if ! stack_reachable "$nats_host" "$nats_port"; then
-    case $nats_host in
-      127.*|localhost) stack_start_nats "$nats_host" "$nats_port" || true ;;
-    esac
-  fi
-  if ! stack_reachable "$nats_host" "$nats_port"; then
-    echo "NATS is not reachable at $KEEL_NATS_URL (start nats-server -js, or run scripts/setup)" >&2
-    return 1
+  if [ -n "${KEEL_NATS_URL:-}" ]; then
+    local nats=${KEEL_NATS_URL#*://}
+    nats=${nats#*@}
+    local nats_host=${nats%:*} nats_port=${nats##*:}
+    if ! stack_reachable "$nats_host" "$nats_port"; then
+      echo "NATS is not reachable at $nats_host:$nats_port (KEEL_NATS_URL)" >&2
+      return 1
+    fi
   fi
   # host:port of the database URL (user, password and database name left out).
   local db=${KEEL_DATABASE_URL#*://}
@@ -133,6 +162,9 @@ stack_service() {
   if [ -n "${OTEL_EXPORTER_OTLP_ENDPOINT:-}" ]; then
     env+=("OTEL_EXPORTER_OTLP_ENDPOINT=$OTEL_EXPORTER_OTLP_ENDPOINT")
   fi
+  local nats_url
+  nats_url=$(stack_nats_url "$name")
+  if [ -n "$nats_url" ]; then env+=("$nats_url"); fi
   mkdir -p "$logs"
   env "${env[@]}" "$@" "KEEL_${name^^}__LISTEN=127.0.0.1:$port" \
     "$KEEL_BIN/${command[0]}" "${command[@]:1}" >"$logs/$name.log" 2>&1 &
@@ -161,12 +193,20 @@ stack_start() {
       return 1
     fi
   done
-  stack_say "starting the services (subject prefix $prefix)"
-  # The checkpoint store wants a token; the orchestrator and `keel checkpoint` send it.
-  if [ -z "${KEEL_CHECKPOINT_TOKEN:-}" ]; then
-    KEEL_CHECKPOINT_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+  if [ -z "${KEEL_NATS_URL:-}" ]; then
+    stack_start_nats "$prefix" || return 1
   fi
-  export KEEL_CHECKPOINT_TOKEN
+  stack_say "starting the services (subject prefix $prefix)"
+  # HTTP between and into the services wants tokens, made here unless given: the checkpoint
+  # store's (the orchestrator and `keel checkpoint` send it), the generator's OpenAI API key
+  # (`keel generate serve-bench` sends it) and the reward service's.
+  local secret
+  for secret in KEEL_CHECKPOINT_TOKEN KEEL_GENERATOR_API_KEY KEEL_REWARD_TOKEN; do
+    if [ -z "${!secret:-}" ]; then
+      printf -v "$secret" '%s' "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+    fi
+    export "${secret?}"
+  done
   stack_service checkpoint KEEL_CHECKPOINT__SUBJECT_PREFIX="$prefix" \
     KEEL_CHECKPOINT__STORAGE__ROOT="$KEEL_STATE/checkpoints"
   stack_service trainer KEEL_TRAINER__SUBJECT_PREFIX="$prefix"

@@ -3,6 +3,7 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,8 @@ use serde_json::Value;
 pub struct Stack {
     pub prefix: String,
     pub database: TestDatabase,
+    /// The database as the services reach it.
+    pub database_url: String,
     pub dir: tempfile::TempDir,
     pub model: PathBuf,
     pub checkpoint: ServiceProcess,
@@ -22,6 +25,19 @@ pub struct Stack {
     pub http: reqwest::Client,
     /// Environment every service gets (e.g. the OTLP endpoint).
     pub env: Vec<(String, String)>,
+    /// Each service's own environment (the orchestrator's is made by [`Stack::orchestrator_env`]).
+    own_env: BTreeMap<&'static str, Vec<(String, String)>>,
+}
+
+/// Where the services find NATS and Postgres, when not at the defaults (a test's
+/// [`keel_testkit::Proxy`] in front of them).
+#[derive(Debug, Clone, Default)]
+pub struct Servers {
+    pub nats_url: Option<String>,
+    /// A NATS URL per service (`orchestrator`, `trainer`, ...), e.g. with its own credentials.
+    pub nats_urls: BTreeMap<&'static str, String>,
+    /// The Postgres server's `host:port` for every service's database URL.
+    pub postgres: Option<String>,
 }
 
 impl Stack {
@@ -31,34 +47,67 @@ impl Stack {
 
     /// [`Stack::start`] with `env` added to every service's environment.
     pub fn start_with(env: &[(&str, &str)]) -> Self {
-        let common: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let with = |own: &[(&str, &str)]| -> Vec<(String, String)> {
-            own.iter().map(|(k, v)| (k.to_string(), v.to_string())).chain(common.iter().cloned()).collect()
-        };
+        Self::start_on(env, &Servers::default())
+    }
+
+    /// [`Stack::start_with`], the services reaching NATS and Postgres where `servers` says.
+    pub fn start_on(env: &[(&str, &str)], servers: &Servers) -> Self {
+        Self::start_on_prefix(&format!("e2e.{}", uuid::Uuid::new_v4().simple()), env, servers)
+    }
+
+    /// [`Stack::start_on`] under the subject prefix `prefix`.
+    pub fn start_on_prefix(prefix: &str, env: &[(&str, &str)], servers: &Servers) -> Self {
+        let prefix = prefix.to_string();
+        let mut common: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("model");
         keel_model_init(&model);
-        let prefix = format!("e2e.{}", uuid::Uuid::new_v4().simple());
         let database = TestDatabase::new("keel_e2e");
+        let database_url = match &servers.postgres {
+            Some(addr) => database.url_at(addr),
+            None => database.url.clone(),
+        };
+        if let Some(url) = &servers.nats_url {
+            for service in ["CHECKPOINT", "TRAINER", "GENERATOR", "REWARD", "ORCHESTRATOR"] {
+                common.push((format!("KEEL_{service}__NATS_URL"), url.clone()));
+            }
+        }
         let blobs = dir.path().join("blobs");
-        let checkpoint = start_service(
-            "checkpoint",
-            &with(&[
-                ("KEEL_CHECKPOINT__DATABASE_URL", &database.url),
-                ("KEEL_CHECKPOINT__STORAGE__KIND", "local"),
-                ("KEEL_CHECKPOINT__STORAGE__ROOT", blobs.to_str().unwrap()),
-                ("KEEL_CHECKPOINT__SUBJECT_PREFIX", &prefix),
-            ]),
-        );
-        let trainer = start_service("trainer", &with(&[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix)]));
-        let generator = start_service(
-            "generator",
-            &with(&[("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix), ("KEEL_GENERATOR__MODEL", model.to_str().unwrap())]),
-        );
-        let reward = start_service("reward", &with(&[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)]));
+        let pairs = |own: &[(&str, &str)]| -> Vec<(String, String)> {
+            own.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        let mut own_env = BTreeMap::from([
+            ("orchestrator", Vec::new()),
+            (
+                "checkpoint",
+                pairs(&[
+                    ("KEEL_CHECKPOINT__DATABASE_URL", &database_url),
+                    ("KEEL_CHECKPOINT__STORAGE__KIND", "local"),
+                    ("KEEL_CHECKPOINT__STORAGE__ROOT", blobs.to_str().unwrap()),
+                    ("KEEL_CHECKPOINT__SUBJECT_PREFIX", &prefix),
+                ]),
+            ),
+            ("trainer", pairs(&[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix)])),
+            (
+                "generator",
+                pairs(&[
+                    ("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix),
+                    ("KEEL_GENERATOR__MODEL", model.to_str().unwrap()),
+                ]),
+            ),
+            ("reward", pairs(&[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)])),
+        ]);
+        for (service, url) in &servers.nats_urls {
+            let env = own_env.get_mut(service).unwrap_or_else(|| panic!("no service `{service}`"));
+            env.push((format!("KEEL_{}__NATS_URL", service.to_uppercase()), url.clone()));
+        }
+        let start = |service: &str| start_service(service, &[common.as_slice(), &own_env[service]].concat());
+        let (checkpoint, trainer, generator, reward) =
+            (start("checkpoint"), start("trainer"), start("generator"), start("reward"));
         let mut stack = Self {
             prefix,
             database,
+            database_url,
             dir,
             model,
             checkpoint,
@@ -68,16 +117,17 @@ impl Stack {
             orchestrator: None,
             http: reqwest::Client::new(),
             env: common,
+            own_env,
         };
         stack.start_orchestrator();
         stack
     }
 
-    /// (Re)starts the orchestrator; a run it finds orphaned is resumed within two seconds.
-    pub fn start_orchestrator(&mut self) {
+    /// The orchestrator's environment.
+    pub fn orchestrator_env(&self) -> Vec<(String, String)> {
         let work = self.dir.path().join("work");
         let mut env: Vec<(String, String)> = [
-            ("KEEL_ORCHESTRATOR__DATABASE_URL", self.database.url.as_str()),
+            ("KEEL_ORCHESTRATOR__DATABASE_URL", self.database_url.as_str()),
             ("KEEL_ORCHESTRATOR__SUBJECT_PREFIX", &self.prefix),
             ("KEEL_ORCHESTRATOR__CHECKPOINT_URL", &self.checkpoint.url),
             ("KEEL_ORCHESTRATOR__WORK_DIR", work.to_str().unwrap()),
@@ -88,8 +138,33 @@ impl Stack {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
         env.extend(self.env.iter().cloned());
-        let orchestrator = start_service("orchestrator", &env);
-        self.orchestrator = Some(orchestrator);
+        env.extend(self.own_env["orchestrator"].iter().cloned());
+        env
+    }
+
+    /// (Re)starts the orchestrator; a run it finds orphaned is resumed within two seconds.
+    pub fn start_orchestrator(&mut self) {
+        self.orchestrator = Some(start_service("orchestrator", &self.orchestrator_env()));
+    }
+
+    /// The process of one of the four worker services.
+    pub fn process(&mut self, service: &str) -> &mut ServiceProcess {
+        match service {
+            "checkpoint" => &mut self.checkpoint,
+            "trainer" => &mut self.trainer,
+            "generator" => &mut self.generator,
+            "reward" => &mut self.reward,
+            other => panic!("no service `{other}` in the stack"),
+        }
+    }
+
+    /// Starts `service` again (after [`ServiceProcess::kill`]) on the address it had, with
+    /// the environment it had.
+    pub fn start_again(&mut self, service: &str) {
+        let listen = self.process(service).url.trim_start_matches("http://").to_string();
+        let mut env = [self.env.as_slice(), &self.own_env[service]].concat();
+        env.push((format!("KEEL_{}__LISTEN", service.to_uppercase()), listen));
+        *self.process(service) = start_service(service, &env);
     }
 
     pub fn api(&self) -> String {

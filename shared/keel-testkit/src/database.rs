@@ -19,6 +19,22 @@ impl TestDatabase {
         let name = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
         Self { url: format!("{}/{name}", postgres_url()), name }
     }
+
+    /// The database's URL through another `host:port` (a proxy in front of the server).
+    pub fn url_at(&self, addr: &str) -> String {
+        let server = postgres_url();
+        let user = server.rsplit_once('@').map_or("postgres://", |(user, _)| user);
+        let user = if user.ends_with("://") { user.to_string() } else { format!("{user}@") };
+        format!("{user}{addr}/{}", self.name)
+    }
+}
+
+/// The Postgres server's `host:port` (from [`postgres_url`]).
+pub fn postgres_addr() -> String {
+    let server = postgres_url();
+    let rest = server.split_once("://").map_or(server.as_str(), |(_, rest)| rest);
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    host.split('/').next().unwrap_or(host).to_string()
 }
 
 impl Drop for TestDatabase {

@@ -7,13 +7,16 @@
 //! - [`ServiceProcess`]: a service binary started as a process on a free port;
 //!   [`keel_model_init`]: a tiny model made with the `keel` binary.
 //! - [`TestDatabase`]: a database of the test's own, dropped afterwards.
+//! - [`Proxy`]: a TCP proxy a test cuts to take NATS or Postgres away from the services.
 //! - [`undeclared_path_parameters`]: what an OpenAPI document's operations leave undeclared.
 
 mod database;
 mod process;
+mod proxy;
 
-pub use database::{TestDatabase, postgres_url};
+pub use database::{TestDatabase, postgres_addr, postgres_url};
 pub use process::{ServiceProcess, binary, keel_model_init};
+pub use proxy::Proxy;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -73,6 +73,19 @@ impl ServiceProcess {
         self.child.id()
     }
 
+    /// Kills the process (SIGKILL) and waits for it: a crash, as the rest of the system sees it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, ...) to the process.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args([format!("-{signal}").as_str(), &pid]).status().expect("run kill");
+        assert!(sent.success(), "kill -{signal} {pid} failed");
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(mut self) -> ExitStatus {
         let pid = self.child.id().to_string();

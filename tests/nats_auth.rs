@@ -1,0 +1,145 @@
+//! NATS with Keel's authorization (`docker/nats.conf`): a nats-server of the test's own with
+//! that file (its subjects moved to the test's prefix), each service connecting as its own
+//! user. A GRPO run goes through end to end, large bodies pass through the object store
+//! between the users that share them, and what the report's attacker did is refused: no
+//! password, no connection; the generator's user cannot claim a trainer, the reward
+//! service's cannot publish weights, and neither can listen on subjects that are not theirs.
+
+#![allow(clippy::unwrap_used)]
+
+mod stack;
+
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::json;
+use stack::{Servers, Stack, grpo_spec};
+
+const SERVICES: [&str; 5] = ["orchestrator", "trainer", "generator", "reward", "checkpoint"];
+
+/// A nats-server of the test's own, killed when dropped.
+struct NatsServer {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl NatsServer {
+    fn start(prefix: &str, passwords: &BTreeMap<&str, String>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let template = std::fs::read_to_string(keel_testkit::workspace_root().join("docker/nats.conf")).unwrap();
+        let config = dir.path().join("nats.conf");
+        std::fs::write(&config, template.replace("keel.v1.", &format!("{prefix}."))).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let server = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("nats-server is installed (scripts/setup)");
+        let mut command = Command::new(server);
+        command
+            .args(["-c", config.to_str().unwrap(), "-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir.path().join("store"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        for (service, password) in passwords {
+            command.env(format!("KEEL_NATS_{}_PASSWORD", service.to_uppercase()), password);
+        }
+        let child = command.spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Self { child, port, _dir: dir }
+    }
+
+    fn url(&self, user: &str, password: &str) -> String {
+        format!("nats://{user}:{password}@127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether a message published by `sender` on `subject` reaches `listener` (subscribed
+/// first) within two seconds.
+async fn arrives(listener: &async_nats::Client, sender: &async_nats::Client, subject: &str) -> bool {
+    let mut subscription = listener.subscribe(subject.to_string()).await.unwrap();
+    listener.flush().await.unwrap();
+    let _ = sender.publish(subject.to_string(), "{}".into()).await;
+    let _ = sender.flush().await;
+    tokio::time::timeout(Duration::from_secs(2), subscription.next()).await.is_ok_and(|m| m.is_some())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() {
+    let prefix = format!("auth.{}", uuid::Uuid::new_v4().simple());
+    let passwords: BTreeMap<&str, String> =
+        SERVICES.iter().map(|s| (*s, uuid::Uuid::new_v4().simple().to_string())).collect();
+    let nats = NatsServer::start(&prefix, &passwords);
+    let connect = |user: &str| {
+        let url = nats.url(user, &passwords[user]);
+        async move { keel_service::nats::connect(&url).await }
+    };
+
+    // No password, or a wrong one: no connection, and the error shows no password.
+    let anonymous = keel_service::nats::connect(&format!("nats://127.0.0.1:{}", nats.port)).await;
+    assert!(anonymous.is_err(), "an anonymous client connected");
+    let wrong = keel_service::nats::connect(&nats.url("trainer", "guess")).await.unwrap_err();
+    assert!(wrong.contains("trainer:***@") && !wrong.contains("guess"), "{wrong}");
+
+    // Large bodies: the orchestrator puts a batch in the object store, the trainer reads it.
+    let orchestrator = connect("orchestrator").await.unwrap();
+    let trainer = connect("trainer").await.unwrap();
+    let bucket = format!("keel-auth-{}", uuid::Uuid::new_v4().simple());
+    let put = keel_service::nats::Bulk::open(orchestrator.clone(), &bucket).await.unwrap();
+    let big = vec![7u32; 600_000];
+    let payload = put.wrap(big.clone()).await.unwrap();
+    assert!(matches!(payload, keel_protocol::Payload::Object(_)), "2.4 MB travels as an object");
+    let get = keel_service::nats::Bulk::open(trainer.clone(), &bucket).await.unwrap();
+    assert_eq!(get.fetch::<Vec<u32>>(payload).await.unwrap(), big);
+
+    // The reported attacks, each next to the allowed publish that shows the check can see it.
+    // Each check has fresh connections: a refusal must not be what makes another one fail.
+    let subjects = keel_protocol::Subjects::new(&prefix).unwrap();
+    let arrives = |listener: &'static str, sender: &'static str, subject: String| {
+        let (listener, sender) = (nats.url(listener, &passwords[listener]), nats.url(sender, &passwords[sender]));
+        async move {
+            let listener = keel_service::nats::connect(&listener).await.unwrap();
+            let sender = keel_service::nats::connect(&sender).await.unwrap();
+            arrives(&listener, &sender, &subject).await
+        }
+    };
+    let claim = subjects.trainer_claim();
+    assert!(arrives("trainer", "orchestrator", claim.clone()).await, "the orchestrator claims trainers");
+    assert!(!arrives("trainer", "generator", claim.clone()).await, "the generator's user claimed a trainer");
+    assert!(!arrives("trainer", "reward", claim.clone()).await, "the reward service's user claimed a trainer");
+    let save = subjects.trainer("w1", keel_protocol::subjects::TrainerOp::Save);
+    assert!(!arrives("trainer", "reward", save).await, "the reward service's user asked a trainer to save");
+    let score = subjects.trainer("w1", keel_protocol::subjects::TrainerOp::Score);
+    assert!(arrives("trainer", "reward", score).await, "the reward service asks trainers for scores");
+    let weights = subjects.weights_updated();
+    assert!(arrives("generator", "orchestrator", weights.clone()).await, "the orchestrator publishes weights");
+    assert!(!arrives("generator", "reward", weights.clone()).await, "the reward service's user published weights");
+    assert!(!arrives("generator", "trainer", weights).await, "the trainer's user published weights");
+    // Listening on another service's subjects is refused too.
+    assert!(!arrives("generator", "orchestrator", claim).await, "the generator's user listened to trainer claims");
+    assert!(!arrives("reward", "orchestrator", subjects.generate()).await, "the reward user listened to rollouts");
+
+    // And a run goes through with every service on its own user.
+    let servers = Servers {
+        nats_urls: SERVICES.iter().map(|s| (*s, nats.url(s, &passwords[s]))).collect(),
+        ..Servers::default()
+    };
+    let stack = Stack::start_on_prefix(&prefix, &[], &servers);
+    let id = stack.submit(&grpo_spec(&json!({"path": stack.model}))).await;
+    let run = stack.wait_succeeded(&id, Duration::from_secs(300)).await;
+    assert_eq!(run["step"], 3);
+    assert_eq!(stack.series(&id, "train/loss").await.len(), 3);
+}
