@@ -5,13 +5,15 @@
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use futures::{StreamExt, TryStreamExt, stream};
 use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry, Lease, LeaseRequest, check_path};
 use keel_service::ApiError;
+use keel_service::openapi::ErrorResponses;
+use keel_service::query::Query;
 use serde::Deserialize;
 use utoipa::{IntoParams, OpenApi};
 use uuid::Uuid;
@@ -327,7 +329,8 @@ pub async fn best(
         title = "Keel checkpoint",
         description = "Checkpoint storage: verified streaming uploads, atomic commits, content-addressed blobs, retention, HF directory export. Events: `<prefix>.checkpoint.created` and `<prefix>.checkpoint.deleted` on JetStream."
     ),
-    paths(create, list, show, remove, commit, upload, download, archive, lease, release, latest, best)
+    paths(create, list, show, remove, commit, upload, download, archive, lease, release, latest, best),
+    modifiers(&ErrorResponses)
 )]
 pub struct ApiDoc;
 

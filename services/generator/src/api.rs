@@ -303,6 +303,18 @@ pub struct ErrorResponse {
         crate::openai::tokenize,
         crate::openai::detokenize,
         crate::openai::metrics,
-    )
+    ),
+    components(schemas(ErrorResponse)),
+    modifiers(&OpenAiErrors)
 )]
 pub struct ApiDoc;
+
+/// Every operation's 400/401 (and 422 for bodies) with the OpenAI error object.
+#[derive(Debug)]
+struct OpenAiErrors;
+
+impl utoipa::Modify for OpenAiErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        keel_service::openapi::add_error_responses(openapi, "ErrorResponse");
+    }
+}

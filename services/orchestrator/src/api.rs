@@ -10,7 +10,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -22,6 +22,8 @@ use keel_client::checkpoint::CheckpointClient;
 use keel_protocol::FieldError;
 use keel_protocol::checkpoint::Checkpoint;
 use keel_protocol::run::{Metrics, Run, RunEventRecord, RunList, RunSpec, RunStatus, Samples};
+use keel_service::openapi::{ErrorResponses, TaggedVariants};
+use keel_service::query::Query;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
@@ -305,7 +307,8 @@ pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) 
         description = "Keel's run API: submit post-training runs (GRPO, SFT, DPO, reward model, eval), follow their metrics, samples and checkpoints. Bearer-token auth when the orchestrator has a token."
     ),
     paths(submit, list, show, metrics, samples, events, cancel, checkpoints, prometheus),
-    components(schemas(keel_protocol::run::RunEventRecord))
+    components(schemas(keel_protocol::run::RunEventRecord)),
+    modifiers(&ErrorResponses, &TaggedVariants)
 )]
 pub struct ApiDoc;
 

@@ -17,9 +17,11 @@ pub mod http;
 pub mod json;
 pub mod metrics;
 pub mod nats;
+pub mod openapi;
 pub mod parts;
 pub mod paths;
 pub mod postgres;
+pub mod query;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;

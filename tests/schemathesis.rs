@@ -1,0 +1,88 @@
+//! Every HTTP service fuzzed against its committed OpenAPI document with Schemathesis (from
+//! `.venv-schemathesis`, which `scripts/setup` makes): generated and boundary requests, a
+//! bounded number per operation, each answer checked for a 5xx, a status the document does
+//! not list, a body that violates its schema and an undocumented content type. The
+//! services run as processes with their tokens on (the fuzzer sends them).
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+use keel_testkit::{ServiceProcess, TestDatabase, keel_model_init, workspace_root};
+
+const TOKEN: &str = "fuzz-token";
+
+/// Runs Schemathesis on `document` against `url`; panics with its report on any failure.
+fn fuzz(document: &str, url: &str) -> String {
+    let schemathesis = workspace_root().join(".venv-schemathesis/bin/schemathesis");
+    assert!(schemathesis.exists(), "{} is missing: run scripts/setup", schemathesis.display());
+    let scratch = tempfile::tempdir().unwrap();
+    let output = Command::new(&schemathesis)
+        .current_dir(scratch.path())
+        .args(["run", workspace_root().join("openapi").join(document).to_str().unwrap(), "--url", url])
+        .args(["-H", &format!("Authorization: Bearer {TOKEN}")])
+        .args([
+            "--checks",
+            "not_a_server_error,response_schema_conformance,status_code_conformance,content_type_conformance",
+        ])
+        .args(["--max-examples", "40", "--workers", "2", "--seed", "1", "--no-color"])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "schemathesis found problems in {document}:\n{report}");
+    let counts = report.lines().skip_while(|l| !l.starts_with("Test cases:")).nth(1).unwrap_or_default().trim();
+    eprintln!("{document}: {counts}");
+    counts.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_service_answers_fuzzed_requests_as_its_document_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = TestDatabase::new("keel_e2e_fuzz");
+    let prefix = format!("fuzz.{}", uuid::Uuid::new_v4().simple());
+    let checkpoint = ServiceProcess::start(
+        "checkpoint",
+        &[
+            ("KEEL_CHECKPOINT__DATABASE_URL", &database.url),
+            ("KEEL_CHECKPOINT__STORAGE__KIND", "local"),
+            ("KEEL_CHECKPOINT__STORAGE__ROOT", dir.path().join("blobs").to_str().unwrap()),
+            ("KEEL_CHECKPOINT__NATS_URL", ""),
+            ("KEEL_CHECKPOINT__API_TOKEN", TOKEN),
+        ],
+    );
+    let work = dir.path().join("work");
+    let orchestrator = ServiceProcess::start(
+        "orchestrator",
+        &[
+            ("KEEL_ORCHESTRATOR__DATABASE_URL", &database.url),
+            ("KEEL_ORCHESTRATOR__SUBJECT_PREFIX", &prefix),
+            ("KEEL_ORCHESTRATOR__CHECKPOINT_URL", &checkpoint.url),
+            ("KEEL_ORCHESTRATOR__CHECKPOINT_TOKEN", TOKEN),
+            ("KEEL_ORCHESTRATOR__WORK_DIR", work.to_str().unwrap()),
+            ("KEEL_ORCHESTRATOR__API_TOKEN", TOKEN),
+        ],
+    );
+    let reward = ServiceProcess::start("reward", &[("KEEL_REWARD__NATS_URL", ""), ("KEEL_REWARD__API_TOKEN", TOKEN)]);
+    let model = dir.path().join("model");
+    keel_model_init(&model);
+    let generator = ServiceProcess::start(
+        "generator",
+        &[
+            ("KEEL_GENERATOR__NATS_URL", ""),
+            ("KEEL_GENERATOR__MODEL", model.to_str().unwrap()),
+            ("KEEL_GENERATOR__MAX_MODEL_LEN", "256"),
+            ("KEEL_GENERATOR__API_KEY", TOKEN),
+        ],
+    );
+
+    let mut summary = Vec::new();
+    for (document, url) in [
+        ("keel.yaml", &orchestrator.url),
+        ("checkpoint.json", &checkpoint.url),
+        ("reward.json", &reward.url),
+        ("generator.json", &generator.url),
+    ] {
+        summary.push(format!("{document}: {}", fuzz(document, url)));
+    }
+    eprintln!("\n{}", summary.join("\n"));
+}
