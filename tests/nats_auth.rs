@@ -32,27 +32,39 @@ impl NatsServer {
         let template = std::fs::read_to_string(keel_testkit::workspace_root().join("docker/nats.conf")).unwrap();
         let config = dir.path().join("nats.conf");
         std::fs::write(&config, template.replace("keel.v1.", &format!("{prefix}."))).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let server = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
             .into_iter()
             .find(|p| std::path::Path::new(p).exists())
             .expect("nats-server is installed (scripts/setup)");
-        let mut command = Command::new(server);
-        command
-            .args(["-c", config.to_str().unwrap(), "-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path().join("store"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        for (service, password) in passwords {
-            command.env(format!("KEEL_NATS_{}_PASSWORD", service.to_uppercase()), password);
+        let log = dir.path().join("nats-server.log");
+        // A free port can be taken by another test before the server binds it: try again.
+        for _ in 0..3 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let mut command = Command::new(server);
+            command
+                .args(["-c", config.to_str().unwrap(), "-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(dir.path().join("store"))
+                .args(["-l", log.to_str().unwrap()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            for (service, password) in passwords {
+                command.env(format!("KEEL_NATS_{}_PASSWORD", service.to_uppercase()), password);
+            }
+            let mut child = command.spawn().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return Self { child, port, _dir: dir };
+                }
+                if child.try_wait().unwrap().is_some() || Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
-        let child = command.spawn().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "nats-server did not start");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Self { child, port, _dir: dir }
+        panic!("nats-server did not start; its log:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
     }
 
     fn url(&self, user: &str, password: &str) -> String {
