@@ -37,6 +37,8 @@ pub struct AppState {
     pub pool: PgPool,
     pub checkpoints: CheckpointClient,
     pub token: Option<String>,
+    /// Where a spec's model and dataset paths may point.
+    pub roots: keel_service::paths::PathRoots,
 }
 
 /// What a request can fail with.
@@ -145,7 +147,7 @@ async fn find(pool: &PgPool, id: Uuid) -> Answer<Run> {
 pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Answer<(StatusCode, Json<Run>)> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
     let spec = spec::parse_async(body, content_type).await.map_err(|p| Failure::InvalidSpec(vec![p]))?;
-    let problems = spec::problems(&spec, &state.checkpoints).await;
+    let problems = spec::problems(&spec, &state.checkpoints, &state.roots).await;
     if !problems.is_empty() {
         return Err(Failure::InvalidSpec(problems));
     }

@@ -72,6 +72,10 @@ pub struct Config {
     /// shows `waiting` with the reason; it goes on waiting until the dependency is back or
     /// the run is cancelled, and no attempt is spent on it.
     pub dependency_grace_seconds: f64,
+    /// The directories a run spec's `model.path` and JSONL `data.*.path` may be in (checked
+    /// at submit, 422 naming the field). Default: `.keel`, `/var/lib/keel` and the system's
+    /// temporary directory.
+    pub path_roots: Vec<PathBuf>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -123,6 +127,7 @@ pub fn default_config() -> Config {
         request_retries: 5,
         max_attempts: 3,
         dependency_grace_seconds: 120.0,
+        path_roots: keel_service::paths::default_roots(),
     }
 }
 
@@ -160,7 +165,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     };
     let mut parts = keel_service::parts::Parts::default();
     parts.spawn("scheduler", scheduler.run(parts.stopped()));
-    let state = api::AppState { pool, checkpoints, token: config.api_token.clone() };
+    let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_ORCHESTRATOR__PATH_ROOTS")?;
+    let state = api::AppState { pool, checkpoints, token: config.api_token.clone(), roots };
     let app = api::routes(state).merge(dashboard::routes()).merge(keel_service::health_routes(SERVICE));
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });

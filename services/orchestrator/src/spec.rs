@@ -8,6 +8,7 @@ use std::path::Path;
 use keel_client::checkpoint::CheckpointClient;
 use keel_protocol::FieldError;
 use keel_protocol::run::RunSpec;
+use keel_service::paths::PathRoots;
 
 use crate::data;
 
@@ -114,12 +115,26 @@ fn nul_strings(value: &serde_json::Value, at: &str, out: &mut Vec<FieldError>) {
 
 /// Every problem of a parsed spec. Datasets are made or read only when their own fields
 /// have no problem (a size past the limit is refused, never allocated).
-pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient) -> Vec<FieldError> {
+pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &PathRoots) -> Vec<FieldError> {
     let mut problems = spec.problems();
     if let Ok(value) = serde_json::to_value(spec) {
         nul_strings(&value, "", &mut problems);
     }
-    if let Some(path) = &spec.model.path {
+    // Files the orchestrator (and the trainer and generators) would read for this run must
+    // be inside the roots it is configured with.
+    let datasets = std::iter::once(("data.train.path", &spec.data.train))
+        .chain(spec.data.validation.iter().map(|d| ("data.validation.path", d)));
+    let dataset_paths = datasets.filter_map(|(field, d)| match d {
+        keel_protocol::run::DatasetSpec::Jsonl { path, .. } => Some((field, path)),
+        _ => None,
+    });
+    for (field, path) in spec.model.path.iter().map(|p| ("model.path", p)).chain(dataset_paths) {
+        if let Err(e) = roots.check(field, path) {
+            let message = e.strip_prefix(&format!("{field}: ")).unwrap_or(&e).to_string();
+            problems.push(FieldError::new(field, message));
+        }
+    }
+    if let Some(path) = spec.model.path.as_ref().filter(|_| !problems.iter().any(|p| p.field == "model.path")) {
         let dir = Path::new(path);
         if !dir.join("config.json").is_file() {
             problems

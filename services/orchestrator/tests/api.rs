@@ -25,7 +25,8 @@ impl Api {
         let pool = db::connect(&database.url).await.unwrap();
         // Nothing listens here: only specs naming a checkpoint would ask.
         let checkpoints = keel_client::checkpoint::CheckpointClient::new("http://127.0.0.1:9");
-        let state = AppState { pool: pool.clone(), checkpoints, token: token.map(str::to_string) };
+        let roots = keel_service::paths::PathRoots::new(&keel_service::paths::default_roots(), "path_roots").unwrap();
+        let state = AppState { pool: pool.clone(), checkpoints, token: token.map(str::to_string), roots };
         let model = tempfile::tempdir().unwrap();
         std::fs::write(model.path().join("config.json"), "{}").unwrap();
         Self { app: routes(state), pool, model, _database: database }
@@ -153,6 +154,9 @@ async fn hostile_specs_are_refused_before_any_work() {
         (grpo(json!({"validation": {"num_samples": 1_000_000_000}})), "validation.num_samples"),
         (grpo(json!({"name": "nul\u{0}name"})), "name"),
         (grpo(json!({"environments": {"default": {"name": "ma\u{0}th"}}})), "environments.default.name"),
+        // Files outside the orchestrator's path roots are never read.
+        (grpo(json!({"data": {"train": {"kind": "jsonl", "path": "/etc/shadow"}}})), "data.train.path"),
+        (grpo(json!({"model": {"path": "/usr/lib"}})), "model.path"),
     ];
     // Generating any of these datasets would exhaust memory or never end: the answer
     // coming back at all shows nothing was generated.
