@@ -197,11 +197,12 @@ stack_start() {
     stack_start_nats "$prefix" || return 1
   fi
   stack_say "starting the services (subject prefix $prefix)"
-  # HTTP between and into the services wants tokens, made here unless given: the checkpoint
+  # HTTP between and into the services wants tokens, made here unless given: the
+  # orchestrator's API and dashboard (`keel run` sends KEEL_API_TOKEN), the checkpoint
   # store's (the orchestrator and `keel checkpoint` send it), the generator's OpenAI API key
   # (`keel generate serve-bench` sends it) and the reward service's.
   local secret
-  for secret in KEEL_CHECKPOINT_TOKEN KEEL_GENERATOR_API_KEY KEEL_REWARD_TOKEN; do
+  for secret in KEEL_API_TOKEN KEEL_CHECKPOINT_TOKEN KEEL_GENERATOR_API_KEY KEEL_REWARD_TOKEN; do
     if [ -z "${!secret:-}" ]; then
       printf -v "$secret" '%s' "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
     fi

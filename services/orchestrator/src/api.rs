@@ -126,10 +126,23 @@ pub async fn prometheus(State(state): State<AppState>) -> Answer<Response> {
 }
 
 async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if !keel_service::bearer_matches(&request, state.token.as_deref()) {
+    if !authorized(&request, state.token.as_deref()) {
+        tracing::warn!(method = %request.method(), path = request.uri().path(), "refused a request without the API token (401)");
         return Failure::Unauthorized.into_response();
     }
     next.run(request).await
+}
+
+/// The cookie the dashboard's page gets when it is opened with `?token=`: the browser then
+/// sends it with the page's assets and API calls.
+pub const TOKEN_COOKIE: &str = "keel_token";
+
+/// Whether `request` carries the API token (as a bearer token, or the dashboard's cookie);
+/// always, with no token.
+pub fn authorized(request: &Request, token: Option<&str>) -> bool {
+    let Some(token) = token else { return true };
+    keel_service::bearer_matches(request, Some(token))
+        || keel_service::cookie(request, TOKEN_COOKIE).is_some_and(|sent| keel_service::token_matches(sent, token))
 }
 
 fn parse_id(id: &str) -> Answer<Uuid> {

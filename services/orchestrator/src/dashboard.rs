@@ -4,8 +4,9 @@
 //! accuracy and the step-time breakdown, with a sample browser. `/` redirects to it.
 
 use axum::Router;
-use axum::extract::Path;
+use axum::extract::{Path, Request};
 use axum::http::{StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 
@@ -24,12 +25,44 @@ const ASSETS: [(&str, &str, &str); 5] = [
 
 const INDEX: &str = include_str!("../assets/dashboard/index.html");
 
-pub fn routes() -> Router {
+/// The dashboard's routes; with an API token, the page and its assets want it too: opened
+/// as `/dashboard?token=<token>`, the page sets an HTTP-only cookie and goes on without the
+/// token in its address; without it, a short page says how to open it.
+pub fn routes(token: Option<String>) -> Router {
+    let token = std::sync::Arc::new(token);
     Router::new()
         .route("/", get(|| async { Redirect::temporary("/dashboard") }))
         .route("/dashboard", get(index))
         .route("/dashboard/", get(index))
         .route("/dashboard/{*path}", get(asset))
+        .route_layer(axum::middleware::from_fn(move |request: Request, next: Next| {
+            let token = token.clone();
+            async move { guard(token.as_deref(), request, next).await }
+        }))
+}
+
+async fn guard(token: Option<&str>, request: Request, next: Next) -> Response {
+    let Some(token) = token else { return next.run(request).await };
+    let query = request.uri().query().unwrap_or_default();
+    let given = query.split('&').filter_map(|pair| pair.split_once('=')).find(|(k, _)| *k == "token").map(|(_, v)| v);
+    if let Some(given) = given {
+        if !keel_service::token_matches(given, token) {
+            return refused();
+        }
+        // The token leaves the address (and the history); the cookie carries it from now on.
+        let rest: Vec<&str> = query.split('&').filter(|pair| !pair.starts_with("token=")).collect();
+        let path = request.uri().path();
+        let location = if rest.is_empty() { path.to_string() } else { format!("{path}?{}", rest.join("&")) };
+        let cookie = format!("{}={given}; HttpOnly; SameSite=Strict; Path=/", crate::api::TOKEN_COOKIE);
+        return (StatusCode::SEE_OTHER, [(header::LOCATION, location), (header::SET_COOKIE, cookie)]).into_response();
+    }
+    if crate::api::authorized(&request, Some(token)) { next.run(request).await } else { refused() }
+}
+
+fn refused() -> Response {
+    let page = "<!doctype html><title>Keel</title><p>This orchestrator has an API token. Open the dashboard as \
+                <code>/dashboard?token=&lt;your token&gt;</code> (the token is then kept in a cookie).</p>";
+    (StatusCode::UNAUTHORIZED, [(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response()
 }
 
 async fn index() -> Response {
@@ -69,8 +102,37 @@ mod tests {
             ("/dashboard/nope.js", 404),
             ("/", 307),
         ] {
-            let response = routes().oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
+            let response = routes(None).oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
             assert_eq!(response.status().as_u16(), status, "{path}");
+        }
+    }
+
+    /// With an API token, the page and its assets want it: `?token=` sets the cookie and
+    /// sends the browser on without the token in the address; the cookie then opens
+    /// everything; a wrong token or none gets the page that says how to open it.
+    #[tokio::test]
+    async fn with_a_token_the_dashboard_opens_by_its_cookie() {
+        let app = routes(Some("s3cret".into()));
+        let get = |path: &str, cookie: Option<&str>| {
+            let mut request = Request::get(path);
+            if let Some(cookie) = cookie {
+                request = request.header(header::COOKIE, cookie);
+            }
+            app.clone().oneshot(request.body(Body::empty()).unwrap())
+        };
+        for path in ["/dashboard", "/dashboard/dashboard.js"] {
+            assert_eq!(get(path, None).await.unwrap().status(), StatusCode::UNAUTHORIZED, "{path}");
+            assert_eq!(get(path, Some("keel_token=guess")).await.unwrap().status(), StatusCode::UNAUTHORIZED);
+        }
+        assert_eq!(get("/dashboard?token=guess", None).await.unwrap().status(), StatusCode::UNAUTHORIZED);
+        let opened = get("/dashboard?token=s3cret&view=runs", None).await.unwrap();
+        assert_eq!(opened.status(), StatusCode::SEE_OTHER);
+        assert_eq!(opened.headers()[header::LOCATION], "/dashboard?view=runs");
+        let cookie = opened.headers()[header::SET_COOKIE].to_str().unwrap();
+        assert!(cookie.starts_with("keel_token=s3cret;") && cookie.contains("HttpOnly"), "{cookie}");
+        for path in ["/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"] {
+            let response = get(path, Some("other=1; keel_token=s3cret")).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
         }
     }
 }

@@ -52,7 +52,8 @@ pub struct Config {
     /// Scratch space for runs (saved weights the generators load, downloaded checkpoints).
     /// It must be the same path on the trainer and generator machines (a shared volume).
     pub work_dir: PathBuf,
-    /// Bearer token the API requires (unset: no auth).
+    /// Bearer token the API, `/metrics` and the dashboard require (unset: no auth). Default:
+    /// `KEEL_API_TOKEN` when set (what `keel run` sends).
     pub api_token: Option<String>,
     /// A run whose orchestrator has not renewed it for this long is resumed by another.
     pub run_lease_seconds: f64,
@@ -118,7 +119,7 @@ pub fn default_config() -> Config {
         checkpoint_url: std::env::var("KEEL_CHECKPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:8083".into()),
         checkpoint_token: std::env::var("KEEL_CHECKPOINT_TOKEN").ok().filter(|t| !t.is_empty()),
         work_dir: PathBuf::from(".keel/orchestrator"),
-        api_token: None,
+        api_token: std::env::var("KEEL_API_TOKEN").ok().filter(|t| !t.is_empty()),
         run_lease_seconds: 20.0,
         trainer_lease_seconds: 60.0,
         poll_seconds: 1.0,
@@ -167,7 +168,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     parts.spawn("scheduler", scheduler.run(parts.stopped()));
     let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_ORCHESTRATOR__PATH_ROOTS")?;
     let state = api::AppState { pool, checkpoints, token: config.api_token.clone(), roots };
-    let app = api::routes(state).merge(dashboard::routes()).merge(keel_service::health_routes(SERVICE));
+    let app = api::routes(state)
+        .merge(dashboard::routes(config.api_token.clone()))
+        .merge(keel_service::health_routes(SERVICE));
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
     parts.run_until(shutdown).await

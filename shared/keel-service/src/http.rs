@@ -35,10 +35,19 @@ impl IntoResponse for ApiError {
 pub fn bearer_matches(request: &Request, token: Option<&str>) -> bool {
     let Some(token) = token else { return true };
     let sent = request.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    // Compared in constant time, so the answer's timing says nothing about the token.
-    sent.and_then(|v| v.strip_prefix("Bearer ")).is_some_and(|sent| {
-        sent.len() == token.len() && sent.bytes().zip(token.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
-    })
+    sent.and_then(|v| v.strip_prefix("Bearer ")).is_some_and(|sent| token_matches(sent, token))
+}
+
+/// Whether `sent` is `token`, compared in constant time, so the answer's timing says
+/// nothing about the token.
+pub fn token_matches(sent: &str, token: &str) -> bool {
+    sent.len() == token.len() && sent.bytes().zip(token.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+}
+
+/// The value of cookie `name` in `request`, if it sent one.
+pub fn cookie<'r>(request: &'r Request, name: &str) -> Option<&'r str> {
+    let header = request.headers().get(axum::http::header::COOKIE)?.to_str().ok()?;
+    header.split(';').filter_map(|pair| pair.trim().split_once('=')).find(|(key, _)| *key == name).map(|(_, v)| v)
 }
 
 /// Wraps every route of `router` so that, when `token` is set, a request without

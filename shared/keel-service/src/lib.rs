@@ -25,4 +25,4 @@ pub mod query;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
-pub use http::{ApiError, bearer_matches, health_routes, require_bearer, run_http, serve};
+pub use http::{ApiError, bearer_matches, cookie, health_routes, require_bearer, run_http, serve, token_matches};
