@@ -202,7 +202,7 @@ stack_start() {
   # store's (the orchestrator and `keel checkpoint` send it), the generator's OpenAI API key
   # (`keel generate serve-bench` sends it) and the reward service's.
   local secret
-  for secret in KEEL_API_TOKEN KEEL_CHECKPOINT_TOKEN KEEL_GENERATOR_API_KEY KEEL_REWARD_TOKEN; do
+  for secret in KEEL_API_TOKEN KEEL_CHECKPOINT_TOKEN KEEL_GENERATOR_API_KEY KEEL_REWARD_TOKEN KEEL_TRAINER_TOKEN; do
     if [ -z "${!secret:-}" ]; then
       printf -v "$secret" '%s' "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
     fi

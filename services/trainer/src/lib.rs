@@ -67,6 +67,9 @@ pub struct Config {
     /// request names must resolve inside one). Default: `.keel`, `/var/lib/keel` and the
     /// system's temporary directory.
     pub path_roots: Vec<std::path::PathBuf>,
+    /// When set, `/metrics` wants `Authorization: Bearer <api_token>` (`/healthz` stays
+    /// open). Default: `KEEL_TRAINER_TOKEN` when set.
+    pub api_token: Option<String>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -86,6 +89,9 @@ impl keel_service::ServiceConfig for Config {
         if !(self.max_lease_seconds.is_finite() && self.max_lease_seconds > 0.0) {
             return Err(format!("max_lease_seconds: must be positive, got {}", self.max_lease_seconds));
         }
+        if self.api_token.as_deref() == Some("") {
+            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+        }
         Ok(())
     }
 }
@@ -100,6 +106,7 @@ pub fn default_config() -> Config {
         bulk_bucket: "keel-bulk".into(),
         max_lease_seconds: 3600.0,
         path_roots: keel_service::paths::default_roots(),
+        api_token: std::env::var("KEEL_TRAINER_TOKEN").ok().filter(|t| !t.is_empty()),
     }
 }
 
@@ -140,7 +147,11 @@ pub async fn run(
             keel_service::metrics::response(out)
         }
     };
-    let app = keel_service::health_routes(SERVICE).route("/metrics", axum::routing::get(metrics));
+    let metrics = keel_service::require_bearer(
+        axum::Router::new().route("/metrics", axum::routing::get(metrics)),
+        config.api_token.clone(),
+    );
+    let app = metrics.merge(keel_service::health_routes(SERVICE));
     let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, http_stop));
     let worker_stop = {
         let mut rx = stop_rx;
