@@ -7,7 +7,8 @@
 //! - [`rope`]: rotary embeddings, including Llama 3 scaling.
 //! - [`cache`]: the preallocated [`KvCache`] and the block pools of [`PagedCache`]
 //!   (continuous batching).
-//! - [`weights`] and [`pretrained`]: safetensors load (memory-mapped) and save (sharded).
+//! - [`weights`] and [`pretrained`]: safetensors load (memory-mapped) and save (sharded);
+//!   [`packing`]: weights as byte buckets for refits in memory.
 //! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates.
 //! - [`sampling`]: batched sampling on the device; single-sequence generation for the CLI.
 //! - [`init`]: a new model directory with a trained tokenizer (`keel model init`).
@@ -23,6 +24,7 @@ pub mod device;
 pub mod error;
 pub mod init;
 pub mod model;
+pub mod packing;
 pub mod pretrained;
 pub mod rope;
 pub mod sampling;

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -42,7 +42,13 @@ impl CausalLm {
     /// full before any parameter changes, so on an error the current weights stay.
     pub fn reload_weights(&self, dir: &Path) -> Result<()> {
         let fresh = Self::load(dir, self.device(), self.kind())?;
-        let new = fresh.var_store().variables();
+        self.replace_weights(&fresh.var_store().variables())
+    }
+
+    /// Copies `new` (every parameter, by Hugging Face name, in any float dtype and on any
+    /// device) over the model's parameters in place; with a missing, unexpected or
+    /// misshapen tensor nothing is copied.
+    pub fn replace_weights(&self, new: &std::collections::HashMap<String, Tensor>) -> Result<()> {
         let current = self.var_store().variables();
         let mut problems = Vec::new();
         for (name, param) in &current {

@@ -90,11 +90,47 @@ pub mod error_types {
     pub const UNAVAILABLE: &str = "unavailable";
 }
 
-/// New policy weights to serve: a HF directory and its version.
+/// New policy weights to serve, at `version`: from memory (`weights`, a weights-only export
+/// in buckets) or from a HF directory (`path`: a run's base model or the checkpoint it
+/// resumes from).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightsUpdated {
     pub run_id: String,
     pub version: u64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightBuckets>,
+}
+
+/// A model's parameters, exported weights only, as raw little-endian tensor bytes in
+/// objects of the JetStream object store of at most a bucket size each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightBuckets {
+    /// `f32`, `bf16` or `f16`: every tensor's dtype.
+    pub dtype: String,
+    pub buckets: Vec<WeightBucket>,
+}
+
+/// One object of packed tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightBucket {
+    pub object: crate::ObjectRef,
+    /// Its size in bytes (the sum of its tensors').
+    pub bytes: u64,
+    pub tensors: Vec<PackedTensor>,
+}
+
+/// Where a tensor is in its bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackedTensor {
+    /// The Hugging Face parameter name.
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub offset: u64,
+    pub bytes: u64,
 }

@@ -18,13 +18,23 @@ pub enum TrainerOp {
     Train,
     Score,
     Save,
+    Export,
     Heartbeat,
     Release,
 }
 
 impl TrainerOp {
-    pub const ALL: [TrainerOp; 8] =
-        [Self::Claim, Self::Load, Self::Logprobs, Self::Train, Self::Score, Self::Save, Self::Heartbeat, Self::Release];
+    pub const ALL: [TrainerOp; 9] = [
+        Self::Claim,
+        Self::Load,
+        Self::Logprobs,
+        Self::Train,
+        Self::Score,
+        Self::Save,
+        Self::Export,
+        Self::Heartbeat,
+        Self::Release,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -34,6 +44,7 @@ impl TrainerOp {
             Self::Train => "train",
             Self::Score => "score",
             Self::Save => "save",
+            Self::Export => "export",
             Self::Heartbeat => "heartbeat",
             Self::Release => "release",
         }

@@ -263,6 +263,29 @@ pub struct SaveReply {
     pub timing: Timing,
 }
 
+/// Exports the policy's weights (never the optimiser's state) for the generators: cast to
+/// `dtype`, packed into objects of at most `bucket_bytes` in the run's bulk bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportRequest {
+    pub run_id: String,
+    /// `f32`, `bf16` or `f16` (what the generators serve).
+    pub dtype: String,
+    #[serde(default = "default_bucket_bytes")]
+    pub bucket_bytes: u64,
+}
+
+fn default_bucket_bytes() -> u64 {
+    256 << 20
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportReply {
+    pub step: u64,
+    pub weights: crate::generator::WeightBuckets,
+    pub timing: Timing,
+}
+
 /// Heartbeat and release carry only the run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

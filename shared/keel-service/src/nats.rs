@@ -305,6 +305,35 @@ impl Bulk {
         reader.read_to_end(&mut bytes).await.map_err(|e| format!("cannot read payload `{}`: {e}", object.name))?;
         serde_json::from_slice(&bytes).map_err(|e| format!("payload `{}` is not valid: {e}", object.name))
     }
+
+    /// The bytes of `object` (from this bucket only).
+    pub async fn get(&self, object: &ObjectRef) -> Result<Vec<u8>, String> {
+        if object.bucket != self.bucket {
+            return Err(format!("object is in bucket `{}`, this service reads `{}`", object.bucket, self.bucket));
+        }
+        let mut reader =
+            self.store.get(&object.name).await.map_err(|e| format!("cannot fetch object `{}`: {e}", object.name))?;
+        let mut bytes = Vec::new();
+        reader.read_to_end(&mut bytes).await.map_err(|e| format!("cannot read object `{}`: {e}", object.name))?;
+        Ok(bytes)
+    }
+
+    /// Deletes `object` (from this bucket only); one that is already gone is no error.
+    pub async fn delete(&self, object: &ObjectRef) -> Result<(), String> {
+        if object.bucket != self.bucket {
+            return Err(format!("object is in bucket `{}`, this service writes `{}`", object.bucket, self.bucket));
+        }
+        match self.store.delete(&object.name).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == object_store::DeleteErrorKind::NotFound => Ok(()),
+            Err(e) => Err(format!("cannot delete object `{}`: {e}", object.name)),
+        }
+    }
+
+    /// The bucket's name.
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
 }
 
 /// A unique object name part: time and a process-wide counter.

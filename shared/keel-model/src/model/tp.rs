@@ -588,11 +588,20 @@ impl<C: Collective> TpCausalLm<C> {
     pub fn stage_weights(&self, dir: &std::path::Path) -> Result<StagedWeights> {
         let cfg = ModelConfig::load(dir)?;
         let files = SliceReader::open(dir)?;
-        let fresh = Shards::build(&cfg, self.rank(), self.world_size(), self.device, self.kind, &files)?;
+        self.stage(&cfg, &files, &dir.display().to_string())
+    }
+
+    /// [`TpCausalLm::stage_weights`] from whole tensors in memory, by Hugging Face name (a
+    /// weights-only refit): this rank's slices are cut from them.
+    pub fn stage_weights_from(&self, weights: std::collections::HashMap<String, Tensor>) -> Result<StagedWeights> {
+        self.stage(&self.cfg.clone(), &FromModel(weights), "the new weights")
+    }
+
+    fn stage(&self, cfg: &ModelConfig, source: &dyn Source, what: &str) -> Result<StagedWeights> {
+        let fresh = Shards::build(cfg, self.rank(), self.world_size(), self.device, self.kind, source)?;
         if fresh.params.len() != self.shards.params.len() {
             return Err(Error::InvalidInput(format!(
-                "{} has {} tensors for this rank, the model {}",
-                dir.display(),
+                "{what} have {} tensors for this rank, the model {}",
                 fresh.params.len(),
                 self.shards.params.len()
             )));
