@@ -23,6 +23,24 @@ pub enum Backend {
     Sharded(Sharded),
 }
 
+/// New weights for a refit: a Hugging Face directory, or whole tensors by Hugging Face name
+/// (a weights-only export that came in memory).
+#[derive(Debug)]
+pub enum Weights {
+    Dir(PathBuf),
+    Tensors(std::collections::HashMap<String, Tensor>),
+}
+
+impl Weights {
+    /// A copy for one rank (the tensors shared, not copied).
+    fn share(&self) -> Self {
+        match self {
+            Self::Dir(dir) => Self::Dir(dir.clone()),
+            Self::Tensors(map) => Self::Tensors(map.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect()),
+        }
+    }
+}
+
 /// One rank: its slices of the model, its pool, and weights staged for a refit.
 type Rank = (TpCausalLm<SharedComm>, PagedCache, Option<StagedWeights>);
 
@@ -124,16 +142,22 @@ impl Backend {
         }
     }
 
-    /// Copies the weights in `dir` over the model's. Ranks first read and check their
-    /// slices; only when every rank has them does any rank swap, so a refit that fails on
-    /// one rank leaves all ranks on the old weights.
-    pub fn reload_weights(&mut self, dir: &Path) -> Result<()> {
+    /// Copies `weights` over the model's. Ranks first read and check their slices; only
+    /// when every rank has them does any rank swap, so a refit that fails on one rank
+    /// leaves all ranks on the old weights.
+    pub fn reload_weights(&mut self, weights: &Weights) -> Result<()> {
         match self {
-            Self::Whole { model, .. } => model.reload_weights(dir),
+            Self::Whole { model, .. } => match weights {
+                Weights::Dir(dir) => model.reload_weights(dir),
+                Weights::Tensors(map) => model.replace_weights(map),
+            },
             Self::Sharded(s) => {
-                let dir: PathBuf = dir.to_path_buf();
-                let staged = first(s.group.run_all(dir, |(model, _, staged), dir| {
-                    *staged = Some(model.stage_weights(&dir)?);
+                let inputs = (0..s.group.world_size()).map(|_| weights.share()).collect();
+                let staged = first(s.group.run(inputs, |(model, _, staged), weights| {
+                    *staged = Some(match weights {
+                        Weights::Dir(dir) => model.stage_weights(&dir)?,
+                        Weights::Tensors(map) => model.stage_weights_from(map)?,
+                    });
                     Ok(())
                 }));
                 let commit = staged.is_ok();
@@ -186,7 +210,7 @@ mod tests {
             out
         };
         let before = run(&mut sharded);
-        sharded.reload_weights(&second).expect("refit");
+        sharded.reload_weights(&Weights::Dir(second.clone())).expect("refit");
         let after = run(&mut sharded);
         for (dir, got) in [(&first, before), (&second, after)] {
             let model = CausalLm::load(dir, Device::Cpu, Kind::Float).expect("loaded");
@@ -208,11 +232,29 @@ mod tests {
             .expect("a model")
             .save(&other, SaveOptions::default())
             .expect("saved");
-        assert!(sharded.reload_weights(&other).is_err());
+        assert!(sharded.reload_weights(&Weights::Dir(other)).is_err());
         let again = run(&mut sharded);
         let whole = CausalLm::load(&second, Device::Cpu, Kind::Float).expect("loaded");
         let diff =
             (&again[0] - &run(&mut Backend::whole(whole, 4).expect("a backend"))[0]).abs().max().double_value(&[]);
         assert!(diff <= 1e-5, "after a refused refit the previous weights serve: {diff:e}");
+        // A refit from tensors in memory (a weights-only export), back to the first model,
+        // on two ranks and on one.
+        let tensors = || {
+            let model = CausalLm::load(&first, Device::Cpu, Kind::Float).expect("loaded");
+            Weights::Tensors(model.var_store().variables())
+        };
+        sharded.reload_weights(&tensors()).expect("refit from memory");
+        let mut whole =
+            Backend::whole(CausalLm::load(&second, Device::Cpu, Kind::Float).expect("loaded"), 4).expect("a backend");
+        whole.reload_weights(&tensors()).expect("refit from memory");
+        let want = run(&mut Backend::whole(CausalLm::load(&first, Device::Cpu, Kind::Float).expect("loaded"), 4)
+            .expect("a backend"));
+        for got in [run(&mut sharded), run(&mut whole)] {
+            for (g, w) in got.iter().zip(&want) {
+                let diff = (g - w).abs().max().double_value(&[]);
+                assert!(diff <= 1e-5, "after a refit from memory the logits differ by {diff:e}");
+            }
+        }
     }
 }

@@ -24,7 +24,6 @@
 //! version it ended on.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -101,7 +100,7 @@ pub struct EngineConfig {
 }
 
 struct Refit {
-    dir: PathBuf,
+    weights: crate::backend::Weights,
     version: u64,
     requested: Instant,
     done: oneshot::Sender<Result<f64, String>>,
@@ -288,10 +287,10 @@ impl Engine {
         self.stats.weight_version.load(Ordering::Relaxed)
     }
 
-    /// Loads the weights in `dir` as `version`; returns the seconds it took.
-    pub async fn refit(&self, dir: PathBuf, version: u64) -> Result<f64, String> {
+    /// Loads `weights` as `version`; returns the seconds it took.
+    pub async fn refit(&self, weights: crate::backend::Weights, version: u64) -> Result<f64, String> {
         let (done, result) = oneshot::channel();
-        let refit = Refit { dir, version, requested: Instant::now(), done };
+        let refit = Refit { weights, version, requested: Instant::now(), done };
         self.submit.send(Command::Refit(refit)).map_err(|_| "the scheduler has stopped".to_string())?;
         result.await.map_err(|_| "the scheduler dropped the refit".to_string())?
     }
@@ -336,7 +335,7 @@ impl Scheduler {
     /// forgets the prefix cache.
     fn apply_refit(&mut self) {
         let Some(refit) = self.refit.take() else { return };
-        let outcome = self.model.reload_weights(&refit.dir).map_err(|e| e.to_string());
+        let outcome = self.model.reload_weights(&refit.weights).map_err(|e| e.to_string());
         let seconds = refit.requested.elapsed().as_secs_f64();
         match &outcome {
             Ok(()) => {

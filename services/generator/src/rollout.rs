@@ -13,6 +13,7 @@ use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
+use crate::backend::Weights;
 use crate::openai::AppState;
 use crate::request::{Draft, collect};
 
@@ -252,10 +253,10 @@ pub async fn serve(
                             (state.engine.clone(), serving_run.clone(), refused.clone());
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
-                        let path = roots.check("path", &update.path);
+                        let (client, roots) = (client.clone(), roots.clone());
                         tokio::spawn(tracing::Instrument::instrument(async move {
-                            let refit = match path {
-                                Ok(path) => engine.refit(path, update.version).await.map_err(|e| e.to_string()),
+                            let refit = match new_weights(&client, &roots, &update).await {
+                                Ok(weights) => engine.refit(weights, update.version).await,
                                 Err(e) => Err(e),
                             };
                             match refit {
@@ -282,4 +283,51 @@ pub async fn serve(
             }
         }
     }
+}
+
+/// The weights a refit names: fetched from the object store (all buckets, every tensor
+/// checked) when it carries them in memory, else its directory inside the path roots.
+/// Nothing reaches the model until every bucket is here.
+async fn new_weights(
+    client: &async_nats::Client,
+    roots: &keel_service::paths::PathRoots,
+    update: &WeightsUpdated,
+) -> Result<Weights, String> {
+    let Some(weights) = &update.weights else {
+        return Ok(Weights::Dir(roots.check("path", &update.path)?));
+    };
+    let kind = keel_model::device::parse_kind(&weights.dtype).map_err(|e| e.to_string())?;
+    let mut tensors = std::collections::HashMap::new();
+    let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
+    for bucket in &weights.buckets {
+        let name = &bucket.object.bucket;
+        if !stores.contains_key(name) {
+            stores.insert(name.clone(), keel_service::nats::Bulk::open(client.clone(), name).await?);
+        }
+        let bytes = stores[name].get(&bucket.object).await?;
+        if bytes.len() as u64 != bucket.bytes {
+            return Err(format!(
+                "weight bucket `{}` has {} bytes, not {}",
+                bucket.object.name,
+                bytes.len(),
+                bucket.bytes
+            ));
+        }
+        let entries: Vec<keel_model::packing::Entry> = bucket
+            .tensors
+            .iter()
+            .map(|t| keel_model::packing::Entry {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                offset: t.offset,
+                bytes: t.bytes,
+            })
+            .collect();
+        for (name, tensor) in keel_model::packing::unpack(&bytes, &entries, kind).map_err(|e| e.to_string())? {
+            if tensors.insert(name.clone(), tensor).is_some() {
+                return Err(format!("`{name}` is in the weight buckets twice"));
+            }
+        }
+    }
+    Ok(Weights::Tensors(tensors))
 }

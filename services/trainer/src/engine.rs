@@ -409,6 +409,20 @@ impl Engine {
         Ok(Trained { steps, tokens, timing })
     }
 
+    /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
+    /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory. Under tensor
+    /// parallelism every rank calls it (each takes part in the gathers) and rank 0 returns
+    /// the buckets; the others return none.
+    pub fn export(&self, kind: tch::Kind, bucket_bytes: u64) -> Result<Vec<keel_model::packing::Bucket>> {
+        let packed = self.policy.with_full(|full| {
+            let mut tensors: Vec<(String, Tensor)> = full.var_store().variables().into_iter().collect();
+            tensors.sort_by(|a, b| a.0.cmp(&b.0));
+            let _no_grad = tch::no_grad_guard();
+            Ok(keel_model::packing::pack(&tensors, kind, bucket_bytes)?)
+        })?;
+        Ok(packed.unwrap_or_default())
+    }
+
     /// Writes a checkpoint directory at `path` (see [`checkpoint`]). Under tensor
     /// parallelism every rank calls it: the weights and optimiser state are gathered into
     /// the whole model's layout and rank 0 writes them (the others return no files).

@@ -167,6 +167,28 @@ impl Trainer {
         }
     }
 
+    /// The policy's weights in buckets (see [`Engine::export`]); with the optimiser step.
+    /// `kind` None exports in the policy's own dtype; the dtype used is returned.
+    pub fn export(
+        &mut self,
+        kind: Option<tch::Kind>,
+        bucket_bytes: u64,
+    ) -> Result<(u64, tch::Kind, Vec<keel_model::packing::Bucket>)> {
+        match self {
+            Self::One(engine) => {
+                let kind = kind.unwrap_or(engine.policy().kind());
+                Ok((engine.step(), kind, engine.export(kind, bucket_bytes)?))
+            }
+            Self::Ranks(ranks) => {
+                let exported = first(ranks.group.run_all((kind, bucket_bytes), |engine, (kind, bytes)| {
+                    let kind = kind.unwrap_or(engine.policy().kind());
+                    Ok((kind, engine.export(kind, bytes)?))
+                }))?;
+                Ok((ranks.step, exported.0, exported.1))
+            }
+        }
+    }
+
     /// Runs `f` on every rank's engine (or the one engine) and returns rank 0's result:
     /// for tests and diagnostics that need an engine method under tensor parallelism.
     pub fn on_every_rank<T: Send + 'static>(

@@ -24,11 +24,12 @@ use tracing::{Instrument, info, info_span, warn};
 use crate::actor::EngineThread;
 use crate::error::{Error, Result};
 use crate::parallel::Trainer;
+use keel_protocol::generator::{PackedTensor, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
-    ClaimReply, ClaimRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory,
-    Released, RunRequest, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest,
-    error_types,
+    ClaimReply, ClaimRequest, ExportReply, ExportRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs,
+    LogprobsReply, LogprobsRequest, Memory, Released, RunRequest, SaveReply, SaveRequest, ScoreReply, ScoreRequest,
+    Timing, TrainReply, TrainRequest, error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -246,6 +247,7 @@ impl Shared {
             TrainerOp::Train => encode(self.op(payload, h, |r: &TrainRequest| &r.run_id, train).await),
             TrainerOp::Score => encode(self.op(payload, h, |r: &ScoreRequest| &r.run_id, score).await),
             TrainerOp::Save => encode(self.op(payload, h, |r: &SaveRequest| &r.run_id, save).await),
+            TrainerOp::Export => encode(self.op(payload, h, |r: &ExportRequest| &r.run_id, export).await),
         }
     }
 
@@ -396,6 +398,50 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
         .await?;
     let timing = Timing::from([("save".to_string(), started.elapsed().as_secs_f64())]);
     Ok(SaveReply { path, step, files, timing })
+}
+
+/// Exports the policy's weights into the bulk bucket, one object per weight bucket. An
+/// export that fails midway deletes what it stored.
+async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportReply> {
+    let started = Instant::now();
+    let kind = match &request.dtype {
+        Some(name) => Some(
+            keel_model::device::parse_kind(name).map_err(|e| refuse(error_types::INVALID_REQUEST, e.to_string()))?,
+        ),
+        None => None,
+    };
+    if request.bucket_bytes == 0 {
+        return Err(refuse(error_types::INVALID_REQUEST, "bucket_bytes must be positive"));
+    }
+    let bucket_bytes = request.bucket_bytes;
+    let (step, kind, packed) = shared
+        .engine
+        .call(move |slot| loaded(slot)?.export(kind, bucket_bytes))
+        .instrument(info_span!("export", dtype = ?request.dtype))
+        .await?;
+    let packing = started.elapsed().as_secs_f64();
+    let mut buckets: Vec<WeightBucket> = Vec::with_capacity(packed.len());
+    for bucket in packed {
+        let object = match shared.bulk.put(&bucket.bytes).await {
+            Ok(object) => object,
+            Err(e) => {
+                for stored in &buckets {
+                    let _ = shared.bulk.delete(&stored.object).await;
+                }
+                return Err(refuse(error_types::PAYLOAD, e));
+            }
+        };
+        let tensors = bucket
+            .entries
+            .into_iter()
+            .map(|e| PackedTensor { name: e.name, shape: e.shape, offset: e.offset, bytes: e.bytes })
+            .collect();
+        buckets.push(WeightBucket { object, bytes: bucket.bytes.len() as u64, tensors });
+    }
+    let timing =
+        Timing::from([("export_pack".to_string(), packing), ("export".to_string(), started.elapsed().as_secs_f64())]);
+    let weights = WeightBuckets { dtype: keel_model::weights::dtype_name(kind).to_string(), buckets };
+    Ok(ExportReply { step, weights, timing })
 }
 
 /// A running worker; dropping the shutdown future's sender or completing it stops it.

@@ -80,9 +80,8 @@ mod tests {
 
     #[test]
     fn packed_tensors_come_back_equal_in_buckets_of_the_limit() {
-        let tensors: Vec<(String, Tensor)> = (0..5)
-            .map(|i| (format!("t{i}"), Tensor::randn([3, 4 + i], (Kind::Float, Device::Cpu))))
-            .collect();
+        let tensors: Vec<(String, Tensor)> =
+            (0..5).map(|i| (format!("t{i}"), Tensor::randn([3, 4 + i], (Kind::Float, Device::Cpu)))).collect();
         for kind in [Kind::Float, Kind::BFloat16] {
             let buckets = pack(&tensors, kind, 100).unwrap();
             assert!(buckets.len() > 1, "a limit of 100 bytes splits them");

@@ -269,8 +269,9 @@ pub struct SaveReply {
 #[serde(deny_unknown_fields)]
 pub struct ExportRequest {
     pub run_id: String,
-    /// `f32`, `bf16` or `f16` (what the generators serve).
-    pub dtype: String,
+    /// `f32`, `bf16` or `f16` (what the generators serve); default: the policy's own.
+    #[serde(default)]
+    pub dtype: Option<String>,
     #[serde(default = "default_bucket_bytes")]
     pub bucket_bytes: u64,
 }

@@ -1,8 +1,9 @@
 //! The GRPO step, as `nemo-rl-reference.md` describes it: prompts × generations → (multi-
 //! turn) rollouts → rewards (overlong shaping) → dynamic sampling → group advantages →
-//! policy and reference logprobs on the trainer → train → weights to the generators →
-//! validation → record → checkpoint. Phases are timed under NeMo-RL's names
-//! (`timing/train/generation`, ...).
+//! policy and reference logprobs on the trainer → train → weights to the generators
+//! (weights only, exported in buckets through the object store and loaded in place) →
+//! validation → record → checkpoint (saved on the checkpoint period only). Phases are timed
+//! under NeMo-RL's names (`timing/train/generation`, ...).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,6 +46,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
         rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
     }
     let mut saved: Vec<PathBuf> = Vec::new();
+    let mut exported: std::collections::VecDeque<keel_protocol::generator::WeightBuckets> = Default::default();
     for step in start.step + 1..=total {
         ctx.stop.check()?;
         // One trace per step: a root span, whatever span the driver runs in.
@@ -108,16 +110,23 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             metrics.insert("timing/train/policy_training".into(), seconds(phase));
             metrics.extend(mean_step_metrics(&trained, "train"));
 
+            // Weights only, in memory: the trainer exports them in buckets to the object
+            // store and the generators load them in place. Checkpoints are saved on the
+            // checkpoint period only.
             let phase = Instant::now();
+            let buckets = ctx
+                .publish_exported_weights(step)
+                .instrument(tracing::info_span!("weight_sync", version = step))
+                .await?;
             let dir = weights_dir(&ctx.run_dir, step);
-            async {
-                ctx.save(&dir, step, loader.position()).await?;
-                ctx.publish_weights(&dir, step).await
-            }
-            .instrument(tracing::info_span!("weight_sync", version = step))
-            .await?;
             weights = (dir.clone(), step);
-            saved.push(dir);
+            exported.push_back(buckets);
+            // The previous version stays for generators still loading it.
+            while exported.len() > 2 {
+                if let Some(old) = exported.pop_front() {
+                    ctx.delete_exported(&old).await;
+                }
+            }
             metrics.insert("timing/train/weight_sync".into(), seconds(phase));
 
             let mut samples: Vec<_> =
@@ -137,9 +146,11 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             };
             ctx.record(&record).instrument(tracing::info_span!("record", metrics = record.metrics.len())).await?;
             if ctx.saves_at(step, last) {
-                ctx.upload_checkpoint(&weights.0, step, loader.position(), metrics)
+                ctx.save(&dir, step, loader.position()).instrument(tracing::info_span!("checkpoint_save")).await?;
+                ctx.upload_checkpoint(&dir, step, loader.position(), metrics)
                     .instrument(tracing::info_span!("checkpoint_upload"))
                     .await?;
+                saved.push(dir);
             }
             prune(&mut saved);
             Ok::<_, Stop>(true)
@@ -149,6 +160,9 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
         if !more {
             break;
         }
+    }
+    for old in exported {
+        ctx.delete_exported(&old).await;
     }
     Ok(())
 }

@@ -29,10 +29,10 @@ use std::time::{Duration, Instant};
 
 use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
 use keel_protocol::checkpoint::Retention;
-use keel_protocol::generator::WeightsUpdated;
+use keel_protocol::generator::{WeightBuckets, WeightsUpdated};
 use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
 use keel_protocol::subjects::TrainerOp;
-use keel_protocol::trainer::{LoadReply, LoadRequest, ModelSource, SaveReply, SaveRequest};
+use keel_protocol::trainer::{ExportReply, ExportRequest, LoadReply, LoadRequest, ModelSource, SaveReply, SaveRequest};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -163,10 +163,13 @@ pub struct RunContext {
     pub stop: StopFlag,
     /// The run's waits for dependencies (its `nats` and `checkpoints` report to it).
     pub waits: Arc<Waits>,
-    /// When the weights were last announced (a refusal announces them again, at most every
+    /// The weights last announced, and when (a refusal announces them again, at most every
     /// [`REANNOUNCE_AFTER`]).
-    pub announced: std::sync::Mutex<Option<Instant>>,
+    pub announced: std::sync::Mutex<Option<(WeightsUpdated, Instant)>>,
 }
+
+/// The largest object a weights-only export packs tensors into.
+pub const EXPORT_BUCKET_BYTES: u64 = 256 << 20;
 
 /// How long a generator gets to load announced weights before they are announced again.
 pub const REANNOUNCE_AFTER: Duration = Duration::from_secs(2);
@@ -319,7 +322,31 @@ impl RunContext {
 
     /// Tells every generator to serve `dir` as this run's weights at `version`.
     pub async fn publish_weights(&self, dir: &Path, version: u64) -> Result<()> {
-        let event = WeightsUpdated { run_id: self.id.to_string(), version, path: dir.to_string_lossy().into_owned() };
+        let path = dir.to_string_lossy().into_owned();
+        self.announce(WeightsUpdated { run_id: self.id.to_string(), version, path, weights: None }).await
+    }
+
+    /// Has the trainer export the policy's weights (weights only, in the run's dtype, in
+    /// buckets in the object store) and tells every generator to serve them as `version`.
+    /// Returns the buckets (the caller deletes them once no generator needs them).
+    pub async fn publish_exported_weights(&self, version: u64) -> Result<WeightBuckets> {
+        let request = ExportRequest {
+            run_id: self.id.to_string(),
+            dtype: self.spec.dtype.clone(),
+            bucket_bytes: EXPORT_BUCKET_BYTES,
+        };
+        let exported: ExportReply = self.trainer()?.op(TrainerOp::Export, &request).await?;
+        let event = WeightsUpdated {
+            run_id: self.id.to_string(),
+            version,
+            path: String::new(),
+            weights: Some(exported.weights.clone()),
+        };
+        self.announce(event).await?;
+        Ok(exported.weights)
+    }
+
+    async fn announce(&self, event: WeightsUpdated) -> Result<()> {
         let body = serde_json::to_vec(&event).map_err(|e| Stop::Failed(e.to_string()))?;
         self.nats
             .client
@@ -328,15 +355,30 @@ impl RunContext {
             .map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
         self.nats.client.flush().await.map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
         if let Ok(mut announced) = self.announced.lock() {
-            *announced = Some(Instant::now());
+            *announced = Some((event, Instant::now()));
         }
         Ok(())
     }
 
-    /// Announces the weights again unless that was done within [`REANNOUNCE_AFTER`].
+    /// Announces the weights of `version` again unless that was done within
+    /// [`REANNOUNCE_AFTER`]: the same announcement when it was of that version, else `dir`.
     pub async fn reannounce_weights(&self, dir: &Path, version: u64) -> Result<()> {
-        let recent = self.announced.lock().ok().and_then(|a| *a).is_some_and(|at| at.elapsed() < REANNOUNCE_AFTER);
-        if recent { Ok(()) } else { self.publish_weights(dir, version).await }
+        let last = self.announced.lock().ok().and_then(|a| a.clone());
+        match last {
+            Some((_, at)) if at.elapsed() < REANNOUNCE_AFTER => Ok(()),
+            Some((event, _)) if event.version == version => self.announce(event).await,
+            _ => self.publish_weights(dir, version).await,
+        }
+    }
+
+    /// Deletes exported weight buckets no generator needs any more (best effort: the object
+    /// store expires them after a day anyway).
+    pub async fn delete_exported(&self, weights: &WeightBuckets) {
+        for bucket in &weights.buckets {
+            if let Err(e) = self.nats.bulk.delete(&bucket.object).await {
+                tracing::warn!(run_id = %self.id, "cannot delete exported weights: {e}");
+            }
+        }
     }
 
     /// Whether `step` is a checkpoint step.
