@@ -1,0 +1,170 @@
+//! Weights-only refits in memory, between a trainer and a generator as processes: after one
+//! training step the trainer exports the policy's weights (in small buckets through the
+//! object store), the generator loads them, and the logprobs it reports for its greedy
+//! samples equal the trainer's for the same tokens to 1e-5 (f32) — at generator TP 1 and 2,
+//! with trainer TP 1 and 2. A refit whose buckets cannot all be fetched leaves the old
+//! version serving, and the next one succeeds.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use keel_protocol::generator::WeightsUpdated;
+use keel_protocol::subjects::TrainerOp;
+use keel_protocol::trainer::{
+    ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainRequest,
+};
+use keel_protocol::{Payload, Reply, Subjects};
+use keel_testkit::{ServiceProcess, keel_model_init};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+struct Pair {
+    nats: async_nats::Client,
+    subjects: Subjects,
+    worker: String,
+    _trainer: ServiceProcess,
+    _generator: ServiceProcess,
+}
+
+impl Pair {
+    async fn start(model: &std::path::Path, generator_tp: usize) -> Self {
+        let prefix = format!("refit.{}", uuid::Uuid::new_v4().simple());
+        let worker = format!("w{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let trainer = ServiceProcess::start(
+            "trainer",
+            &[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix), ("KEEL_TRAINER__WORKER_ID", &worker)],
+        );
+        let tp = generator_tp.to_string();
+        let generator = ServiceProcess::start(
+            "generator",
+            &[
+                ("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix),
+                ("KEEL_GENERATOR__MODEL", model.to_str().unwrap()),
+                ("KEEL_GENERATOR__TENSOR_PARALLEL_SIZE", &tp),
+            ],
+        );
+        let nats = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+        Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, _trainer: trainer, _generator: generator }
+    }
+
+    async fn call<Rep: DeserializeOwned>(&self, subject: String, body: &impl serde::Serialize) -> Result<Rep, Value> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let payload = serde_json::to_vec(body).unwrap();
+            match self.nats.request(subject.clone(), payload.into()).await {
+                Ok(reply) => {
+                    return match serde_json::from_slice::<Reply<Rep>>(&reply.payload).unwrap() {
+                        Reply::Ok(value) => Ok(value),
+                        Reply::Error(e) => Err(serde_json::to_value(&e).unwrap()),
+                    };
+                }
+                // The generator may still be subscribing.
+                Err(e) => assert!(Instant::now() < deadline, "{subject}: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn trainer<Rep: DeserializeOwned>(&self, op: TrainerOp, body: &impl serde::Serialize) -> Rep {
+        self.call(self.subjects.trainer(&self.worker, op), body).await.unwrap_or_else(|e| panic!("{op:?}: {e}"))
+    }
+
+    /// A greedy rollout once the generator serves `version` (0: its start-up model): the
+    /// prompt and tokens, and the tokens' logprobs.
+    async fn rollout(&self, version: u64) -> (Vec<i64>, Vec<f64>) {
+        let mut request = json!({"run_id": "r", "prompt_token_ids": [5, 88, 17, 201, 33], "n": 1, "max_tokens": 8,
+            "sampling": {"temperature": 1.0, "top_k": 1}, "ignore_eos": true, "min_weight_version": version});
+        // Before any refit the generator serves its start-up model, no run's weights.
+        if version > 0 {
+            request["weights_of"] = json!("r");
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let reply: Value = loop {
+            match self.call::<Value>(self.subjects.generate(), &request).await {
+                Ok(reply) => break reply,
+                Err(e) if e["type"] == "stale_weights" => {
+                    assert!(Instant::now() < deadline, "the generator never served version {version}")
+                }
+                Err(e) => panic!("rollout: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(reply["weight_version"], version);
+        let sample = &reply["samples"][0];
+        let tokens: Vec<i64> = serde_json::from_value(sample["token_ids"].clone()).unwrap();
+        let logprobs: Vec<f64> = serde_json::from_value(sample["logprobs"].clone()).unwrap();
+        ([vec![5, 88, 17, 201, 33], tokens].concat(), logprobs)
+    }
+
+    async fn publish(&self, event: &WeightsUpdated) {
+        self.nats.publish(self.subjects.weights_updated(), serde_json::to_vec(event).unwrap().into()).await.unwrap();
+        self.nats.flush().await.unwrap();
+    }
+}
+
+/// One training step, an export in 64 KiB buckets, a refit, and the logprobs compared.
+async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize, trainer_tp: usize) {
+    let pair = Pair::start(model, generator_tp).await;
+    let _: Value = pair.call(pair.subjects.trainer_claim(), &json!({"run_id": "r"})).await.unwrap();
+    let training = json!({"loss": {"type": "nll"}, "global_batch_size": 2, "micro_batch_size": 2,
+        "optimizer": {"lr": 0.05, "weight_decay": 0.0}});
+    let load = json!({"run_id": "r", "policy": {"path": model}, "training": training, "seed": 1,
+        "tensor_parallel_size": trainer_tp});
+    let _: Value = pair.trainer(TrainerOp::Load, &load).await;
+    let input_ids = vec![(10..30).collect::<Vec<i64>>(), (40..60).collect()];
+    let token_mask = input_ids.iter().map(|r| vec![1.0; r.len()]).collect();
+    let batch = TrainBatch { input_ids, token_mask, ..Default::default() };
+    let train = TrainRequest { run_id: "r".into(), batch: Payload::Inline(batch), temperature: 1.0 };
+    let _: Value = pair.trainer(TrainerOp::Train, &train).await;
+    let export = ExportRequest { run_id: "r".into(), dtype: Some("f32".into()), bucket_bytes: 64 << 10 };
+    let exported: ExportReply = pair.trainer(TrainerOp::Export, &export).await;
+    assert!(exported.weights.buckets.len() > 1, "64 KiB buckets split the model");
+
+    // A refit whose buckets are not all there is refused; the base weights keep serving.
+    let mut broken = exported.weights.clone();
+    broken.buckets[1].object.name = "gone".into();
+    pair.publish(&WeightsUpdated { run_id: "r".into(), version: 1, path: String::new(), weights: Some(broken) }).await;
+    let (base_tokens, _) = pair.rollout(0).await;
+    let reply = loop {
+        let request = json!({"run_id": "r", "prompt_token_ids": [5, 88], "max_tokens": 2, "min_weight_version": 1});
+        match pair.call::<Value>(pair.subjects.generate(), &request).await {
+            Err(e) if e["type"] == "stale_weights" => tokio::time::sleep(Duration::from_millis(100)).await,
+            other => break other,
+        }
+    };
+    let error = reply.unwrap_err();
+    assert_eq!(error["type"], "refit_failed", "{error}");
+    let (still, _) = pair.rollout(0).await;
+    assert_eq!(still, base_tokens, "the old version serves after a failed refit");
+
+    let event = WeightsUpdated { run_id: "r".into(), version: 2, path: String::new(), weights: Some(exported.weights) };
+    pair.publish(&event).await;
+    let (sequence, generated) = pair.rollout(2).await;
+    let request = LogprobsRequest {
+        run_id: "r".into(),
+        model: Scorer::Policy,
+        batch: Payload::Inline(Sequences { input_ids: vec![sequence.clone()] }),
+        temperature: 1.0,
+    };
+    let reply: LogprobsReply = pair.trainer(TrainerOp::Logprobs, &request).await;
+    let Payload::Inline(logprobs) = reply.logprobs else { panic!("a small reply is inline") };
+    let trained = &logprobs.logprobs[0][5..];
+    assert_eq!(trained.len(), generated.len());
+    let diff = trained.iter().zip(&generated).map(|(t, g)| (f64::from(*t) - g).abs()).fold(0.0, f64::max);
+    eprintln!("generator TP {generator_tp}, trainer TP {trainer_tp}: {} logprobs, largest difference {diff:e}", trained.len());
+    assert!(
+        diff <= 1e-5,
+        "generator TP {generator_tp}, trainer TP {trainer_tp}: logprobs differ by {diff:e}\n{trained:?}\n{generated:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_weights_only_refit_the_generator_scores_as_the_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    keel_model_init(&model);
+    for (generator_tp, trainer_tp) in [(1, 1), (2, 1), (2, 2)] {
+        refit_matches_the_trainer(&model, generator_tp, trainer_tp).await;
+    }
+}
