@@ -152,7 +152,10 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
     let trained = &logprobs.logprobs[0][5..];
     assert_eq!(trained.len(), generated.len());
     let diff = trained.iter().zip(&generated).map(|(t, g)| (f64::from(*t) - g).abs()).fold(0.0, f64::max);
-    eprintln!("generator TP {generator_tp}, trainer TP {trainer_tp}: {} logprobs, largest difference {diff:e}", trained.len());
+    eprintln!(
+        "generator TP {generator_tp}, trainer TP {trainer_tp}: {} logprobs, largest difference {diff:e}",
+        trained.len()
+    );
     assert!(
         diff <= 1e-5,
         "generator TP {generator_tp}, trainer TP {trainer_tp}: logprobs differ by {diff:e}\n{trained:?}\n{generated:?}"

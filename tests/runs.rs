@@ -2,7 +2,8 @@
 //! submitted through the REST API. SFT then GRPO from the SFT checkpoint (metrics, samples,
 //! checkpoints; the generator and trainer agree on logprobs); DPO's first loss is ln 2 and
 //! falls; a reward model's accuracy rises; an orchestrator killed mid-run is replaced and
-//! the run finishes with every step recorded once.
+//! the run finishes with every step recorded once; weights refitted in memory or through a
+//! directory give the same run.
 
 #![allow(clippy::unwrap_used)]
 
@@ -147,4 +148,29 @@ async fn a_cancelled_run_stops_and_frees_its_trainer() {
     let run = stack.wait_for(&long, Duration::from_secs(30), |run| run["status"] == "cancelled").await;
     assert_eq!(run["reason"], "cancelled by request");
     stack.wait_succeeded(&next, LIMIT).await;
+}
+
+/// Weights reach the generators in memory (the default) or through the run's directory (the
+/// fallback): the same seeded GRPO run records the same losses and rewards either way, step
+/// after step — the generators served the same weights.
+#[tokio::test(flavor = "multi_thread")]
+async fn grpo_records_the_same_metrics_with_weights_in_memory_or_through_a_directory() {
+    let stack = Stack::start();
+    let mut series = Vec::new();
+    for transfer in ["memory", "directory"] {
+        let mut spec = grpo_spec(&json!({"path": stack.model}));
+        spec["generation"]["weight_transfer"] = json!(transfer);
+        spec["max_num_steps"] = json!(4);
+        spec["checkpointing"] = json!({"enabled": false});
+        let id = stack.submit(&spec).await;
+        stack.wait_succeeded(&id, LIMIT).await;
+        series.push((stack.series(&id, "train/loss").await, stack.series(&id, "train/reward").await));
+    }
+    let (memory, directory) = (&series[0], &series[1]);
+    assert_eq!(memory.0.len(), 4);
+    for ((a, b), name) in [(&memory.0, &directory.0), (&memory.1, &directory.1)].into_iter().zip(["loss", "reward"]) {
+        for ((step, x), (_, y)) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-6, "train/{name} at step {step}: {x} in memory, {y} through a directory");
+        }
+    }
 }

@@ -218,11 +218,32 @@ pub struct GenerationSpec {
     pub top_p: f64,
     pub top_k: Option<usize>,
     pub stop: Vec<String>,
+    /// How a GRPO step's new weights reach the generators: `memory` (the trainer exports the
+    /// weights only, in buckets through the object store) or `directory` (the trainer saves
+    /// a whole checkpoint to the run's directory on the disk the generators share, which
+    /// they load: the fallback, and the way it was done before).
+    pub weight_transfer: WeightTransfer,
+}
+
+/// See [`GenerationSpec::weight_transfer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightTransfer {
+    #[default]
+    Memory,
+    Directory,
 }
 
 impl Default for GenerationSpec {
     fn default() -> Self {
-        Self { max_new_tokens: 256, temperature: 1.0, top_p: 1.0, top_k: None, stop: Vec::new() }
+        Self {
+            max_new_tokens: 256,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            stop: Vec::new(),
+            weight_transfer: WeightTransfer::Memory,
+        }
     }
 }
 

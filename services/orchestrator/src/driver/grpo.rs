@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
 use keel_protocol::generator::Sampling;
-use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec};
+use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest};
 
@@ -114,13 +114,21 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             // store and the generators load them in place. Checkpoints are saved on the
             // checkpoint period only.
             let phase = Instant::now();
-            let buckets = ctx
-                .publish_exported_weights(step)
-                .instrument(tracing::info_span!("weight_sync", version = step))
-                .await?;
             let dir = weights_dir(&ctx.run_dir, step);
+            let in_memory = spec.generation.weight_transfer == WeightTransfer::Memory;
+            async {
+                if in_memory {
+                    exported.push_back(ctx.publish_exported_weights(step).await?);
+                } else {
+                    ctx.save(&dir, step, loader.position()).await?;
+                    ctx.publish_weights(&dir, step).await?;
+                    saved.push(dir.clone());
+                }
+                Ok::<_, Stop>(())
+            }
+            .instrument(tracing::info_span!("weight_sync", version = step))
+            .await?;
             weights = (dir.clone(), step);
-            exported.push_back(buckets);
             // The previous version stays for generators still loading it.
             while exported.len() > 2 {
                 if let Some(old) = exported.pop_front() {
@@ -146,11 +154,13 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             };
             ctx.record(&record).instrument(tracing::info_span!("record", metrics = record.metrics.len())).await?;
             if ctx.saves_at(step, last) {
-                ctx.save(&dir, step, loader.position()).instrument(tracing::info_span!("checkpoint_save")).await?;
+                if in_memory {
+                    ctx.save(&dir, step, loader.position()).instrument(tracing::info_span!("checkpoint_save")).await?;
+                    saved.push(dir.clone());
+                }
                 ctx.upload_checkpoint(&dir, step, loader.position(), metrics)
                     .instrument(tracing::info_span!("checkpoint_upload"))
                     .await?;
-                saved.push(dir);
             }
             prune(&mut saved);
             Ok::<_, Stop>(true)
