@@ -94,7 +94,9 @@ stack_start_nats() {
   local -a passwords=()
   for name in "${stack_names[@]}"; do
     upper=${name^^}
-    stack_nats_password[$name]=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+    # nats-server reads a variable's value as a config value: one that starts with a digit
+    # is taken for a number and refused, so every password starts with a letter.
+    stack_nats_password[$name]=k$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
     passwords+=("KEEL_NATS_${upper}_PASSWORD=${stack_nats_password[$name]}")
   done
   stack_say "starting nats-server with authentication on 127.0.0.1:$port (log: $KEEL_STATE/logs/nats-server.log)"

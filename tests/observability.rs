@@ -178,7 +178,8 @@ fn check_step_tree(trace: &[Span], run: &str, step: u64) {
         ("reward.env_step", "keel-reward", &["rollouts", "validation"]),
         ("trainer.logprobs", "keel-trainer", &["policy_and_reference_logprobs"]),
         ("trainer.train", "keel-trainer", &["policy_training"]),
-        ("trainer.save", "keel-trainer", &["weight_sync"]),
+        ("trainer.export", "keel-trainer", &["weight_sync"]),
+        ("trainer.save", "keel-trainer", &["checkpoint_save"]),
         ("generator.refit", "keel-generator", &["weight_sync"]),
     ] {
         let spans = find(server);
