@@ -2,7 +2,7 @@
 //! training step the trainer exports the policy's weights (in small buckets through the
 //! object store), the generator loads them, and the logprobs it reports for its greedy
 //! samples equal the trainer's for the same tokens to 1e-5 (f32) — at generator TP 1 and 2,
-//! with trainer TP 1 and 2. A refit whose buckets cannot all be fetched leaves the old
+//! with trainer TP 1 and 2, through the object store and through shared memory. A refit whose buckets cannot all be fetched leaves the old
 //! version serving, and the next one succeeds.
 
 #![allow(clippy::unwrap_used)]
@@ -103,8 +103,9 @@ impl Pair {
     }
 }
 
-/// One training step, an export in 64 KiB buckets, a refit, and the logprobs compared.
-async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize, trainer_tp: usize) {
+/// One training step, an export in 64 KiB buckets (objects, or files in shared memory), a
+/// refit, and the logprobs compared.
+async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize, trainer_tp: usize, shared: bool) {
     let pair = Pair::start(model, generator_tp).await;
     let _: Value = pair.call(pair.subjects.trainer_claim(), &json!({"run_id": "r"})).await.unwrap();
     let training = json!({"loss": {"type": "nll"}, "global_batch_size": 2, "micro_batch_size": 2,
@@ -117,13 +118,25 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
     let batch = TrainBatch { input_ids, token_mask, ..Default::default() };
     let train = TrainRequest { run_id: "r".into(), batch: Payload::Inline(batch), temperature: 1.0 };
     let _: Value = pair.trainer(TrainerOp::Train, &train).await;
-    let export = ExportRequest { run_id: "r".into(), dtype: Some("f32".into()), bucket_bytes: 64 << 10 };
+    let shared_dir =
+        shared.then(|| format!("{}/test-{}", keel_service::paths::SHARED_WEIGHTS_DIR, uuid::Uuid::new_v4().simple()));
+    let export = ExportRequest {
+        run_id: "r".into(),
+        dtype: Some("f32".into()),
+        bucket_bytes: 64 << 10,
+        shared_dir: shared_dir.clone(),
+    };
     let exported: ExportReply = pair.trainer(TrainerOp::Export, &export).await;
     assert!(exported.weights.buckets.len() > 1, "64 KiB buckets split the model");
 
     // A refit whose buckets are not all there is refused; the base weights keep serving.
     let mut broken = exported.weights.clone();
-    broken.buckets[1].object.name = "gone".into();
+    let second = &mut broken.buckets[1];
+    match (&mut second.object, &mut second.file) {
+        (Some(object), _) => object.name = "gone".into(),
+        (_, Some(file)) => file.push_str(".gone"),
+        _ => panic!("a bucket is an object or a file"),
+    }
     pair.publish(&WeightsUpdated { run_id: "r".into(), version: 1, path: String::new(), weights: Some(broken) }).await;
     let (base_tokens, _) = pair.rollout(0).await;
     let reply = loop {
@@ -152,14 +165,18 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
     let trained = &logprobs.logprobs[0][5..];
     assert_eq!(trained.len(), generated.len());
     let diff = trained.iter().zip(&generated).map(|(t, g)| (f64::from(*t) - g).abs()).fold(0.0, f64::max);
+    let through = if shared { "shared memory" } else { "the object store" };
     eprintln!(
-        "generator TP {generator_tp}, trainer TP {trainer_tp}: {} logprobs, largest difference {diff:e}",
+        "generator TP {generator_tp}, trainer TP {trainer_tp}, through {through}: {} logprobs, largest difference {diff:e}",
         trained.len()
     );
     assert!(
         diff <= 1e-5,
-        "generator TP {generator_tp}, trainer TP {trainer_tp}: logprobs differ by {diff:e}\n{trained:?}\n{generated:?}"
+        "generator TP {generator_tp}, trainer TP {trainer_tp}, through {through}: logprobs differ by {diff:e}\n{trained:?}\n{generated:?}"
     );
+    if let Some(dir) = shared_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -167,7 +184,8 @@ async fn after_a_weights_only_refit_the_generator_scores_as_the_trainer() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     keel_model_init(&model);
-    for (generator_tp, trainer_tp) in [(1, 1), (2, 1), (2, 2)] {
-        refit_matches_the_trainer(&model, generator_tp, trainer_tp).await;
+    for (generator_tp, trainer_tp, shared) in [(1, 1, false), (2, 1, false), (2, 2, false), (1, 1, true), (2, 2, true)]
+    {
+        refit_matches_the_trainer(&model, generator_tp, trainer_tp, shared).await;
     }
 }

@@ -300,18 +300,26 @@ async fn new_weights(
     let mut tensors = std::collections::HashMap::new();
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
     for bucket in &weights.buckets {
-        let name = &bucket.object.bucket;
-        if !stores.contains_key(name) {
-            stores.insert(name.clone(), keel_service::nats::Bulk::open(client.clone(), name).await?);
-        }
-        let bytes = stores[name].get(&bucket.object).await?;
+        let (bytes, shown) = match (&bucket.object, &bucket.file) {
+            (Some(object), None) => {
+                if !stores.contains_key(&object.bucket) {
+                    let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
+                    stores.insert(object.bucket.clone(), store);
+                }
+                (stores[&object.bucket].get(object).await?, object.name.clone())
+            }
+            (None, Some(file)) => {
+                let path = roots.check("file", file)?;
+                let bytes = tokio::task::spawn_blocking(move || std::fs::read(&path))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("weight bucket {file}: {e}"))?;
+                (bytes, file.clone())
+            }
+            _ => return Err("a weight bucket names an object or a file, one of them".into()),
+        };
         if bytes.len() as u64 != bucket.bytes {
-            return Err(format!(
-                "weight bucket `{}` has {} bytes, not {}",
-                bucket.object.name,
-                bytes.len(),
-                bucket.bytes
-            ));
+            return Err(format!("weight bucket `{shown}` has {} bytes, not {}", bytes.len(), bucket.bytes));
         }
         let entries: Vec<keel_model::packing::Entry> = bucket
             .tensors

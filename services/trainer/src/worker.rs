@@ -420,28 +420,92 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         .instrument(info_span!("export", dtype = ?request.dtype))
         .await?;
     let packing = started.elapsed().as_secs_f64();
-    let mut buckets: Vec<WeightBucket> = Vec::with_capacity(packed.len());
-    for bucket in packed {
-        let object = match shared.bulk.put(&bucket.bytes).await {
-            Ok(object) => object,
-            Err(e) => {
-                for stored in &buckets {
-                    let _ = shared.bulk.delete(&stored.object).await;
-                }
-                return Err(refuse(error_types::PAYLOAD, e));
-            }
-        };
-        let tensors = bucket
-            .entries
-            .into_iter()
-            .map(|e| PackedTensor { name: e.name, shape: e.shape, offset: e.offset, bytes: e.bytes })
-            .collect();
-        buckets.push(WeightBucket { object, bytes: bucket.bytes.len() as u64, tensors });
-    }
+    let buckets = match &request.shared_dir {
+        Some(dir) => {
+            let dir = shared.roots.check("shared_dir", dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+            tokio::task::spawn_blocking(move || write_shared(&dir, packed))
+                .await
+                .map_err(|e| refuse(error_types::INTERNAL, e.to_string()))?
+                .map_err(|e| refuse(error_types::PAYLOAD, e))?
+        }
+        None => store_objects(&shared.bulk, packed).await.map_err(|e| refuse(error_types::PAYLOAD, e))?,
+    };
     let timing =
         Timing::from([("export_pack".to_string(), packing), ("export".to_string(), started.elapsed().as_secs_f64())]);
     let weights = WeightBuckets { dtype: keel_model::weights::dtype_name(kind).to_string(), buckets };
     Ok(ExportReply { step, weights, timing })
+}
+
+fn packed_tensors(entries: Vec<keel_model::packing::Entry>) -> Vec<PackedTensor> {
+    entries
+        .into_iter()
+        .map(|e| PackedTensor { name: e.name, shape: e.shape, offset: e.offset, bytes: e.bytes })
+        .collect()
+}
+
+/// Each bucket an object of the bulk bucket; on a failure the ones stored are deleted.
+async fn store_objects(
+    bulk: &Bulk,
+    packed: Vec<keel_model::packing::Bucket>,
+) -> std::result::Result<Vec<WeightBucket>, String> {
+    let mut buckets: Vec<WeightBucket> = Vec::with_capacity(packed.len());
+    for bucket in packed {
+        match bulk.put(&bucket.bytes).await {
+            Ok(object) => buckets.push(WeightBucket {
+                object: Some(object),
+                file: None,
+                bytes: bucket.bytes.len() as u64,
+                tensors: packed_tensors(bucket.entries),
+            }),
+            Err(e) => {
+                for stored in buckets.iter().filter_map(|b| b.object.as_ref()) {
+                    let _ = bulk.delete(stored).await;
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(buckets)
+}
+
+/// Each bucket a file in a new directory under `dir` (shared memory), written aside and
+/// renamed into place; export directories but the two newest are deleted.
+fn write_shared(
+    dir: &std::path::Path,
+    packed: Vec<keel_model::packing::Bucket>,
+) -> std::result::Result<Vec<WeightBucket>, String> {
+    fn io(what: &std::path::Path) -> impl FnOnce(std::io::Error) -> String + '_ {
+        move |e| format!("{}: {e}", what.display())
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let export = dir.join(format!("export-{nanos:032}"));
+    let partial = dir.join(format!(".partial-{nanos:032}"));
+    std::fs::create_dir(&partial).map_err(io(&partial))?;
+    let mut buckets = Vec::with_capacity(packed.len());
+    for (i, bucket) in packed.into_iter().enumerate() {
+        let name = format!("bucket-{i:05}.bin");
+        std::fs::write(partial.join(&name), &bucket.bytes).map_err(io(&partial.join(&name)))?;
+        buckets.push(WeightBucket {
+            object: None,
+            file: Some(export.join(&name).to_string_lossy().into_owned()),
+            bytes: bucket.bytes.len() as u64,
+            tensors: packed_tensors(bucket.entries),
+        });
+    }
+    std::fs::rename(&partial, &export).map_err(io(&export))?;
+    let mut exports: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("export-")))
+        .collect();
+    exports.sort();
+    for old in exports.iter().rev().skip(2) {
+        if let Err(e) = std::fs::remove_dir_all(old) {
+            warn!("cannot remove the old export {}: {e}", old.display());
+        }
+    }
+    Ok(buckets)
 }
 
 /// A running worker; dropping the shutdown future's sender or completing it stops it.

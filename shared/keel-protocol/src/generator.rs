@@ -114,11 +114,15 @@ pub struct WeightBuckets {
     pub buckets: Vec<WeightBucket>,
 }
 
-/// One object of packed tensors.
+/// One buffer of packed tensors: an object of the JetStream object store, or a file in
+/// shared memory (`/dev/shm`) when trainer and generators are on one host.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightBucket {
-    pub object: crate::ObjectRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<crate::ObjectRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
     /// Its size in bytes (the sum of its tensors').
     pub bytes: u64,
     pub tensors: Vec<PackedTensor>,

@@ -219,9 +219,10 @@ pub struct GenerationSpec {
     pub top_k: Option<usize>,
     pub stop: Vec<String>,
     /// How a GRPO step's new weights reach the generators: `memory` (the trainer exports the
-    /// weights only, in buckets through the object store) or `directory` (the trainer saves
-    /// a whole checkpoint to the run's directory on the disk the generators share, which
-    /// they load: the fallback, and the way it was done before).
+    /// weights only, in buckets through the object store), `shared_memory` (the same buckets
+    /// as files in `/dev/shm` on the trainer's host: for generators on the same host) or
+    /// `directory` (the trainer saves a whole checkpoint to the run's directory on the disk
+    /// the generators share, which they load: the fallback, and the way it was done before).
     pub weight_transfer: WeightTransfer,
 }
 
@@ -231,6 +232,7 @@ pub struct GenerationSpec {
 pub enum WeightTransfer {
     #[default]
     Memory,
+    SharedMemory,
     Directory,
 }
 

@@ -274,6 +274,11 @@ pub struct ExportRequest {
     pub dtype: Option<String>,
     #[serde(default = "default_bucket_bytes")]
     pub bucket_bytes: u64,
+    /// Write the buckets as files under this directory (shared memory on the trainer's
+    /// host, e.g. `/dev/shm/keel-weights/<run>`) instead of the object store; the worker
+    /// keeps the two newest exports there and deletes older ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_dir: Option<String>,
 }
 
 fn default_bucket_bytes() -> u64 {

@@ -14,11 +14,19 @@ pub struct PathRoots {
 }
 
 /// The roots a service gets unless configured: `.keel` under the working directory (the
-/// local stack's state), `/var/lib/keel` (the containers' volumes) and the system's
-/// temporary directory.
+/// local stack's state), `/var/lib/keel` (the containers' volumes), the system's temporary
+/// directory and `/dev/shm/keel-weights` (weights exported in shared memory).
 pub fn default_roots() -> Vec<PathBuf> {
-    vec![PathBuf::from(".keel"), PathBuf::from("/var/lib/keel"), std::env::temp_dir()]
+    vec![
+        PathBuf::from(".keel"),
+        PathBuf::from("/var/lib/keel"),
+        std::env::temp_dir(),
+        PathBuf::from(SHARED_WEIGHTS_DIR),
+    ]
 }
+
+/// Where weights exported in shared memory go (one directory per run).
+pub const SHARED_WEIGHTS_DIR: &str = "/dev/shm/keel-weights";
 
 impl PathRoots {
     /// `roots` (relative ones against the working directory); `setting` names where they

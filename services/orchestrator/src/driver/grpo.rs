@@ -115,10 +115,12 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             // checkpoint period only.
             let phase = Instant::now();
             let dir = weights_dir(&ctx.run_dir, step);
-            let in_memory = spec.generation.weight_transfer == WeightTransfer::Memory;
+            let transfer = spec.generation.weight_transfer;
+            let in_memory = transfer != WeightTransfer::Directory;
             async {
                 if in_memory {
-                    exported.push_back(ctx.publish_exported_weights(step).await?);
+                    let shared_memory = transfer == WeightTransfer::SharedMemory;
+                    exported.push_back(ctx.publish_exported_weights(step, shared_memory).await?);
                 } else {
                     ctx.save(&dir, step, loader.position()).await?;
                     ctx.publish_weights(&dir, step).await?;

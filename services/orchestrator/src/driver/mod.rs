@@ -329,11 +329,14 @@ impl RunContext {
     /// Has the trainer export the policy's weights (weights only, in the run's dtype, in
     /// buckets in the object store) and tells every generator to serve them as `version`.
     /// Returns the buckets (the caller deletes them once no generator needs them).
-    pub async fn publish_exported_weights(&self, version: u64) -> Result<WeightBuckets> {
+    /// With `shared_memory` the buckets are files in `/dev/shm` on the trainer's host.
+    pub async fn publish_exported_weights(&self, version: u64, shared_memory: bool) -> Result<WeightBuckets> {
+        let shared_dir = shared_memory.then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.id));
         let request = ExportRequest {
             run_id: self.id.to_string(),
             dtype: self.spec.dtype.clone(),
             bucket_bytes: EXPORT_BUCKET_BYTES,
+            shared_dir,
         };
         let exported: ExportReply = self.trainer()?.op(TrainerOp::Export, &request).await?;
         let event = WeightsUpdated {
@@ -374,8 +377,9 @@ impl RunContext {
     /// Deletes exported weight buckets no generator needs any more (best effort: the object
     /// store expires them after a day anyway).
     pub async fn delete_exported(&self, weights: &WeightBuckets) {
-        for bucket in &weights.buckets {
-            if let Err(e) = self.nats.bulk.delete(&bucket.object).await {
+        // Files in shared memory are the trainer's to delete (it keeps the newest two).
+        for object in weights.buckets.iter().filter_map(|b| b.object.as_ref()) {
+            if let Err(e) = self.nats.bulk.delete(object).await {
                 tracing::warn!(run_id = %self.id, "cannot delete exported weights: {e}");
             }
         }
