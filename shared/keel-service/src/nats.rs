@@ -236,6 +236,10 @@ where
 /// Room left in a message for the fields around an inline body.
 const ENVELOPE_MARGIN: usize = 64 * 1024;
 
+/// The largest chunk of a stored object (NATS's default 1 MiB message limit, less room for
+/// headers); a server with a smaller limit gets smaller chunks.
+const OBJECT_CHUNK_BYTES: usize = 960 << 10;
+
 /// How long bulk objects are kept.
 const OBJECT_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 
@@ -244,6 +248,8 @@ const OBJECT_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 pub struct Bulk {
     store: object_store::ObjectStore,
     bucket: String,
+    /// Chunk size of stored objects: what fits in one of the server's messages.
+    chunk_bytes: usize,
 }
 
 impl std::fmt::Debug for Bulk {
@@ -255,6 +261,7 @@ impl std::fmt::Debug for Bulk {
 impl Bulk {
     /// Opens `bucket`, creating it when it does not exist.
     pub async fn open(client: async_nats::Client, bucket: &str) -> Result<Self, String> {
+        let chunk_bytes = client.server_info().max_payload.saturating_sub(64 << 10).clamp(64 << 10, OBJECT_CHUNK_BYTES);
         let js = jetstream::new(client);
         let store = match js.get_object_store(bucket).await {
             Ok(store) => store,
@@ -267,7 +274,7 @@ impl Bulk {
                 .await
                 .map_err(|e| format!("cannot create the object store bucket `{bucket}`: {e}"))?,
         };
-        Ok(Self { store, bucket: bucket.to_string() })
+        Ok(Self { store, bucket: bucket.to_string(), chunk_bytes })
     }
 
     /// `value` inline when it is small, else stored as a new object.
@@ -279,12 +286,20 @@ impl Bulk {
         Ok(Payload::Object(self.put(&bytes).await?))
     }
 
-    /// Stores `bytes` under a fresh name.
+    /// Stores `bytes` under a fresh name, in chunks just under the server's message limit
+    /// (1 MiB by default): each chunk is one acknowledged publish, so fewer, larger chunks store
+    /// a large body in fewer round trips (16 MiB: 18 chunks instead of 128 of the default
+    /// 128 KiB).
     pub async fn put(&self, bytes: &[u8]) -> Result<ObjectRef, String> {
         let name = format!("bulk-{}", uuid_like());
         let mut reader = bytes;
+        let meta = object_store::ObjectMetadata {
+            name: name.clone(),
+            chunk_size: Some(self.chunk_bytes),
+            ..Default::default()
+        };
         self.store
-            .put(name.as_str(), &mut reader)
+            .put(meta, &mut reader)
             .await
             .map_err(|e| format!("cannot store payload `{name}` in bucket `{}`: {e}", self.bucket))?;
         Ok(ObjectRef { bucket: self.bucket.clone(), name })
