@@ -60,6 +60,19 @@ impl Serving {
         Self { client, subjects, stats, stop, server }
     }
 
+    /// Asks `body` until `done(reply)` (a refit has taken effect, or been refused), for up
+    /// to 30 s.
+    async fn ask_until(&self, body: &Value, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let reply = self.ask(body.clone()).await;
+            if done(&reply) {
+                return reply;
+            }
+            assert!(Instant::now() < deadline, "{what}: {reply}");
+        }
+    }
+
     /// A rollout's reply, retried until the generator has subscribed.
     async fn ask(&self, body: Value) -> Value {
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -112,15 +125,13 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     // New weights: once refitted, replies carry version 1 and come from the new model.
     let update = json!({"run_id": "r1", "version": 1, "path": second});
     client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let refitted = loop {
-        let reply = ask(needs_newer.clone()).await;
-        if reply.get("ok").is_some() {
-            break reply;
-        }
-        assert_eq!(reply["error"]["type"], "stale_weights");
-        assert!(Instant::now() < deadline, "never refitted");
-    };
+    let refitted = serving
+        .ask_until(&needs_newer, "never refitted", |reply| {
+            let served = reply.get("ok").is_some();
+            assert!(served || reply["error"]["type"] == "stale_weights", "{reply}");
+            served
+        })
+        .await;
     assert_eq!(refitted["ok"]["weight_version"], 1);
     let ids: Vec<i64> = serde_json::from_value(refitted["ok"]["samples"][0]["token_ids"].clone()).unwrap();
     assert_eq!(ids, greedy(&second, &prompt, 12));
@@ -140,14 +151,11 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     // A rollout that needs the refused version hears why at once, not `stale_weights`.
     let mut needs_refused = request.clone();
     needs_refused["min_weight_version"] = json!(2);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let reply = loop {
-        let reply = ask(needs_refused.clone()).await;
-        if reply["error"]["type"] != "stale_weights" {
-            break reply;
-        }
-        assert!(Instant::now() < deadline, "the refused refit was never reported");
-    };
+    let reply = serving
+        .ask_until(&needs_refused, "the refused refit was never reported", |reply| {
+            reply["error"]["type"] != "stale_weights"
+        })
+        .await;
     assert_eq!(reply["error"]["type"], "refit_failed", "{reply}");
     assert!(reply["error"]["message"].as_str().unwrap().contains("version 2"), "{reply}");
 
@@ -155,15 +163,11 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     let update = json!({"run_id": "r1", "version": 3, "path": "/usr/lib"});
     client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
     needs_refused["min_weight_version"] = json!(3);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let reply = loop {
-        let reply = ask(needs_refused.clone()).await;
-        let message = reply["error"]["message"].as_str().unwrap_or_default().to_string();
-        if message.contains("version 3") {
-            break reply;
-        }
-        assert!(Instant::now() < deadline, "the refit from outside the roots was never refused: {reply}");
-    };
+    let reply = serving
+        .ask_until(&needs_refused, "the refit from outside the roots was never refused", |reply| {
+            reply["error"]["message"].as_str().is_some_and(|m| m.contains("version 3"))
+        })
+        .await;
     assert_eq!(reply["error"]["type"], "refit_failed", "{reply}");
     assert!(reply["error"]["message"].as_str().unwrap().contains("`/usr/lib` is outside"), "{reply}");
     assert_eq!(refits(&stats), 1);

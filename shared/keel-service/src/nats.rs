@@ -311,13 +311,7 @@ impl Bulk {
             Payload::Inline(value) => return Ok(value),
             Payload::Object(object) => object,
         };
-        if object.bucket != self.bucket {
-            return Err(format!("payload is in bucket `{}`, this service reads `{}`", object.bucket, self.bucket));
-        }
-        let mut reader =
-            self.store.get(&object.name).await.map_err(|e| format!("cannot fetch payload `{}`: {e}", object.name))?;
-        let mut bytes = Vec::new();
-        reader.read_to_end(&mut bytes).await.map_err(|e| format!("cannot read payload `{}`: {e}", object.name))?;
+        let bytes = self.get(&object).await?;
         serde_json::from_slice(&bytes).map_err(|e| format!("payload `{}` is not valid: {e}", object.name))
     }
 
