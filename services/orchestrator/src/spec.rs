@@ -129,9 +129,8 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         _ => None,
     });
     for (field, path) in spec.model.path.iter().map(|p| ("model.path", p)).chain(dataset_paths) {
-        if let Err(e) = roots.check(field, path) {
-            let message = e.strip_prefix(&format!("{field}: ")).unwrap_or(&e).to_string();
-            problems.push(FieldError::new(field, message));
+        if let Err(e) = roots.inside(path) {
+            problems.push(FieldError::new(field, e));
         }
     }
     if let Some(path) = spec.model.path.as_ref().filter(|_| !problems.iter().any(|p| p.field == "model.path")) {

@@ -45,17 +45,23 @@ impl PathRoots {
     /// `path` resolved (absolute, links followed as far as it exists), if it lies inside a
     /// root; else an error naming `what`, the path and the setting to change.
     pub fn check(&self, what: &str, path: &str) -> Result<PathBuf, String> {
+        self.inside(path).map_err(|e| format!("{what}: {e}"))
+    }
+
+    /// [`PathRoots::check`] with an error that names no field (for callers that name it
+    /// themselves).
+    pub fn inside(&self, path: &str) -> Result<PathBuf, String> {
         let given = Path::new(path);
         if path.is_empty() || given.components().any(|c| c == Component::ParentDir) {
-            return Err(format!("{what}: `{path}` must be a path without `..`"));
+            return Err(format!("`{path}` must be a path without `..`"));
         }
-        let resolved = resolve(&std::path::absolute(given).map_err(|e| format!("{what}: `{path}`: {e}"))?);
+        let resolved = resolve(&std::path::absolute(given).map_err(|e| format!("`{path}`: {e}"))?);
         if self.roots.iter().any(|root| resolved.starts_with(resolve(root))) {
             return Ok(resolved);
         }
         let roots: Vec<String> = self.roots.iter().map(|r| r.display().to_string()).collect();
         Err(format!(
-            "{what}: `{path}` is outside the directories this service may use ({}); add its directory to {}",
+            "`{path}` is outside the directories this service may use ({}); add its directory to {}",
             roots.join(", "),
             self.setting
         ))
