@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use keel_model::sampling::SamplingParams;
-use keel_protocol::generator::{RolloutReply, RolloutRequest, RolloutSample, WeightsUpdated, error_types};
+use keel_protocol::generator::{RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded, WeightsUpdated, error_types};
 use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
 use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
@@ -255,10 +255,14 @@ pub async fn serve(
                         span.record("run_id", update.run_id.as_str());
                         let (client, roots) = (client.clone(), roots.clone());
                         tokio::spawn(tracing::Instrument::instrument(async move {
+                            let arrived = std::time::Instant::now();
                             let refit = match new_weights(&client, &roots, &update).await {
                                 Ok(weights) => engine.refit(weights, update.version).await,
                                 Err(e) => Err(e),
                             };
+                            if let Some(to) = message.reply.clone() {
+                                report_refit(&client, to, &update, arrived, &refit).await;
+                            }
                             match refit {
                                 Ok(seconds) => {
                                     if let Ok(mut run) = serving_run.lock() {
@@ -282,6 +286,27 @@ pub async fn serve(
                 }
             }
         }
+    }
+}
+
+/// Answers the orchestrator that published `update` with a reply subject: the version now
+/// served, or why it is not.
+async fn report_refit(
+    client: &async_nats::Client,
+    to: async_nats::Subject,
+    update: &WeightsUpdated,
+    arrived: std::time::Instant,
+    refit: &Result<f64, String>,
+) {
+    let report = WeightsLoaded {
+        run_id: update.run_id.clone(),
+        version: update.version,
+        seconds: arrived.elapsed().as_secs_f64(),
+        error: refit.as_ref().err().cloned(),
+    };
+    let body = serde_json::to_vec(&report).unwrap_or_default();
+    if let Err(e) = client.publish(to, body.into()).await {
+        warn!(version = update.version, "cannot report the refit: {e}");
     }
 }
 

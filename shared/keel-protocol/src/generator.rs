@@ -104,6 +104,19 @@ pub struct WeightsUpdated {
     pub weights: Option<WeightBuckets>,
 }
 
+/// A generator's answer to a [`WeightsUpdated`] published with a reply subject: the
+/// version it now serves (or why it could not load it) and how long the refit took, from the
+/// event's arrival (fetching the buckets included) to the new weights serving.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightsLoaded {
+    pub run_id: String,
+    pub version: u64,
+    pub seconds: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// A model's parameters, exported weights only, as raw little-endian tensor bytes in
 /// objects of the JetStream object store of at most a bucket size each.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -19,7 +19,7 @@ use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, 
 
 use super::rollout::{self, Episode, Settings};
 use super::tokens::Prompting;
-use super::{Result, RunContext, Stop, seconds};
+use super::{REFIT_WAIT, Result, RunContext, Stop, seconds};
 use crate::data::{self, Dataloader, Record};
 use crate::db::StepRecord;
 
@@ -112,24 +112,40 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
 
             // Weights only, in memory: the trainer exports them in buckets to the object
             // store and the generators load them in place. Checkpoints are saved on the
-            // checkpoint period only.
+            // checkpoint period only. The phase ends when a generator serves the new
+            // version (as NeMo-RL's refit does), so that its loading is not counted as
+            // generation.
             let phase = Instant::now();
             let dir = weights_dir(&ctx.run_dir, step);
             let transfer = spec.generation.weight_transfer;
             let in_memory = transfer != WeightTransfer::Directory;
-            async {
-                if in_memory {
+            let report = async {
+                let announcement = if in_memory {
                     let shared_memory = transfer == WeightTransfer::SharedMemory;
-                    exported.push_back(ctx.publish_exported_weights(step, shared_memory).await?);
+                    let (buckets, announcement) = ctx.publish_exported_weights(step, shared_memory).await?;
+                    exported.push_back(buckets);
+                    announcement
                 } else {
                     ctx.save(&dir, step, loader.position()).await?;
-                    ctx.publish_weights(&dir, step).await?;
                     saved.push(dir.clone());
-                }
-                Ok::<_, Stop>(())
+                    ctx.publish_weights(&dir, step).await?
+                };
+                announcement.first_report(REFIT_WAIT).await
             }
             .instrument(tracing::info_span!("weight_sync", version = step))
             .await?;
+            match report {
+                Some(report) if report.error.is_none() => {
+                    metrics.insert("timing/train/generator_refit".into(), report.seconds);
+                }
+                Some(report) => tracing::warn!(
+                    run_id = %ctx.id, step, "a generator could not load the new weights: {}",
+                    report.error.unwrap_or_default()
+                ),
+                None => tracing::warn!(
+                    run_id = %ctx.id, step, "no generator reported the new weights loaded within {REFIT_WAIT:?}"
+                ),
+            }
             weights = (dir.clone(), step);
             // The previous version stays for generators still loading it.
             while exported.len() > 2 {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
 use keel_protocol::checkpoint::Retention;
-use keel_protocol::generator::{WeightBuckets, WeightsUpdated};
+use keel_protocol::generator::{WeightBuckets, WeightsLoaded, WeightsUpdated};
 use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{ExportReply, ExportRequest, LoadReply, LoadRequest, ModelSource, SaveReply, SaveRequest};
@@ -170,6 +170,9 @@ pub struct RunContext {
 
 /// The largest object a weights-only export packs tensors into.
 pub const EXPORT_BUCKET_BYTES: u64 = 256 << 20;
+
+/// How long a step's weight sync waits for a generator to report the new weights loaded.
+pub const REFIT_WAIT: Duration = Duration::from_secs(60);
 
 /// How long a generator gets to load announced weights before they are announced again.
 pub const REANNOUNCE_AFTER: Duration = Duration::from_secs(2);
@@ -321,16 +324,21 @@ impl RunContext {
     }
 
     /// Tells every generator to serve `dir` as this run's weights at `version`.
-    pub async fn publish_weights(&self, dir: &Path, version: u64) -> Result<()> {
+    pub async fn publish_weights(&self, dir: &Path, version: u64) -> Result<Announcement> {
         let path = dir.to_string_lossy().into_owned();
         self.announce(WeightsUpdated { run_id: self.id.to_string(), version, path, weights: None }).await
     }
 
     /// Has the trainer export the policy's weights (weights only, in the run's dtype, in
     /// buckets in the object store) and tells every generator to serve them as `version`.
-    /// Returns the buckets (the caller deletes them once no generator needs them).
-    /// With `shared_memory` the buckets are files in `/dev/shm` on the trainer's host.
-    pub async fn publish_exported_weights(&self, version: u64, shared_memory: bool) -> Result<WeightBuckets> {
+    /// Returns the buckets (the caller deletes them once no generator needs them) and the
+    /// announcement. With `shared_memory` the buckets are files in `/dev/shm` on the
+    /// trainer's host.
+    pub async fn publish_exported_weights(
+        &self,
+        version: u64,
+        shared_memory: bool,
+    ) -> Result<(WeightBuckets, Announcement)> {
         let shared_dir = shared_memory.then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.id));
         let request = ExportRequest {
             run_id: self.id.to_string(),
@@ -345,22 +353,33 @@ impl RunContext {
             path: String::new(),
             weights: Some(exported.weights.clone()),
         };
-        self.announce(event).await?;
-        Ok(exported.weights)
+        let announcement = self.announce(event).await?;
+        Ok((exported.weights, announcement))
     }
 
-    async fn announce(&self, event: WeightsUpdated) -> Result<()> {
+    /// Publishes `event` with a reply subject of its own, on which generators report when
+    /// they have loaded it.
+    async fn announce(&self, event: WeightsUpdated) -> Result<Announcement> {
+        let failed = |e: &dyn std::fmt::Display| Stop::Failed(format!("cannot publish weights: {e}"));
         let body = serde_json::to_vec(&event).map_err(|e| Stop::Failed(e.to_string()))?;
-        self.nats
-            .client
-            .publish_with_headers(self.nats.subjects.weights_updated(), keel_telemetry::nats_headers(), body.into())
+        let client = &self.nats.client;
+        let inbox = client.new_inbox();
+        let reports = client.subscribe(inbox.clone()).await.map_err(|e| failed(&e))?;
+        client
+            .publish_with_reply_and_headers(
+                self.nats.subjects.weights_updated(),
+                inbox,
+                keel_telemetry::nats_headers(),
+                body.into(),
+            )
             .await
-            .map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
-        self.nats.client.flush().await.map_err(|e| Stop::Failed(format!("cannot publish weights: {e}")))?;
+            .map_err(|e| failed(&e))?;
+        client.flush().await.map_err(|e| failed(&e))?;
+        let version = event.version;
         if let Ok(mut announced) = self.announced.lock() {
             *announced = Some((event, Instant::now()));
         }
-        Ok(())
+        Ok(Announcement { version, reports, stop: self.stop.clone() })
     }
 
     /// Announces the weights of `version` again unless that was done within
@@ -369,8 +388,8 @@ impl RunContext {
         let last = self.announced.lock().ok().and_then(|a| a.clone());
         match last {
             Some((_, at)) if at.elapsed() < REANNOUNCE_AFTER => Ok(()),
-            Some((event, _)) if event.version == version => self.announce(event).await,
-            _ => self.publish_weights(dir, version).await,
+            Some((event, _)) if event.version == version => self.announce(event).await.map(drop),
+            _ => self.publish_weights(dir, version).await.map(drop),
         }
     }
 
@@ -395,6 +414,37 @@ impl RunContext {
     pub fn validates_at(&self, step: u64, last: bool) -> bool {
         let period = self.spec.validation.period;
         last || (period > 0 && step.is_multiple_of(period))
+    }
+}
+
+/// Weights published to the generators, whose reports of loading them can be waited for.
+pub struct Announcement {
+    version: u64,
+    reports: async_nats::Subscriber,
+    stop: StopFlag,
+}
+
+impl Announcement {
+    /// The first generator's report of loading the announced version, waited for up to
+    /// `limit` (None when no generator answered in time: the run's rollouts then wait for
+    /// the weights themselves). A cancelled or lost run stops waiting.
+    pub async fn first_report(mut self, limit: Duration) -> Result<Option<WeightsLoaded>> {
+        use futures::StreamExt;
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            self.stop.check()?;
+            let tick = (tokio::time::Instant::now() + Duration::from_secs(1)).min(deadline);
+            match tokio::time::timeout_at(tick, self.reports.next()).await {
+                Ok(Some(message)) => match serde_json::from_slice::<WeightsLoaded>(&message.payload) {
+                    Ok(report) if report.version == self.version => return Ok(Some(report)),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("malformed refit report ignored: {e}"),
+                },
+                Ok(None) => return Ok(None),
+                Err(_) if tick >= deadline => return Ok(None),
+                Err(_) => {}
+            }
+        }
     }
 }
 
