@@ -165,6 +165,13 @@ async fn grpo_records_the_same_metrics_with_weights_in_memory_or_through_a_direc
         let id = stack.submit(&spec).await;
         stack.wait_succeeded(&id, LIMIT).await;
         series.push((stack.series(&id, "train/loss").await, stack.series(&id, "train/reward").await));
+        // Each step's weight sync waited for the generator to report the version loaded.
+        let refits = stack.series(&id, "timing/train/generator_refit").await;
+        assert_eq!(refits.len(), 4, "a generator refit time per step with {transfer}: {refits:?}");
+        let syncs = stack.series(&id, "timing/train/weight_sync").await;
+        for ((step, refit), (_, sync)) in refits.iter().zip(&syncs) {
+            assert!(*refit > 0.0 && refit <= sync, "step {step}: refit {refit} s within weight sync {sync} s");
+        }
     }
     let (memory, directory) = (&series[0], &series[1]);
     assert_eq!(memory.0.len(), 4);

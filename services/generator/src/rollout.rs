@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use keel_model::sampling::SamplingParams;
-use keel_protocol::generator::{RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded, WeightsUpdated, error_types};
+use keel_protocol::generator::{
+    RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded, WeightsUpdated, error_types,
+};
 use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
 use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;

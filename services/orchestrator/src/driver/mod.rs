@@ -418,6 +418,7 @@ impl RunContext {
 }
 
 /// Weights published to the generators, whose reports of loading them can be waited for.
+#[derive(Debug)]
 pub struct Announcement {
     version: u64,
     reports: async_nats::Subscriber,
