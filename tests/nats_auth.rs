@@ -141,6 +141,9 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     assert!(arrives("generator", "orchestrator", weights.clone()).await, "the orchestrator publishes weights");
     assert!(!arrives("generator", "reward", weights.clone()).await, "the reward service's user published weights");
     assert!(!arrives("generator", "trainer", weights).await, "the trainer's user published weights");
+    let memory = subjects.generator_memory();
+    assert!(arrives("generator", "orchestrator", memory.clone()).await, "the orchestrator puts generators to sleep");
+    assert!(!arrives("generator", "reward", memory).await, "the reward service's user put generators to sleep");
     // Listening on another service's subjects is refused too.
     assert!(!arrives("generator", "orchestrator", claim).await, "the generator's user listened to trainer claims");
     assert!(!arrives("reward", "orchestrator", subjects.generate()).await, "the reward user listened to rollouts");

@@ -153,6 +153,41 @@ async fn a_cancelled_run_stops_and_frees_its_trainer() {
 /// Weights reach the generators in memory (the default) or through the run's directory (the
 /// fallback): the same seeded GRPO run records the same losses and rewards either way, step
 /// after step — the generators served the same weights.
+/// Colocated mode on the CPU: each step the generator sleeps (its KV pool freed) while the
+/// trainer trains, the trainer moves its optimiser state out and back, and the generator
+/// wakes after the refit; the run's numbers are those of a run without it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_colocated_grpo_run_records_the_same_metrics_as_a_separate_one() {
+    let stack = Stack::start();
+    let mut series = Vec::new();
+    for colocated in [false, true] {
+        let mut spec = grpo_spec(&json!({"path": stack.model}));
+        spec["generation"]["colocated"] = json!({"enabled": colocated, "generator_offload_weights": colocated});
+        spec["max_num_steps"] = json!(3);
+        spec["checkpointing"] = json!({"enabled": false});
+        let id = stack.submit(&spec).await;
+        stack.wait_succeeded(&id, LIMIT).await;
+        series.push((stack.series(&id, "train/loss").await, stack.series(&id, "train/reward").await));
+        for phase in ["generator_sleep", "trainer_onload", "trainer_offload", "generator_wake"] {
+            let recorded = stack.series(&id, &format!("timing/train/{phase}")).await;
+            let expected = if colocated { 3 } else { 0 };
+            assert_eq!(recorded.len(), expected, "timing/train/{phase} with colocated {colocated}: {recorded:?}");
+        }
+    }
+    let (separate, colocated) = (&series[0], &series[1]);
+    assert_eq!(separate.0.len(), 3);
+    for ((a, b), name) in [(&separate.0, &colocated.0), (&separate.1, &colocated.1)].into_iter().zip(["loss", "reward"])
+    {
+        for ((step, x), (_, y)) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-6, "train/{name} at step {step}: {x} separate, {y} colocated");
+        }
+    }
+    // The generator slept once a step and is awake again.
+    let text = stack.http.get(format!("{}/metrics", stack.generator.url)).send().await.unwrap().text().await.unwrap();
+    assert!(text.contains("keel_generator_sleeps_total 3"), "{text}");
+    assert!(text.contains("keel_generator_asleep 0"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn grpo_records_the_same_metrics_with_weights_in_memory_or_through_a_directory() {
     let stack = Stack::start();

@@ -14,11 +14,13 @@ use tch::{Device, Kind, Tensor};
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Backend {
-    /// One model; `graphs` replays decode steps captured as CUDA graphs.
+    /// One model; `graphs` replays decode steps captured as CUDA graphs (for batches of up
+    /// to `captured`'s sequences and tokens, kept to capture them again after a sleep).
     Whole {
         model: CausalLm,
         cache: PagedCache,
         graphs: Option<DecodeGraphs>,
+        captured: Option<(usize, usize)>,
     },
     Sharded(Sharded),
 }
@@ -56,6 +58,12 @@ fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
     rank_zero(results, |e| matches!(e, Error::Collective(c) if keel_collective::is_consequence(c)))
 }
 
+/// The sum over every rank, or the error that started a failure.
+fn sum(results: Vec<keel_collective::Result<Result<u64>>>) -> Result<u64> {
+    let total = results.iter().map(|r| r.as_ref().ok().and_then(|r| r.as_ref().ok()).copied().unwrap_or(0)).sum();
+    first(results).map(|_| total)
+}
+
 /// Blocks of `cfg`'s KV cache (`kv_heads` of them per device, in `kind`) that fit in `bytes`.
 pub fn blocks_in(cfg: &ModelConfig, kv_heads: i64, kind: Kind, bytes: u64) -> usize {
     (bytes / PagedCache::block_bytes(cfg, kv_heads, kind).max(1) as u64) as usize
@@ -65,7 +73,7 @@ impl Backend {
     /// One model with a pool of `blocks` blocks.
     pub fn whole(model: CausalLm, blocks: usize) -> Result<Self> {
         let cache = PagedCache::new(model.config(), blocks, model.kind(), model.device())?;
-        Ok(Self::Whole { model, cache, graphs: None })
+        Ok(Self::Whole { model, cache, graphs: None, captured: None })
     }
 
     /// Captures the model's decode step as CUDA graphs for batches of up to
@@ -73,10 +81,11 @@ impl Backend {
     /// Returns the batch sizes captured; on an error the backend stays eager.
     pub fn capture_graphs(&mut self, max_num_seqs: usize, max_model_len: usize) -> Result<Vec<usize>> {
         match self {
-            Self::Whole { model, cache, graphs } => {
-                let captured = DecodeGraphs::capture(model, cache, max_num_seqs, max_model_len.div_ceil(BLOCK_SIZE))?;
-                let buckets = captured.buckets();
-                *graphs = Some(captured);
+            Self::Whole { model, cache, graphs, captured } => {
+                let made = DecodeGraphs::capture(model, cache, max_num_seqs, max_model_len.div_ceil(BLOCK_SIZE))?;
+                let buckets = made.buckets();
+                *graphs = Some(made);
+                *captured = Some((max_num_seqs, max_model_len));
                 Ok(buckets)
             }
             Self::Sharded(_) => Err(Error::Device("CUDA graphs are not captured under tensor parallelism".into())),
@@ -117,7 +126,7 @@ impl Backend {
     /// [`CausalLm::forward_paged`]), on the device of the model (rank 0's under TP).
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Tensor> {
         match self {
-            Self::Whole { graphs: Some(graphs), model, cache } if graphs.fits(chunks) => {
+            Self::Whole { graphs: Some(graphs), model, cache, .. } if graphs.fits(chunks) => {
                 graphs.run(model, chunks, cache)
             }
             Self::Whole { model, cache, .. } => model.forward_paged(chunks, cache),
@@ -138,6 +147,49 @@ impl Backend {
             Self::Whole { cache, .. } => cache.copy_block(from, to),
             Self::Sharded(s) => {
                 first(s.group.run_all((from, to), |(_, cache, _), (from, to)| cache.copy_block(from, to)))
+            }
+        }
+    }
+
+    /// Sleep of a colocated generator while the trainer trains: frees the KV pool (every
+    /// rank's) and, with `offload_weights`, moves the weights to host memory (on a CPU
+    /// device they stay where they are). CUDA graphs, which point into the pool, are
+    /// dropped. Returns the bytes freed (the pool's, in host memory too on a CPU device).
+    pub fn sleep(&mut self, offload_weights: bool) -> Result<u64> {
+        let host = Device::Cpu;
+        match self {
+            Self::Whole { model, cache, graphs, .. } => {
+                *graphs = None;
+                let weights = if offload_weights { model.move_weights(host)? } else { 0 };
+                Ok(weights + cache.release())
+            }
+            Self::Sharded(s) => {
+                let freed = s.group.run_all(offload_weights, move |(model, cache, _), offload| {
+                    let weights = if offload { model.move_weights(host)? } else { 0 };
+                    Ok(weights + cache.release())
+                });
+                Ok(sum(freed)?)
+            }
+        }
+    }
+
+    /// Wakes a sleeping backend: weights back on the device, the pool allocated again
+    /// (empty), CUDA graphs captured again where they were. Returns the bytes it took back.
+    pub fn wake(&mut self) -> Result<u64> {
+        match self {
+            Self::Whole { model, cache, graphs, captured } => {
+                let bytes = model.move_weights(model.device())? + cache.restore()?;
+                if let (None, Some((seqs, len))) = (&graphs, *captured) {
+                    let max_blocks = len.div_ceil(BLOCK_SIZE);
+                    *graphs = Some(DecodeGraphs::capture(model, cache, seqs, max_blocks)?);
+                }
+                Ok(bytes)
+            }
+            Self::Sharded(s) => {
+                let taken = s
+                    .group
+                    .run_all((), |(model, cache, _), ()| Ok(model.move_weights(model.device())? + cache.restore()?));
+                Ok(sum(taken)?)
             }
         }
     }
@@ -254,6 +306,17 @@ mod tests {
             for (g, w) in got.iter().zip(&want) {
                 let diff = (g - w).abs().max().double_value(&[]);
                 assert!(diff <= 1e-5, "after a refit from memory the logits differ by {diff:e}");
+            }
+        }
+        // Asleep (colocated), the pools are freed and passes fail; awake, they serve again.
+        for backend in [&mut sharded, &mut whole] {
+            assert!(backend.sleep(true).expect("asleep") > 0, "the pool is freed");
+            let error = backend.forward(&[chunk(&[3], 0, &[1])]).expect_err("no pool while asleep").to_string();
+            assert!(error.contains("released"), "{error}");
+            assert!(backend.wake().expect("awake") > 0, "the pool is back");
+            for (g, w) in run(backend).iter().zip(&want) {
+                let diff = (g - w).abs().max().double_value(&[]);
+                assert!(diff <= 1e-5, "after a sleep and a wake the logits differ by {diff:e}");
             }
         }
     }

@@ -74,6 +74,9 @@ pub struct Stats {
     pub kernels_off: AtomicUsize,
     /// Batch sizes whose decode step replays a CUDA graph (0: eager).
     pub graph_buckets: AtomicUsize,
+    /// 1 while asleep (colocated: the trainer's turn), and how many sleeps so far.
+    pub asleep: AtomicUsize,
+    pub sleeps: AtomicU64,
 }
 
 /// How a refit treats running samples.
@@ -106,9 +109,26 @@ struct Refit {
     done: oneshot::Sender<Result<f64, String>>,
 }
 
+/// What a colocated generator does with its memory around the trainer's turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Free the KV pool (and, with `offload_weights`, move the weights to host memory) once
+    /// the running samples finish; admit nothing until woken.
+    Sleep { offload_weights: bool },
+    /// Take the pool (and the weights) back and serve again.
+    Wake,
+}
+
+struct MemoryChange {
+    change: Memory,
+    requested: Instant,
+    done: oneshot::Sender<Result<(f64, u64), String>>,
+}
+
 enum Command {
     Generate(Submission),
     Refit(Refit),
+    Memory(MemoryChange),
 }
 
 struct Submission {
@@ -186,6 +206,9 @@ struct Scheduler {
     requests: Vec<Option<Running>>,
     stats: Arc<Stats>,
     refit: Option<Refit>,
+    memory: Option<MemoryChange>,
+    /// Sleeping (colocated, the trainer's turn): nothing runs until woken.
+    asleep: bool,
 }
 
 /// Blocks needed to hold `tokens` tokens.
@@ -263,6 +286,8 @@ impl Engine {
                     requests: Vec::new(),
                     stats: shared,
                     refit: None,
+                    memory: None,
+                    asleep: false,
                 };
                 let _ = ready.send(Ok(()));
                 scheduler.run(intake);
@@ -294,12 +319,22 @@ impl Engine {
         self.submit.send(Command::Refit(refit)).map_err(|_| "the scheduler has stopped".to_string())?;
         result.await.map_err(|_| "the scheduler dropped the refit".to_string())?
     }
+
+    /// Sleeps or wakes (see [`Memory`]); returns the seconds it took (a sleep waits for the
+    /// running samples) and the bytes freed or taken back.
+    pub async fn change_memory(&self, change: Memory) -> Result<(f64, u64), String> {
+        let (done, result) = oneshot::channel();
+        let command = MemoryChange { change, requested: Instant::now(), done };
+        self.submit.send(Command::Memory(command)).map_err(|_| "the scheduler has stopped".to_string())?;
+        result.await.map_err(|_| "the scheduler dropped the memory change".to_string())?
+    }
 }
 
 impl Scheduler {
     fn run(&mut self, intake: mpsc::Receiver<Command>) {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() && self.refit.is_none() {
+            let idle = self.asleep || (self.running.is_empty() && self.waiting.is_empty());
+            if idle && self.refit.is_none() && self.memory.is_none() {
                 match intake.recv() {
                     Ok(command) => self.take(command),
                     Err(_) => return,
@@ -312,7 +347,12 @@ impl Scheduler {
             if self.refit.is_some() && (self.config.refit_mode == RefitMode::Pause || drained) {
                 self.apply_refit();
             }
-            self.step();
+            if self.memory.is_some() && drained {
+                self.apply_memory();
+            }
+            if !self.asleep {
+                self.step();
+            }
             self.publish();
         }
     }
@@ -320,6 +360,11 @@ impl Scheduler {
     fn take(&mut self, command: Command) {
         match command {
             Command::Generate(submission) => self.waiting.push_back(Waiting::New(submission)),
+            Command::Memory(change) => {
+                if let Some(previous) = self.memory.replace(change) {
+                    let _ = previous.done.send(Err("superseded by a newer sleep or wake".into()));
+                }
+            }
             Command::Refit(refit) => {
                 if let Some(previous) = self.refit.replace(refit) {
                     let _ = previous.done.send(Err(format!(
@@ -351,6 +396,27 @@ impl Scheduler {
             Err(e) => tracing::error!(version = refit.version, "refit failed, serving the previous weights: {e}"),
         }
         let _ = refit.done.send(outcome.map(|()| seconds));
+    }
+
+    /// Sleeps or wakes (the running samples have finished). While asleep the prefix cache
+    /// holds nothing: the pool it pointed into is gone.
+    fn apply_memory(&mut self) {
+        let Some(change) = self.memory.take() else { return };
+        let outcome = match change.change {
+            Memory::Sleep { offload_weights } => self.model.sleep(offload_weights).inspect(|_| {
+                self.blocks.clear_cache();
+                self.asleep = true;
+                self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+            }),
+            Memory::Wake => self.model.wake().inspect(|_| self.asleep = false),
+        };
+        self.stats.asleep.store(usize::from(self.asleep), Ordering::Relaxed);
+        let seconds = change.requested.elapsed().as_secs_f64();
+        match &outcome {
+            Ok(bytes) => tracing::info!(change = ?change.change, seconds, bytes, "memory changed"),
+            Err(e) => tracing::error!(change = ?change.change, "memory change failed: {e}"),
+        }
+        let _ = change.done.send(outcome.map(|bytes| (seconds, bytes)).map_err(|e| e.to_string()));
     }
 
     fn publish(&self) {
@@ -473,7 +539,8 @@ impl Scheduler {
                         self.waiting.pop_front();
                         continue;
                     }
-                    if self.refit.is_some() && self.config.refit_mode == RefitMode::Drain {
+                    let draining = self.refit.is_some() && self.config.refit_mode == RefitMode::Drain;
+                    if draining || self.memory.is_some() {
                         break;
                     }
                     if self.seats() + submission.request.n > self.config.max_num_seqs {

@@ -774,6 +774,14 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         count(&s.weight_version),
     );
     metric(&mut out, &format!("{p}_refits_total"), "counter", "Weight refits done.", count(&s.refits));
+    metric(
+        &mut out,
+        &format!("{p}_asleep"),
+        "gauge",
+        "1 while a colocated generator sleeps (KV pool freed for the trainer).",
+        gauge(&s.asleep),
+    );
+    metric(&mut out, &format!("{p}_sleeps_total"), "counter", "Sleeps of a colocated generator.", count(&s.sleeps));
     let refit = count(&s.last_refit_micros) / 1e6;
     metric(
         &mut out,

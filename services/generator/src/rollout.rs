@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use keel_model::sampling::SamplingParams;
 use keel_protocol::generator::{
-    RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded, WeightsUpdated, error_types,
+    MemoryAction, MemoryChange, MemoryReport, RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded,
+    WeightsUpdated, error_types,
 };
 use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
 use keel_protocol::{Reply, Subjects};
@@ -16,6 +17,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::backend::Weights;
+use crate::engine::Memory;
 use crate::openai::AppState;
 use crate::request::{Draft, collect};
 
@@ -216,6 +218,10 @@ pub async fn serve(
         .subscribe(subjects.weights_updated())
         .await
         .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.weights_updated()))?;
+    let mut memory = client
+        .subscribe(subjects.generator_memory())
+        .await
+        .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.generator_memory()))?;
     client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
     info!(subject = %subjects.generate(), "serving rollouts");
     let serving_run = ServingRun::default();
@@ -246,6 +252,11 @@ pub async fn serve(
                         warn!("cannot send a rollout reply: {e}");
                     }
                 });
+            }
+            message = memory.next() => {
+                let Some(message) = message else { return Err("the memory subscription ended".into()) };
+                let (engine, client) = (state.engine.clone(), client.clone());
+                tokio::spawn(async move { change_memory(&engine, &client, message).await });
             }
             message = updates.next() => {
                 let Some(message) = message else { return Err("the weights subscription ended".into()) };
@@ -287,6 +298,30 @@ pub async fn serve(
                     Err(e) => warn!("malformed weights-updated event ignored: {e}"),
                 }
             }
+        }
+    }
+}
+
+/// Sleeps or wakes the engine as a colocated run's orchestrator asks, and answers it.
+async fn change_memory(engine: &crate::engine::Engine, client: &async_nats::Client, message: async_nats::Message) {
+    let report = match serde_json::from_slice::<MemoryChange>(&message.payload) {
+        Ok(request) => {
+            let change = match request.action {
+                MemoryAction::Sleep => Memory::Sleep { offload_weights: request.offload_weights },
+                MemoryAction::Wake => Memory::Wake,
+            };
+            info!(run_id = %request.run_id, ?change, "memory change asked for");
+            match engine.change_memory(change).await {
+                Ok((seconds, bytes)) => MemoryReport { seconds, bytes, error: None },
+                Err(e) => MemoryReport { seconds: 0.0, bytes: 0, error: Some(e) },
+            }
+        }
+        Err(e) => MemoryReport { seconds: 0.0, bytes: 0, error: Some(format!("malformed memory change: {e}")) },
+    };
+    if let Some(to) = message.reply {
+        let body = serde_json::to_vec(&report).unwrap_or_default();
+        if let Err(e) = client.publish(to, body.into()).await {
+            warn!("cannot answer a memory change: {e}");
         }
     }
 }

@@ -158,3 +158,43 @@ fn a_pool_too_small_for_one_sequence_is_refused() {
     let error = Engine::start(model(), None, 5, config).unwrap_err().to_string();
     assert!(error.contains("fewer than one sequence of max_model_len 96 needs (6 blocks)"), "{error}");
 }
+
+/// Colocated sleep: it waits for the running samples, frees the KV pool (and, asked to,
+/// moves the weights to host memory: nothing to move on a CPU), holds requests that arrive
+/// meanwhile, and after the wake they produce what an engine that never slept produces.
+#[test]
+fn a_sleeping_engine_frees_its_pool_holds_requests_and_serves_the_same_after_waking() {
+    use keel_generator::engine::Memory;
+    let want = run(&engine(256, 16, 8192), requests());
+    let sleeper = engine(256, 16, 8192);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // A sleep asked for while a request runs waits for it to finish.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    sleeper.submit(request(prompt(40, 1), 3, 5, 40), tx).unwrap();
+    assert!(matches!(rx.blocking_recv(), Some(Event::Token(_))), "the request runs");
+    let (_, freed) = runtime.block_on(sleeper.change_memory(Memory::Sleep { offload_weights: true })).unwrap();
+    let mut finished = 0;
+    while let Ok(event) = rx.try_recv() {
+        finished += usize::from(matches!(event, Event::Finished { .. }));
+    }
+    assert_eq!(finished, 3, "the running samples finished before the sleep");
+    let pool = 2 * 2 * (256 + 1) * BLOCK_SIZE as u64 * 2 * 16 * 4; // keys and values, 2 layers, f32
+    assert_eq!(freed, pool, "the whole pool is freed");
+    assert_eq!(sleeper.stats.asleep.load(Ordering::Relaxed), 1);
+    // Requests that arrive while it sleeps wait for the wake.
+    let (tx, mut held) = tokio::sync::mpsc::unbounded_channel();
+    sleeper.submit(request(prompt(7, 2), 1, 9, 60), tx).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(held.try_recv().is_err(), "nothing is generated while asleep");
+    let (_, taken) = runtime.block_on(sleeper.change_memory(Memory::Wake)).unwrap();
+    assert_eq!(taken, pool, "the pool is allocated again");
+    let mut tokens = Vec::new();
+    while let Some(event) = held.blocking_recv() {
+        if let Event::Token(t) = event {
+            tokens.push(t.token);
+        }
+    }
+    assert_eq!(tokens, want[1][0].0, "the request held during the sleep");
+    assert_same(&run(&sleeper, requests()), &want, "after a sleep and a wake");
+    assert_eq!(sleeper.stats.sleeps.load(Ordering::Relaxed), 1);
+}

@@ -409,6 +409,30 @@ impl Engine {
         Ok(Trained { steps, tokens, timing })
     }
 
+    /// Colocated runs, before the generators take the GPU: the optimiser's state (and, with
+    /// `weights`, the policy's parameters and gradients) moved to host memory. Returns the
+    /// bytes moved (none on a CPU device, where everything already is).
+    pub fn offload(&self, weights: bool) -> Result<u64> {
+        let mut bytes = self.optimizer.move_state(Device::Cpu)?;
+        if weights {
+            bytes += self.move_weights(Device::Cpu)?;
+        }
+        Ok(bytes)
+    }
+
+    /// Everything [`Engine::offload`] moved, back on the training device.
+    pub fn onload(&self) -> Result<u64> {
+        Ok(self.move_weights(self.device)? + self.optimizer.move_state(self.device)?)
+    }
+
+    /// The policy's parameters with their gradients (and a reward model's value head).
+    fn move_weights(&self, device: Device) -> Result<u64> {
+        let mut tensors: Vec<Tensor> = self.policy.parameters().into_iter().map(|(_, p, _)| p).collect();
+        tensors.extend(self.value_head.iter().map(Tensor::shallow_clone));
+        let grads: Vec<Tensor> = tensors.iter().map(Tensor::grad).filter(Tensor::defined).collect();
+        Ok(keel_model::device::move_in_place(tensors.iter().chain(&grads), device)?)
+    }
+
     /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
     /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory. Under tensor
     /// parallelism every rank calls it (each takes part in the gathers) and rank 0 returns

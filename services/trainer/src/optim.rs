@@ -66,6 +66,13 @@ impl AdamW {
         self.step
     }
 
+    /// Moves the optimiser's state (both moments and the f32 master copies) to `device` in
+    /// place: host memory while a colocated generator has the GPU. Returns the bytes moved.
+    pub fn move_state(&self, device: tch::Device) -> Result<u64> {
+        let state = self.slots.iter().flat_map(|s| [Some(&s.exp_avg), Some(&s.exp_avg_sq), s.master.as_ref()]);
+        Ok(keel_model::device::move_in_place(state.flatten(), device)?)
+    }
+
     pub fn zero_grad(&mut self) {
         for slot in &mut self.slots {
             slot.param.zero_grad();

@@ -189,6 +189,16 @@ impl Trainer {
         }
     }
 
+    /// [`Engine::offload`] on every rank; the bytes are rank 0's.
+    pub fn offload(&mut self, weights: bool) -> Result<u64> {
+        self.on_every_rank(move |engine| engine.offload(weights))
+    }
+
+    /// [`Engine::onload`] on every rank; the bytes are rank 0's.
+    pub fn onload(&mut self) -> Result<u64> {
+        self.on_every_rank(|engine| engine.onload())
+    }
+
     /// Runs `f` on every rank's engine (or the one engine) and returns rank 0's result:
     /// for tests and diagnostics that need an engine method under tensor parallelism.
     pub fn on_every_rank<T: Send + 'static>(

@@ -28,8 +28,8 @@ use keel_protocol::generator::{PackedTensor, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
     ClaimReply, ClaimRequest, ExportReply, ExportRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs,
-    LogprobsReply, LogprobsRequest, Memory, Released, RunRequest, SaveReply, SaveRequest, ScoreReply, ScoreRequest,
-    Timing, TrainReply, TrainRequest, error_types,
+    LogprobsReply, LogprobsRequest, Memory, MemoryMoved, OffloadRequest, Released, RunRequest, SaveReply, SaveRequest,
+    ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest, error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -248,6 +248,8 @@ impl Shared {
             TrainerOp::Score => encode(self.op(payload, h, |r: &ScoreRequest| &r.run_id, score).await),
             TrainerOp::Save => encode(self.op(payload, h, |r: &SaveRequest| &r.run_id, save).await),
             TrainerOp::Export => encode(self.op(payload, h, |r: &ExportRequest| &r.run_id, export).await),
+            TrainerOp::Offload => encode(self.op(payload, h, |r: &OffloadRequest| &r.run_id, offload).await),
+            TrainerOp::Onload => encode(self.op(payload, h, |r: &RunRequest| &r.run_id, onload).await),
         }
     }
 
@@ -398,6 +400,25 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
         .await?;
     let timing = Timing::from([("save".to_string(), started.elapsed().as_secs_f64())]);
     Ok(SaveReply { path, step, files, timing })
+}
+
+/// Colocated runs: the optimiser's state (and the weights, by request) to host memory.
+async fn offload(shared: Arc<Shared>, request: OffloadRequest) -> Answer<MemoryMoved> {
+    let started = Instant::now();
+    let weights = request.weights;
+    let bytes = shared
+        .engine
+        .call(move |slot| loaded(slot)?.offload(weights))
+        .instrument(info_span!("offload", weights))
+        .await?;
+    Ok(MemoryMoved { bytes, seconds: started.elapsed().as_secs_f64() })
+}
+
+/// What `offload` moved, back on the training device.
+async fn onload(shared: Arc<Shared>, _request: RunRequest) -> Answer<MemoryMoved> {
+    let started = Instant::now();
+    let bytes = shared.engine.call(|slot| loaded(slot)?.onload()).instrument(info_span!("onload")).await?;
+    Ok(MemoryMoved { bytes, seconds: started.elapsed().as_secs_f64() })
 }
 
 /// Exports the policy's weights into the bulk bucket, one object per weight bucket. An

@@ -147,6 +147,10 @@ pub struct PagedCache {
     blocks: usize,
     kv_heads: i64,
     head_dim: i64,
+    /// Layers, dtype and device of the pool (kept while it is released).
+    layers: usize,
+    kind: Kind,
+    device: Device,
     /// Blocks zeroed (or copied into) since the pool was made.
     touched: Vec<bool>,
 }
@@ -167,11 +171,48 @@ impl PagedCache {
         if blocks == 0 {
             return Err(Error::InvalidInput("a paged KV cache needs at least one block".into()));
         }
-        let rows = (blocks as i64 + 1) * BLOCK_SIZE as i64;
-        let shape = [kv_heads, rows, cfg.head_dim];
-        let layers = cfg.num_hidden_layers as usize;
+        let mut cache = Self {
+            keys: Vec::new(),
+            values: Vec::new(),
+            blocks,
+            kv_heads,
+            head_dim: cfg.head_dim,
+            layers: cfg.num_hidden_layers as usize,
+            kind,
+            device,
+            touched: Vec::new(),
+        };
+        let _bytes = cache.restore()?;
+        Ok(cache)
+    }
+
+    /// Frees the pool's memory (a colocated generator sleeping while the trainer trains):
+    /// what it held is gone, and passes fail until [`PagedCache::restore`]. Returns the
+    /// bytes released.
+    pub fn release(&mut self) -> u64 {
+        let bytes =
+            self.keys.iter().chain(&self.values).map(|t| (t.numel() * self.kind.elt_size_in_bytes()) as u64).sum();
+        self.keys.clear();
+        self.values.clear();
+        bytes
+    }
+
+    /// Whether the pool's memory is released.
+    pub fn is_released(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Allocates the pool again (empty, every block fresh) when it was released; returns
+    /// the bytes allocated.
+    pub fn restore(&mut self) -> Result<u64> {
+        if !self.is_released() {
+            return Ok(0);
+        }
+        let rows = (self.blocks as i64 + 1) * BLOCK_SIZE as i64;
+        let shape = [self.kv_heads, rows, self.head_dim];
+        let (kind, device) = (self.kind, self.device);
         let alloc = || -> Result<Vec<Tensor>> {
-            (0..layers)
+            (0..self.layers)
                 .map(|_| {
                     let pool = Tensor::f_empty(shape, (kind, device))?;
                     let _ = pool.f_narrow(1, rows - BLOCK_SIZE as i64, BLOCK_SIZE as i64)?.f_zero_()?;
@@ -180,7 +221,10 @@ impl PagedCache {
                 .collect()
         };
         let (keys, values) = (alloc()?, alloc()?);
-        Ok(Self { keys, values, blocks, kv_heads, head_dim: cfg.head_dim, touched: vec![false; blocks] })
+        self.keys = keys;
+        self.values = values;
+        self.touched = vec![false; self.blocks];
+        Ok(self.keys.iter().chain(&self.values).map(|t| (t.numel() * kind.elt_size_in_bytes()) as u64).sum())
     }
 
     /// Zeroes the blocks `chunks` use for the first time.
@@ -239,6 +283,9 @@ impl PagedCache {
 
     /// Checks that the pool was made for this model: layers, KV heads, dtype and device.
     pub(crate) fn check(&self, layers: usize, kv_heads: i64, kind: Kind, device: Device) -> Result<()> {
+        if self.is_released() {
+            return Err(Error::InvalidInput("the paged KV cache is released (restore it first)".into()));
+        }
         let (pool_kind, pool_device) = self.keys.first().map_or((kind, device), |k| (k.kind(), k.device()));
         if self.keys.len() != layers || self.kv_heads != kv_heads || pool_kind != kind || pool_device != device {
             return Err(Error::InvalidInput(format!(
@@ -273,7 +320,7 @@ impl PagedCache {
 
     /// The device the pools live on.
     pub(crate) fn device(&self) -> Device {
-        self.keys.first().map_or(Device::Cpu, Tensor::device)
+        self.device
     }
 }
 

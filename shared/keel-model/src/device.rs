@@ -54,3 +54,22 @@ pub fn parse_kind(name: &str) -> Result<Kind> {
         other => Err(Error::InvalidInput(format!("unknown dtype `{other}` (use f32, bf16 or f16)"))),
     }
 }
+
+/// Moves `tensors` (parameters, optimiser state) to `device` in place: each keeps its
+/// identity, so every handle to it (a layer's, the optimiser's) sees the move, and its
+/// storage on the old device is freed once nothing else holds it. For a colocated trainer
+/// or generator handing the GPU to the other. Returns the bytes moved (tensors already on
+/// `device` move none).
+pub fn move_in_place<'a>(tensors: impl IntoIterator<Item = &'a tch::Tensor>, device: Device) -> Result<u64> {
+    let _no_grad = tch::no_grad_guard();
+    let mut bytes = 0;
+    for tensor in tensors {
+        if tensor.device() == device {
+            continue;
+        }
+        let moved = tensor.f_to_device(device)?;
+        tensor.shallow_clone().f_set_data(&moved)?;
+        bytes += (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+    }
+    Ok(bytes)
+}

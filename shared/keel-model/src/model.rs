@@ -486,6 +486,13 @@ impl CausalLm {
         self.vs.device()
     }
 
+    /// Moves the parameters to `device` in place (host memory while a colocated trainer
+    /// trains; back with `self.device()`); see [`crate::device::move_in_place`].
+    pub fn move_weights(&self, device: Device) -> Result<u64> {
+        let variables = self.vs.variables();
+        crate::device::move_in_place(variables.values(), device)
+    }
+
     pub fn kind(&self) -> Kind {
         self.kind
     }

@@ -117,6 +117,46 @@ pub struct WeightsLoaded {
     pub error: Option<String>,
 }
 
+/// Colocated training and generation: the orchestrator has the generators give the GPU to
+/// the trainer (`sleep`: the KV pool freed once running samples finish, the weights moved to
+/// host memory with `offload_weights`) and take it back (`wake`). Published with a reply
+/// subject; each generator answers with a [`MemoryReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryChange {
+    pub run_id: String,
+    pub action: MemoryAction,
+    #[serde(default)]
+    pub offload_weights: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryAction {
+    Sleep,
+    Wake,
+}
+
+impl MemoryAction {
+    pub fn verb(self) -> &'static str {
+        match self {
+            Self::Sleep => "sleep",
+            Self::Wake => "wake",
+        }
+    }
+}
+
+/// A generator's answer to a [`MemoryChange`]: how long it took (a sleep waits for the
+/// running samples) and the bytes freed or taken back, or why it failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryReport {
+    pub seconds: f64,
+    pub bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// A model's parameters, exported weights only, as raw little-endian tensor bytes in
 /// objects of the JetStream object store of at most a bucket size each.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

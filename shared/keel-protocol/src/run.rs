@@ -224,6 +224,24 @@ pub struct GenerationSpec {
     /// `directory` (the trainer saves a whole checkpoint to the run's directory on the disk
     /// the generators share, which they load: the fallback, and the way it was done before).
     pub weight_transfer: WeightTransfer,
+    /// Training and generation taking turns on the same GPUs (NeMo-RL's
+    /// `generation.colocated`).
+    pub colocated: Colocated,
+}
+
+/// Colocated training and generation. Each GRPO step the orchestrator sequences the turns:
+/// after the rollouts the generators sleep (their KV pools freed; their weights moved to
+/// host memory with `generator_offload_weights`) and the trainer moves its state back onto
+/// the device; after training the trainer moves its optimiser's state (and its weights with
+/// `trainer_offload_weights`) to host memory, the new weights are refit, and the generators
+/// wake. Each turn's time is recorded (`timing/train/generator_sleep`, `trainer_onload`,
+/// `trainer_offload`, `generator_wake`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct Colocated {
+    pub enabled: bool,
+    pub generator_offload_weights: bool,
+    pub trainer_offload_weights: bool,
 }
 
 /// See [`GenerationSpec::weight_transfer`].
@@ -245,6 +263,7 @@ impl Default for GenerationSpec {
             top_k: None,
             stop: Vec::new(),
             weight_transfer: WeightTransfer::Memory,
+            colocated: Colocated::default(),
         }
     }
 }

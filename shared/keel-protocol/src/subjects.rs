@@ -19,12 +19,15 @@ pub enum TrainerOp {
     Score,
     Save,
     Export,
+    /// Colocated runs: optimiser state (and weights) to host memory, and back.
+    Offload,
+    Onload,
     Heartbeat,
     Release,
 }
 
 impl TrainerOp {
-    pub const ALL: [TrainerOp; 9] = [
+    pub const ALL: [TrainerOp; 11] = [
         Self::Claim,
         Self::Load,
         Self::Logprobs,
@@ -32,6 +35,8 @@ impl TrainerOp {
         Self::Score,
         Self::Save,
         Self::Export,
+        Self::Offload,
+        Self::Onload,
         Self::Heartbeat,
         Self::Release,
     ];
@@ -45,6 +50,8 @@ impl TrainerOp {
             Self::Score => "score",
             Self::Save => "save",
             Self::Export => "export",
+            Self::Offload => "offload",
+            Self::Onload => "onload",
             Self::Heartbeat => "heartbeat",
             Self::Release => "release",
         }
@@ -126,6 +133,12 @@ impl Subjects {
     /// New weights for the generators (every generator hears it).
     pub fn weights_updated(&self) -> String {
         format!("{}.weights.updated", self.prefix)
+    }
+
+    /// Sleep and wake of colocated generators (every generator hears it; each answers on
+    /// the reply subject).
+    pub fn generator_memory(&self) -> String {
+        format!("{}.generator.memory", self.prefix)
     }
 
     /// Every per-worker subject of `worker` (for subscribing).

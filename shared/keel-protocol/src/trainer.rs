@@ -292,6 +292,24 @@ pub struct ExportReply {
     pub timing: Timing,
 }
 
+/// Colocated runs: the trainer moves its optimiser's state (and, with `weights`, the
+/// policy's parameters and gradients) to host memory while the generators have the GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadRequest {
+    pub run_id: String,
+    #[serde(default)]
+    pub weights: bool,
+}
+
+/// What an `offload` or `onload` moved, and how long it took.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryMoved {
+    /// Bytes moved (rank 0's under tensor parallelism; none on a CPU device).
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
 /// Heartbeat and release carry only the run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -12,7 +12,7 @@ use std::time::Instant;
 use tracing::Instrument;
 
 use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
-use keel_protocol::generator::Sampling;
+use keel_protocol::generator::{MemoryAction, Sampling};
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest};
@@ -27,7 +27,21 @@ use crate::db::StepRecord;
 const WEIGHT_DIRS_KEPT: usize = 2;
 
 pub async fn run(ctx: &RunContext) -> Result<()> {
+    let colocated = ctx.spec.generation.colocated.enabled;
+    let result = steps(ctx).await;
+    if colocated {
+        // The generators serve again whatever became of the run (they may have been put to
+        // sleep for a training turn that never ended).
+        if let Err(e) = ctx.generator_memory(MemoryAction::Wake).await {
+            tracing::warn!(run_id = %ctx.id, "cannot wake the generators at the end of the run: {e:?}");
+        }
+    }
+    result
+}
+
+async fn steps(ctx: &RunContext) -> Result<()> {
     let spec = &ctx.spec;
+    let colocated = spec.generation.colocated.enabled;
     let train = data::load_async(&spec.data.train, Algorithm::Grpo, "data.train").await?;
     let validation = match &spec.data.validation {
         Some(d) => data::load_async(d, Algorithm::Grpo, "data.validation").await?,
@@ -41,6 +55,10 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let total = spec.max_num_steps.min(start.step + loader.batches_left(prompts));
     ctx.set_total_steps(total).await?;
     let mut weights = (start.policy_dir.clone(), start.step);
+    if colocated {
+        // A run taken over from an orchestrator that died may find its generators asleep.
+        ctx.generator_memory(MemoryAction::Wake).await?;
+    }
     ctx.publish_weights(&weights.0, weights.1).await?;
     if !start.resumed && !validation.is_empty() {
         rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
@@ -76,6 +94,15 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             current.record("sequences", rows.input_ids.len());
             current.record("tokens", rows.input_ids.iter().map(Vec::len).sum::<usize>());
 
+            if colocated {
+                // The trainer's turn on the GPUs: the generators free them.
+                let phase = Instant::now();
+                ctx.generator_memory(MemoryAction::Sleep).instrument(tracing::info_span!("generator_sleep")).await?;
+                metrics.insert("timing/train/generator_sleep".into(), seconds(phase));
+                let phase = Instant::now();
+                ctx.trainer_memory(false).instrument(tracing::info_span!("trainer_onload")).await?;
+                metrics.insert("timing/train/trainer_onload".into(), seconds(phase));
+            }
             ctx.stop.check()?;
             let phase = Instant::now();
             let trainer = ctx.trainer()?;
@@ -109,6 +136,11 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             .await?;
             metrics.insert("timing/train/policy_training".into(), seconds(phase));
             metrics.extend(mean_step_metrics(&trained, "train"));
+            if colocated {
+                let phase = Instant::now();
+                ctx.trainer_memory(true).instrument(tracing::info_span!("trainer_offload")).await?;
+                metrics.insert("timing/train/trainer_offload".into(), seconds(phase));
+            }
 
             // Weights only, in memory: the trainer exports them in buckets to the object
             // store and the generators load them in place. Checkpoints are saved on the
@@ -155,6 +187,12 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             }
             metrics.insert("timing/train/weight_sync".into(), seconds(phase));
 
+            if colocated {
+                // The generators' turn: the pool back (the new weights are already in).
+                let phase = Instant::now();
+                ctx.generator_memory(MemoryAction::Wake).instrument(tracing::info_span!("generator_wake")).await?;
+                metrics.insert("timing/train/generator_wake".into(), seconds(phase));
+            }
             let mut samples: Vec<_> =
                 batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
             let last = step == total;

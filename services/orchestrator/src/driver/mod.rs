@@ -29,10 +29,15 @@ use std::time::{Duration, Instant};
 
 use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
 use keel_protocol::checkpoint::Retention;
-use keel_protocol::generator::{WeightBuckets, WeightsLoaded, WeightsUpdated};
+use keel_protocol::generator::{
+    MemoryAction, MemoryChange, MemoryReport, WeightBuckets, WeightsLoaded, WeightsUpdated,
+};
 use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
 use keel_protocol::subjects::TrainerOp;
-use keel_protocol::trainer::{ExportReply, ExportRequest, LoadReply, LoadRequest, ModelSource, SaveReply, SaveRequest};
+use keel_protocol::trainer::{
+    ExportReply, ExportRequest, LoadReply, LoadRequest, MemoryMoved, ModelSource, OffloadRequest, RunRequest,
+    SaveReply, SaveRequest,
+};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -360,26 +365,69 @@ impl RunContext {
     /// Publishes `event` with a reply subject of its own, on which generators report when
     /// they have loaded it.
     async fn announce(&self, event: WeightsUpdated) -> Result<Announcement> {
-        let failed = |e: &dyn std::fmt::Display| Stop::Failed(format!("cannot publish weights: {e}"));
-        let body = serde_json::to_vec(&event).map_err(|e| Stop::Failed(e.to_string()))?;
-        let client = &self.nats.client;
-        let inbox = client.new_inbox();
-        let reports = client.subscribe(inbox.clone()).await.map_err(|e| failed(&e))?;
-        client
-            .publish_with_reply_and_headers(
-                self.nats.subjects.weights_updated(),
-                inbox,
-                keel_telemetry::nats_headers(),
-                body.into(),
-            )
-            .await
-            .map_err(|e| failed(&e))?;
-        client.flush().await.map_err(|e| failed(&e))?;
+        let reports = self.broadcast(self.nats.subjects.weights_updated(), &event, "weights").await?;
         let version = event.version;
         if let Ok(mut announced) = self.announced.lock() {
             *announced = Some((event, Instant::now()));
         }
         Ok(Announcement { version, reports, stop: self.stop.clone() })
+    }
+
+    /// Publishes `body` on `subject` (every generator hears it) with a reply subject of its
+    /// own, and returns the subscription on which the answers come.
+    async fn broadcast(
+        &self,
+        subject: String,
+        body: &impl serde::Serialize,
+        what: &str,
+    ) -> Result<async_nats::Subscriber> {
+        let failed = |e: &dyn std::fmt::Display| Stop::Failed(format!("cannot publish {what}: {e}"));
+        let body = serde_json::to_vec(body).map_err(|e| Stop::Failed(e.to_string()))?;
+        let client = &self.nats.client;
+        let inbox = client.new_inbox();
+        let replies = client.subscribe(inbox.clone()).await.map_err(|e| failed(&e))?;
+        client
+            .publish_with_reply_and_headers(subject, inbox, keel_telemetry::nats_headers(), body.into())
+            .await
+            .map_err(|e| failed(&e))?;
+        client.flush().await.map_err(|e| failed(&e))?;
+        Ok(replies)
+    }
+
+    /// Colocated runs: has the generators sleep or wake, and waits for the first one's
+    /// answer (up to [`REFIT_WAIT`]); a failure it reports fails the run.
+    pub async fn generator_memory(&self, action: MemoryAction) -> Result<()> {
+        let change = MemoryChange {
+            run_id: self.id.to_string(),
+            action,
+            offload_weights: self.spec.generation.colocated.generator_offload_weights,
+        };
+        let mut replies = self.broadcast(self.nats.subjects.generator_memory(), &change, "a memory change").await?;
+        let answer = first_answer(&mut replies, REFIT_WAIT, &self.stop, |_: &MemoryReport| true).await?;
+        match answer {
+            Some(MemoryReport { error: Some(e), .. }) => {
+                Err(Stop::Failed(format!("the generator could not {}: {e}", action.verb())))
+            }
+            Some(_) => Ok(()),
+            None => {
+                tracing::warn!(run_id = %self.id, "no generator answered {action:?} within {REFIT_WAIT:?}");
+                Ok(())
+            }
+        }
+    }
+
+    /// Colocated runs: the trainer's optimiser state (and weights, by the spec) to host
+    /// memory (`offload`), or back (`onload`).
+    pub async fn trainer_memory(&self, offload: bool) -> Result<()> {
+        let trainer = self.trainer()?;
+        let moved: MemoryMoved = if offload {
+            let weights = self.spec.generation.colocated.trainer_offload_weights;
+            trainer.op(TrainerOp::Offload, &OffloadRequest { run_id: self.id.to_string(), weights }).await?
+        } else {
+            trainer.op(TrainerOp::Onload, &RunRequest { run_id: self.id.to_string() }).await?
+        };
+        tracing::debug!(run_id = %self.id, offload, bytes = moved.bytes, seconds = moved.seconds, "trainer memory moved");
+        Ok(())
     }
 
     /// Announces the weights of `version` again unless that was done within
@@ -430,21 +478,33 @@ impl Announcement {
     /// `limit` (None when no generator answered in time: the run's rollouts then wait for
     /// the weights themselves). A cancelled or lost run stops waiting.
     pub async fn first_report(mut self, limit: Duration) -> Result<Option<WeightsLoaded>> {
-        use futures::StreamExt;
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            self.stop.check()?;
-            let tick = (tokio::time::Instant::now() + Duration::from_secs(1)).min(deadline);
-            match tokio::time::timeout_at(tick, self.reports.next()).await {
-                Ok(Some(message)) => match serde_json::from_slice::<WeightsLoaded>(&message.payload) {
-                    Ok(report) if report.version == self.version => return Ok(Some(report)),
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!("malformed refit report ignored: {e}"),
-                },
-                Ok(None) => return Ok(None),
-                Err(_) if tick >= deadline => return Ok(None),
-                Err(_) => {}
-            }
+        let version = self.version;
+        first_answer(&mut self.reports, limit, &self.stop, |r: &WeightsLoaded| r.version == version).await
+    }
+}
+
+/// The first answer on `replies` that parses as a `T` that `wanted` accepts, waited for up
+/// to `limit`; a cancelled or lost run stops waiting.
+async fn first_answer<T: serde::de::DeserializeOwned>(
+    replies: &mut async_nats::Subscriber,
+    limit: Duration,
+    stop: &StopFlag,
+    wanted: impl Fn(&T) -> bool,
+) -> Result<Option<T>> {
+    use futures::StreamExt;
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        stop.check()?;
+        let tick = (tokio::time::Instant::now() + Duration::from_secs(1)).min(deadline);
+        match tokio::time::timeout_at(tick, replies.next()).await {
+            Ok(Some(message)) => match serde_json::from_slice::<T>(&message.payload) {
+                Ok(answer) if wanted(&answer) => return Ok(Some(answer)),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("malformed answer ignored: {e}"),
+            },
+            Ok(None) => return Ok(None),
+            Err(_) if tick >= deadline => return Ok(None),
+            Err(_) => {}
         }
     }
 }

@@ -286,6 +286,12 @@ impl<C: Collective> TpCausalLm<C> {
         self.device
     }
 
+    /// Moves this rank's parameters to `device` in place (see
+    /// [`crate::device::move_in_place`]); `self.device()` brings them back.
+    pub fn move_weights(&self, device: Device) -> Result<u64> {
+        crate::device::move_in_place(self.shards.params.iter().map(|p| &p.tensor), device)
+    }
+
     /// This rank's parameters (sharing storage with the model) with their HF names and
     /// layouts; a tied LM head appears once, as the embedding.
     pub fn parameters(&self) -> Vec<(String, Tensor, Layout)> {
