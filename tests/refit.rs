@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use keel_protocol::generator::WeightsUpdated;
+use keel_protocol::generator::{WeightsLoaded, WeightsUpdated};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{
     ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainRequest,
@@ -97,9 +97,13 @@ impl Pair {
         ([vec![5, 88, 17, 201, 33], tokens].concat(), logprobs)
     }
 
-    async fn publish(&self, event: &WeightsUpdated) {
-        self.nats.publish(self.subjects.weights_updated(), serde_json::to_vec(event).unwrap().into()).await.unwrap();
-        self.nats.flush().await.unwrap();
+    /// Publishes `event` with a reply subject and returns the generator's report of it.
+    async fn publish(&self, event: &WeightsUpdated) -> WeightsLoaded {
+        let body = serde_json::to_vec(event).unwrap().into();
+        let reply = self.nats.request(self.subjects.weights_updated(), body).await.unwrap();
+        let report: WeightsLoaded = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!((report.run_id.as_str(), report.version), (event.run_id.as_str(), event.version));
+        report
     }
 }
 
@@ -137,7 +141,10 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
         (_, Some(file)) => file.push_str(".gone"),
         _ => panic!("a bucket is an object or a file"),
     }
-    pair.publish(&WeightsUpdated { run_id: "r".into(), version: 1, path: String::new(), weights: Some(broken) }).await;
+    let report = pair
+        .publish(&WeightsUpdated { run_id: "r".into(), version: 1, path: String::new(), weights: Some(broken) })
+        .await;
+    assert!(report.error.is_some(), "the generator reports the failed refit: {report:?}");
     let (base_tokens, _) = pair.rollout(0).await;
     let reply = loop {
         let request = json!({"run_id": "r", "prompt_token_ids": [5, 88], "max_tokens": 2, "min_weight_version": 1});
@@ -152,7 +159,9 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
     assert_eq!(still, base_tokens, "the old version serves after a failed refit");
 
     let event = WeightsUpdated { run_id: "r".into(), version: 2, path: String::new(), weights: Some(exported.weights) };
-    pair.publish(&event).await;
+    let report = pair.publish(&event).await;
+    assert!(report.error.is_none() && report.seconds > 0.0, "the generator reports the refit done: {report:?}");
+    assert_eq!(report.dtype.as_deref(), Some("float32"), "and the dtype it serves in (f32 on a CPU)");
     let (sequence, generated) = pair.rollout(2).await;
     let request = LogprobsRequest {
         run_id: "r".into(),

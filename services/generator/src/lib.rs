@@ -217,7 +217,8 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         eos_token_ids,
     };
     let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));
-    Ok(openai::AppState { engine, tokenizer, model_name, limits, admission })
+    let dtype = keel_model::weights::dtype_name(kind);
+    Ok(openai::AppState { engine, tokenizer, model_name, dtype, limits, admission })
 }
 
 /// Default KV-cache bytes on the CPU.

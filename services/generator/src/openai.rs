@@ -36,6 +36,8 @@ pub struct AppState {
     pub engine: Engine,
     pub tokenizer: Arc<Tokenizer>,
     pub model_name: String,
+    /// The dtype it serves in (`f32`, `bf16`, `f16`): what refits are best exported in.
+    pub dtype: &'static str,
     pub limits: Limits,
     /// Requests in the system (running or queued); a request that finds none free gets 429.
     pub admission: Arc<Semaphore>,

@@ -266,7 +266,7 @@ pub async fn serve(
                             (state.engine.clone(), serving_run.clone(), refused.clone());
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
-                        let (client, roots) = (client.clone(), roots.clone());
+                        let (client, roots, dtype) = (client.clone(), roots.clone(), state.dtype);
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
                             let refit = match new_weights(&client, &roots, &update).await {
@@ -274,7 +274,7 @@ pub async fn serve(
                                 Err(e) => Err(e),
                             };
                             if let Some(to) = message.reply.clone() {
-                                report_refit(&client, to, &update, arrived, &refit).await;
+                                report_refit(&client, to, &update, arrived, &refit, dtype).await;
                             }
                             match refit {
                                 Ok(seconds) => {
@@ -334,11 +334,13 @@ async fn report_refit(
     update: &WeightsUpdated,
     arrived: std::time::Instant,
     refit: &Result<f64, String>,
+    dtype: &str,
 ) {
     let report = WeightsLoaded {
         run_id: update.run_id.clone(),
         version: update.version,
         seconds: arrived.elapsed().as_secs_f64(),
+        dtype: Some(dtype.to_string()),
         error: refit.as_ref().err().cloned(),
     };
     let body = serde_json::to_vec(&report).unwrap_or_default();
@@ -362,27 +364,6 @@ async fn new_weights(
     let mut tensors = std::collections::HashMap::new();
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
     for bucket in &weights.buckets {
-        let (bytes, shown) = match (&bucket.object, &bucket.file) {
-            (Some(object), None) => {
-                if !stores.contains_key(&object.bucket) {
-                    let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
-                    stores.insert(object.bucket.clone(), store);
-                }
-                (stores[&object.bucket].get(object).await?, object.name.clone())
-            }
-            (None, Some(file)) => {
-                let path = roots.check("file", file)?;
-                let bytes = tokio::task::spawn_blocking(move || std::fs::read(&path))
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| format!("weight bucket {file}: {e}"))?;
-                (bytes, file.clone())
-            }
-            _ => return Err("a weight bucket names an object or a file, one of them".into()),
-        };
-        if bytes.len() as u64 != bucket.bytes {
-            return Err(format!("weight bucket `{shown}` has {} bytes, not {}", bytes.len(), bucket.bytes));
-        }
         let entries: Vec<keel_model::packing::Entry> = bucket
             .tensors
             .iter()
@@ -393,7 +374,32 @@ async fn new_weights(
                 bytes: t.bytes,
             })
             .collect();
-        for (name, tensor) in keel_model::packing::unpack(&bytes, &entries, kind).map_err(|e| e.to_string())? {
+        let unpacked = match (&bucket.object, &bucket.file) {
+            (Some(object), None) => {
+                if !stores.contains_key(&object.bucket) {
+                    let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
+                    stores.insert(object.bucket.clone(), store);
+                }
+                let bytes = stores[&object.bucket].get(object).await?;
+                if bytes.len() as u64 != bucket.bytes {
+                    return Err(format!(
+                        "weight bucket `{}` has {} bytes, not {}",
+                        object.name,
+                        bytes.len(),
+                        bucket.bytes
+                    ));
+                }
+                keel_model::packing::unpack(&bytes, &entries, kind)
+            }
+            // A file in shared memory is mapped, not read: its bytes are copied once, into
+            // the model.
+            (None, Some(file)) => {
+                let path = roots.check("file", file)?;
+                keel_model::packing::unpack_file(&path, bucket.bytes, &entries, kind)
+            }
+            _ => return Err("a weight bucket names an object or a file, one of them".into()),
+        };
+        for (name, tensor) in unpacked.map_err(|e| e.to_string())? {
             if tensors.insert(name.clone(), tensor).is_some() {
                 return Err(format!("`{name}` is in the weight buckets twice"));
             }

@@ -434,15 +434,25 @@ impl Engine {
     }
 
     /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
-    /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory. Under tensor
-    /// parallelism every rank calls it (each takes part in the gathers) and rank 0 returns
-    /// the buckets; the others return none.
-    pub fn export(&self, kind: tch::Kind, bucket_bytes: u64) -> Result<Vec<keel_model::packing::Bucket>> {
+    /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory: buffers, or files
+    /// written in place in `files` (a directory in shared memory). Under tensor parallelism
+    /// every rank calls it (each takes part in the gathers) and rank 0 returns the buckets;
+    /// the others return none.
+    pub fn export(
+        &self,
+        kind: tch::Kind,
+        bucket_bytes: u64,
+        files: Option<&Path>,
+    ) -> Result<keel_model::packing::Packed> {
+        use keel_model::packing::{Packed, pack, pack_to_files};
         let packed = self.policy.with_full(|full| {
             let mut tensors: Vec<(String, Tensor)> = full.var_store().variables().into_iter().collect();
             tensors.sort_by(|a, b| a.0.cmp(&b.0));
             let _no_grad = tch::no_grad_guard();
-            Ok(keel_model::packing::pack(&tensors, kind, bucket_bytes)?)
+            Ok(match files {
+                Some(dir) => Packed::Files(pack_to_files(&tensors, kind, bucket_bytes, dir)?),
+                None => Packed::Memory(pack(&tensors, kind, bucket_bytes)?),
+            })
         })?;
         Ok(packed.unwrap_or_default())
     }

@@ -173,17 +173,19 @@ impl Trainer {
         &mut self,
         kind: Option<tch::Kind>,
         bucket_bytes: u64,
-    ) -> Result<(u64, tch::Kind, Vec<keel_model::packing::Bucket>)> {
+        files: Option<PathBuf>,
+    ) -> Result<(u64, tch::Kind, keel_model::packing::Packed)> {
         match self {
             Self::One(engine) => {
                 let kind = kind.unwrap_or(engine.policy().kind());
-                Ok((engine.step(), kind, engine.export(kind, bucket_bytes)?))
+                Ok((engine.step(), kind, engine.export(kind, bucket_bytes, files.as_deref())?))
             }
             Self::Ranks(ranks) => {
-                let exported = first(ranks.group.run_all((kind, bucket_bytes), |engine, (kind, bytes)| {
-                    let kind = kind.unwrap_or(engine.policy().kind());
-                    Ok((kind, engine.export(kind, bytes)?))
-                }))?;
+                let exported =
+                    first(ranks.group.run_all((kind, bucket_bytes, files), |engine, (kind, bytes, files)| {
+                        let kind = kind.unwrap_or(engine.policy().kind());
+                        Ok((kind, engine.export(kind, bytes, files.as_deref())?))
+                    }))?;
                 Ok((ranks.step, exported.0, exported.1))
             }
         }

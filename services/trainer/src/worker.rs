@@ -24,6 +24,7 @@ use tracing::{Instrument, info, info_span, warn};
 use crate::actor::EngineThread;
 use crate::error::{Error, Result};
 use crate::parallel::Trainer;
+use keel_model::packing::Packed;
 use keel_protocol::generator::{PackedTensor, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
@@ -435,21 +436,31 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         return Err(refuse(error_types::INVALID_REQUEST, "bucket_bytes must be positive"));
     }
     let bucket_bytes = request.bucket_bytes;
+    // Shared memory: the buckets are written in place into files of a fresh directory,
+    // which is renamed into view once whole.
+    let shared_dir = match &request.shared_dir {
+        Some(dir) => {
+            let dir = shared.roots.check("shared_dir", dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+            Some(SharedExport::begin(dir).map_err(|e| refuse(error_types::PAYLOAD, e))?)
+        }
+        None => None,
+    };
+    let files = shared_dir.as_ref().map(|s| s.partial.clone());
     let (step, kind, packed) = shared
         .engine
-        .call(move |slot| loaded(slot)?.export(kind, bucket_bytes))
+        .call(move |slot| loaded(slot)?.export(kind, bucket_bytes, files))
         .instrument(info_span!("export", dtype = ?request.dtype))
         .await?;
     let packing = started.elapsed().as_secs_f64();
-    let buckets = match &request.shared_dir {
-        Some(dir) => {
-            let dir = shared.roots.check("shared_dir", dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
-            tokio::task::spawn_blocking(move || write_shared(&dir, packed))
-                .await
-                .map_err(|e| refuse(error_types::INTERNAL, e.to_string()))?
-                .map_err(|e| refuse(error_types::PAYLOAD, e))?
+    let buckets = match (shared_dir, packed) {
+        (Some(export), Packed::Files(files)) => tokio::task::spawn_blocking(move || export.finish(files))
+            .await
+            .map_err(|e| refuse(error_types::INTERNAL, e.to_string()))?
+            .map_err(|e| refuse(error_types::PAYLOAD, e))?,
+        (None, Packed::Memory(packed)) => {
+            store_objects(&shared.bulk, packed).await.map_err(|e| refuse(error_types::PAYLOAD, e))?
         }
-        None => store_objects(&shared.bulk, packed).await.map_err(|e| refuse(error_types::PAYLOAD, e))?,
+        _ => return Err(refuse(error_types::INTERNAL, "the export came back in the wrong form")),
     };
     let timing =
         Timing::from([("export_pack".to_string(), packing), ("export".to_string(), started.elapsed().as_secs_f64())]);
@@ -491,42 +502,64 @@ async fn store_objects(
 
 /// Each bucket a file in a new directory under `dir` (shared memory), written aside and
 /// renamed into place; export directories but the two newest are deleted.
-fn write_shared(
-    dir: &std::path::Path,
-    packed: Vec<keel_model::packing::Bucket>,
-) -> std::result::Result<Vec<WeightBucket>, String> {
-    fn io(what: &std::path::Path) -> impl FnOnce(std::io::Error) -> String + '_ {
-        move |e| format!("{}: {e}", what.display())
+/// An export into shared memory under way: the buckets go into a hidden directory that is
+/// renamed `export-<time>` when every bucket is written; the two newest exports are kept.
+struct SharedExport {
+    dir: std::path::PathBuf,
+    partial: std::path::PathBuf,
+    export: std::path::PathBuf,
+}
+
+fn io(what: &std::path::Path) -> impl FnOnce(std::io::Error) -> String + '_ {
+    move |e| format!("{}: {e}", what.display())
+}
+
+impl SharedExport {
+    fn begin(dir: std::path::PathBuf) -> std::result::Result<Self, String> {
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let export = dir.join(format!("export-{nanos:032}"));
+        let partial = dir.join(format!(".partial-{nanos:032}"));
+        std::fs::create_dir(&partial).map_err(io(&partial))?;
+        Ok(Self { dir, partial, export })
     }
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let export = dir.join(format!("export-{nanos:032}"));
-    let partial = dir.join(format!(".partial-{nanos:032}"));
-    std::fs::create_dir(&partial).map_err(io(&partial))?;
-    let mut buckets = Vec::with_capacity(packed.len());
-    for (i, bucket) in packed.into_iter().enumerate() {
-        let name = format!("bucket-{i:05}.bin");
-        std::fs::write(partial.join(&name), &bucket.bytes).map_err(io(&partial.join(&name)))?;
-        buckets.push(WeightBucket {
-            object: None,
-            file: Some(export.join(&name).to_string_lossy().into_owned()),
-            bytes: bucket.bytes.len() as u64,
-            tensors: packed_tensors(bucket.entries),
-        });
+
+    fn finish(self, files: Vec<keel_model::packing::FileBucket>) -> std::result::Result<Vec<WeightBucket>, String> {
+        std::fs::rename(&self.partial, &self.export).map_err(io(&self.export))?;
+        let buckets = files
+            .into_iter()
+            .map(|f| {
+                let name = f.path.file_name().map(std::path::PathBuf::from).unwrap_or_default();
+                WeightBucket {
+                    object: None,
+                    file: Some(self.export.join(name).to_string_lossy().into_owned()),
+                    bytes: f.bytes,
+                    tensors: packed_tensors(f.entries),
+                }
+            })
+            .collect();
+        let mut exports: Vec<std::path::PathBuf> = std::fs::read_dir(&self.dir)
+            .map_err(io(&self.dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("export-")))
+            .collect();
+        exports.sort();
+        for old in exports.iter().rev().skip(2) {
+            if let Err(e) = std::fs::remove_dir_all(old) {
+                warn!("cannot remove the old export {}: {e}", old.display());
+            }
+        }
+        Ok(buckets)
     }
-    std::fs::rename(&partial, &export).map_err(io(&export))?;
-    let mut exports: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
-        .map_err(io(dir))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("export-")))
-        .collect();
-    exports.sort();
-    for old in exports.iter().rev().skip(2) {
-        if let Err(e) = std::fs::remove_dir_all(old) {
-            warn!("cannot remove the old export {}: {e}", old.display());
+}
+
+impl Drop for SharedExport {
+    /// An export that failed midway leaves nothing behind.
+    fn drop(&mut self) {
+        if self.partial.exists() {
+            let _ = std::fs::remove_dir_all(&self.partial);
         }
     }
-    Ok(buckets)
 }
 
 /// A running worker; dropping the shutdown future's sender or completing it stops it.

@@ -3,6 +3,8 @@
 //! at most a bucket size (a tensor larger than that gets a bucket of its own), and back.
 //! Bytes are the tensors' native little-endian layout in one dtype.
 
+use std::path::{Path, PathBuf};
+
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -23,25 +25,115 @@ pub struct Bucket {
     pub entries: Vec<Entry>,
 }
 
+/// One bucket written as a file: its path, size and the tensors in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileBucket {
+    pub path: PathBuf,
+    pub bytes: u64,
+    pub entries: Vec<Entry>,
+}
+
+/// Buckets in memory or in files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Packed {
+    Memory(Vec<Bucket>),
+    Files(Vec<FileBucket>),
+}
+
+impl Default for Packed {
+    fn default() -> Self {
+        Self::Memory(Vec::new())
+    }
+}
+
+/// The buckets `tensors` fill at `kind` and `bucket_bytes`: per bucket, its size and each
+/// tensor's index with its entry. A tensor larger than a bucket gets one of its own.
+fn layout(tensors: &[(String, Tensor)], kind: Kind, bucket_bytes: u64) -> Vec<(u64, Vec<(usize, Entry)>)> {
+    let mut buckets: Vec<(u64, Vec<(usize, Entry)>)> = Vec::new();
+    for (index, (name, tensor)) in tensors.iter().enumerate() {
+        let size = (tensor.numel() * kind.elt_size_in_bytes()) as u64;
+        let fits = buckets.last().is_some_and(|(used, _)| used + size <= bucket_bytes);
+        if !fits {
+            buckets.push((0, Vec::new()));
+        }
+        let Some((used, entries)) = buckets.last_mut() else { unreachable!("a bucket was just pushed") };
+        entries.push((index, Entry { name: name.clone(), shape: tensor.size(), offset: *used, bytes: size }));
+        *used += size;
+    }
+    buckets
+}
+
 /// Packs `tensors` (any float dtype and device) cast to `kind` into buckets of at most
 /// `bucket_bytes` each.
 pub fn pack(tensors: &[(String, Tensor)], kind: Kind, bucket_bytes: u64) -> Result<Vec<Bucket>> {
-    let mut buckets: Vec<Bucket> = Vec::new();
-    for (name, tensor) in tensors {
-        let host = tensor.f_to_device(Device::Cpu)?.f_to_kind(kind)?.f_contiguous()?;
-        let numel = host.numel();
-        let size = (numel * kind.elt_size_in_bytes()) as u64;
-        let fits = buckets.last().is_some_and(|b| b.bytes.len() as u64 + size <= bucket_bytes);
-        if !fits {
-            buckets.push(Bucket { bytes: Vec::new(), entries: Vec::new() });
-        }
-        let Some(bucket) = buckets.last_mut() else { unreachable!("a bucket was just pushed") };
-        let offset = bucket.bytes.len();
-        bucket.bytes.resize(offset + size as usize, 0);
-        host.f_copy_data_u8(&mut bucket.bytes[offset..], numel)?;
-        bucket.entries.push(Entry { name: name.clone(), shape: host.size(), offset: offset as u64, bytes: size });
+    layout(tensors, kind, bucket_bytes)
+        .into_iter()
+        .map(|(size, placed)| {
+            let mut bytes = vec![0u8; size as usize];
+            for (index, entry) in &placed {
+                let host = tensors[*index].1.f_to_device(Device::Cpu)?.f_to_kind(kind)?.f_contiguous()?;
+                let range = entry.offset as usize..(entry.offset + entry.bytes) as usize;
+                host.f_copy_data_u8(&mut bytes[range], host.numel())?;
+            }
+            Ok(Bucket { bytes, entries: placed.into_iter().map(|(_, e)| e).collect() })
+        })
+        .collect()
+}
+
+/// [`pack`] into files `bucket-NNNNN.bin` in `dir` (on a RAM-backed file system for a
+/// refit through shared memory): each file is mapped and every tensor cast and copied into
+/// it in one pass, with no buffer between.
+pub fn pack_to_files(
+    tensors: &[(String, Tensor)],
+    kind: Kind,
+    bucket_bytes: u64,
+    dir: &Path,
+) -> Result<Vec<FileBucket>> {
+    let elt = kind.elt_size_in_bytes() as i64;
+    layout(tensors, kind, bucket_bytes)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (size, placed))| {
+            let path = dir.join(format!("bucket-{i:05}.bin"));
+            let file = std::fs::File::create(&path).map_err(Error::io(&path))?;
+            file.set_len(size).map_err(Error::io(&path))?;
+            drop(file);
+            let mapped = map_file(&path, true, size, kind)?;
+            for (index, entry) in &placed {
+                let numel = entry.bytes as i64 / elt;
+                let mut slot = mapped.f_narrow(0, entry.offset as i64 / elt, numel)?.f_view(entry.shape.as_slice())?;
+                slot.f_copy_(&tensors[*index].1)?;
+            }
+            Ok(FileBucket { path, bytes: size, entries: placed.into_iter().map(|(_, e)| e).collect() })
+        })
+        .collect()
+}
+
+/// A file's bytes as a flat tensor of `kind` mapped from it (`shared`: writes reach the
+/// file; else the mapping is private and the file only read).
+fn map_file(path: &Path, shared: bool, bytes: u64, kind: Kind) -> Result<Tensor> {
+    let name = path.to_str().ok_or_else(|| Error::InvalidInput(format!("{} is not UTF-8", path.display())))?;
+    let numel = (bytes / kind.elt_size_in_bytes() as u64) as i64;
+    if numel == 0 {
+        return Ok(Tensor::f_empty([0], (kind, Device::Cpu))?);
     }
-    Ok(buckets)
+    Ok(Tensor::f_from_file(name, shared, numel, (kind, Device::Cpu))?)
+}
+
+/// Checks that `e` lies inside a bucket of `total` bytes and holds a whole tensor of
+/// `kind` at an offset aligned to it; its element count.
+fn check(e: &Entry, total: u64, kind: Kind) -> Result<i64> {
+    let numel: i64 = e.shape.iter().product();
+    let elt = kind.elt_size_in_bytes() as u64;
+    let expected = numel as u64 * elt;
+    let end = e.offset.checked_add(e.bytes).filter(|&end| end <= total);
+    match end {
+        Some(_) if e.bytes == expected && e.offset.is_multiple_of(elt) => Ok(numel),
+        _ => Err(Error::InvalidInput(format!(
+            "`{}`: {} bytes at {} do not hold a {:?} tensor of shape {:?} in a bucket of {} bytes",
+            e.name, e.bytes, e.offset, kind, e.shape, total
+        ))),
+    }
 }
 
 /// The tensors of one bucket, as `kind` on the CPU; an entry outside the bytes, or whose
@@ -50,24 +142,29 @@ pub fn unpack(bytes: &[u8], entries: &[Entry], kind: Kind) -> Result<Vec<(String
     entries
         .iter()
         .map(|e| {
-            let numel: i64 = e.shape.iter().product();
-            let expected = numel as u64 * kind.elt_size_in_bytes() as u64;
-            let end = e.offset.checked_add(e.bytes).filter(|&end| end <= bytes.len() as u64);
-            match end {
-                Some(end) if e.bytes == expected => {
-                    let data = &bytes[e.offset as usize..end as usize];
-                    Ok((e.name.clone(), Tensor::f_from_data_size(data, &e.shape, kind)?))
-                }
-                _ => Err(Error::InvalidInput(format!(
-                    "`{}`: {} bytes at {} do not hold a {:?} tensor of shape {:?} in a bucket of {} bytes",
-                    e.name,
-                    e.bytes,
-                    e.offset,
-                    kind,
-                    e.shape,
-                    bytes.len()
-                ))),
-            }
+            check(e, bytes.len() as u64, kind)?;
+            let data = &bytes[e.offset as usize..(e.offset + e.bytes) as usize];
+            Ok((e.name.clone(), Tensor::f_from_data_size(data, &e.shape, kind)?))
+        })
+        .collect()
+}
+
+/// The tensors of a bucket file of `bytes` bytes, mapped from it (nothing is copied until
+/// they are copied into a model); the file must have that size. Errors as [`unpack`].
+pub fn unpack_file(path: &Path, bytes: u64, entries: &[Entry], kind: Kind) -> Result<Vec<(String, Tensor)>> {
+    let found = std::fs::metadata(path).map_err(Error::io(path))?.len();
+    if found != bytes {
+        return Err(Error::InvalidInput(format!("weight bucket {} has {found} bytes, not {bytes}", path.display())));
+    }
+    let numels = entries.iter().map(|e| check(e, bytes, kind)).collect::<Result<Vec<_>>>()?;
+    let mapped = map_file(path, false, bytes, kind)?;
+    let elt = kind.elt_size_in_bytes() as i64;
+    entries
+        .iter()
+        .zip(numels)
+        .map(|(e, numel)| {
+            let tensor = mapped.f_narrow(0, e.offset as i64 / elt, numel)?.f_view(e.shape.as_slice())?;
+            Ok((e.name.clone(), tensor))
         })
         .collect()
 }
@@ -104,5 +201,33 @@ mod tests {
         entries[1].bytes -= 4;
         entries[4].offset = u64::MAX;
         assert!(unpack(&buckets[0].bytes, &entries, Kind::Float).is_err(), "no overflow past the end");
+    }
+
+    /// Buckets written to files hold the bytes in-memory buckets hold, and come back equal.
+    #[test]
+    fn files_hold_what_memory_buckets_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let tensors: Vec<(String, Tensor)> =
+            (0..5).map(|i| (format!("t{i}"), Tensor::randn([3, 4 + i], (Kind::Float, Device::Cpu)))).collect();
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let out = dir.path().join(format!("{kind:?}"));
+            std::fs::create_dir(&out).unwrap();
+            let files = pack_to_files(&tensors, kind, 100, &out).unwrap();
+            let memory = pack(&tensors, kind, 100).unwrap();
+            assert_eq!(files.len(), memory.len());
+            for (file, bucket) in files.iter().zip(&memory) {
+                assert_eq!(std::fs::read(&file.path).unwrap(), bucket.bytes, "{}", file.path.display());
+                assert_eq!(file.entries, bucket.entries);
+                for ((name, got), (_, want)) in unpack_file(&file.path, file.bytes, &file.entries, kind)
+                    .unwrap()
+                    .iter()
+                    .zip(unpack(&bucket.bytes, &bucket.entries, kind).unwrap().iter())
+                {
+                    assert!(got.equal(want), "{name} at {kind:?}");
+                }
+            }
+            let error = unpack_file(&files[0].path, files[0].bytes + 1, &files[0].entries, kind).unwrap_err();
+            assert!(error.to_string().contains("bytes, not"), "{error}");
+        }
     }
 }

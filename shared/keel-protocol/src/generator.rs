@@ -113,6 +113,9 @@ pub struct WeightsLoaded {
     pub run_id: String,
     pub version: u64,
     pub seconds: f64,
+    /// The dtype the generator serves in: later exports are cast to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }

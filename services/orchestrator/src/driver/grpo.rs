@@ -64,6 +64,7 @@ async fn steps(ctx: &RunContext) -> Result<()> {
         rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
     }
     let mut saved: Vec<PathBuf> = Vec::new();
+    let mut serving_dtype: Option<String> = None;
     let mut exported: std::collections::VecDeque<keel_protocol::generator::WeightBuckets> = Default::default();
     for step in start.step + 1..=total {
         ctx.stop.check()?;
@@ -154,7 +155,8 @@ async fn steps(ctx: &RunContext) -> Result<()> {
             let report = async {
                 let announcement = if in_memory {
                     let shared_memory = transfer == WeightTransfer::SharedMemory;
-                    let (buckets, announcement) = ctx.publish_exported_weights(step, shared_memory).await?;
+                    let (buckets, announcement) =
+                        ctx.publish_exported_weights(step, shared_memory, serving_dtype.as_deref()).await?;
                     exported.push_back(buckets);
                     announcement
                 } else {
@@ -169,6 +171,10 @@ async fn steps(ctx: &RunContext) -> Result<()> {
             match report {
                 Some(report) if report.error.is_none() => {
                     metrics.insert("timing/train/generator_refit".into(), report.seconds);
+                    // Later exports are cast to what the generator serves.
+                    if report.dtype.is_some() {
+                        serving_dtype = report.dtype;
+                    }
                 }
                 Some(report) => tracing::warn!(
                     run_id = %ctx.id, step, "a generator could not load the new weights: {}",

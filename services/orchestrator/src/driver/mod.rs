@@ -338,16 +338,18 @@ impl RunContext {
     /// buckets in the object store) and tells every generator to serve them as `version`.
     /// Returns the buckets (the caller deletes them once no generator needs them) and the
     /// announcement. With `shared_memory` the buckets are files in `/dev/shm` on the
-    /// trainer's host.
+    /// trainer's host. `serving_dtype` (what the generators said they serve in) wins over
+    /// the run's dtype.
     pub async fn publish_exported_weights(
         &self,
         version: u64,
         shared_memory: bool,
+        serving_dtype: Option<&str>,
     ) -> Result<(WeightBuckets, Announcement)> {
         let shared_dir = shared_memory.then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.id));
         let request = ExportRequest {
             run_id: self.id.to_string(),
-            dtype: self.spec.dtype.clone(),
+            dtype: serving_dtype.map(str::to_string).or_else(|| self.spec.dtype.clone()),
             bucket_bytes: EXPORT_BUCKET_BYTES,
             shared_dir,
         };
