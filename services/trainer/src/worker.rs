@@ -500,10 +500,14 @@ async fn store_objects(
     Ok(buckets)
 }
 
-/// Each bucket a file in a new directory under `dir` (shared memory), written aside and
-/// renamed into place; export directories but the two newest are deleted.
 /// An export into shared memory under way: the buckets go into a hidden directory that is
-/// renamed `export-<time>` when every bucket is written; the two newest exports are kept.
+/// renamed `export-<time>` when every bucket is written. The three newest exports are kept
+/// (a generator may still be loading the previous one); the files of a fourth are written
+/// over by the next export, whose pages they already have.
+/// Exports in shared memory that stay untouched after a newer one (a generator may still be
+/// loading them).
+const KEPT_EXPORTS: usize = 3;
+
 struct SharedExport {
     dir: std::path::PathBuf,
     partial: std::path::PathBuf,
@@ -520,8 +524,23 @@ impl SharedExport {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let export = dir.join(format!("export-{nanos:032}"));
         let partial = dir.join(format!(".partial-{nanos:032}"));
-        std::fs::create_dir(&partial).map_err(io(&partial))?;
+        let mut exports = Self::exports(&dir)?;
+        let reused = exports.len() > KEPT_EXPORTS && std::fs::rename(exports.remove(0), &partial).is_ok();
+        if !reused {
+            std::fs::create_dir(&partial).map_err(io(&partial))?;
+        }
         Ok(Self { dir, partial, export })
+    }
+
+    /// The finished exports in `dir`, oldest first.
+    fn exports(dir: &std::path::Path) -> std::result::Result<Vec<std::path::PathBuf>, String> {
+        let mut exports: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("export-")))
+            .collect();
+        exports.sort();
+        Ok(exports)
     }
 
     fn finish(self, files: Vec<keel_model::packing::FileBucket>) -> std::result::Result<Vec<WeightBucket>, String> {
@@ -538,13 +557,8 @@ impl SharedExport {
                 }
             })
             .collect();
-        let mut exports: Vec<std::path::PathBuf> = std::fs::read_dir(&self.dir)
-            .map_err(io(&self.dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("export-")))
-            .collect();
-        exports.sort();
-        for old in exports.iter().rev().skip(2) {
+        // Kept: the newest few, and one more whose files the next export reuses.
+        for old in Self::exports(&self.dir)?.iter().rev().skip(KEPT_EXPORTS + 1) {
             if let Err(e) = std::fs::remove_dir_all(old) {
                 warn!("cannot remove the old export {}: {e}", old.display());
             }
@@ -683,5 +697,37 @@ impl Worker {
         }
         info!("trainer worker stopping");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// Exports in shared memory: the three newest stay as written, and the next export
+    /// writes over the files of the fourth.
+    #[test]
+    fn shared_exports_keep_the_newest_three_and_reuse_the_one_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let bucket = "bucket-00000.bin";
+        for i in 0..6u8 {
+            let export = SharedExport::begin(dir.path().to_path_buf()).unwrap();
+            let reused = export.partial.join(bucket).exists();
+            assert_eq!(reused, i >= 4, "export {i} reuses the files of the fourth newest");
+            std::fs::write(export.partial.join(bucket), [i; 8]).unwrap();
+            let file = keel_model::packing::FileBucket { path: export.partial.join(bucket), bytes: 8, entries: vec![] };
+            let buckets = export.finish(vec![file]).unwrap();
+            assert_eq!(std::fs::read(buckets[0].file.as_ref().unwrap()).unwrap(), [i; 8]);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let exports = SharedExport::exports(dir.path()).unwrap();
+        let contents: Vec<u8> = exports.iter().map(|e| std::fs::read(e.join(bucket)).unwrap()[0]).collect();
+        assert_eq!(contents, [2, 3, 4, 5], "the newest three and the one to reuse, oldest first");
+        let partials = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".partial"));
+        assert_eq!(partials.count(), 0, "no partial export is left behind");
     }
 }

@@ -82,7 +82,8 @@ pub fn pack(tensors: &[(String, Tensor)], kind: Kind, bucket_bytes: u64) -> Resu
 
 /// [`pack`] into files `bucket-NNNNN.bin` in `dir` (on a RAM-backed file system for a
 /// refit through shared memory): each file is mapped and every tensor cast and copied into
-/// it in one pass, with no buffer between.
+/// it in one pass, with no buffer between. Files already there are written over in place
+/// (their pages are reused: on tmpfs, allocating fresh ones costs as much as the copy).
 pub fn pack_to_files(
     tensors: &[(String, Tensor)],
     kind: Kind,
@@ -95,7 +96,12 @@ pub fn pack_to_files(
         .enumerate()
         .map(|(i, (size, placed))| {
             let path = dir.join(format!("bucket-{i:05}.bin"));
-            let file = std::fs::File::create(&path).map_err(Error::io(&path))?;
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(Error::io(&path))?;
             file.set_len(size).map_err(Error::io(&path))?;
             drop(file);
             let mapped = map_file(&path, true, size, kind)?;

@@ -276,7 +276,8 @@ pub struct ExportRequest {
     pub bucket_bytes: u64,
     /// Write the buckets as files under this directory (shared memory on the trainer's
     /// host, e.g. `/dev/shm/keel-weights/<run>`) instead of the object store; the worker
-    /// keeps the two newest exports there and deletes older ones.
+    /// keeps the three newest exports there untouched, reuses the files of the one before
+    /// for the next export, and deletes older ones.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_dir: Option<String>,
 }

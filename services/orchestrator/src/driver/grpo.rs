@@ -155,9 +155,12 @@ async fn steps(ctx: &RunContext) -> Result<()> {
             let report = async {
                 let announcement = if in_memory {
                     let shared_memory = transfer == WeightTransfer::SharedMemory;
-                    let (buckets, announcement) =
+                    let (export, announcement) =
                         ctx.publish_exported_weights(step, shared_memory, serving_dtype.as_deref()).await?;
-                    exported.push_back(buckets);
+                    if let Some(seconds) = export.timing.get("export") {
+                        metrics.insert("timing/train/trainer_export".into(), *seconds);
+                    }
+                    exported.push_back(export.weights);
                     announcement
                 } else {
                     ctx.save(&dir, step, loader.position()).await?;

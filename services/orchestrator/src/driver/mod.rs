@@ -336,8 +336,8 @@ impl RunContext {
 
     /// Has the trainer export the policy's weights (weights only, in the run's dtype, in
     /// buckets in the object store) and tells every generator to serve them as `version`.
-    /// Returns the buckets (the caller deletes them once no generator needs them) and the
-    /// announcement. With `shared_memory` the buckets are files in `/dev/shm` on the
+    /// Returns the export (the caller deletes its buckets once no generator needs them) and
+    /// the announcement. With `shared_memory` the buckets are files in `/dev/shm` on the
     /// trainer's host. `serving_dtype` (what the generators said they serve in) wins over
     /// the run's dtype.
     pub async fn publish_exported_weights(
@@ -345,7 +345,7 @@ impl RunContext {
         version: u64,
         shared_memory: bool,
         serving_dtype: Option<&str>,
-    ) -> Result<(WeightBuckets, Announcement)> {
+    ) -> Result<(ExportReply, Announcement)> {
         let shared_dir = shared_memory.then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.id));
         let request = ExportRequest {
             run_id: self.id.to_string(),
@@ -361,7 +361,7 @@ impl RunContext {
             weights: Some(exported.weights.clone()),
         };
         let announcement = self.announce(event).await?;
-        Ok((exported.weights, announcement))
+        Ok((exported, announcement))
     }
 
     /// Publishes `event` with a reply subject of its own, on which generators report when
@@ -446,7 +446,7 @@ impl RunContext {
     /// Deletes exported weight buckets no generator needs any more (best effort: the object
     /// store expires them after a day anyway).
     pub async fn delete_exported(&self, weights: &WeightBuckets) {
-        // Files in shared memory are the trainer's to delete (it keeps the newest two).
+        // Files in shared memory are the trainer's to delete (it keeps the newest three).
         for object in weights.buckets.iter().filter_map(|b| b.object.as_ref()) {
             if let Err(e) = self.nats.bulk.delete(object).await {
                 tracing::warn!(run_id = %self.id, "cannot delete exported weights: {e}");
