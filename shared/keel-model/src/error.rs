@@ -85,6 +85,18 @@ impl From<crate::cuda::KernelError> for Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The tokenizer crate's errors keep their messages.
+impl From<keel_tokenizer::Error> for Error {
+    fn from(e: keel_tokenizer::Error) -> Self {
+        match e {
+            keel_tokenizer::Error::Io { path, source } => Self::Io { path, source },
+            keel_tokenizer::Error::Json { path, source } => Self::Json { path, source },
+            keel_tokenizer::Error::Tokenizer(message) => Self::Tokenizer(message),
+            keel_tokenizer::Error::ChatTemplate(message) => Self::ChatTemplate(message),
+        }
+    }
+}
+
 impl From<keel_collective::Error> for Error {
     fn from(e: keel_collective::Error) -> Self {
         Self::Collective(e)

@@ -9,7 +9,8 @@
 //!   (continuous batching).
 //! - [`weights`] and [`pretrained`]: safetensors load (memory-mapped) and save (sharded);
 //!   [`packing`]: weights as byte buckets for refits in memory.
-//! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates.
+//! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates (the
+//!   `keel-tokenizer` crate, re-exported).
 //! - [`sampling`]: batched sampling on the device; single-sequence generation for the CLI.
 //! - [`init`]: a new model directory with a trained tokenizer (`keel model init`).
 //! - [`device`]: device and dtype names, CUDA probing without panics.
@@ -17,7 +18,6 @@
 //!   at load and switched off when it cannot run.
 
 pub mod cache;
-pub mod chat;
 pub mod config;
 pub mod cuda;
 pub mod device;
@@ -28,8 +28,10 @@ pub mod packing;
 pub mod pretrained;
 pub mod rope;
 pub mod sampling;
-pub mod tokenizer;
 pub mod weights;
+
+/// The tokenizer and chat templates live in `keel-tokenizer` (no libtorch), re-exported here.
+pub use keel_tokenizer::{chat, tokenizer};
 
 pub use cache::{BLOCK_SIZE, KvCache, PagedCache, SeqChunk};
 pub use config::{Architecture, ModelConfig};

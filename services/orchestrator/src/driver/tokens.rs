@@ -8,9 +8,9 @@
 
 use std::path::Path;
 
-use keel_model::Tokenizer;
 use keel_protocol::reward::Message;
 use keel_protocol::run::PromptSpec;
+use keel_tokenizer::Tokenizer;
 use serde_json::json;
 
 use super::{Result, Stop};
@@ -30,7 +30,7 @@ pub struct Prompting {
     max_len: usize,
 }
 
-fn failed(what: &str) -> impl Fn(keel_model::Error) -> Stop + '_ {
+fn failed(what: &str) -> impl Fn(keel_tokenizer::Error) -> Stop + '_ {
     move |e| Stop::Failed(format!("{what}: {e}"))
 }
 
