@@ -3,7 +3,8 @@
 //! against the Compose Specification schema; `scripts/setup` installs it in .venv-compose),
 //! each service's `command` and host-independent environment are exactly those of
 //! scripts/stack.sh, every Keel service exports traces to Jaeger, has a health check and
-//! waits for what it needs, and the gpu profile reserves the NVIDIA GPUs.
+//! waits for what it needs, and the gpu profile reserves the NVIDIA GPUs. And the repository
+//! stands alone: no tracked file points at documents outside it.
 //!
 //! No Docker engine is needed: nothing is built or started.
 
@@ -297,4 +298,26 @@ fn gpu_profile_reserves_nvidia_gpus_for_the_trainer_and_generator() {
         assert!(service["profiles"].is_null(), "{name} is in the default set");
         assert!(service["deploy"].is_null(), "{name} reserves no device");
     }
+}
+
+/// The repository stands alone: no tracked file points at documents outside it (the
+/// planning folder beside a checkout is not part of the project).
+#[test]
+fn no_file_points_outside_the_repository() {
+    let listed = Command::new("git").args(["ls-files", "-z"]).current_dir(root()).output().unwrap();
+    assert!(listed.status.success(), "git ls-files failed");
+    let outside = ["../shared/", "nemo-rl-reference.md", "DESIGN.md"];
+    let mut found = Vec::new();
+    for name in listed.stdout.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+        let name = String::from_utf8_lossy(name).into_owned();
+        // Text files only; this test names the strings it looks for.
+        let Ok(text) = std::fs::read_to_string(root().join(&name)) else { continue };
+        if name == "tests/deploy.rs" {
+            continue;
+        }
+        for needle in outside.iter().filter(|n| text.contains(**n)) {
+            found.push(format!("{name}: {needle}"));
+        }
+    }
+    assert!(found.is_empty(), "files that point outside the repository:\n{}", found.join("\n"));
 }

@@ -1,5 +1,5 @@
 //! Pure math the orchestrator needs between rollouts and training, as NeMo-RL computes it
-//! (see `nemo-rl-reference.md`, "Advantages" and "Checkpoints and evaluation").
+//! (the definitions are written out in ARCHITECTURE.md, "What Keel computes").
 //!
 //! Layout:
 //! - [`advantages`]: per-prompt baselines and std (mean or leave-one-out), GRPO advantages,

@@ -1,4 +1,4 @@
-//! Message bodies that may be large. No NATS message exceeds 1 MiB (DESIGN.md): a body that
+//! Message bodies that may be large. No NATS message exceeds 1 MiB (ARCHITECTURE.md): a body that
 //! would is put in the JetStream object store and the message carries an [`ObjectRef`].
 
 use serde::{Deserialize, Serialize};

@@ -1,5 +1,5 @@
 //! What a trainer is configured with for a run: the loss, the optimiser, the learning-rate
-//! schedule and the batching. Names and defaults follow NeMo-RL (`nemo-rl-reference.md`), so
+//! schedule and the batching. Names and defaults follow NeMo-RL's configuration, so
 //! a NeMo-RL user recognises every key. [`TrainingConfig::validate`] refuses bad combinations
 //! when the run is configured, listing every problem with its field path, so nothing fails
 //! mid-run.

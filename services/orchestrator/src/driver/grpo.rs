@@ -1,9 +1,10 @@
-//! The GRPO step, as `nemo-rl-reference.md` describes it: prompts × generations → (multi-
-//! turn) rollouts → rewards (overlong shaping) → dynamic sampling → group advantages →
-//! policy and reference logprobs on the trainer → train → weights to the generators
-//! (weights only, exported in buckets through the object store and loaded in place) →
-//! validation → record → checkpoint (saved on the checkpoint period only). Phases are timed
-//! under NeMo-RL's names (`timing/train/generation`, ...).
+//! The GRPO step, as NeMo-RL runs it (ARCHITECTURE.md, "One GRPO step"): prompts ×
+//! generations → (multi-turn) rollouts → rewards (overlong shaping) → dynamic sampling →
+//! group advantages → policy and reference logprobs on the trainer → train → weights to the
+//! generators (weights only, exported in buckets and loaded in place; the step goes on when a
+//! generator serves them) → validation → record → checkpoint (saved on the checkpoint period
+//! only). Phases are timed under NeMo-RL's names (`timing/train/generation`, ...). In
+//! colocated mode the generators sleep while the trainer has the device.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

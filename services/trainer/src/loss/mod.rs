@@ -1,4 +1,4 @@
-//! The loss functions, computing what NeMo-RL computes (`nemo-rl-reference.md`). The exact
+//! The loss functions, computing what NeMo-RL computes. The exact
 //! formulas, metric definitions included, are written out in `services/trainer/LOSSES.md`;
 //! `tests/reference/loss_reference.py` implements the same text independently in PyTorch and
 //! the unit tests compare the two, values and gradients.
