@@ -5,15 +5,23 @@
 //! `keel generate bench`; [`serve`] holds `keel generate serve-bench`, a load generator for
 //! OpenAI-compatible servers; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
 //! `keel checkpoint list|upload|download|export`; [`run`] holds `keel run submit|list|show|watch|cancel|samples`.
-//! Commands return `anyhow` errors whose chain reads as one line.
+//! Commands return `anyhow` errors whose chain reads as one line. The engine commands
+//! (`model`, `train`, `generate`, `reward`) need the `engines` feature (on by default), which
+//! links libtorch; without it `keel` is the REST client alone.
 
+#[cfg(feature = "engines")]
 pub mod bench;
 pub mod checkpoint;
+#[cfg(feature = "engines")]
 pub mod generate;
+#[cfg(feature = "engines")]
 pub mod model;
+#[cfg(feature = "engines")]
 pub mod reward;
 pub mod run;
+#[cfg(feature = "engines")]
 pub mod serve;
+#[cfg(feature = "engines")]
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -28,18 +36,22 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Make, score with and sample from Hugging Face model directories.
+    #[cfg(feature = "engines")]
     #[command(subcommand)]
     Model(model::ModelCommand),
     /// The generator's engine outside the service.
+    #[cfg(feature = "engines")]
     #[command(subcommand)]
     Generate(generate::GenerateCommand),
     /// The checkpoint service: list, upload, download as an HF directory, export as tar.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
     /// Reward environments outside the service.
+    #[cfg(feature = "engines")]
     #[command(subcommand)]
     Reward(reward::RewardCommand),
     /// The training engine outside the service.
+    #[cfg(feature = "engines")]
     #[command(subcommand)]
     Train(train::TrainCommand),
     /// Runs on the orchestrator: submit, list, show, watch, cancel, samples.
@@ -48,9 +60,13 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        #[cfg(feature = "engines")]
         Command::Model(command) => model::run(command),
+        #[cfg(feature = "engines")]
         Command::Train(command) => train::run(command),
+        #[cfg(feature = "engines")]
         Command::Generate(command) => generate::run(command),
+        #[cfg(feature = "engines")]
         Command::Reward(command) => reward::run(command),
         Command::Checkpoint(command) => checkpoint::run(command),
         Command::Run(args) => run::run(args),
