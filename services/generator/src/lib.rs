@@ -1,7 +1,7 @@
 //! keel-generator: the inference engine behind an OpenAI-compatible API.
 //!
 //! Layout:
-//! - [`api`]: the OpenAI-compatible wire types and the OpenAPI document they generate.
+//! - [`wire`]: the OpenAI-compatible wire types.
 //! - [`engine`]: the scheduler thread — continuous batching over a paged KV cache with a
 //!   token budget per step (chunked prefill, several prompts per pass), preemption and
 //!   recomputation, prompt blocks shared by a request's n samples, the prefix cache,
@@ -10,13 +10,13 @@
 //! - [`backend`]: the model (or tensor-parallel ranks) and its block pools.
 //! - [`request`]: the validated request and the events the engine sends back.
 //! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
-//!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full.
+//!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full;
+//!   the OpenAPI document (`ApiDoc`).
 //! - [`rollout`]: NATS rollout requests (queue group `generator`) and weights-updated refits.
 //! - [`text`]: stop strings and what a stream may show.
 //!
 //! Without a `model` configured the service starts and answers `/healthz` only.
 
-pub mod api;
 pub mod backend;
 pub mod blocks;
 pub mod engine;
@@ -24,6 +24,7 @@ pub mod openai;
 pub mod request;
 pub mod rollout;
 pub mod text;
+pub mod wire;
 
 use std::future::Future;
 use std::net::SocketAddr;

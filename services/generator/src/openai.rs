@@ -25,10 +25,10 @@ use keel_model::sampling::SamplingParams;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::api::*;
 use crate::engine::Engine;
 use crate::request::{Draft, Event, GenRequest, Limits, SampleOut, collect};
 use crate::text::{Detokenizer, final_text, streamable_len};
+use crate::wire::*;
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -794,4 +794,36 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     );
     keel_service::metrics::render_shared(&mut out);
     ([(header::CONTENT_TYPE, keel_service::metrics::CONTENT_TYPE)], out)
+}
+
+/// The OpenAPI document: the handlers above with the wire types. The paths name this
+/// module in full: utoipa tags each operation with it (`crate::openai`), as the committed
+/// document has them.
+#[derive(Debug, utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "Keel generator",
+        description = "OpenAI-compatible text generation with continuous batching. Streams are server-sent events of the response objects, ended by `data: [DONE]`."
+    ),
+    paths(
+        crate::openai::completions,
+        crate::openai::chat_completions,
+        crate::openai::models,
+        crate::openai::tokenize,
+        crate::openai::detokenize,
+        crate::openai::metrics,
+    ),
+    components(schemas(ErrorResponse)),
+    modifiers(&OpenAiErrors)
+)]
+pub struct ApiDoc;
+
+/// Every operation's 400/401 (and 422 for bodies) with the OpenAI error object.
+#[derive(Debug)]
+struct OpenAiErrors;
+
+impl utoipa::Modify for OpenAiErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        keel_service::openapi::add_error_responses(openapi, "ErrorResponse");
+    }
 }

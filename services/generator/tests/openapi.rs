@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use keel_generator::api::ApiDoc;
+use keel_generator::openai::ApiDoc;
 use utoipa::OpenApi;
 
 #[test]

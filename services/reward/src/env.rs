@@ -1,22 +1,17 @@
-//! The environment abstraction and the registry that builds environments from their typed
-//! configuration.
+//! The environment abstraction, and the text helpers the environments share.
 //!
 //! An [`Environment`] steps a whole batch at once (so an HTTP plugin can batch and the code
 //! sandbox can run samples side by side) and answers one [`Outcome`] per sample, in order.
 //! Environments whose work is plain CPU per sample implement [`SampleEnv`] instead and run on
-//! the blocking pool. Built environments are cached by configuration, so a plugin's
-//! concurrency limit and a compiled regex are shared by every request that names them.
+//! the blocking pool ([`Blocking`]). The environments themselves are in `envs`; the registry
+//! that builds and caches them from their configuration is `registry`.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use keel_protocol::Subjects;
-use keel_protocol::reward::{EnvConfig, EnvSample, EnvStepResult, Message, SampleError};
+use keel_protocol::reward::{EnvSample, EnvStepResult, Message, SampleError};
 use serde_json::Value;
-
-use crate::envs;
-use crate::sandbox::Sandbox;
 
 /// One sample's step, or why it could not be scored.
 pub type Outcome = Result<EnvStepResult, SampleError>;
@@ -37,7 +32,7 @@ pub trait SampleEnv: Send + Sync + 'static {
 }
 
 /// Runs a [`SampleEnv`] on the blocking pool, so CPU work never holds an async worker.
-struct Blocking<E>(Arc<E>);
+pub(crate) struct Blocking<E>(pub(crate) Arc<E>);
 
 impl<E: SampleEnv> Environment for Blocking<E> {
     fn step<'a>(&'a self, samples: &'a [EnvSample]) -> BoxFuture<'a, Vec<Outcome>> {
@@ -52,90 +47,6 @@ impl<E: SampleEnv> Environment for Blocking<E> {
                 Err(e) => vec![Err(SampleError::new("internal", format!("scoring thread failed: {e}"))); n],
             }
         })
-    }
-}
-
-/// Shared handles environments are built with.
-#[derive(Clone)]
-pub struct EnvContext {
-    pub http: reqwest::Client,
-    /// Whether `http` environments may name loopback and private addresses.
-    pub allow_private: bool,
-    /// For `reward_model` (trainer requests); none when the service runs without NATS.
-    pub nats: Option<async_nats::Client>,
-    pub subjects: Subjects,
-    /// The JetStream object-store bucket for bodies over 1 MiB (the trainers' bucket).
-    pub bulk_bucket: String,
-    pub sandbox: Arc<Sandbox>,
-}
-
-impl std::fmt::Debug for EnvContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EnvContext").field("nats", &self.nats.is_some()).field("sandbox", &self.sandbox).finish()
-    }
-}
-
-/// Builds the environment `config` names; the error names the bad field (`env.pattern: ...`).
-pub fn build(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
-    build_unprefixed(config, ctx).map_err(|e| format!("env.{e}"))
-}
-
-fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
-    let env: Arc<dyn Environment> = match config {
-        EnvConfig::Math(c) => Arc::new(Blocking(Arc::new(envs::math::MathEnv::new(c)?))),
-        EnvConfig::Code(c) => Arc::new(envs::code::CodeEnv::new(c, ctx.sandbox.clone())?),
-        EnvConfig::SlidingPuzzle(c) => Arc::new(Blocking(Arc::new(envs::puzzle::PuzzleEnv::new(c)?))),
-        EnvConfig::ExactMatch(c) => Arc::new(Blocking(Arc::new(envs::matching::ExactMatch::new(c)?))),
-        EnvConfig::Regex(c) => Arc::new(Blocking(Arc::new(envs::matching::RegexEnv::new(c)?))),
-        EnvConfig::MultipleChoice(c) => Arc::new(Blocking(Arc::new(envs::matching::MultipleChoice::new(c)?))),
-        EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone(), ctx.allow_private)?),
-        EnvConfig::RewardModel(c) => Arc::new(envs::reward_model::RewardModelEnv::new(
-            c,
-            ctx.nats.clone(),
-            ctx.subjects.clone(),
-            &ctx.bulk_bucket,
-        )?),
-    };
-    Ok(env)
-}
-
-/// Built environments by configuration (at most [`EnvCache::CAPACITY`]; the oldest half is
-/// dropped when full).
-#[derive(Clone, Default)]
-pub struct EnvCache {
-    built: Arc<Mutex<Built>>,
-}
-
-/// A use counter, and each environment with the count of its last use.
-type Built = (u64, HashMap<String, (u64, Arc<dyn Environment>)>);
-
-impl std::fmt::Debug for EnvCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("EnvCache")
-    }
-}
-
-impl EnvCache {
-    pub const CAPACITY: usize = 64;
-
-    pub fn get(&self, config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
-        let key = serde_json::to_string(config).map_err(|e| e.to_string())?;
-        let mut guard = self.built.lock().map_err(|_| "environment cache poisoned".to_string())?;
-        let (clock, built) = &mut *guard;
-        *clock += 1;
-        if let Some((used, env)) = built.get_mut(&key) {
-            *used = *clock;
-            return Ok(env.clone());
-        }
-        let env = build(config, ctx)?;
-        if built.len() >= Self::CAPACITY {
-            let mut ages: Vec<u64> = built.values().map(|(used, _)| *used).collect();
-            ages.sort_unstable();
-            let cutoff = ages[ages.len() / 2];
-            built.retain(|_, (used, _)| *used > cutoff);
-        }
-        built.insert(key, (*clock, env.clone()));
-        Ok(env)
     }
 }
 

@@ -2,10 +2,10 @@
 //!
 //! Layout:
 //! - [`env`]: the [`env::Environment`] trait (a batched step: observation, reward or named
-//!   rewards, termination, stop strings, metadata), the registry that builds one from its
-//!   typed configuration, and the cache of built environments.
+//!   rewards, termination, stop strings, metadata) and the text helpers environments share.
 //! - [`envs`]: the built-in environments: `math`, `code`, `sliding_puzzle`, `exact_match`,
 //!   `regex`, `multiple_choice`, `http` (a user's reward service), `reward_model`.
+//! - [`registry`]: builds an environment from its typed configuration, and caches it.
 //! - [`math`]: answer extraction and mathematical equivalence.
 //! - [`sandbox`]: bubblewrap-isolated runs of untrusted programs with resource limits.
 //! - [`scoring`]: validation, the `on_error` policy, batch metrics and counters, shared by
@@ -16,6 +16,7 @@ pub mod env;
 pub mod envs;
 pub mod math;
 pub mod nats;
+pub mod registry;
 pub mod sandbox;
 pub mod scoring;
 
@@ -92,7 +93,7 @@ pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::A
     let http = http.build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
     let sandbox = sandbox::Sandbox::new(config.sandbox.clone());
     let bulk_bucket = config.bulk_bucket.clone();
-    let ctx = env::EnvContext { http, allow_private, nats, subjects, bulk_bucket, sandbox };
+    let ctx = registry::EnvContext { http, allow_private, nats, subjects, bulk_bucket, sandbox };
     let scorer = scoring::Scorer::new(ctx, config.max_in_flight, config.max_samples);
     Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
 }

@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
-use crate::env::{EnvCache, EnvContext};
+use crate::registry::{EnvCache, EnvContext};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -10,7 +10,7 @@ use keel_model::{CausalLm, KvCache};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::RuntimeArgs;
+use crate::runtime::RuntimeArgs;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {

@@ -1,7 +1,8 @@
 //! The `keel` command line.
 //!
 //! Layout: [`Cli`] is the clap tree; [`model`] holds `keel model init|score|generate`;
-//! [`bench`] holds `keel model bench`; [`train`] holds `keel train bench`; [`generate`] holds
+//! [`bench`] holds `keel model bench`; [`runtime`] the model, dtype and device flags both
+//! share; [`train`] holds `keel train bench`; [`generate`] holds
 //! `keel generate bench`; [`serve`] holds `keel generate serve-bench`, a load generator for
 //! OpenAI-compatible servers; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
 //! `keel checkpoint list|upload|download|export`; [`run`] holds `keel run submit|list|show|watch|cancel|samples`.
@@ -19,6 +20,8 @@ pub mod model;
 #[cfg(feature = "engines")]
 pub mod reward;
 pub mod run;
+#[cfg(feature = "engines")]
+pub mod runtime;
 #[cfg(feature = "engines")]
 pub mod serve;
 #[cfg(feature = "engines")]

@@ -10,9 +10,11 @@ use keel_model::device::{parse_device, parse_kind};
 use keel_model::init::{InitSpec, Preset, init_model};
 use keel_model::model::tp::TpCausalLm;
 use keel_model::sampling::{FinishReason, SamplingParams, generate};
-use keel_model::{Architecture, CausalLm, Tokenizer};
+use keel_model::{Architecture, Tokenizer};
 use serde_json::{Value, json};
 use tch::Tensor;
+
+use crate::runtime::RuntimeArgs;
 
 #[derive(Debug, Subcommand)]
 pub enum ModelCommand {
@@ -41,27 +43,6 @@ pub struct InitArgs {
     out: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: i64,
-}
-
-/// Where and in what precision the model runs.
-#[derive(Debug, Args)]
-pub struct RuntimeArgs {
-    #[arg(long)]
-    model: PathBuf,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-}
-
-impl RuntimeArgs {
-    pub(crate) fn load(&self) -> anyhow::Result<CausalLm> {
-        let device = parse_device(&self.device)?;
-        let kind = parse_kind(&self.dtype)?;
-        Ok(CausalLm::load(&self.model, device, kind)?)
-    }
 }
 
 #[derive(Debug, Args)]

@@ -1,10 +1,10 @@
 //! The OpenAI-compatible wire types: request bodies as clients send them and the responses,
 //! stream chunks and errors the server writes. `openapi/generator.json` is generated from
-//! these (see [`ApiDoc`]) and a test keeps the committed file current.
+//! these and the handlers (see `openai::ApiDoc`) and a test keeps the committed file current.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use utoipa::{OpenApi, ToSchema};
+use utoipa::ToSchema;
 
 /// A string or a list of strings.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -288,33 +288,4 @@ pub struct ErrorDetail {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ErrorResponse {
     pub error: ErrorDetail,
-}
-
-#[derive(Debug, OpenApi)]
-#[openapi(
-    info(
-        title = "Keel generator",
-        description = "OpenAI-compatible text generation with continuous batching. Streams are server-sent events of the response objects, ended by `data: [DONE]`."
-    ),
-    paths(
-        crate::openai::completions,
-        crate::openai::chat_completions,
-        crate::openai::models,
-        crate::openai::tokenize,
-        crate::openai::detokenize,
-        crate::openai::metrics,
-    ),
-    components(schemas(ErrorResponse)),
-    modifiers(&OpenAiErrors)
-)]
-pub struct ApiDoc;
-
-/// Every operation's 400/401 (and 422 for bodies) with the OpenAI error object.
-#[derive(Debug)]
-struct OpenAiErrors;
-
-impl utoipa::Modify for OpenAiErrors {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        keel_service::openapi::add_error_responses(openapi, "ErrorResponse");
-    }
 }
