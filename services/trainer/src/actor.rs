@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
-use crate::parallel::Trainer;
+use crate::trainer::Trainer;
 
 type Job = Box<dyn FnOnce(&mut Option<Trainer>) + Send>;
 

@@ -7,7 +7,7 @@
 //! - [`actor`]: the engine thread that owns the models (tch never runs on async workers).
 //! - [`engine`]: policy, reference, value head, optimiser; logprobs, training, saving.
 //! - [`model`]: the whole model or one tensor-parallel rank's slices of it.
-//! - [`parallel`]: the [`Trainer`] the worker drives: one engine, or one per
+//! - [`trainer`]: the [`Trainer`] the worker drives: one engine, or one per
 //!   tensor-parallel rank on its own thread, run in lockstep.
 //! - [`batch`]: wire batches checked and padded into tensors; global/micro batch slicing.
 //! - [`loss`]: clipped policy gradient, NLL, DPO, Bradley–Terry (exact text in `LOSSES.md`).
@@ -27,8 +27,8 @@ pub mod loss;
 pub mod metrics;
 pub mod model;
 pub mod optim;
-pub mod parallel;
 pub mod schedule;
+pub mod trainer;
 pub mod worker;
 
 use std::future::Future;
@@ -41,7 +41,7 @@ use keel_protocol::subjects::is_subject_token;
 
 pub use engine::Engine;
 pub use error::{Error, Result};
-pub use parallel::Trainer;
+pub use trainer::Trainer;
 
 pub const SERVICE: &str = "trainer";
 

@@ -23,7 +23,7 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::actor::EngineThread;
 use crate::error::{Error, Result};
-use crate::parallel::Trainer;
+use crate::trainer::Trainer;
 use keel_model::packing::Packed;
 use keel_protocol::generator::{PackedTensor, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
