@@ -1,10 +1,10 @@
 //! keel-reward: environments and scorers behind NATS and REST.
 //!
 //! Layout:
-//! - [`env`]: the [`env::Environment`] trait (a batched step: observation, reward or named
-//!   rewards, termination, stop strings, metadata) and the text helpers environments share.
-//! - [`envs`]: the built-in environments: `math`, `code`, `sliding_puzzle`, `exact_match`,
-//!   `regex`, `multiple_choice`, `http` (a user's reward service), `reward_model`.
+//! - [`envs`]: the [`envs::Environment`] trait (a batched step: observation, reward or named
+//!   rewards, termination, stop strings, metadata), the text helpers environments share, and
+//!   the built-in environments: `math`, `code`, `sliding_puzzle`, `exact_match`, `regex`,
+//!   `multiple_choice`, `http` (a user's reward service), `reward_model`.
 //! - [`registry`]: builds an environment from its typed configuration, and caches it.
 //! - [`math`]: answer extraction and mathematical equivalence.
 //! - [`sandbox`]: bubblewrap-isolated runs of untrusted programs with resource limits.
@@ -12,7 +12,6 @@
 //!   [`api`] (REST, OpenAPI) and [`nats`] (queue group `reward`).
 
 pub mod api;
-pub mod env;
 pub mod envs;
 pub mod math;
 pub mod nats;

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use keel_protocol::Subjects;
 use keel_protocol::reward::EnvConfig;
 
-use crate::env::{Blocking, Environment};
 use crate::envs;
+use crate::envs::{Blocking, Environment};
 use crate::sandbox::Sandbox;
 
 /// Shared handles environments are built with.

@@ -27,7 +27,7 @@ use keel_protocol::reward::{CodeConfig, EnvSample, EnvStepResult, Message, Sampl
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::env::{Environment, Outcome, last_turn};
+use crate::envs::{Environment, Outcome, last_turn};
 use crate::sandbox::{Limits, RunReport, Sandbox, Termination};
 
 /// The largest program accepted.

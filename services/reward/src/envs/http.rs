@@ -23,7 +23,7 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 
-use crate::env::{Environment, Outcome, last_turn, prompt_of};
+use crate::envs::{Environment, Outcome, last_turn, prompt_of};
 
 const MAX_BATCH: usize = 1024;
 

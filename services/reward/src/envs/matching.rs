@@ -6,7 +6,7 @@
 use keel_protocol::reward::{EnvSample, ExactMatchConfig, MultipleChoiceConfig, RegexConfig, SampleError};
 use regex::Regex;
 
-use crate::env::{Outcome, SampleEnv, compile_pattern, last_capture, last_turn, metadata_text};
+use crate::envs::{Outcome, SampleEnv, compile_pattern, last_capture, last_turn, metadata_text};
 
 fn verdict(sample: &EnvSample, correct: bool, answer: Option<String>) -> Outcome {
     let mut result = keel_protocol::reward::EnvStepResult::done(f64::from(u8::from(correct)), sample.metadata.clone());

@@ -5,7 +5,7 @@
 use keel_protocol::reward::{EnvSample, EnvStepResult, MathConfig};
 use serde_json::json;
 
-use crate::env::{Outcome, SampleEnv, last_turn, metadata_text};
+use crate::envs::{Outcome, SampleEnv, last_turn, metadata_text};
 use crate::math::MathVerifier;
 
 #[derive(Debug)]

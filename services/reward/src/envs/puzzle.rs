@@ -16,7 +16,7 @@ use keel_protocol::reward::{EnvSample, EnvStepResult, Message, SampleError, Slid
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-use crate::env::{Outcome, SampleEnv, last_turn};
+use crate::envs::{Outcome, SampleEnv, last_turn};
 
 /// The stop string of every turn.
 pub const STOP: &str = "</action>";

@@ -15,7 +15,7 @@ use keel_protocol::{Reply, Subjects};
 use keel_service::nats::Bulk;
 use tokio::sync::OnceCell;
 
-use crate::env::{Environment, Outcome};
+use crate::envs::{Environment, Outcome};
 
 #[derive(Debug)]
 pub struct RewardModelEnv {

@@ -13,7 +13,7 @@ pub const MAX_TIME_LIMIT_MS: u64 = 60_000;
 pub(crate) fn check(config: &MathConfig) -> Result<Option<Regex>, String> {
     let pattern = match config.answer_pattern.as_deref() {
         Some("") => return Err("answer_pattern: must not be empty".to_owned()),
-        Some(pattern) => Some(crate::env::compile_pattern("answer_pattern", pattern, true)?),
+        Some(pattern) => Some(crate::envs::compile_pattern("answer_pattern", pattern, true)?),
         None => None,
     };
     let tol = config.relative_tolerance;
