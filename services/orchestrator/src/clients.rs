@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use keel_protocol::generator::{RolloutReply, RolloutRequest};
 use keel_protocol::reward::{EnvStepReply, EnvStepRequest};
-use keel_protocol::subjects::TrainerOp;
-use keel_protocol::trainer::{ClaimReply, ClaimRequest, HeartbeatReply, RunRequest};
+use keel_protocol::trainer::{ClaimReply, ClaimRequest, HeartbeatReply, HeartbeatRequest, ReleaseRequest, TrainerCall};
 use keel_protocol::{ErrorBody, Reply, Subjects};
 use keel_service::nats::Bulk;
 use serde::Serialize;
@@ -202,29 +201,28 @@ impl Trainer {
         Self { nats, ..self }
     }
 
-    fn call<Req: Serialize, Rep: DeserializeOwned>(
+    fn call<R: TrainerCall>(
         &self,
-        op: TrainerOp,
-        body: &Req,
+        request: &R,
         timeout: Duration,
-    ) -> impl std::future::Future<Output = Result<Rep, CallError>> {
-        self.nats.call_as(self.nats.subjects.trainer(&self.worker, op), body, timeout, self.holder)
+    ) -> impl std::future::Future<Output = Result<R::Reply, CallError>> {
+        self.nats.call_as(self.nats.subjects.trainer(&self.worker, R::OP), request, timeout, self.holder)
     }
 
-    /// One operation on the worker; loads and training steps may take long, so the timeout
-    /// is the configured one (not the claim's).
-    pub async fn op<Req: Serialize, Rep: DeserializeOwned>(&self, op: TrainerOp, body: &Req) -> Result<Rep, CallError> {
-        self.call(op, body, self.nats.timeout).await
+    /// One operation on the worker, named by its request's type, answered with that
+    /// operation's reply; loads and training steps may take long, so the timeout is the
+    /// configured one (not the claim's).
+    pub async fn op<R: TrainerCall>(&self, request: &R) -> Result<R::Reply, CallError> {
+        self.call(request, self.nats.timeout).await
     }
 
     pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
-        let body = RunRequest { run_id: self.run_id.clone() };
-        self.call(TrainerOp::Heartbeat, &body, Duration::from_secs(10)).await
+        self.call(&HeartbeatRequest { run_id: self.run_id.clone() }, Duration::from_secs(10)).await
     }
 
     pub async fn release(&self) {
-        let body = RunRequest { run_id: self.run_id.clone() };
-        if let Err(e) = self.call::<_, serde_json::Value>(TrainerOp::Release, &body, Duration::from_secs(10)).await {
+        let request = ReleaseRequest { run_id: self.run_id.clone() };
+        if let Err(e) = self.call(&request, Duration::from_secs(10)).await {
             tracing::warn!(worker = %self.worker, "release failed (the lease will expire): {e}");
         }
     }

@@ -28,9 +28,10 @@ use keel_model::packing::Packed;
 use keel_protocol::generator::{PackedTensor, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
-    ClaimReply, ClaimRequest, ExportReply, ExportRequest, HeartbeatReply, LoadReply, LoadRequest, Logprobs,
-    LogprobsReply, LogprobsRequest, Memory, MemoryMoved, OffloadRequest, Released, RunRequest, SaveReply, SaveRequest,
-    ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest, error_types,
+    ClaimReply, ClaimRequest, ExportReply, ExportRequest, HeartbeatReply, HeartbeatRequest, LoadReply, LoadRequest,
+    Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved, OffloadRequest, OnloadRequest, ReleaseRequest,
+    Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest, TrainerCall,
+    error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -216,19 +217,27 @@ impl Shared {
         }
     }
 
-    async fn op<Req, Rep, Fut>(
+    /// Serves operation `op` with `work`, whose request type names that operation (checked)
+    /// and whose answer is that operation's reply (by its type).
+    async fn op<R, Fut>(
         self: &Arc<Self>,
+        op: TrainerOp,
         payload: &[u8],
         holder: Option<&str>,
-        run_of: impl Fn(&Req) -> &str,
-        work: impl FnOnce(Arc<Self>, Req) -> Fut,
-    ) -> Answer<Rep>
+        work: impl FnOnce(Arc<Self>, R) -> Fut,
+    ) -> Answer<R::Reply>
     where
-        Req: DeserializeOwned,
-        Fut: std::future::Future<Output = Answer<Rep>>,
+        R: TrainerCall,
+        Fut: std::future::Future<Output = Answer<R::Reply>>,
     {
-        let request: Req = parse(payload)?;
-        let run_id = run_of(&request).to_string();
+        if R::OP != op {
+            return Err(refuse(
+                error_types::INTERNAL,
+                format!("operation {} was routed to the handler of {}", op.name(), R::OP.name()),
+            ));
+        }
+        let request: R = parse(payload)?;
+        let run_id = request.run_id().to_string();
         tracing::Span::current().record("run_id", run_id.as_str());
         self.admit(&run_id, holder)?;
         let outcome = work(self.clone(), request).await;
@@ -241,21 +250,21 @@ impl Shared {
         let h = holder.as_deref();
         match op {
             TrainerOp::Claim => self.claim_body(payload),
-            TrainerOp::Heartbeat => encode(self.op(payload, h, |r: &RunRequest| &r.run_id, heartbeat).await),
+            TrainerOp::Heartbeat => encode(self.op(op, payload, h, heartbeat).await),
             TrainerOp::Release => encode(self.release(payload, h).await),
-            TrainerOp::Load => encode(self.op(payload, h, |r: &LoadRequest| &r.run_id, load).await),
-            TrainerOp::Logprobs => encode(self.op(payload, h, |r: &LogprobsRequest| &r.run_id, logprobs).await),
-            TrainerOp::Train => encode(self.op(payload, h, |r: &TrainRequest| &r.run_id, train).await),
-            TrainerOp::Score => encode(self.op(payload, h, |r: &ScoreRequest| &r.run_id, score).await),
-            TrainerOp::Save => encode(self.op(payload, h, |r: &SaveRequest| &r.run_id, save).await),
-            TrainerOp::Export => encode(self.op(payload, h, |r: &ExportRequest| &r.run_id, export).await),
-            TrainerOp::Offload => encode(self.op(payload, h, |r: &OffloadRequest| &r.run_id, offload).await),
-            TrainerOp::Onload => encode(self.op(payload, h, |r: &RunRequest| &r.run_id, onload).await),
+            TrainerOp::Load => encode(self.op(op, payload, h, load).await),
+            TrainerOp::Logprobs => encode(self.op(op, payload, h, logprobs).await),
+            TrainerOp::Train => encode(self.op(op, payload, h, train).await),
+            TrainerOp::Score => encode(self.op(op, payload, h, score).await),
+            TrainerOp::Save => encode(self.op(op, payload, h, save).await),
+            TrainerOp::Export => encode(self.op(op, payload, h, export).await),
+            TrainerOp::Offload => encode(self.op(op, payload, h, offload).await),
+            TrainerOp::Onload => encode(self.op(op, payload, h, onload).await),
         }
     }
 
     async fn release(&self, payload: &[u8], holder: Option<&str>) -> Answer<Released> {
-        let request: RunRequest = parse(payload)?;
+        let request: ReleaseRequest = parse(payload)?;
         {
             let mut claim = self.lock();
             match claim.as_ref() {
@@ -302,7 +311,7 @@ fn encode<T: Serialize>(answer: Answer<T>) -> Vec<u8> {
     })
 }
 
-async fn heartbeat(shared: Arc<Shared>, _: RunRequest) -> Answer<HeartbeatReply> {
+async fn heartbeat(shared: Arc<Shared>, _: HeartbeatRequest) -> Answer<HeartbeatReply> {
     let claim = shared.lock();
     let held = claim.as_ref().ok_or_else(|| refuse(error_types::WRONG_RUN, "the claim was released"))?;
     Ok(HeartbeatReply { lease_seconds: held.lease.as_secs_f64(), loaded: held.loaded })
@@ -416,7 +425,7 @@ async fn offload(shared: Arc<Shared>, request: OffloadRequest) -> Answer<MemoryM
 }
 
 /// What `offload` moved, back on the training device.
-async fn onload(shared: Arc<Shared>, _request: RunRequest) -> Answer<MemoryMoved> {
+async fn onload(shared: Arc<Shared>, _request: OnloadRequest) -> Answer<MemoryMoved> {
     let started = Instant::now();
     let bytes = shared.engine.call(|slot| loaded(slot)?.onload()).instrument(info_span!("onload")).await?;
     Ok(MemoryMoved { bytes, seconds: started.elapsed().as_secs_f64() })

@@ -311,11 +311,60 @@ pub struct MemoryMoved {
     pub seconds: f64,
 }
 
-/// Heartbeat and release carry only the run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RunRequest {
-    pub run_id: String,
+/// Requests that carry only the run: one type per operation, so that each names its own.
+macro_rules! run_only {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct $name {
+            pub run_id: String,
+        }
+    )*};
+}
+
+run_only!(
+    /// Renew the run's lease on the worker.
+    HeartbeatRequest,
+    /// Give the worker back.
+    ReleaseRequest,
+    /// Colocated runs: what `offload` moved, back on the training device.
+    OnloadRequest,
+);
+
+/// A trainer operation, by its request type: the operation it is sent as and the reply it
+/// gets. The orchestrator's calls and the worker's dispatch both go through it, so a request
+/// sent as the wrong operation, or a reply read as the wrong type, does not compile.
+pub trait TrainerCall: Serialize + serde::de::DeserializeOwned + Send + Sync {
+    const OP: crate::subjects::TrainerOp;
+    type Reply: Serialize + serde::de::DeserializeOwned + Send;
+    fn run_id(&self) -> &str;
+}
+
+macro_rules! trainer_calls {
+    ($($request:ty => $op:ident, $reply:ty;)*) => {$(
+        impl TrainerCall for $request {
+            const OP: crate::subjects::TrainerOp = crate::subjects::TrainerOp::$op;
+            type Reply = $reply;
+            fn run_id(&self) -> &str {
+                &self.run_id
+            }
+        }
+    )*};
+}
+
+trainer_calls! {
+    ClaimRequest => Claim, ClaimReply;
+    LoadRequest => Load, LoadReply;
+    LogprobsRequest => Logprobs, LogprobsReply;
+    TrainRequest => Train, TrainReply;
+    ScoreRequest => Score, ScoreReply;
+    SaveRequest => Save, SaveReply;
+    ExportRequest => Export, ExportReply;
+    OffloadRequest => Offload, MemoryMoved;
+    OnloadRequest => Onload, MemoryMoved;
+    HeartbeatRequest => Heartbeat, HeartbeatReply;
+    ReleaseRequest => Release, Released;
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -339,4 +388,33 @@ pub struct Memory {
     pub rss_bytes: u64,
     /// Peak resident set of the worker process.
     pub peak_rss_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::subjects::TrainerOp;
+
+    /// Every trainer operation is named by exactly one request type.
+    #[test]
+    fn every_trainer_operation_has_one_request_type() {
+        let named = [
+            ClaimRequest::OP,
+            LoadRequest::OP,
+            LogprobsRequest::OP,
+            TrainRequest::OP,
+            ScoreRequest::OP,
+            SaveRequest::OP,
+            ExportRequest::OP,
+            OffloadRequest::OP,
+            OnloadRequest::OP,
+            HeartbeatRequest::OP,
+            ReleaseRequest::OP,
+        ];
+        for op in TrainerOp::ALL {
+            let count = named.iter().filter(|n| **n == op).count();
+            assert_eq!(count, 1, "{} is named by {count} request types", op.name());
+        }
+        assert_eq!(named.len(), TrainerOp::ALL.len());
+    }
 }

@@ -15,7 +15,6 @@ use tracing::Instrument;
 use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
 use keel_protocol::generator::{MemoryAction, Sampling};
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
-use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest};
 
 use super::rollout::{self, Episode, Settings};
@@ -132,7 +131,7 @@ async fn steps(ctx: &RunContext) -> Result<()> {
                     batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?,
                     temperature,
                 };
-                Ok::<_, Stop>(trainer.op(TrainerOp::Train, &request).await?)
+                Ok::<_, Stop>(trainer.op(&request).await?)
             }
             .instrument(tracing::info_span!("policy_training"))
             .await?;
@@ -390,7 +389,7 @@ async fn logprobs(ctx: &RunContext, model: Scorer, sequences: &Sequences, temper
         batch: trainer.bulk().wrap(sequences.clone()).await.map_err(Stop::Failed)?,
         temperature,
     };
-    let reply: LogprobsReply = trainer.op(TrainerOp::Logprobs, &request).await?;
+    let reply: LogprobsReply = trainer.op(&request).await?;
     Ok(trainer.bulk().fetch(reply.logprobs).await.map_err(Stop::Failed)?.logprobs)
 }
 

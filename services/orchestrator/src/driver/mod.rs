@@ -33,9 +33,8 @@ use keel_protocol::generator::{
     MemoryAction, MemoryChange, MemoryReport, WeightBuckets, WeightsLoaded, WeightsUpdated,
 };
 use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
-use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{
-    ExportReply, ExportRequest, LoadReply, LoadRequest, MemoryMoved, ModelSource, OffloadRequest, RunRequest,
+    ExportReply, ExportRequest, LoadReply, LoadRequest, MemoryMoved, ModelSource, OffloadRequest, OnloadRequest,
     SaveReply, SaveRequest,
 };
 use sqlx::PgPool;
@@ -257,7 +256,7 @@ impl RunContext {
             seed: self.spec.seed,
             tensor_parallel_size: self.spec.tensor_parallel_size,
         };
-        Ok(self.trainer()?.op(TrainerOp::Load, &request).await?)
+        Ok(self.trainer()?.op(&request).await?)
     }
 
     /// Tells the API how many steps the run will take.
@@ -297,7 +296,7 @@ impl RunContext {
             path: dir.to_string_lossy().into_owned(),
             info: serde_json::json!({"run_step": step, "dataloader": position}),
         };
-        Ok(self.trainer()?.op(TrainerOp::Save, &request).await?)
+        Ok(self.trainer()?.op(&request).await?)
     }
 
     /// Uploads a saved directory as the run's checkpoint for `step`.
@@ -353,7 +352,7 @@ impl RunContext {
             bucket_bytes: EXPORT_BUCKET_BYTES,
             shared_dir,
         };
-        let exported: ExportReply = self.trainer()?.op(TrainerOp::Export, &request).await?;
+        let exported: ExportReply = self.trainer()?.op(&request).await?;
         let event = WeightsUpdated {
             run_id: self.id.to_string(),
             version,
@@ -424,9 +423,9 @@ impl RunContext {
         let trainer = self.trainer()?;
         let moved: MemoryMoved = if offload {
             let weights = self.spec.generation.colocated.trainer_offload_weights;
-            trainer.op(TrainerOp::Offload, &OffloadRequest { run_id: self.id.to_string(), weights }).await?
+            trainer.op(&OffloadRequest { run_id: self.id.to_string(), weights }).await?
         } else {
-            trainer.op(TrainerOp::Onload, &RunRequest { run_id: self.id.to_string() }).await?
+            trainer.op(&OnloadRequest { run_id: self.id.to_string() }).await?
         };
         tracing::debug!(run_id = %self.id, offload, bytes = moved.bytes, seconds = moved.seconds, "trainer memory moved");
         Ok(())

@@ -8,7 +8,6 @@ use std::time::Instant;
 use tracing::Instrument;
 
 use keel_protocol::run::Algorithm;
-use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{TrainBatch, TrainReply, TrainRequest};
 
 use super::grpo::{mean_step_metrics, weights_dir};
@@ -71,8 +70,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
                 batch: trainer.bulk().wrap(batch).await.map_err(Stop::Failed)?,
                 temperature: 1.0,
             };
-            let trained: TrainReply =
-                trainer.op(TrainerOp::Train, &request).instrument(tracing::info_span!("policy_training")).await?;
+            let trained: TrainReply = trainer.op(&request).instrument(tracing::info_span!("policy_training")).await?;
             let mut metrics = mean_step_metrics(&trained, "train");
             metrics.insert("timing/train/policy_training".into(), seconds(phase));
             metrics.insert("performance/training_tokens_per_second".into(), tokens as f64 / seconds(phase).max(1e-9));

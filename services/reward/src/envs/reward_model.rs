@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use keel_protocol::reward::{EnvSample, EnvStepResult, RewardModelConfig, SampleError};
-use keel_protocol::subjects::{TrainerOp, is_subject_token};
-use keel_protocol::trainer::{ScoreReply, ScoreRequest, Sequences};
+use keel_protocol::subjects::is_subject_token;
+use keel_protocol::trainer::{ScoreRequest, Sequences, TrainerCall};
 use keel_protocol::{Reply, Subjects};
 use keel_service::nats::Bulk;
 use tokio::sync::OnceCell;
@@ -44,7 +44,7 @@ impl RewardModelEnv {
         let timeout = Duration::from_millis(if config.timeout_ms == 0 { 30_000 } else { config.timeout_ms });
         Ok(Self {
             run_id: config.run_id.clone(),
-            subject: subjects.trainer(&config.worker_id, TrainerOp::Score),
+            subject: subjects.trainer(&config.worker_id, ScoreRequest::OP),
             timeout,
             nats,
             bucket: bucket.to_string(),
@@ -72,7 +72,7 @@ impl RewardModelEnv {
                 }
                 _ => trainer(format!("{}: {e}", self.subject)),
             })?;
-        match serde_json::from_slice::<Reply<ScoreReply>>(&message.payload) {
+        match serde_json::from_slice::<Reply<<ScoreRequest as TrainerCall>::Reply>>(&message.payload) {
             Ok(Reply::Ok(reply)) if reply.scores.len() == n => Ok(reply.scores),
             Ok(Reply::Ok(reply)) => Err(trainer(format!("{} scores for {n} sequences", reply.scores.len()))),
             Ok(Reply::Error(e)) => Err(trainer(e.to_string())),
