@@ -183,8 +183,10 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
         diff <= 1e-5,
         "generator TP {generator_tp}, trainer TP {trainer_tp}, through {through}: logprobs differ by {diff:e}\n{trained:?}\n{generated:?}"
     );
+    // Letting the worker go removes the run's exports in shared memory.
+    let _: Value = pair.trainer(TrainerOp::Release, &json!({"run_id": "r"})).await;
     if let Some(dir) = shared_dir {
-        let _ = std::fs::remove_dir_all(dir);
+        assert!(!std::path::Path::new(&dir).exists(), "{dir} is removed when the run releases the worker");
     }
 }
 

@@ -63,6 +63,9 @@ struct Shared {
     bulk: Bulk,
     /// Where loads and saves may read and write.
     roots: PathRoots,
+    /// The shared-memory directories the claiming run exported into, removed when it lets
+    /// the worker go (or its lease runs out).
+    exports: Mutex<Vec<std::path::PathBuf>>,
 }
 
 /// A request-level failure: a typed error reply.
@@ -201,6 +204,19 @@ impl Shared {
         if let Some(held) = expired {
             warn!(run_id = %held.run_id, "lease expired; releasing the worker");
             self.drop_models().await;
+            self.drop_exports();
+        }
+    }
+
+    /// Removes the run's exports in shared memory.
+    fn drop_exports(&self) {
+        let dirs = std::mem::take(&mut *self.exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        for dir in dirs {
+            if let Err(e) = std::fs::remove_dir_all(&dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                warn!("cannot remove the exports in {}: {e}", dir.display());
+            }
         }
     }
 
@@ -282,6 +298,7 @@ impl Shared {
         }
         info!(run_id = %request.run_id, "released");
         self.drop_models().await;
+        self.drop_exports();
         Ok(Released { worker_id: self.worker_id.clone() })
     }
 }
@@ -450,6 +467,12 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
     let shared_dir = match &request.shared_dir {
         Some(dir) => {
             let dir = shared.roots.check("shared_dir", dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+            {
+                let mut exports = shared.exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if !exports.contains(&dir) {
+                    exports.push(dir.clone());
+                }
+            }
             Some(SharedExport::begin(dir).map_err(|e| refuse(error_types::PAYLOAD, e))?)
         }
         None => None,
@@ -604,7 +627,8 @@ impl Worker {
     ) -> std::io::Result<Self> {
         let engine = EngineThread::start()?;
         let claim = Mutex::new(None);
-        let shared = Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots };
+        let exports = Mutex::default();
+        let shared = Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots, exports };
         Ok(Self { shared: Arc::new(shared), subjects })
     }
 

@@ -277,7 +277,8 @@ pub struct ExportRequest {
     /// Write the buckets as files under this directory (shared memory on the trainer's
     /// host, e.g. `/dev/shm/keel-weights/<run>`) instead of the object store; the worker
     /// keeps the three newest exports there untouched, reuses the files of the one before
-    /// for the next export, and deletes older ones.
+    /// for the next export, and deletes older ones; the directory goes when the run
+    /// releases the worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_dir: Option<String>,
 }
