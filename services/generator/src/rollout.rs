@@ -11,7 +11,7 @@ use keel_protocol::generator::{
     MemoryAction, MemoryChange, MemoryReport, RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded,
     WeightsUpdated, error_types,
 };
-use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
+use keel_protocol::subjects::{GENERATOR_QUEUE_GROUP, QueueCall};
 use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -101,7 +101,7 @@ async fn rollout(
     refused: &RefusedRefits,
     payload: &[u8],
     deadline: Option<tokio::time::Instant>,
-) -> Reply<RolloutReply> {
+) -> Reply<<RolloutRequest as QueueCall>::Reply> {
     let request: RolloutRequest = match serde_json::from_slice(payload) {
         Ok(request) => request,
         Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("malformed request: {e}")),
@@ -211,7 +211,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     let mut requests = client
-        .queue_subscribe(subjects.generate(), GENERATOR_QUEUE_GROUP.to_string())
+        .queue_subscribe(RolloutRequest::subject(&subjects), GENERATOR_QUEUE_GROUP.to_string())
         .await
         .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.generate()))?;
     let mut updates = client

@@ -7,8 +7,7 @@
 
 use std::time::Duration;
 
-use keel_protocol::generator::{RolloutReply, RolloutRequest};
-use keel_protocol::reward::{EnvStepReply, EnvStepRequest};
+use keel_protocol::subjects::QueueCall;
 use keel_protocol::trainer::{ClaimReply, ClaimRequest, HeartbeatReply, HeartbeatRequest, ReleaseRequest, TrainerCall};
 use keel_protocol::{ErrorBody, Reply, Subjects};
 use keel_service::nats::Bulk;
@@ -149,12 +148,10 @@ impl Nats {
         }
     }
 
-    pub async fn rollout(&self, request: &RolloutRequest) -> Result<RolloutReply, CallError> {
-        self.call_group(self.subjects.generate(), request).await
-    }
-
-    pub async fn env_step(&self, request: &EnvStepRequest) -> Result<EnvStepReply, CallError> {
-        self.call_group(self.subjects.reward_env_step(), request).await
+    /// A queue group's operation, named by its request's type and answered with its reply
+    /// (a rollout, an environment step).
+    pub async fn ask<R: QueueCall>(&self, request: &R) -> Result<R::Reply, CallError> {
+        self.call_group(R::subject(&self.subjects), request).await
     }
 
     /// Claims a free trainer worker for `run_id` (None when none is free) as `holder` (the

@@ -6,6 +6,7 @@
 
 use futures::StreamExt;
 use keel_protocol::reward::{EnvStepRequest, REWARD_QUEUE_GROUP, ScoreRequest, error_types};
+use keel_protocol::subjects::QueueCall;
 use keel_protocol::{Reply, Subjects};
 use serde::Serialize;
 use tracing::{info, warn};
@@ -36,8 +37,8 @@ pub async fn serve(
                 .map_err(|e| format!("cannot subscribe to {subject}: {e}"))
         }
     };
-    let mut scores = subscribe(subjects.reward_score()).await?;
-    let mut steps = subscribe(subjects.reward_env_step()).await?;
+    let mut scores = subscribe(ScoreRequest::subject(&subjects)).await?;
+    let mut steps = subscribe(EnvStepRequest::subject(&subjects)).await?;
     client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
     info!(score = %subjects.reward_score(), step = %subjects.reward_env_step(), "serving rewards");
     tokio::pin!(shutdown);
@@ -56,10 +57,10 @@ pub async fn serve(
             let body = keel_service::nats::served(&client, operation, &message, async {
                 if is_step {
                     let request = parse::<EnvStepRequest>(&message.payload);
-                    envelope(async { scorer.step(request?).await }.await)
+                    envelope::<<EnvStepRequest as QueueCall>::Reply>(async { scorer.step(request?).await }.await)
                 } else {
                     let request = parse::<ScoreRequest>(&message.payload);
-                    envelope(async { scorer.score(request?).await }.await)
+                    envelope::<<ScoreRequest as QueueCall>::Reply>(async { scorer.score(request?).await }.await)
                 }
             })
             .await;

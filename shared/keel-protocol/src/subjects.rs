@@ -174,3 +174,32 @@ mod tests {
         }
     }
 }
+
+/// A request–reply operation served by a queue group (any replica may answer), by its
+/// request type: the subject it is sent on and the reply it gets. Callers and the services'
+/// subscriptions both take the subject from it.
+pub trait QueueCall: serde::Serialize + serde::de::DeserializeOwned {
+    type Reply: serde::Serialize + serde::de::DeserializeOwned;
+    fn subject(subjects: &Subjects) -> String;
+}
+
+impl QueueCall for crate::generator::RolloutRequest {
+    type Reply = crate::generator::RolloutReply;
+    fn subject(subjects: &Subjects) -> String {
+        subjects.generate()
+    }
+}
+
+impl QueueCall for crate::reward::EnvStepRequest {
+    type Reply = crate::reward::EnvStepReply;
+    fn subject(subjects: &Subjects) -> String {
+        subjects.reward_env_step()
+    }
+}
+
+impl QueueCall for crate::reward::ScoreRequest {
+    type Reply = crate::reward::ScoreReply;
+    fn subject(subjects: &Subjects) -> String {
+        subjects.reward_score()
+    }
+}

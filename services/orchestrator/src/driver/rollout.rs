@@ -251,7 +251,7 @@ async fn generate_turn(
 async fn generate(ctx: &RunContext, request: &RolloutRequest, weights: &(PathBuf, u64)) -> Result<RolloutReply> {
     let deadline = Instant::now() + REFIT_WAIT;
     loop {
-        match ctx.nats.rollout(request).await {
+        match ctx.nats.ask(request).await {
             Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
                 ctx.stop.check()?;
                 ctx.reannounce_weights(&weights.0, weights.1).await?;
@@ -300,7 +300,7 @@ async fn step_environments(
             calls.push((chunk.to_vec(), request));
         }
     }
-    let replies = join_all(calls.iter().map(|(_, request)| ctx.nats.env_step(request))).await;
+    let replies = join_all(calls.iter().map(|(_, request)| ctx.nats.ask(request))).await;
     for ((members, _), reply) in calls.into_iter().zip(replies) {
         let reply = reply?;
         for (i, result) in members.into_iter().zip(reply.results) {
