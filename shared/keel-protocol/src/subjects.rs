@@ -152,29 +152,6 @@ pub fn is_subject_token(id: &str) -> bool {
     !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn subjects_are_versioned_and_prefixed() {
-        let s = Subjects::default();
-        assert_eq!(s.trainer_claim(), "keel.v1.trainer.claim");
-        assert_eq!((s.generate(), s.weights_updated()), ("keel.v1.generate".into(), "keel.v1.weights.updated".into()));
-        assert_eq!(
-            (s.reward_score(), s.reward_env_step()),
-            ("keel.v1.reward.score".into(), "keel.v1.reward.env.step".into())
-        );
-        assert_eq!(s.trainer("w1", TrainerOp::Train), "keel.v1.trainer.w1.train");
-        assert_eq!(Subjects::new("t.abc-1").unwrap().trainer_all("w"), "t.abc-1.trainer.w.*");
-        assert!(Subjects::new("keel.*").is_err());
-        assert!(Subjects::new("a..b").is_err());
-        for op in TrainerOp::ALL {
-            assert_eq!(TrainerOp::from_name(op.name()), Some(op));
-        }
-    }
-}
-
 /// A request–reply operation served by a queue group (any replica may answer), by its
 /// request type: the subject it is sent on and the reply it gets. Callers and the services'
 /// subscriptions both take the subject from it.
@@ -201,5 +178,28 @@ impl QueueCall for crate::reward::ScoreRequest {
     type Reply = crate::reward::ScoreReply;
     fn subject(subjects: &Subjects) -> String {
         subjects.reward_score()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_are_versioned_and_prefixed() {
+        let s = Subjects::default();
+        assert_eq!(s.trainer_claim(), "keel.v1.trainer.claim");
+        assert_eq!((s.generate(), s.weights_updated()), ("keel.v1.generate".into(), "keel.v1.weights.updated".into()));
+        assert_eq!(
+            (s.reward_score(), s.reward_env_step()),
+            ("keel.v1.reward.score".into(), "keel.v1.reward.env.step".into())
+        );
+        assert_eq!(s.trainer("w1", TrainerOp::Train), "keel.v1.trainer.w1.train");
+        assert_eq!(Subjects::new("t.abc-1").unwrap().trainer_all("w"), "t.abc-1.trainer.w.*");
+        assert!(Subjects::new("keel.*").is_err());
+        assert!(Subjects::new("a..b").is_err());
+        for op in TrainerOp::ALL {
+            assert_eq!(TrainerOp::from_name(op.name()), Some(op));
+        }
     }
 }
