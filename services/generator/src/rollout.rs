@@ -349,9 +349,16 @@ async fn report_refit(
     }
 }
 
+/// A weight bucket's bytes from the object store, or the shared-memory file it is in.
+enum Fetched {
+    Bytes(Vec<u8>),
+    File(String),
+}
+
 /// The weights a refit names: fetched from the object store (all buckets, every tensor
 /// checked) when it carries them in memory, else its directory inside the path roots.
-/// Nothing reaches the model until every bucket is here.
+/// Nothing reaches the model until every bucket is here. Objects are fetched here; making
+/// tensors of them and mapping shared-memory files runs on the blocking pool.
 async fn new_weights(
     client: &async_nats::Client,
     roots: &keel_service::paths::PathRoots,
@@ -361,20 +368,10 @@ async fn new_weights(
         return Ok(Weights::Dir(roots.check("path", &update.path)?));
     };
     let kind = keel_model::device::parse_kind(&weights.dtype).map_err(|e| e.to_string())?;
-    let mut tensors = std::collections::HashMap::new();
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
+    let mut fetched = Vec::with_capacity(weights.buckets.len());
     for bucket in &weights.buckets {
-        let entries: Vec<keel_model::packing::Entry> = bucket
-            .tensors
-            .iter()
-            .map(|t| keel_model::packing::Entry {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                offset: t.offset,
-                bytes: t.bytes,
-            })
-            .collect();
-        let unpacked = match (&bucket.object, &bucket.file) {
+        fetched.push(match (&bucket.object, &bucket.file) {
             (Some(object), None) => {
                 if !stores.contains_key(&object.bucket) {
                     let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
@@ -389,21 +386,33 @@ async fn new_weights(
                         bucket.bytes
                     ));
                 }
-                keel_model::packing::unpack(&bytes, &entries, kind)
+                Fetched::Bytes(bytes)
             }
-            // A file in shared memory is mapped, not read: its bytes are copied once, into
-            // the model.
-            (None, Some(file)) => {
-                let path = roots.check("file", file)?;
-                keel_model::packing::unpack_file(&path, bucket.bytes, &entries, kind)
-            }
+            (None, Some(file)) => Fetched::File(file.clone()),
             _ => return Err("a weight bucket names an object or a file, one of them".into()),
-        };
-        for (name, tensor) in unpacked.map_err(|e| e.to_string())? {
-            if tensors.insert(name.clone(), tensor).is_some() {
-                return Err(format!("`{name}` is in the weight buckets twice"));
+        });
+    }
+    let (buckets, roots) = (weights.buckets.clone(), roots.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut tensors = std::collections::HashMap::new();
+        for (bucket, bytes) in buckets.iter().zip(fetched) {
+            let unpacked = match bytes {
+                Fetched::Bytes(bytes) => keel_model::packing::unpack(&bytes, &bucket.tensors, kind),
+                // A file in shared memory is mapped, not read: its bytes are copied once,
+                // into the model.
+                Fetched::File(file) => {
+                    let path = roots.check("file", &file)?;
+                    keel_model::packing::unpack_file(&path, bucket.bytes, &bucket.tensors, kind)
+                }
+            };
+            for (name, tensor) in unpacked.map_err(|e| e.to_string())? {
+                if tensors.insert(name.clone(), tensor).is_some() {
+                    return Err(format!("`{name}` is in the weight buckets twice"));
+                }
             }
         }
-    }
-    Ok(Weights::Tensors(tensors))
+        Ok(Weights::Tensors(tensors))
+    })
+    .await
+    .map_err(|e| format!("unpacking the weights failed: {e}"))?
 }

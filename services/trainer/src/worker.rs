@@ -25,7 +25,7 @@ use crate::actor::EngineThread;
 use crate::error::{Error, Result};
 use crate::trainer::Trainer;
 use keel_model::packing::Packed;
-use keel_protocol::generator::{PackedTensor, WeightBucket, WeightBuckets};
+use keel_protocol::generator::{WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
     ClaimReply, ClaimRequest, ExportReply, ExportRequest, HeartbeatReply, HeartbeatRequest, LoadReply, LoadRequest,
@@ -204,19 +204,24 @@ impl Shared {
         if let Some(held) = expired {
             warn!(run_id = %held.run_id, "lease expired; releasing the worker");
             self.drop_models().await;
-            self.drop_exports();
+            self.drop_exports().await;
         }
     }
 
-    /// Removes the run's exports in shared memory.
-    fn drop_exports(&self) {
+    /// Removes the run's exports in shared memory (on the blocking pool).
+    async fn drop_exports(&self) {
         let dirs = std::mem::take(&mut *self.exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-        for dir in dirs {
-            if let Err(e) = std::fs::remove_dir_all(&dir)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                warn!("cannot remove the exports in {}: {e}", dir.display());
+        let removed = tokio::task::spawn_blocking(move || {
+            for dir in dirs {
+                if let Err(e) = std::fs::remove_dir_all(&dir)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    warn!("cannot remove the exports in {}: {e}", dir.display());
+                }
             }
+        });
+        if let Err(e) = removed.await {
+            warn!("removing the exports failed: {e}");
         }
     }
 
@@ -298,7 +303,7 @@ impl Shared {
         }
         info!(run_id = %request.run_id, "released");
         self.drop_models().await;
-        self.drop_exports();
+        self.drop_exports().await;
         Ok(Released { worker_id: self.worker_id.clone() })
     }
 }
@@ -473,7 +478,10 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
                     exports.push(dir.clone());
                 }
             }
-            Some(SharedExport::begin(dir).map_err(|e| refuse(error_types::PAYLOAD, e))?)
+            let begun = tokio::task::spawn_blocking(move || SharedExport::begin(dir))
+                .await
+                .map_err(|e| refuse(error_types::INTERNAL, e.to_string()))?;
+            Some(begun.map_err(|e| refuse(error_types::PAYLOAD, e))?)
         }
         None => None,
     };
@@ -500,13 +508,6 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
     Ok(ExportReply { step, weights, timing })
 }
 
-fn packed_tensors(entries: Vec<keel_model::packing::Entry>) -> Vec<PackedTensor> {
-    entries
-        .into_iter()
-        .map(|e| PackedTensor { name: e.name, shape: e.shape, offset: e.offset, bytes: e.bytes })
-        .collect()
-}
-
 /// Each bucket an object of the bulk bucket; on a failure the ones stored are deleted.
 async fn store_objects(
     bulk: &Bulk,
@@ -519,7 +520,7 @@ async fn store_objects(
                 object: Some(object),
                 file: None,
                 bytes: bucket.bytes.len() as u64,
-                tensors: packed_tensors(bucket.entries),
+                tensors: bucket.entries,
             }),
             Err(e) => {
                 for stored in buckets.iter().filter_map(|b| b.object.as_ref()) {
@@ -532,14 +533,14 @@ async fn store_objects(
     Ok(buckets)
 }
 
-/// An export into shared memory under way: the buckets go into a hidden directory that is
-/// renamed `export-<time>` when every bucket is written. The three newest exports are kept
-/// (a generator may still be loading the previous one); the files of a fourth are written
-/// over by the next export, whose pages they already have.
 /// Exports in shared memory that stay untouched after a newer one (a generator may still be
 /// loading them).
 const KEPT_EXPORTS: usize = 3;
 
+/// An export into shared memory under way: the buckets go into a hidden directory that is
+/// renamed `export-<time>` when every bucket is written. The three newest exports are kept
+/// (a generator may still be loading the previous one); the files of a fourth are written
+/// over by the next export, whose pages they already have.
 struct SharedExport {
     dir: std::path::PathBuf,
     partial: std::path::PathBuf,
@@ -585,7 +586,7 @@ impl SharedExport {
                     object: None,
                     file: Some(self.export.join(name).to_string_lossy().into_owned()),
                     bytes: f.bytes,
-                    tensors: packed_tensors(f.entries),
+                    tensors: f.entries,
                 }
             })
             .collect();

@@ -190,8 +190,7 @@ impl PagedCache {
     /// what it held is gone, and passes fail until [`PagedCache::restore`]. Returns the
     /// bytes released.
     pub fn release(&mut self) -> u64 {
-        let bytes =
-            self.keys.iter().chain(&self.values).map(|t| (t.numel() * self.kind.elt_size_in_bytes()) as u64).sum();
+        let bytes = self.bytes();
         self.keys.clear();
         self.values.clear();
         bytes
@@ -224,7 +223,12 @@ impl PagedCache {
         self.keys = keys;
         self.values = values;
         self.touched = vec![false; self.blocks];
-        Ok(self.keys.iter().chain(&self.values).map(|t| (t.numel() * kind.elt_size_in_bytes()) as u64).sum())
+        Ok(self.bytes())
+    }
+
+    /// Bytes the pool holds now (none while released).
+    fn bytes(&self) -> u64 {
+        self.keys.iter().chain(&self.values).map(|t| (t.numel() * self.kind.elt_size_in_bytes()) as u64).sum()
     }
 
     /// Zeroes the blocks `chunks` use for the first time.

@@ -9,14 +9,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 
-/// Where one tensor is in its bucket.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
-    pub name: String,
-    pub shape: Vec<i64>,
-    pub offset: u64,
-    pub bytes: u64,
-}
+/// Where one tensor is in its bucket: the wire type, so buckets travel as they are packed.
+pub use keel_protocol::generator::PackedTensor as Entry;
 
 /// One bucket: its bytes and the tensors in them.
 #[derive(Debug, Clone, PartialEq, Eq)]

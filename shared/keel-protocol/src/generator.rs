@@ -161,7 +161,8 @@ pub struct MemoryReport {
 }
 
 /// A model's parameters, exported weights only, as raw little-endian tensor bytes in
-/// objects of the JetStream object store of at most a bucket size each.
+/// buckets of at most a bucket size each: objects of the JetStream object store, or files in
+/// shared memory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightBuckets {
@@ -185,7 +186,7 @@ pub struct WeightBucket {
 }
 
 /// Where a tensor is in its bucket.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PackedTensor {
     /// The Hugging Face parameter name.
