@@ -3,7 +3,7 @@
 //! checkpoints; the generator and trainer agree on logprobs); DPO's first loss is ln 2 and
 //! falls; a reward model's accuracy rises; an orchestrator killed mid-run is replaced and
 //! the run finishes with every step recorded once; weights refitted in memory or through a
-//! directory give the same run.
+//! directory, and training and generation colocated or not, give the same run.
 
 #![allow(clippy::unwrap_used)]
 
@@ -150,9 +150,6 @@ async fn a_cancelled_run_stops_and_frees_its_trainer() {
     stack.wait_succeeded(&next, LIMIT).await;
 }
 
-/// Weights reach the generators in memory (the default) or through the run's directory (the
-/// fallback): the same seeded GRPO run records the same losses and rewards either way, step
-/// after step — the generators served the same weights.
 /// Colocated mode on the CPU: each step the generator sleeps (its KV pool freed) while the
 /// trainer trains, the trainer moves its optimiser state out and back, and the generator
 /// wakes after the refit; the run's numbers are those of a run without it.
@@ -188,6 +185,9 @@ async fn a_colocated_grpo_run_records_the_same_metrics_as_a_separate_one() {
     assert!(text.contains("keel_generator_asleep 0"), "{text}");
 }
 
+/// Weights reach the generators in memory (the default) or through the run's directory (the
+/// fallback): the same seeded GRPO run records the same losses and rewards either way, step
+/// after step — the generators served the same weights.
 #[tokio::test(flavor = "multi_thread")]
 async fn grpo_records_the_same_metrics_with_weights_in_memory_or_through_a_directory() {
     let stack = Stack::start();
