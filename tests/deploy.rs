@@ -321,3 +321,35 @@ fn no_file_points_outside_the_repository() {
     }
     assert!(found.is_empty(), "files that point outside the repository:\n{}", found.join("\n"));
 }
+
+/// Libraries sit below services: no crate under `shared/` depends (normally, for builds or
+/// for tests) on a crate under `services/`.
+#[test]
+fn no_library_depends_on_a_service() {
+    let output = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&output.stderr));
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let packages = metadata["packages"].as_array().unwrap();
+    let root = root().canonicalize().unwrap();
+    let under = |package: &serde_json::Value, folder: &str| {
+        let manifest = PathBuf::from(package["manifest_path"].as_str().unwrap());
+        manifest.strip_prefix(&root).is_ok_and(|p| p.starts_with(folder))
+    };
+    let services: Vec<&str> =
+        packages.iter().filter(|p| under(p, "services")).map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(services.len(), SERVICES.len(), "services found: {services:?}");
+    let mut found = Vec::new();
+    for library in packages.iter().filter(|p| under(p, "shared")) {
+        for dependency in library["dependencies"].as_array().unwrap() {
+            let name = dependency["name"].as_str().unwrap();
+            if services.contains(&name) {
+                found.push(format!("{} -> {name}", library["name"].as_str().unwrap()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "libraries that depend on a service:\n{}", found.join("\n"));
+}

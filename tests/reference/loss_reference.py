@@ -1,10 +1,10 @@
 """The independent PyTorch oracle for Keel's training losses.
 
-Written from `services/trainer/LOSSES.md` (the text the Rust losses in
-`services/trainer/src/loss/` also follow), in float64 with autograd. Reads a JSON list of
+Written from `shared/keel-training/LOSSES.md` (the text the Rust losses in
+`shared/keel-training/src/loss/` also follow), in float64 with autograd. Reads a JSON list of
 problems on stdin (each: the loss config, [B][S] logprob tables, masks, advantages or scores)
 and prints a list of `{"loss", "grad", "metrics"}`; `grad` is d loss / d logprobs ([B][S]),
-or d loss / d scores for bradley_terry. `services/trainer/tests/losses.rs` compares Keel
+or d loss / d scores for bradley_terry. `shared/keel-training/tests/losses.rs` compares Keel
 with it.
 """
 

@@ -1,30 +1,23 @@
 //! keel-generator: the inference engine behind an OpenAI-compatible API.
 //!
-//! Layout:
+//! The engine (scheduler, KV cache, sampling) is the `keel-generation` library; this crate
+//! is its process:
 //! - [`wire`]: the OpenAI-compatible wire types.
-//! - [`engine`]: the scheduler thread — continuous batching over a paged KV cache with a
-//!   token budget per step (chunked prefill, several prompts per pass), preemption and
-//!   recomputation, prompt blocks shared by a request's n samples, the prefix cache,
-//!   per-sample seeded sampling on the device, stops.
-//! - [`blocks`]: the block manager (reference counts, prefix cache, LRU eviction).
-//! - [`backend`]: the model (or tensor-parallel ranks) and its block pools.
-//! - [`request`]: the validated request and the events the engine sends back.
 //! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
 //!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full;
 //!   the OpenAPI document (`ApiDoc`).
-//! - [`rollout`]: NATS rollout requests (queue group `generator`) and weights-updated refits.
-//! - [`text`]: stop strings and what a stream may show.
+//! - [`rollout`]: NATS rollout requests (queue group `generator`), weights-updated refits,
+//!   colocated sleep and wake.
+//! - this file: configuration, loading the model into an engine (KV cache size, CUDA kernels
+//!   and graphs), lifecycle.
 //!
 //! Without a `model` configured the service starts and answers `/healthz` only.
 
-pub mod backend;
-pub mod blocks;
-pub mod engine;
 pub mod openai;
-pub mod request;
 pub mod rollout;
-pub mod text;
 pub mod wire;
+
+use keel_generation::{backend, engine, request};
 
 use std::future::Future;
 use std::net::SocketAddr;

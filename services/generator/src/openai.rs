@@ -25,10 +25,10 @@ use keel_model::sampling::SamplingParams;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::engine::Engine;
-use crate::request::{Draft, Event, GenRequest, Limits, SampleOut, collect};
-use crate::text::{Detokenizer, final_text, streamable_len};
 use crate::wire::*;
+use keel_generation::engine::Engine;
+use keel_generation::request::{Draft, Event, GenRequest, Limits, SampleOut, collect};
+use keel_generation::text::{Detokenizer, final_text, streamable_len};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]

@@ -16,10 +16,10 @@ use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::backend::Weights;
-use crate::engine::Memory;
 use crate::openai::AppState;
-use crate::request::{Draft, collect};
+use keel_generation::backend::Weights;
+use keel_generation::engine::Memory;
+use keel_generation::request::{Draft, collect};
 
 /// The run whose weights this generator serves (None: its start-up model).
 type ServingRun = Arc<Mutex<Option<String>>>;
@@ -303,7 +303,11 @@ pub async fn serve(
 }
 
 /// Sleeps or wakes the engine as a colocated run's orchestrator asks, and answers it.
-async fn change_memory(engine: &crate::engine::Engine, client: &async_nats::Client, message: async_nats::Message) {
+async fn change_memory(
+    engine: &keel_generation::engine::Engine,
+    client: &async_nats::Client,
+    message: async_nats::Message,
+) {
     let report = match serde_json::from_slice::<MemoryChange>(&message.payload) {
         Ok(request) => {
             let change = match request.action {

@@ -37,7 +37,7 @@ fn greedy(dir: &Path, prompt: &[i64], tokens: usize) -> Vec<i64> {
 struct Serving {
     client: async_nats::Client,
     subjects: Subjects,
-    stats: std::sync::Arc<keel_generator::engine::Stats>,
+    stats: std::sync::Arc<keel_generation::engine::Stats>,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<Result<(), String>>,
 }
@@ -135,7 +135,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     assert_eq!(refitted["ok"]["weight_version"], 1);
     let ids: Vec<i64> = serde_json::from_value(refitted["ok"]["samples"][0]["token_ids"].clone()).unwrap();
     assert_eq!(ids, greedy(&second, &prompt, 12));
-    let refits = |s: &keel_generator::engine::Stats| s.refits.load(std::sync::atomic::Ordering::Relaxed);
+    let refits = |s: &keel_generation::engine::Stats| s.refits.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(refits(&stats), 1);
     assert!(stats.last_refit_micros.load(std::sync::atomic::Ordering::Relaxed) > 0, "the refit time is exported");
 

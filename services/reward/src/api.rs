@@ -22,7 +22,7 @@ use keel_service::metrics::{CONTENT_TYPE, header as metric_header, metric, sampl
 use keel_service::openapi::{ErrorResponses, TaggedVariants};
 use utoipa::OpenApi;
 
-use crate::scoring::{Error, Scorer, parse};
+use keel_environments::scoring::{Error, Scorer, parse};
 
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -131,7 +131,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let in_flight = state.scorer.in_flight(state.max_in_flight) as f64;
     metric(&mut out, &format!("{p}_requests_in_flight"), "gauge", "Requests being scored now.", in_flight);
     let stats = state.scorer.stats();
-    type Value = fn(&crate::scoring::EnvStats) -> f64;
+    type Value = fn(&keel_environments::scoring::EnvStats) -> f64;
     let families: [(&str, &str, &str, Value); 5] = [
         ("requests_total", "counter", "Requests per environment.", |s| s.requests as f64),
         ("samples_total", "counter", "Samples scored per environment.", |s| s.samples as f64),

@@ -1,23 +1,15 @@
 //! keel-reward: environments and scorers behind NATS and REST.
 //!
-//! Layout:
-//! - [`envs`]: the [`envs::Environment`] trait (a batched step: observation, reward or named
-//!   rewards, termination, stop strings, metadata), the text helpers environments share, and
-//!   the built-in environments: `math`, `code`, `sliding_puzzle`, `exact_match`, `regex`,
-//!   `multiple_choice`, `http` (a user's reward service), `reward_model`.
-//! - [`registry`]: builds an environment from its typed configuration, and caches it.
-//! - [`math`]: answer extraction and mathematical equivalence.
-//! - [`sandbox`]: bubblewrap-isolated runs of untrusted programs with resource limits.
-//! - [`scoring`]: validation, the `on_error` policy, batch metrics and counters, shared by
-//!   [`api`] (REST, OpenAPI) and [`nats`] (queue group `reward`).
+//! The environments and the scorer are the `keel-environments` library; this crate is its
+//! process:
+//! - [`api`]: REST (`/v1/score`, `/v1/env/step`, `/metrics`) and the OpenAPI document.
+//! - [`nats`]: the queue group `reward` (scoring and environment steps).
+//! - this file: configuration, the handlers' state, lifecycle.
 
 pub mod api;
-pub mod envs;
-pub mod math;
 pub mod nats;
-pub mod registry;
-pub mod sandbox;
-pub mod scoring;
+
+use keel_environments::{registry, sandbox, scoring};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -84,15 +76,13 @@ pub fn default_config() -> Config {
 /// The handlers' state for `config`, connected to `nats` when given.
 pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::AppState, String> {
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
-    let allow_private = config.http_allow_private_addresses;
-    let mut http = reqwest::Client::builder();
-    if !allow_private {
-        http = http.dns_resolver(std::sync::Arc::new(envs::addresses::PublicOnly));
-    }
-    let http = http.build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-    let sandbox = sandbox::Sandbox::new(config.sandbox.clone());
-    let bulk_bucket = config.bulk_bucket.clone();
-    let ctx = registry::EnvContext { http, allow_private, nats, subjects, bulk_bucket, sandbox };
+    let ctx = registry::EnvContext::new(
+        config.http_allow_private_addresses,
+        nats,
+        subjects,
+        config.bulk_bucket.clone(),
+        config.sandbox.clone(),
+    )?;
     let scorer = scoring::Scorer::new(ctx, config.max_in_flight, config.max_samples);
     Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
 }

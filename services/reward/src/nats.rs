@@ -11,9 +11,9 @@ use keel_protocol::{Reply, Subjects};
 use serde::Serialize;
 use tracing::{info, warn};
 
-use crate::scoring::{Scorer, parse};
+use keel_environments::scoring::{Scorer, parse};
 
-fn envelope<T: Serialize>(result: crate::scoring::Result<T>) -> Vec<u8> {
+fn envelope<T: Serialize>(result: keel_environments::scoring::Result<T>) -> Vec<u8> {
     let reply = match result {
         Ok(value) => Reply::Ok(value),
         Err(e) => Reply::error(e.kind(), e.to_string()),

@@ -4,8 +4,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+use keel_environments::scoring::Scorer;
 use keel_protocol::reward::{CodeConfig, EnvConfig, EnvSample, EnvStepRequest, EnvStepResult, Message, OnError};
-use keel_reward::scoring::Scorer;
 use serde_json::{Value, json};
 
 /// A scorer whose sandbox uses uids of its own (tests run in parallel processes).
@@ -283,7 +283,7 @@ async fn limits_above_the_ceilings_are_refused() {
             EnvSample { messages: vec![Message::new("assistant", "print(1)")], metadata: json!({}), token_ids: None };
         let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
         match scorer.step(request).await {
-            Err(keel_reward::scoring::Error::InvalidRequest(message)) => {
+            Err(keel_environments::scoring::Error::InvalidRequest(message)) => {
                 assert!(message.starts_with(&format!("env.{field}:")), "{message}")
             }
             other => panic!("{field}: expected an invalid request, got {other:?}"),

@@ -13,11 +13,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
+use keel_environments::scoring::{Error, Scorer};
 use keel_protocol::reward::{
     EnvConfig, EnvSample, EnvStepRequest, EnvStepResult, HttpRewardConfig, Message, OnError, PluginBatchRequest,
     PluginRequest,
 };
-use keel_reward::scoring::{Error, Scorer};
 use serde_json::{Value, json};
 
 #[derive(Default)]

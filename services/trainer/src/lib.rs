@@ -2,33 +2,14 @@
 //! the policy and reference, compute logprobs, train with one of NeMo-RL's losses, score
 //! with a reward head, save checkpoints, release.
 //!
-//! Layout:
-//! - [`worker`]: NATS subjects, claims and leases, request handling (typed error replies).
-//! - [`actor`]: the engine thread that owns the models (tch never runs on async workers).
-//! - [`engine`]: policy, reference, value head, optimiser; logprobs, training, saving.
-//! - [`model`]: the whole model or one tensor-parallel rank's slices of it.
-//! - [`trainer`]: the [`Trainer`] the worker drives: one engine, or one per
-//!   tensor-parallel rank on its own thread, run in lockstep.
-//! - [`batch`]: wire batches checked and padded into tensors; global/micro batch slicing.
-//! - [`loss`]: clipped policy gradient, NLL, DPO, Bradley–Terry (exact text in `LOSSES.md`).
-//! - [`optim`] and [`schedule`]: AdamW with f32 master weights, gradient clipping, warm-up
-//!   and decay.
-//! - [`checkpoint`]: the checkpoint directory (HF weights + optimiser and trainer state).
-//! - [`metrics`]: metrics accumulated over microbatches.
+//! The engine (models, losses, optimiser, tensor-parallel ranks) is the `keel-training`
+//! library; this crate is its process:
+//! - [`worker`]: NATS subjects, claims and leases, request handling (typed error replies),
+//!   weight exports to the generators.
+//! - this file: configuration, the HTTP health and metrics routes, lifecycle.
 //!
 //! The service also serves `GET /healthz` on its HTTP address (default 127.0.0.1:8084).
 
-pub mod actor;
-pub mod batch;
-pub mod checkpoint;
-pub mod engine;
-pub mod error;
-pub mod loss;
-pub mod metrics;
-pub mod model;
-pub mod optim;
-pub mod schedule;
-pub mod trainer;
 pub mod worker;
 
 use std::future::Future;
@@ -38,10 +19,6 @@ use serde::{Deserialize, Serialize};
 
 use keel_protocol::Subjects;
 use keel_protocol::subjects::is_subject_token;
-
-pub use engine::Engine;
-pub use error::{Error, Result};
-pub use trainer::Trainer;
 
 pub const SERVICE: &str = "trainer";
 

@@ -21,9 +21,6 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::actor::EngineThread;
-use crate::error::{Error, Result};
-use crate::trainer::Trainer;
 use keel_model::packing::Packed;
 use keel_protocol::generator::{WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
@@ -35,6 +32,9 @@ use keel_protocol::trainer::{
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
+use keel_training::Trainer;
+use keel_training::actor::EngineThread;
+use keel_training::{Error, Result};
 
 /// How often an expired lease is looked for.
 const LEASE_CHECK: Duration = Duration::from_millis(200);

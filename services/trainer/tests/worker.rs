@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use keel_protocol::Subjects;
@@ -102,15 +100,18 @@ fn sft_training() -> Value {
     json!({"loss": {"type": "nll"}, "global_batch_size": 4, "micro_batch_size": 2, "optimizer": {"lr": 1e-3}})
 }
 
+/// Four counting sequences of 8 tokens; the first 2 of each are the prompt.
 fn small_batch() -> Value {
-    let batch = common::counting(&[20, 40, 60, 80], 8, 2);
-    serde_json::to_value(batch).unwrap()
+    let input_ids: Vec<Vec<i64>> = [20, 40, 60, 80].iter().map(|&s| (s..s + 8).collect()).collect();
+    let mask = [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+    json!({"input_ids": input_ids, "token_mask": vec![mask; 4]})
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_run_drives_a_worker_from_claim_to_release() {
     let dir = tempfile::tempdir().unwrap();
-    let model = common::tiny_model(dir.path());
+    let model = dir.path().join("model");
+    keel_testkit::keel_model_init(&model);
     let h = Harness::start().await;
 
     // Claim through the queue group: the free worker answers with its id.

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use keel_generator::backend::Backend;
-use keel_generator::engine::{Engine, EngineConfig, RefitMode};
-use keel_generator::request::{Event, GenRequest};
+use keel_generation::backend::Backend;
+use keel_generation::engine::{Engine, EngineConfig, RefitMode};
+use keel_generation::request::{Event, GenRequest};
 use keel_model::CausalLm;
 use keel_model::sampling::SamplingParams;
 use serde_json::json;

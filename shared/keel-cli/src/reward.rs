@@ -7,6 +7,10 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
+use keel_environments::registry::EnvContext;
+use keel_environments::sandbox::SandboxConfig;
+use keel_environments::scoring::Scorer;
+use keel_protocol::Subjects;
 use keel_protocol::reward::{EnvConfig, EnvSample, EnvStepRequest, OnError};
 use serde_json::json;
 
@@ -56,10 +60,11 @@ fn bench(args: RewardBenchArgs) -> anyhow::Result<()> {
     if samples.is_empty() {
         bail!("{} holds no samples", args.input.display());
     }
-    let mut config = keel_reward::default_config();
-    config.nats_url = String::new();
-    config.sandbox.slots = args.sandbox_slots;
-    let scorer = keel_reward::state(&config, None).map_err(anyhow::Error::msg)?.scorer;
+    let sandbox = SandboxConfig { slots: args.sandbox_slots, ..SandboxConfig::default() };
+    let ctx =
+        EnvContext::new(false, None, Subjects::default(), "keel-bulk".into(), sandbox).map_err(anyhow::Error::msg)?;
+    // Requests run one after another, each of `--batch` samples.
+    let scorer = Scorer::new(ctx, 1, args.batch);
     let runtime = tokio::runtime::Runtime::new()?;
     let pass = || -> anyhow::Result<(f64, Vec<f64>)> {
         let start = Instant::now();

@@ -8,8 +8,8 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use keel_protocol::trainer::{LoadRequest, TrainBatch};
-use keel_trainer::Engine;
-use keel_trainer::batch::Batch;
+use keel_training::Engine;
+use keel_training::batch::Batch;
 use serde_json::json;
 
 #[derive(Debug, Subcommand)]

@@ -32,6 +32,26 @@ impl std::fmt::Debug for EnvContext {
     }
 }
 
+impl EnvContext {
+    /// Handles for environments: an HTTP client that, unless `allow_private`, resolves only
+    /// to public addresses; `nats` for reward models on trainer workers (none: they are
+    /// refused); the code sandbox from its configuration.
+    pub fn new(
+        allow_private: bool,
+        nats: Option<async_nats::Client>,
+        subjects: Subjects,
+        bulk_bucket: String,
+        sandbox: crate::sandbox::SandboxConfig,
+    ) -> Result<Self, String> {
+        let mut http = reqwest::Client::builder();
+        if !allow_private {
+            http = http.dns_resolver(Arc::new(envs::addresses::PublicOnly));
+        }
+        let http = http.build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        Ok(Self { http, allow_private, nats, subjects, bulk_bucket, sandbox: Sandbox::new(sandbox) })
+    }
+}
+
 /// Builds the environment `config` names; the error names the bad field (`env.pattern: ...`).
 pub fn build(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
     build_unprefixed(config, ctx).map_err(|e| format!("env.{e}"))

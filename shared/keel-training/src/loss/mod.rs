@@ -1,5 +1,5 @@
 //! The loss functions, computing what NeMo-RL computes. The exact
-//! formulas, metric definitions included, are written out in `services/trainer/LOSSES.md`;
+//! formulas, metric definitions included, are written out in `shared/keel-training/LOSSES.md`;
 //! `tests/reference/loss_reference.py` implements the same text independently in PyTorch and
 //! the unit tests compare the two, values and gradients.
 //!

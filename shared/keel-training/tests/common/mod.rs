@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use keel_model::Architecture;
 use keel_model::init::{InitSpec, Preset, init_model};
 use keel_protocol::trainer::{LoadRequest, ModelSource, TrainBatch};
-use keel_trainer::Engine;
+use keel_training::Engine;
 use serde_json::{Value, json};
 
 /// A new tiny Qwen3 model (random weights, trained tokenizer) in `dir/model`.

@@ -13,8 +13,8 @@ use std::path::Path;
 use common::*;
 use keel_model::CausalLm;
 use keel_protocol::trainer::TrainBatch;
-use keel_trainer::Trainer;
-use keel_trainer::batch::Batch;
+use keel_training::Trainer;
+use keel_training::batch::Batch;
 use serde_json::{Value, json};
 use tch::{Device, Kind, Tensor};
 

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 
 use common::*;
 use keel_protocol::trainer::{Scorer, TrainBatch};
-use keel_trainer::Engine;
-use keel_trainer::batch::Batch;
+use keel_training::Engine;
+use keel_training::batch::Batch;
 use serde_json::json;
 use tch::{Kind, Tensor};
 

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use keel_reward::math::*;
+use keel_environments::math::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -6,8 +6,8 @@
 
 use std::sync::atomic::Ordering;
 
-use keel_generator::engine::{Engine, EngineConfig, RefitMode};
-use keel_generator::request::{Event, GenRequest};
+use keel_generation::engine::{Engine, EngineConfig, RefitMode};
+use keel_generation::request::{Event, GenRequest};
 use keel_model::sampling::SamplingParams;
 use keel_model::{BLOCK_SIZE, CausalLm, Init, ModelConfig};
 use tch::{Device, Kind};
@@ -164,7 +164,7 @@ fn a_pool_too_small_for_one_sequence_is_refused() {
 /// meanwhile, and after the wake they produce what an engine that never slept produces.
 #[test]
 fn a_sleeping_engine_frees_its_pool_holds_requests_and_serves_the_same_after_waking() {
-    use keel_generator::engine::Memory;
+    use keel_generation::engine::Memory;
     let want = run(&engine(256, 16, 8192), requests());
     let sleeper = engine(256, 16, 8192);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

@@ -8,8 +8,8 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 use keel_protocol::training::LossConfig;
-use keel_trainer::loss::{self, GlobalCounts, LossInput};
-use keel_trainer::metrics::Metrics;
+use keel_training::loss::{self, GlobalCounts, LossInput};
+use keel_training::metrics::Metrics;
 use serde_json::{Value, json};
 use tch::{Kind, Tensor};
 
