@@ -55,31 +55,35 @@ impl From<sqlx::Error> for Failure {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let (status, error_type) = match &self.0 {
-            Error::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
-            Error::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
-            Error::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
-            Error::ShaMismatch { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "sha_mismatch"),
-            Error::Store(StoreError::TooLarge(_)) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
-            Error::Store(StoreError::Interrupted(_)) => (StatusCode::BAD_REQUEST, "interrupted"),
-            Error::Store(StoreError::Full) => (StatusCode::INSUFFICIENT_STORAGE, "storage_full"),
-            Error::Busy => (StatusCode::SERVICE_UNAVAILABLE, "busy"),
-            Error::Store(StoreError::Backend(_)) | Error::Database(_) | Error::Events(_) | Error::Internal(_) => {
-                (StatusCode::INTERNAL_SERVER_ERROR, "internal")
-            }
-        };
-        let message = if status == StatusCode::INTERNAL_SERVER_ERROR {
-            tracing::error!(error = %self.0, "request failed");
-            "internal error (see the checkpoint service's log)".to_string()
-        } else {
-            self.0.to_string()
-        };
-        let mut response = ApiError { status, error_type, message }.into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            response.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        let mut response = answer(&self.0).into_response();
+        if let Error::BadRange { size, .. } = &self.0
+            && let Ok(v) = format!("bytes */{size}").parse()
+        {
+            response.headers_mut().insert(header::CONTENT_RANGE, v);
         }
         response
     }
+}
+
+/// The one place this service's errors become statuses and `type` codes.
+fn answer(error: &Error) -> ApiError {
+    let (status, error_type) = match error {
+        Error::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
+        Error::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+        Error::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+        Error::ShaMismatch { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "sha_mismatch"),
+        Error::BadRange { .. } => (StatusCode::RANGE_NOT_SATISFIABLE, "bad_range"),
+        Error::Store(StoreError::TooLarge(_)) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+        Error::Store(StoreError::Interrupted(_)) => (StatusCode::BAD_REQUEST, "interrupted"),
+        Error::Store(StoreError::Full) => (StatusCode::INSUFFICIENT_STORAGE, "storage_full"),
+        Error::Busy => return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "busy", error.to_string()).retry_after(1),
+        Error::Store(StoreError::Backend(_)) | Error::Database(_) | Error::Events(_) | Error::Internal(_) => {
+            tracing::error!(%error, "request failed");
+            let message = "internal error (see the checkpoint service's log)";
+            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message);
+        }
+    };
+    ApiError::new(status, error_type, error.to_string())
 }
 
 type Answer<T> = Result<T, Failure>;
@@ -186,16 +190,7 @@ pub async fn download(
         None => None,
         Some(value) => match parse_range(value, file.size) {
             Some(range) => Some(range),
-            None => {
-                let message = format!("range `{value}` is not within the file's {} bytes", file.size);
-                let mut response =
-                    ApiError { status: StatusCode::RANGE_NOT_SATISFIABLE, error_type: "bad_range", message }
-                        .into_response();
-                if let Ok(v) = format!("bytes */{}", file.size).parse() {
-                    response.headers_mut().insert(header::CONTENT_RANGE, v);
-                }
-                return Ok(response);
-            }
+            None => return Err(Failure(Error::BadRange { range: value.to_string(), size: file.size })),
         },
     };
     let (status, length) = match &range {
@@ -346,6 +341,51 @@ mod tests {
         assert_eq!(parse_range("bytes=990-2000", 1000), Some(990..1000));
         for bad in ["bytes=1000-", "bytes=5-1", "items=0-1", "bytes=a-b", "bytes=0-1,5-6"] {
             assert_eq!(parse_range(bad, 1000), None, "{bad}");
+        }
+    }
+
+    /// Every error kind: its status, its `type`, a message that says what happened (and
+    /// hides the service's own failures), and the headers a client acts on.
+    #[tokio::test]
+    async fn every_error_has_its_status_type_and_body() {
+        let cases: Vec<(Error, StatusCode, &str)> = vec![
+            (Error::Invalid("bad name".into()), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
+            (Error::NotFound("no checkpoint x".into()), StatusCode::NOT_FOUND, "not_found"),
+            (Error::Conflict("committed".into()), StatusCode::CONFLICT, "conflict"),
+            (
+                Error::ShaMismatch { declared: "aa".into(), actual: "bb".into() },
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "sha_mismatch",
+            ),
+            (Error::BadRange { range: "bytes=9-".into(), size: 5 }, StatusCode::RANGE_NOT_SATISFIABLE, "bad_range"),
+            (Error::Store(StoreError::TooLarge(3)), StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+            (Error::Store(StoreError::Interrupted("reset".into())), StatusCode::BAD_REQUEST, "interrupted"),
+            (Error::Store(StoreError::Full), StatusCode::INSUFFICIENT_STORAGE, "storage_full"),
+            (Error::Busy, StatusCode::SERVICE_UNAVAILABLE, "busy"),
+            (Error::Store(StoreError::Backend("disk".into())), StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            (Error::Database(sqlx::Error::PoolTimedOut), StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            (Error::Events("down".into()), StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            (Error::Internal("bug".into()), StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        ];
+        for (error, status, error_type) in cases {
+            let shown = error.to_string();
+            let is_bad_range = matches!(error, Error::BadRange { .. });
+            let response = Failure(error).into_response();
+            assert_eq!(response.status(), status, "{shown}");
+            let headers = response.headers().clone();
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body["error"]["type"], error_type, "{shown}");
+            let message = body["error"]["message"].as_str().unwrap();
+            if status == StatusCode::INTERNAL_SERVER_ERROR {
+                assert_eq!(message, "internal error (see the checkpoint service's log)");
+            } else {
+                assert_eq!(message, shown);
+            }
+            assert_eq!(headers.contains_key(header::RETRY_AFTER), status == StatusCode::SERVICE_UNAVAILABLE, "{shown}");
+            if is_bad_range {
+                assert_eq!(headers[header::CONTENT_RANGE], "bytes */5");
+            }
         }
     }
 }

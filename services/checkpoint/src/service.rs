@@ -36,6 +36,9 @@ pub enum Error {
     /// Every upload slot is taken.
     #[error("too many uploads in progress; retry shortly")]
     Busy,
+    /// A download's `Range` header names no part of the file.
+    #[error("range `{range}` is not within the file's {size} bytes")]
+    BadRange { range: String, size: u64 },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -43,42 +43,49 @@ pub struct AppState {
     pub admission: Arc<Semaphore>,
 }
 
-/// An OpenAI error response.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    kind: &'static str,
-    message: String,
-    param: Option<&'static str>,
+/// What an OpenAI request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The request is malformed or outside the server's limits; `param` names the field.
+    #[error("{message}")]
+    InvalidRequest { message: String, param: Option<&'static str> },
+    #[error("The model `{requested}` does not exist (this server serves `{served}`).")]
+    ModelNotFound { requested: String, served: String },
+    #[error("the server's queue is full; retry later")]
+    QueueFull,
+    /// The engine thread is gone; the reason is logged, not sent.
+    #[error("the engine is unavailable")]
+    EngineUnavailable(String),
 }
 
 impl ApiError {
     fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, kind: "invalid_request_error", message: message.into(), param }
+        Self::InvalidRequest { message: message.into(), param }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let code = match self.status {
-            StatusCode::NOT_FOUND => Some("model_not_found".to_string()),
-            StatusCode::TOO_MANY_REQUESTS => Some("rate_limit_exceeded".to_string()),
-            _ => None,
-        };
-        let body = ErrorResponse {
-            error: ErrorDetail {
-                message: self.message,
-                kind: self.kind.into(),
-                param: self.param.map(Into::into),
-                code,
-            },
-        };
-        let mut response = (self.status, Json(body)).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        }
-        response
+        answer(&self).into_response()
     }
+}
+
+/// The one place this service's errors become statuses and OpenAI's error objects
+/// (`type`, `message`, `param`, `code`).
+fn answer(error: &ApiError) -> keel_service::ApiError {
+    let (status, kind, param, code) = match error {
+        ApiError::InvalidRequest { param, .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", *param, None),
+        ApiError::ModelNotFound { .. } => {
+            (StatusCode::NOT_FOUND, "invalid_request_error", Some("model"), Some("model_not_found"))
+        }
+        ApiError::QueueFull => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("rate_limit_exceeded")),
+        ApiError::EngineUnavailable(reason) => {
+            tracing::error!("{reason}");
+            (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, None)
+        }
+    };
+    let answer = keel_service::ApiError::new(status, kind, error.to_string()).with("param", param).with("code", code);
+    if status == StatusCode::TOO_MANY_REQUESTS { answer.retry_after(1) } else { answer }
 }
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -114,12 +121,7 @@ impl AppState {
         if name == self.model_name {
             return Ok(());
         }
-        Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "invalid_request_error",
-            message: format!("The model `{name}` does not exist (this server serves `{}`).", self.model_name),
-            param: Some("model"),
-        })
+        Err(ApiError::ModelNotFound { requested: name.to_string(), served: self.model_name.clone() })
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> ApiResult<Vec<i64>> {
@@ -186,12 +188,7 @@ impl AppState {
     }
 
     fn admit(&self) -> ApiResult<OwnedSemaphorePermit> {
-        self.admission.clone().try_acquire_owned().map_err(|_| ApiError {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            kind: "rate_limit_error",
-            message: "the server's queue is full; retry later".into(),
-            param: None,
-        })
+        self.admission.clone().try_acquire_owned().map_err(|_| ApiError::QueueFull)
     }
 }
 
@@ -199,18 +196,8 @@ impl AppState {
 async fn run_to_end(state: &AppState, request: GenRequest) -> ApiResult<Vec<SampleOut>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let n = request.n;
-    state.engine.submit(request, tx).map_err(internal)?;
+    state.engine.submit(request, tx).map_err(ApiError::EngineUnavailable)?;
     collect(rx, n).await.map_err(|message| ApiError::bad(message, None))
-}
-
-fn internal(message: String) -> ApiError {
-    tracing::error!("{message}");
-    ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        kind: "server_error",
-        message: "the engine is unavailable".into(),
-        param: None,
-    }
 }
 
 fn now() -> u64 {
@@ -558,7 +545,7 @@ fn stream(
         include_stop: request.include_stop_str_in_output,
     };
     if let Err(e) = state.engine.submit(request, tx) {
-        return internal(e).into_response();
+        return ApiError::EngineUnavailable(e).into_response();
     }
     let opening = chunks.opening(n);
     let samples = vec![StreamSample::default(); n];
@@ -825,5 +812,66 @@ struct OpenAiErrors;
 impl utoipa::Modify for OpenAiErrors {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         keel_service::openapi::add_error_responses(openapi, "ErrorResponse");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// Every error kind: its status and OpenAI's error object (`type`, `param`, `code`), the
+    /// engine's own failure hidden, and `Retry-After` on a full queue.
+    #[tokio::test]
+    async fn every_error_has_its_status_and_openai_body() {
+        let not_found = ApiError::ModelNotFound { requested: "gpt".into(), served: "tiny".into() };
+        let cases = vec![
+            (
+                ApiError::bad("top_k must be -1", Some("top_k")),
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                json!("top_k"),
+                Value::Null,
+            ),
+            (
+                ApiError::bad("one prompt", None),
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Value::Null,
+                Value::Null,
+            ),
+            (not_found, StatusCode::NOT_FOUND, "invalid_request_error", json!("model"), json!("model_not_found")),
+            (
+                ApiError::QueueFull,
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Value::Null,
+                json!("rate_limit_exceeded"),
+            ),
+            (
+                ApiError::EngineUnavailable("thread gone".into()),
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Value::Null,
+                Value::Null,
+            ),
+        ];
+        for (error, status, kind, param, code) in cases {
+            let text = error.to_string();
+            let response = error.into_response();
+            assert_eq!(response.status(), status, "{text}");
+            assert_eq!(response.headers().contains_key(header::RETRY_AFTER), status == StatusCode::TOO_MANY_REQUESTS);
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            let body: Value = serde_json::from_slice(&body).unwrap();
+            let error = body["error"].as_object().unwrap();
+            let keys: std::collections::BTreeSet<&str> = error.keys().map(String::as_str).collect();
+            assert_eq!(keys, ["code", "message", "param", "type"].into(), "{body}");
+            assert_eq!(error["type"], kind, "{text}");
+            assert_eq!(error["param"], param, "{text}");
+            assert_eq!(error["code"], code, "{text}");
+            assert_eq!(error["message"], text.as_str());
+            assert!(!text.contains("thread gone"));
+        }
     }
 }

@@ -22,6 +22,7 @@ use keel_client::checkpoint::CheckpointClient;
 use keel_protocol::FieldError;
 use keel_protocol::checkpoint::Checkpoint;
 use keel_protocol::run::{Metrics, Run, RunEventRecord, RunList, RunSpec, RunStatus, Samples};
+use keel_service::ApiError;
 use keel_service::openapi::{ErrorResponses, TaggedVariants};
 use keel_service::query::Query;
 use serde::Deserialize;
@@ -42,14 +43,21 @@ pub struct AppState {
 }
 
 /// What a request can fail with.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum Failure {
+    #[error("{}", keel_protocol::join_problems(.0))]
     InvalidSpec(Vec<FieldError>),
+    #[error("{0}")]
     BadRequest(String),
+    #[error("send Authorization: Bearer <token>")]
     Unauthorized,
+    #[error("{0}")]
     NotFound(String),
+    #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
     Upstream(String),
+    #[error("{0}")]
     Internal(String),
 }
 
@@ -61,34 +69,30 @@ impl From<sqlx::Error> for Failure {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let (status, kind, message, problems) = match self {
-            Self::InvalidSpec(problems) => {
-                let message = keel_protocol::join_problems(&problems);
-                (StatusCode::UNPROCESSABLE_ENTITY, "invalid_spec", message, Some(problems))
-            }
-            Self::BadRequest(m) => (StatusCode::BAD_REQUEST, "invalid_request", m, None),
-            Self::Unauthorized => {
-                (StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer <token>".into(), None)
-            }
-            Self::NotFound(m) => (StatusCode::NOT_FOUND, "not_found", m, None),
-            Self::Conflict(m) => (StatusCode::CONFLICT, "conflict", m, None),
-            Self::Upstream(m) => (StatusCode::BAD_GATEWAY, "upstream", m, None),
-            Self::Internal(m) => {
-                tracing::error!("internal error: {m}");
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "internal error (see the orchestrator's log)".into(),
-                    None,
-                )
-            }
-        };
-        let mut error = json!({"type": kind, "message": message});
-        if let Some(problems) = problems {
-            error["problems"] = json!(problems);
-        }
-        (status, Json(json!({ "error": error }))).into_response()
+        answer(&self).into_response()
     }
+}
+
+/// The one place this service's errors become statuses and `type` codes; an invalid spec
+/// lists every problem as `problems: [{field, message}]`.
+fn answer(failure: &Failure) -> ApiError {
+    let (status, error_type) = match failure {
+        Failure::InvalidSpec(problems) => {
+            let error = ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_spec", failure.to_string());
+            return error.with("problems", problems);
+        }
+        Failure::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+        Failure::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+        Failure::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+        Failure::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+        Failure::Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream"),
+        Failure::Internal(m) => {
+            tracing::error!("internal error: {m}");
+            let message = "internal error (see the orchestrator's log)";
+            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message);
+        }
+    };
+    ApiError::new(status, error_type, failure.to_string())
 }
 
 type Answer<T> = Result<T, Failure>;
@@ -345,4 +349,53 @@ pub fn run_spec_schema() -> serde_json::Value {
         "$ref": "#/$defs/RunSpec",
         "$defs": serde_json::from_str::<serde_json::Value>(&defs).unwrap_or_default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every error kind: its status, its `type`, the message, the problems of an invalid
+    /// spec, and the orchestrator's own failures hidden.
+    #[tokio::test]
+    async fn every_error_has_its_status_type_and_body() {
+        let problems =
+            vec![FieldError::new("spec.steps", "must be at least 1"), FieldError::new("spec.lr", "must be > 0")];
+        let cases = vec![
+            (Failure::InvalidSpec(problems), StatusCode::UNPROCESSABLE_ENTITY, "invalid_spec"),
+            (Failure::BadRequest("limit: not a number".into()), StatusCode::BAD_REQUEST, "invalid_request"),
+            (Failure::Unauthorized, StatusCode::UNAUTHORIZED, "unauthorized"),
+            (Failure::NotFound("no run x".into()), StatusCode::NOT_FOUND, "not_found"),
+            (Failure::Conflict("the run has ended".into()), StatusCode::CONFLICT, "conflict"),
+            (Failure::Upstream("checkpoint store: refused".into()), StatusCode::BAD_GATEWAY, "upstream"),
+            (Failure::Internal("database: gone".into()), StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        ];
+        for (failure, status, error_type) in cases {
+            let text = failure.to_string();
+            let invalid_spec = matches!(failure, Failure::InvalidSpec(_));
+            let response = failure.into_response();
+            assert_eq!(response.status(), status, "{text}");
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body["error"]["type"], error_type, "{text}");
+            let message = body["error"]["message"].as_str().unwrap();
+            if status == StatusCode::INTERNAL_SERVER_ERROR {
+                assert_eq!(message, "internal error (see the orchestrator's log)");
+            } else {
+                assert_eq!(message, text);
+            }
+            if invalid_spec {
+                assert_eq!(message, "spec.steps: must be at least 1; spec.lr: must be > 0");
+                let fields: Vec<&str> = body["error"]["problems"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| p["field"].as_str().unwrap())
+                    .collect();
+                assert_eq!(fields, ["spec.steps", "spec.lr"]);
+            } else {
+                assert!(body["error"].get("problems").is_none(), "{body}");
+            }
+        }
+    }
 }

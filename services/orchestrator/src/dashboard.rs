@@ -74,12 +74,8 @@ async fn asset(Path(path): Path<String>) -> Response {
         Some((_, content_type, body)) => {
             ([(header::CONTENT_TYPE, *content_type), (header::CACHE_CONTROL, "no-cache")], *body).into_response()
         }
-        None => keel_service::ApiError {
-            status: StatusCode::NOT_FOUND,
-            error_type: "not_found",
-            message: format!("no dashboard asset `{path}`"),
-        }
-        .into_response(),
+        None => keel_service::ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no dashboard asset `{path}`"))
+            .into_response(),
     }
 }
 

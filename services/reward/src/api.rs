@@ -10,12 +10,12 @@
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use keel_protocol::reward::{
     EnvStepReply, EnvStepRequest, PluginBatchRequest, PluginBatchResponse, PluginRequest, PluginResponse, ScoreReply,
-    ScoreRequest,
+    ScoreRequest, error_types,
 };
 use keel_service::ApiError;
 use keel_service::metrics::{CONTENT_TYPE, header as metric_header, metric, sample};
@@ -43,32 +43,38 @@ struct Failure(Error);
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let status = match &self.0 {
-            Error::InvalidJson(_) => StatusCode::BAD_REQUEST,
-            Error::InvalidRequest(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            Error::SampleFailed { error, .. } => match error.kind.as_str() {
+        answer(&self.0).into_response()
+    }
+}
+
+/// The one place this service's errors become statuses and `type` codes. Its own failures
+/// (the sandbox, a bug) are logged, not sent.
+fn answer(error: &Error) -> ApiError {
+    match error {
+        Error::InvalidJson(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", error.to_string()),
+        Error::InvalidRequest(_) => {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error_types::INVALID_REQUEST, error.to_string())
+        }
+        Error::Unavailable => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error_types::UNAVAILABLE, error.to_string()).retry_after(1)
+        }
+        Error::SampleFailed { index, error: sample } => {
+            let status = match sample.kind.as_str() {
                 "invalid_sample" => StatusCode::UNPROCESSABLE_ENTITY,
                 "sandbox" => StatusCode::SERVICE_UNAVAILABLE,
                 "internal" => StatusCode::INTERNAL_SERVER_ERROR,
                 // The user's reward service, or a trainer, failed.
                 _ => StatusCode::BAD_GATEWAY,
-            },
-            Error::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        };
-        let error_type = if matches!(self.0, Error::InvalidJson(_)) { "invalid_json" } else { self.0.kind() };
-        // This service's own failures are logged, not sent.
-        let message = match &self.0 {
-            Error::SampleFailed { index, error } if matches!(error.kind.as_str(), "sandbox" | "internal") => {
-                tracing::error!(sample = index, %error, "scoring failed");
-                format!("samples[{index}]: {}: this reward replica could not score it (see its log)", error.kind)
-            }
-            other => other.to_string(),
-        };
-        let mut response = ApiError { status, error_type, message }.into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            };
+            let message = if matches!(sample.kind.as_str(), "sandbox" | "internal") {
+                tracing::error!(sample = index, error = %sample, "scoring failed");
+                format!("samples[{index}]: {}: this reward replica could not score it (see its log)", sample.kind)
+            } else {
+                error.to_string()
+            };
+            let answer = ApiError::new(status, error_types::SAMPLE_FAILED, message);
+            if status == StatusCode::SERVICE_UNAVAILABLE { answer.retry_after(1) } else { answer }
         }
-        response
     }
 }
 
@@ -206,4 +212,45 @@ pub fn plugin_document() -> utoipa::openapi::OpenApi {
         .build();
     doc.components = Schemas::openapi().components;
     doc
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_protocol::reward::SampleError;
+
+    use super::*;
+
+    /// Every error kind: its status, its `type`, a message that names what went wrong (the
+    /// replica's own failures hidden), and `Retry-After` where trying again helps.
+    #[tokio::test]
+    async fn every_error_has_its_status_type_and_body() {
+        let sample = |kind: &str| Error::SampleFailed { index: 3, error: SampleError::new(kind, "details") };
+        let cases = vec![
+            (Error::InvalidJson("eof".into()), StatusCode::BAD_REQUEST, "invalid_json", true),
+            (Error::InvalidRequest("samples: empty".into()), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", true),
+            (Error::Unavailable, StatusCode::SERVICE_UNAVAILABLE, "unavailable", true),
+            (sample("invalid_sample"), StatusCode::UNPROCESSABLE_ENTITY, "sample_failed", true),
+            (sample("timeout"), StatusCode::BAD_GATEWAY, "sample_failed", true),
+            (sample("http_status"), StatusCode::BAD_GATEWAY, "sample_failed", true),
+            (sample("trainer"), StatusCode::BAD_GATEWAY, "sample_failed", true),
+            (sample("sandbox"), StatusCode::SERVICE_UNAVAILABLE, "sample_failed", false),
+            (sample("internal"), StatusCode::INTERNAL_SERVER_ERROR, "sample_failed", false),
+        ];
+        for (error, status, error_type, shown) in cases {
+            let text = error.to_string();
+            let response = Failure(error).into_response();
+            assert_eq!(response.status(), status, "{text}");
+            let retry = response.headers().contains_key(header::RETRY_AFTER);
+            assert_eq!(retry, status == StatusCode::SERVICE_UNAVAILABLE, "{text}");
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body["error"]["type"], error_type, "{text}");
+            let message = body["error"]["message"].as_str().unwrap();
+            if shown {
+                assert_eq!(message, text);
+            } else {
+                assert!(!message.contains("details") && message.starts_with("samples[3]: "), "{message}");
+            }
+        }
+    }
 }

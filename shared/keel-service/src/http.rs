@@ -16,18 +16,52 @@ use axum::{Json, Router};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-/// An error answered to a client: a status and a stable `type` code with a message.
+/// An error answered to a client: a status and a stable `type` code with a message, in
+/// `{"error": {"type", "message", ...}}`. Each service builds it in one match over its own
+/// error type; `fields` carries what a service adds beside `type` and `message` (the
+/// orchestrator's `problems`, OpenAI's `param` and `code`).
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
     pub error_type: &'static str,
     pub message: String,
+    pub fields: serde_json::Map<String, serde_json::Value>,
+    /// Seconds a client should wait before it tries again (`Retry-After`), for refusals
+    /// under load.
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, error_type: &'static str, message: impl Into<String>) -> Self {
+        Self { status, error_type, message: message.into(), fields: serde_json::Map::new(), retry_after: None }
+    }
+
+    /// Adds `name: value` to the error object.
+    #[must_use]
+    pub fn with(mut self, name: &str, value: impl serde::Serialize) -> Self {
+        let value = serde_json::to_value(value).unwrap_or(serde_json::Value::Null);
+        self.fields.insert(name.to_string(), value);
+        self
+    }
+
+    #[must_use]
+    pub fn retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"type": self.error_type, "message": self.message}});
-        (self.status, Json(body)).into_response()
+        let mut error = serde_json::Map::new();
+        error.insert("type".into(), self.error_type.into());
+        error.insert("message".into(), self.message.into());
+        error.extend(self.fields);
+        let mut response = (self.status, Json(json!({ "error": error }))).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 
@@ -66,15 +100,15 @@ pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token
                     "no token"
                 };
                 tracing::warn!(method = %request.method(), path = request.uri().path(), "refused a request with {sent} (401)");
-                let message = "send Authorization: Bearer <token>".to_string();
-                ApiError { status: StatusCode::UNAUTHORIZED, error_type: "unauthorized", message }.into_response()
+                ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer <token>")
+                    .into_response()
             }
         }
     }))
 }
 
 async fn not_found(uri: Uri) -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, error_type: "not_found", message: format!("no route for {uri}") }
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route for {uri}"))
 }
 
 /// `GET /healthz` answering `{"status": "ok", "service": ..., "version": ...}`, plus the 404

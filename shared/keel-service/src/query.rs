@@ -18,11 +18,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Query<T> {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(value)) => Ok(Self(value)),
-            Err(rejection) => Err(ApiError {
-                status: StatusCode::BAD_REQUEST,
-                error_type: "invalid_request",
-                message: rejection.body_text(),
-            }),
+            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", rejection.body_text())),
         }
     }
 }
