@@ -111,7 +111,7 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     // No password, or a wrong one: no connection, and the error shows no password.
     let anonymous = keel_service::nats::connect(&format!("nats://127.0.0.1:{}", nats.port)).await;
     assert!(anonymous.is_err(), "an anonymous client connected");
-    let wrong = keel_service::nats::connect(&nats.url("trainer", "guess")).await.unwrap_err();
+    let wrong = keel_service::nats::connect(&nats.url("trainer", "guess")).await.unwrap_err().to_string();
     assert!(wrong.contains("trainer:***@") && !wrong.contains("guess"), "{wrong}");
 
     // Large bodies: the orchestrator puts a batch in the object store, the trainer reads it.

@@ -179,7 +179,7 @@ pub async fn download(
     Path((id, path)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Answer<Response> {
-    check_path(&path).map_err(|e| Failure(Error::NotFound(e)))?;
+    check_path(&path).map_err(|e| Failure(Error::NotFound(e.to_string())))?;
     let checkpoint = s.complete(parse_id(&id)?).await?;
     let file = file_of(&checkpoint, &path)?;
     let mut builder = Response::builder()

@@ -18,7 +18,7 @@ pub const SCHEMA: &str = "checkpoint";
 
 /// Connects (creating the database when it does not exist), creates the schema and applies
 /// the migrations.
-pub async fn connect(url: &str) -> Result<PgPool, String> {
+pub async fn connect(url: &str) -> Result<PgPool, keel_service::PostgresError> {
     keel_service::postgres::connect(url, SCHEMA, &sqlx::migrate!("./migrations")).await
 }
 

@@ -16,6 +16,7 @@ pub mod retention;
 pub mod service;
 pub mod store;
 
+use keel_protocol::FieldError;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -55,16 +56,17 @@ pub struct Config {
 }
 
 impl keel_service::ServiceConfig for Config {
-    fn validate(&self) -> Result<(), String> {
-        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+    fn validate(&self) -> Result<(), FieldError> {
+        keel_protocol::Subjects::new(&self.subject_prefix)
+            .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         if self.max_uploads == 0 {
-            return Err("max_uploads: must be at least 1".into());
+            return Err(FieldError::new("max_uploads", "must be at least 1"));
         }
         if !(1.0..=1e8).contains(&self.pending_expiry_seconds) {
-            return Err("pending_expiry_seconds: must be 1 to 100000000".into());
+            return Err(FieldError::new("pending_expiry_seconds", "must be 1 to 100000000"));
         }
         if self.api_token.as_deref() == Some("") {
-            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+            return Err(FieldError::new("api_token", "must not be empty (leave it unset for no auth)"));
         }
         Ok(())
     }
@@ -84,7 +86,7 @@ pub fn default_config() -> Config {
     }
 }
 
-fn blob_store(storage: &Storage) -> Result<store::BlobStore, String> {
+fn blob_store(storage: &Storage) -> Result<store::BlobStore, store::StoreError> {
     match storage {
         Storage::Local { root } => store::BlobStore::local(root),
         #[cfg(feature = "s3")]
@@ -96,24 +98,27 @@ fn blob_store(storage: &Storage) -> Result<store::BlobStore, String> {
             if let Some(region) = region {
                 builder = builder.with_region(region);
             }
-            let s3 = builder.build().map_err(|e| format!("storage: {e}"))?;
+            let s3 = builder.build().map_err(|e| store::StoreError::Backend(format!("storage: {e}")))?;
             Ok(store::BlobStore::new(std::sync::Arc::new(s3)))
         }
         #[cfg(not(feature = "s3"))]
-        Storage::S3 { .. } => Err("storage: kind s3 needs keel-checkpoint built with the `s3` feature".into()),
+        Storage::S3 { .. } => {
+            Err(store::StoreError::Backend("storage: kind s3 needs keel-checkpoint built with the `s3` feature".into()))
+        }
     }
 }
 
 /// Connects to Postgres, the blob store and NATS.
-pub async fn open(config: &Config) -> Result<service::Checkpoints, String> {
+pub async fn open(config: &Config) -> keel_service::Result<service::Checkpoints> {
     let pool = db::connect(&config.database_url).await?;
-    let blobs = blob_store(&config.storage)?;
+    let blobs = blob_store(&config.storage).map_err(|e| keel_service::Error::start("open the blob store", e))?;
     let events = match config.nats_url.as_str() {
         "" => None,
         url => {
             let client = keel_service::nats::connect(url).await?;
             let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
-            Some(service::Events::open(client, subjects).await?)
+            let events = service::Events::open(client, subjects).await;
+            Some(events.map_err(|e| keel_service::Error::start("open the event stream", e))?)
         }
     };
     let uploads = std::sync::Arc::new(tokio::sync::Semaphore::new(config.max_uploads));
@@ -121,7 +126,7 @@ pub async fn open(config: &Config) -> Result<service::Checkpoints, String> {
 }
 
 /// Serves until `shutdown` completes, sweeping abandoned uploads at start and hourly.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> keel_service::Result<()> {
     let checkpoints = open(&config).await?;
     let sweeper = {
         let checkpoints = checkpoints.clone();
@@ -138,7 +143,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     };
     let app = keel_service::require_bearer(api::routes(checkpoints), config.api_token.clone())
         .merge(keel_service::health_routes(SERVICE));
-    let served = keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string());
+    let served = keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(keel_service::Error::Http);
     sweeper.abort();
     served
 }

@@ -70,7 +70,7 @@ pub struct Events {
 
 impl Events {
     /// Creates the stream for this prefix when it does not exist.
-    pub async fn open(client: async_nats::Client, subjects: Subjects) -> Result<Self, String> {
+    pub async fn open(client: async_nats::Client, subjects: Subjects) -> Result<Self> {
         let js = jetstream::new(client);
         let config = jetstream::stream::Config {
             name: subjects.checkpoint_stream(),
@@ -78,7 +78,9 @@ impl Events {
             max_age: std::time::Duration::from_secs(7 * 24 * 3600),
             ..Default::default()
         };
-        js.get_or_create_stream(config).await.map_err(|e| format!("cannot create the checkpoint event stream: {e}"))?;
+        js.get_or_create_stream(config)
+            .await
+            .map_err(|e| Error::Events(format!("cannot create the checkpoint event stream: {e}")))?;
         Ok(Self { js, subjects: Arc::new(subjects) })
     }
 
@@ -202,7 +204,7 @@ impl Checkpoints {
         path: &str,
         body: impl Stream<Item = Result<Bytes, E>>,
     ) -> Result<()> {
-        check_path(path).map_err(Error::Invalid)?;
+        check_path(path).map_err(|e| Error::Invalid(e.to_string()))?;
         let _slot = self.uploads.clone().try_acquire_owned().map_err(|_| Error::Busy)?;
         let mut conn = self.pool.acquire().await?;
         let Some((sha256, size, _, status)) = db::pending_file(&mut conn, id, path).await? else {

@@ -69,10 +69,11 @@ impl BlobStore {
     }
 
     /// Blobs under a local directory (created when missing), written durably (fsync).
-    pub fn local(root: &std::path::Path) -> Result<Self, String> {
-        std::fs::create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+    pub fn local(root: &std::path::Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(root)
+            .map_err(|e| StoreError::Backend(format!("cannot create {}: {e}", root.display())))?;
         let fs = object_store::local::LocalFileSystem::new_with_prefix(root)
-            .map_err(|e| format!("cannot use {}: {e}", root.display()))?
+            .map_err(|e| StoreError::Backend(format!("cannot use {}: {e}", root.display())))?
             .with_fsync(true);
         Ok(Self { store: Arc::new(fs), local_root: Some(root.to_path_buf()) })
     }

@@ -8,16 +8,21 @@
 //!   the OpenAPI document (`ApiDoc`).
 //! - [`rollout`]: NATS rollout requests (queue group `generator`), weights-updated refits,
 //!   colocated sleep and wake.
+//! - [`error`]: what start-up and the NATS side can fail with.
 //! - this file: configuration, loading the model into an engine (KV cache size, CUDA kernels
 //!   and graphs), lifecycle.
 //!
 //! Without a `model` configured the service starts and answers `/healthz` only.
 
+pub mod error;
 pub mod openai;
 pub mod rollout;
 pub mod wire;
 
 use keel_generation::{backend, engine, request};
+use keel_protocol::FieldError;
+
+pub use error::{Error, Result};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -81,32 +86,41 @@ pub struct Config {
 }
 
 impl keel_service::ServiceConfig for Config {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), FieldError> {
         if self.max_num_seqs == 0 {
-            return Err("max_num_seqs: must be at least 1".into());
+            return Err(FieldError::new("max_num_seqs", "must be at least 1"));
         }
         if self.max_num_batched_tokens < self.max_num_seqs {
-            return Err(format!(
-                "max_num_batched_tokens: must be at least max_num_seqs ({}), so that every running sequence decodes \
-                 each step; got {}",
-                self.max_num_seqs, self.max_num_batched_tokens
+            return Err(FieldError::new(
+                "max_num_batched_tokens",
+                format!(
+                    "must be at least max_num_seqs ({}), so that every running sequence decodes each step; got {}",
+                    self.max_num_seqs, self.max_num_batched_tokens
+                ),
             ));
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
-            return Err(format!("gpu_memory_utilization: must be in (0, 1], got {}", self.gpu_memory_utilization));
+            return Err(FieldError::new(
+                "gpu_memory_utilization",
+                format!("must be in (0, 1], got {}", self.gpu_memory_utilization),
+            ));
         }
         if self.kv_cache_memory_bytes == Some(0) {
-            return Err("kv_cache_memory_bytes: must be positive".into());
+            return Err(FieldError::new("kv_cache_memory_bytes", "must be positive"));
         }
         if !(1..=64).contains(&self.tensor_parallel_size) {
-            return Err(format!("tensor_parallel_size: must be 1 to 64, got {}", self.tensor_parallel_size));
+            return Err(FieldError::new(
+                "tensor_parallel_size",
+                format!("must be 1 to 64, got {}", self.tensor_parallel_size),
+            ));
         }
         if self.max_model_len.is_some_and(|l| l < 2) {
-            return Err("max_model_len: must be at least 2".into());
+            return Err(FieldError::new("max_model_len", "must be at least 2"));
         }
-        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        keel_protocol::Subjects::new(&self.subject_prefix)
+            .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         if self.api_key.as_deref() == Some("") {
-            return Err("api_key: must not be empty (leave it unset for no key)".into());
+            return Err(FieldError::new("api_key", "must not be empty (leave it unset for no key)"));
         }
         Ok(())
     }
@@ -137,19 +151,19 @@ pub fn default_config() -> Config {
 }
 
 /// Loads the model and starts the engine; the handlers' state.
-pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppState, String> {
-    let device = keel_model::device::parse_device(&config.device).map_err(|e| e.to_string())?;
+pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppState> {
+    let device = keel_model::device::parse_device(&config.device)?;
     let kind = match &config.dtype {
-        Some(name) => keel_model::device::parse_kind(name).map_err(|e| e.to_string())?,
+        Some(name) => keel_model::device::parse_kind(name)?,
         None if device == tch::Device::Cpu => tch::Kind::Float,
         None => tch::Kind::BFloat16,
     };
-    let model_config = keel_model::ModelConfig::load(model_dir).map_err(|e| e.to_string())?;
-    let tokenizer = keel_model::Tokenizer::load(model_dir).map_err(|e| e.to_string())?;
+    let model_config = keel_model::ModelConfig::load(model_dir)?;
+    let tokenizer = keel_model::Tokenizer::load(model_dir).map_err(keel_model::Error::from)?;
     let context = model_config.max_position_embeddings;
     let max_model_len = config.max_model_len.unwrap_or(context.min(4096));
     if max_model_len > context {
-        return Err(format!("max_model_len {max_model_len} exceeds the model's context of {context}"));
+        return Err(Error::ContextTooShort { max_model_len, context });
     }
     let vocab_size = model_config.vocab_size;
     let world = config.tensor_parallel_size;
@@ -199,8 +213,7 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         max_model_len: max_model_len as usize,
         refit_mode: config.refit_mode,
     };
-    let engine =
-        engine::Engine::start_with(backend, Some(tokenizer.clone()), engine_config).map_err(|e| e.to_string())?;
+    let engine = engine::Engine::start_with(backend, Some(tokenizer.clone()), engine_config)?;
     engine.stats.kernels_on.store(counts[0].load(Ordering::Relaxed), Ordering::Relaxed);
     engine.stats.kernels_off.store(counts[1].load(Ordering::Relaxed), Ordering::Relaxed);
     engine.stats.graph_buckets.store(counts[2].load(Ordering::Relaxed), Ordering::Relaxed);
@@ -227,13 +240,13 @@ fn kv_cache_blocks(
     cfg: &keel_model::ModelConfig,
     device: tch::Device,
     kind: tch::Kind,
-) -> Result<usize, String> {
+) -> Result<usize> {
     let world = config.tensor_parallel_size as i64;
     let kv_heads = (cfg.num_key_value_heads / world).max(1);
     let bytes = match (config.kv_cache_memory_bytes, device) {
         (Some(bytes), _) => bytes,
         (None, tch::Device::Cuda(ordinal)) => {
-            let (free, total) = keel_collective::nccl::device_memory(ordinal).map_err(|e| e.to_string())?;
+            let (free, total) = keel_collective::nccl::device_memory(ordinal).map_err(keel_model::Error::from)?;
             let element = kind.elt_size_in_bytes() as i64;
             let (h, i, l, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size);
             let attention = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2;
@@ -249,15 +262,14 @@ fn kv_cache_blocks(
                 "KV cache sized from gpu_memory_utilization"
             );
             if budget <= 0 {
-                return Err(format!(
-                    "gpu_memory_utilization {} leaves no room for the KV cache on cuda:{ordinal} ({} of {} MiB free \
-                     before loading, about {} MiB of weights and {} MiB of activations)",
-                    config.gpu_memory_utilization,
-                    free >> 20,
-                    total >> 20,
-                    weights >> 20,
-                    activations >> 20
-                ));
+                return Err(Error::NoRoomForKvCache {
+                    utilization: config.gpu_memory_utilization,
+                    ordinal,
+                    free_mib: free >> 20,
+                    total_mib: total >> 20,
+                    weights_mib: weights >> 20,
+                    activations_mib: activations >> 20,
+                });
             }
             budget as u64
         }
@@ -296,14 +308,16 @@ pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
 
 /// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
 /// NATS rollout and refit subjects too.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
     let Some(dir) = config.model.clone() else {
         let app = keel_service::health_routes(SERVICE);
-        return keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(|e| e.to_string());
+        return Ok(keel_service::run_http(SERVICE, config.listen, app, shutdown)
+            .await
+            .map_err(keel_service::Error::Http)?);
     };
     let loaded = {
         let config = config.clone();
-        tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| e.to_string())??
+        tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| Error::Task("loading", e))??
     };
     tracing::info!(
         model = %loaded.model_name,
@@ -316,12 +330,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         tracing::info!("no nats_url: serving HTTP only (no rollouts or refits over NATS)");
     } else {
         let client = keel_service::nats::connect(&config.nats_url).await?;
-        let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
+        let subjects = keel_protocol::Subjects::new(&config.subject_prefix).map_err(keel_service::Error::from)?;
         let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_GENERATOR__PATH_ROOTS")?;
         parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), roots, parts.stopped()));
     }
     let app = app(loaded, config.api_key.clone());
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
-    parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
-    parts.run_until(shutdown).await
+    parts.spawn("http", http);
+    Ok(parts.run_until(shutdown).await?)
 }

@@ -55,7 +55,7 @@ pub enum ApiError {
     QueueFull,
     /// The engine thread is gone; the reason is logged, not sent.
     #[error("the engine is unavailable")]
-    EngineUnavailable(String),
+    EngineUnavailable(keel_generation::Error),
 }
 
 impl ApiError {
@@ -197,7 +197,7 @@ async fn run_to_end(state: &AppState, request: GenRequest) -> ApiResult<Vec<Samp
     let (tx, rx) = mpsc::unbounded_channel();
     let n = request.n;
     state.engine.submit(request, tx).map_err(ApiError::EngineUnavailable)?;
-    collect(rx, n).await.map_err(|message| ApiError::bad(message, None))
+    collect(rx, n).await.map_err(|e| ApiError::bad(e.to_string(), None))
 }
 
 fn now() -> u64 {
@@ -850,7 +850,7 @@ mod tests {
                 json!("rate_limit_exceeded"),
             ),
             (
-                ApiError::EngineUnavailable("thread gone".into()),
+                ApiError::EngineUnavailable(keel_generation::Error::Request("thread gone".into())),
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 Value::Null,

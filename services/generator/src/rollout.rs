@@ -16,6 +16,7 @@ use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
+use crate::Error;
 use crate::openai::AppState;
 use keel_generation::backend::Weights;
 use keel_generation::engine::Memory;
@@ -169,7 +170,7 @@ async fn rollout(
     let (tx, rx) = mpsc::unbounded_channel();
     let n = generation.n;
     if let Err(e) = state.engine.submit(generation, tx) {
-        return Reply::error(error_types::UNAVAILABLE, e);
+        return Reply::error(error_types::UNAVAILABLE, e.to_string());
     }
     let collected = match deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline, collect(rx, n)).await {
@@ -187,7 +188,7 @@ async fn rollout(
     };
     let samples = match collected {
         Ok(samples) => samples,
-        Err(message) => return Reply::error(error_types::INVALID_REQUEST, message),
+        Err(e) => return Reply::error(error_types::INVALID_REQUEST, e.to_string()),
     };
     let weight_version = samples.iter().map(|s| s.version).max().unwrap_or(serving);
     let samples = samples
@@ -209,20 +210,18 @@ pub async fn serve(
     state: AppState,
     roots: keel_service::paths::PathRoots,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), String> {
+) -> crate::Result<()> {
+    let subscribe =
+        |subject: String| move |e: async_nats::SubscribeError| Error::Subscribe { subject, reason: e.to_string() };
     let mut requests = client
         .queue_subscribe(RolloutRequest::subject(&subjects), GENERATOR_QUEUE_GROUP.to_string())
         .await
-        .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.generate()))?;
-    let mut updates = client
-        .subscribe(subjects.weights_updated())
-        .await
-        .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.weights_updated()))?;
-    let mut memory = client
-        .subscribe(subjects.generator_memory())
-        .await
-        .map_err(|e| format!("cannot subscribe to {}: {e}", subjects.generator_memory()))?;
-    client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
+        .map_err(subscribe(subjects.generate()))?;
+    let mut updates =
+        client.subscribe(subjects.weights_updated()).await.map_err(subscribe(subjects.weights_updated()))?;
+    let mut memory =
+        client.subscribe(subjects.generator_memory()).await.map_err(subscribe(subjects.generator_memory()))?;
+    client.flush().await.map_err(|e| Error::Flush(e.to_string()))?;
     info!(subject = %subjects.generate(), "serving rollouts");
     let serving_run = ServingRun::default();
     let refused = RefusedRefits::default();
@@ -232,7 +231,7 @@ pub async fn serve(
         tokio::select! {
             () = &mut shutdown => return Ok(()),
             message = requests.next() => {
-                let Some(message) = message else { return Err("the rollout subscription ended".into()) };
+                let Some(message) = message else { return Err(Error::SubscriptionEnded("rollout")) };
                 let (state, client, serving_run, refused, in_flight) =
                     (state.clone(), client.clone(), serving_run.clone(), refused.clone(), in_flight.clone());
                 let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
@@ -254,12 +253,12 @@ pub async fn serve(
                 });
             }
             message = memory.next() => {
-                let Some(message) = message else { return Err("the memory subscription ended".into()) };
+                let Some(message) = message else { return Err(Error::SubscriptionEnded("memory")) };
                 let (engine, client) = (state.engine.clone(), client.clone());
                 tokio::spawn(async move { change_memory(&engine, &client, message).await });
             }
             message = updates.next() => {
-                let Some(message) = message else { return Err("the weights subscription ended".into()) };
+                let Some(message) = message else { return Err(Error::SubscriptionEnded("weights")) };
                 match serde_json::from_slice::<WeightsUpdated>(&message.payload) {
                     Ok(update) => {
                         let (engine, serving_run, refused) =
@@ -270,8 +269,8 @@ pub async fn serve(
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
                             let refit = match new_weights(&client, &roots, &update).await {
-                                Ok(weights) => engine.refit(weights, update.version).await,
-                                Err(e) => Err(e),
+                                Ok(weights) => engine.refit(weights, update.version).await.map_err(|e| e.to_string()),
+                                Err(e) => Err(e.to_string()),
                             };
                             if let Some(to) = message.reply.clone() {
                                 report_refit(&client, to, &update, arrived, &refit, dtype).await;
@@ -317,7 +316,7 @@ async fn change_memory(
             info!(run_id = %request.run_id, ?change, "memory change asked for");
             match engine.change_memory(change).await {
                 Ok((seconds, bytes)) => MemoryReport { seconds, bytes, error: None },
-                Err(e) => MemoryReport { seconds: 0.0, bytes: 0, error: Some(e) },
+                Err(e) => MemoryReport { seconds: 0.0, bytes: 0, error: Some(e.to_string()) },
             }
         }
         Err(e) => MemoryReport { seconds: 0.0, bytes: 0, error: Some(format!("malformed memory change: {e}")) },
@@ -367,11 +366,11 @@ async fn new_weights(
     client: &async_nats::Client,
     roots: &keel_service::paths::PathRoots,
     update: &WeightsUpdated,
-) -> Result<Weights, String> {
+) -> crate::Result<Weights> {
     let Some(weights) = &update.weights else {
         return Ok(Weights::Dir(roots.check("path", &update.path)?));
     };
-    let kind = keel_model::device::parse_kind(&weights.dtype).map_err(|e| e.to_string())?;
+    let kind = keel_model::device::parse_kind(&weights.dtype)?;
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
     let mut fetched = Vec::with_capacity(weights.buckets.len());
     for bucket in &weights.buckets {
@@ -383,17 +382,16 @@ async fn new_weights(
                 }
                 let bytes = stores[&object.bucket].get(object).await?;
                 if bytes.len() as u64 != bucket.bytes {
-                    return Err(format!(
-                        "weight bucket `{}` has {} bytes, not {}",
-                        object.name,
-                        bytes.len(),
-                        bucket.bytes
-                    ));
+                    return Err(Error::BucketSize {
+                        name: object.name.clone(),
+                        got: bytes.len(),
+                        expected: bucket.bytes,
+                    });
                 }
                 Fetched::Bytes(bytes)
             }
             (None, Some(file)) => Fetched::File(file.clone()),
-            _ => return Err("a weight bucket names an object or a file, one of them".into()),
+            _ => return Err(Error::BucketSource),
         });
     }
     let (buckets, roots) = (weights.buckets.clone(), roots.clone());
@@ -409,14 +407,14 @@ async fn new_weights(
                     keel_model::packing::unpack_file(&path, bucket.bytes, &bucket.tensors, kind)
                 }
             };
-            for (name, tensor) in unpacked.map_err(|e| e.to_string())? {
+            for (name, tensor) in unpacked? {
                 if tensors.insert(name.clone(), tensor).is_some() {
-                    return Err(format!("`{name}` is in the weight buckets twice"));
+                    return Err(Error::DuplicateTensor(name));
                 }
             }
         }
         Ok(Weights::Tensors(tensors))
     })
     .await
-    .map_err(|e| format!("unpacking the weights failed: {e}"))?
+    .map_err(|e| Error::Task("unpacking the weights", e))?
 }

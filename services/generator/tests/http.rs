@@ -151,7 +151,7 @@ async fn greedy_output_at_tensor_parallel_2_and_4_equals_tp_1() {
     }
     let error = match load(&Config { tensor_parallel_size: 3, ..serve_config() }, &model) {
         Ok(_) => panic!("4 heads do not split over 3 ranks"),
-        Err(e) => e,
+        Err(e) => e.to_string(),
     };
     assert!(error.contains("num_attention_heads"), "{error}");
 }
@@ -166,12 +166,12 @@ fn a_cache_too_small_and_inconsistent_limits_are_start_up_errors() {
     let tight = Config { kv_cache_memory_bytes: Some(64 * 1024), ..serve_config() };
     let error = match load(&tight, &model) {
         Ok(_) => panic!("64 KiB cannot hold a 256-token sequence"),
-        Err(e) => e,
+        Err(e) => e.to_string(),
     };
     assert!(error.contains("fewer than one sequence of max_model_len 256"), "{error}");
-    let error = Config { max_num_batched_tokens: 4, ..serve_config() }.validate().unwrap_err();
+    let error = Config { max_num_batched_tokens: 4, ..serve_config() }.validate().unwrap_err().to_string();
     assert!(error.starts_with("max_num_batched_tokens:"), "{error}");
-    let error = Config { gpu_memory_utilization: 1.5, ..serve_config() }.validate().unwrap_err();
+    let error = Config { gpu_memory_utilization: 1.5, ..serve_config() }.validate().unwrap_err().to_string();
     assert!(error.starts_with("gpu_memory_utilization:"), "{error}");
 }
 

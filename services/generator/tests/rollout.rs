@@ -39,7 +39,7 @@ struct Serving {
     subjects: Subjects,
     stats: std::sync::Arc<keel_generation::engine::Stats>,
     stop: tokio::sync::oneshot::Sender<()>,
-    server: tokio::task::JoinHandle<Result<(), String>>,
+    server: tokio::task::JoinHandle<keel_generator::Result<()>>,
 }
 
 impl Serving {

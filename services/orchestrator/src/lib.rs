@@ -27,6 +27,7 @@ pub mod driver;
 pub mod scheduler;
 pub mod spec;
 
+use keel_protocol::FieldError;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -80,29 +81,34 @@ pub struct Config {
 }
 
 impl keel_service::ServiceConfig for Config {
-    fn validate(&self) -> Result<(), String> {
-        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+    fn validate(&self) -> Result<(), FieldError> {
+        keel_protocol::Subjects::new(&self.subject_prefix)
+            .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         let positive = |name: &str, v: f64| {
-            if v.is_finite() && v > 0.0 { Ok(()) } else { Err(format!("{name}: must be positive, got {v}")) }
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(FieldError::new(name, format!("must be positive, got {v}")))
+            }
         };
         positive("run_lease_seconds", self.run_lease_seconds)?;
         positive("trainer_lease_seconds", self.trainer_lease_seconds)?;
         positive("poll_seconds", self.poll_seconds)?;
         positive("request_timeout_seconds", self.request_timeout_seconds)?;
         if !(self.dependency_grace_seconds.is_finite() && self.dependency_grace_seconds >= 0.0) {
-            return Err(format!(
-                "dependency_grace_seconds: must be zero or more, got {}",
-                self.dependency_grace_seconds
+            return Err(FieldError::new(
+                "dependency_grace_seconds",
+                format!("must be zero or more, got {}", self.dependency_grace_seconds),
             ));
         }
         if self.max_concurrent_runs == 0 {
-            return Err("max_concurrent_runs: must be at least 1".into());
+            return Err(FieldError::new("max_concurrent_runs", "must be at least 1"));
         }
         if self.max_attempts < 1 {
-            return Err("max_attempts: must be at least 1".into());
+            return Err(FieldError::new("max_attempts", "must be at least 1"));
         }
         if self.api_token.as_deref() == Some("") {
-            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+            return Err(FieldError::new("api_token", "must not be empty (leave it unset for no auth)"));
         }
         Ok(())
     }
@@ -133,7 +139,7 @@ pub fn default_config() -> Config {
 }
 
 /// Serves the API and runs the scheduler until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> keel_service::Result<()> {
     let pool = db::connect(&config.database_url).await?;
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
@@ -147,8 +153,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         retries: config.request_retries,
         patience: keel_client::retry::Patience::new(patience),
     };
-    let work_dir = std::path::absolute(&config.work_dir).map_err(|e| format!("work_dir: {e}"))?;
-    std::fs::create_dir_all(&work_dir).map_err(|e| format!("work_dir {}: {e}", work_dir.display()))?;
+    let work_dir =
+        std::path::absolute(&config.work_dir).map_err(|e| keel_service::Error::start("resolve work_dir", e))?;
+    std::fs::create_dir_all(&work_dir)
+        .map_err(|e| keel_service::Error::start("create work_dir", format!("{}: {e}", work_dir.display())))?;
     // The API answers at once (a submit is not held while the store is away); runs wait.
     let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url)
         .with_token(config.checkpoint_token.as_deref());
@@ -172,6 +180,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         .merge(dashboard::routes(config.api_token.clone()))
         .merge(keel_service::health_routes(SERVICE));
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
-    parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
+    parts.spawn("http", http);
     parts.run_until(shutdown).await
 }

@@ -130,7 +130,7 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
     });
     for (field, path) in spec.model.path.iter().map(|p| ("model.path", p)).chain(dataset_paths) {
         if let Err(e) = roots.inside(path) {
-            problems.push(FieldError::new(field, e));
+            problems.push(FieldError::new(field, e.to_string()));
         }
     }
     if let Some(path) = spec.model.path.as_ref().filter(|_| !problems.iter().any(|p| p.field == "model.path")) {

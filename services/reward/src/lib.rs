@@ -10,6 +10,7 @@ pub mod api;
 pub mod nats;
 
 use keel_environments::{registry, sandbox, scoring};
+use keel_protocol::FieldError;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -44,16 +45,17 @@ pub struct Config {
 }
 
 impl keel_service::ServiceConfig for Config {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), FieldError> {
         if self.max_in_flight == 0 {
-            return Err("max_in_flight: must be at least 1".into());
+            return Err(FieldError::new("max_in_flight", "must be at least 1"));
         }
         if self.max_samples == 0 {
-            return Err("max_samples: must be at least 1".into());
+            return Err(FieldError::new("max_samples", "must be at least 1"));
         }
-        keel_protocol::Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+        keel_protocol::Subjects::new(&self.subject_prefix)
+            .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         if self.api_token.as_deref() == Some("") {
-            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+            return Err(FieldError::new("api_token", "must not be empty (leave it unset for no auth)"));
         }
         self.sandbox.validate()
     }
@@ -74,7 +76,7 @@ pub fn default_config() -> Config {
 }
 
 /// The handlers' state for `config`, connected to `nats` when given.
-pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::AppState, String> {
+pub fn state(config: &Config, nats: Option<async_nats::Client>) -> keel_service::Result<api::AppState> {
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let ctx = registry::EnvContext::new(
         config.http_allow_private_addresses,
@@ -82,7 +84,8 @@ pub fn state(config: &Config, nats: Option<async_nats::Client>) -> Result<api::A
         subjects,
         config.bulk_bucket.clone(),
         config.sandbox.clone(),
-    )?;
+    )
+    .map_err(|e| keel_service::Error::start("build the HTTP client", e))?;
     let scorer = scoring::Scorer::new(ctx, config.max_in_flight, config.max_samples);
     Ok(api::AppState { scorer, max_in_flight: config.max_in_flight })
 }
@@ -94,7 +97,7 @@ pub fn app(state: api::AppState, api_token: Option<String>) -> axum::Router {
 }
 
 /// Serves REST and, with a NATS URL, the reward queue group, until `shutdown` completes.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), String> {
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> keel_service::Result<()> {
     let client = match config.nats_url.as_str() {
         "" => None,
         url => Some(keel_service::nats::connect(url).await?),
@@ -110,6 +113,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     }
     let app = app(state, config.api_token.clone());
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
-    parts.spawn("http", async move { http.await.map_err(|e| e.to_string()) });
+    parts.spawn("http", http);
     parts.run_until(shutdown).await
 }

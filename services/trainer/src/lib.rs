@@ -12,6 +12,7 @@
 
 pub mod worker;
 
+use keel_protocol::FieldError;
 use std::future::Future;
 use std::net::SocketAddr;
 
@@ -50,24 +51,30 @@ pub struct Config {
 }
 
 impl keel_service::ServiceConfig for Config {
-    fn validate(&self) -> std::result::Result<(), String> {
-        Subjects::new(&self.subject_prefix).map_err(|e| format!("subject_prefix: {e}"))?;
+    fn validate(&self) -> std::result::Result<(), FieldError> {
+        Subjects::new(&self.subject_prefix).map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         if let Some(id) = &self.worker_id
             && !is_subject_token(id)
         {
-            return Err(format!("worker_id: `{id}` must be letters, digits, `-` and `_`"));
+            return Err(FieldError::new("worker_id", format!("`{id}` must be letters, digits, `-` and `_`")));
         }
         let device_ok = self.device == "cpu"
             || self.device == "cuda"
             || self.device.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
         if !device_ok {
-            return Err(format!("device: unknown device `{}` (use cpu, cuda or cuda:N)", self.device));
+            return Err(FieldError::new(
+                "device",
+                format!("unknown device `{}` (use cpu, cuda or cuda:N)", self.device),
+            ));
         }
         if !(self.max_lease_seconds.is_finite() && self.max_lease_seconds > 0.0) {
-            return Err(format!("max_lease_seconds: must be positive, got {}", self.max_lease_seconds));
+            return Err(FieldError::new(
+                "max_lease_seconds",
+                format!("must be positive, got {}", self.max_lease_seconds),
+            ));
         }
         if self.api_token.as_deref() == Some("") {
-            return Err("api_token: must not be empty (leave it unset for no auth)".into());
+            return Err(FieldError::new("api_token", "must not be empty (leave it unset for no auth)"));
         }
         Ok(())
     }
@@ -88,10 +95,7 @@ pub fn default_config() -> Config {
 }
 
 /// Serves NATS requests and HTTP health until `shutdown` completes.
-pub async fn run(
-    config: Config,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::result::Result<(), String> {
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> keel_service::Result<()> {
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let bulk = keel_service::nats::Bulk::open(client.clone(), &config.bulk_bucket).await?;
     let subjects = Subjects::new(&config.subject_prefix)?;
@@ -99,7 +103,7 @@ pub async fn run(
     let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_TRAINER__PATH_ROOTS")?;
     let (device, max_lease) = (config.device.clone(), config.max_lease_seconds);
     let worker = worker::Worker::new(client, subjects, worker_id, device, max_lease, bulk, roots)
-        .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+        .map_err(|e| keel_service::Error::start("start the engine thread", e))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_stop = {
         let mut rx = stop_rx.clone();
@@ -146,7 +150,7 @@ pub async fn run(
         Some(finished) => finished,
         None => served.await,
     };
-    let served = served.map_err(|e| format!("worker task failed: {e}"))?;
-    http.await.map_err(|e| format!("HTTP task failed: {e}"))?.map_err(|e| format!("HTTP server: {e}"))?;
+    let served = served.map_err(|e| keel_service::Error::Part { part: "worker", reason: e.to_string() })?;
+    http.await.map_err(|e| keel_service::Error::Part { part: "http", reason: e.to_string() })??;
     served
 }

@@ -81,8 +81,8 @@ impl From<Error> for Refusal {
     }
 }
 
-fn refuse(kind: &'static str, message: impl Into<String>) -> Refusal {
-    Refusal { kind, message: message.into() }
+fn refuse(kind: &'static str, message: impl std::fmt::Display) -> Refusal {
+    Refusal { kind, message: message.to_string() }
 }
 
 type Answer<T> = std::result::Result<T, Refusal>;
@@ -512,7 +512,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
 async fn store_objects(
     bulk: &Bulk,
     packed: Vec<keel_model::packing::Bucket>,
-) -> std::result::Result<Vec<WeightBucket>, String> {
+) -> std::result::Result<Vec<WeightBucket>, keel_service::BulkError> {
     let mut buckets: Vec<WeightBucket> = Vec::with_capacity(packed.len());
     for bucket in packed {
         match bulk.put(&bucket.bytes).await {
@@ -547,12 +547,20 @@ struct SharedExport {
     export: std::path::PathBuf,
 }
 
-fn io(what: &std::path::Path) -> impl FnOnce(std::io::Error) -> String + '_ {
-    move |e| format!("{}: {e}", what.display())
+/// A file operation of a shared-memory export failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {source}", path.display())]
+struct FileError {
+    path: std::path::PathBuf,
+    source: std::io::Error,
+}
+
+fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> FileError + '_ {
+    move |source| FileError { path: path.to_path_buf(), source }
 }
 
 impl SharedExport {
-    fn begin(dir: std::path::PathBuf) -> std::result::Result<Self, String> {
+    fn begin(dir: std::path::PathBuf) -> std::result::Result<Self, FileError> {
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let export = dir.join(format!("export-{nanos:032}"));
@@ -566,7 +574,7 @@ impl SharedExport {
     }
 
     /// The finished exports in `dir`, oldest first.
-    fn exports(dir: &std::path::Path) -> std::result::Result<Vec<std::path::PathBuf>, String> {
+    fn exports(dir: &std::path::Path) -> std::result::Result<Vec<std::path::PathBuf>, FileError> {
         let mut exports: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
             .map_err(io(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -576,7 +584,7 @@ impl SharedExport {
         Ok(exports)
     }
 
-    fn finish(self, files: Vec<keel_model::packing::FileBucket>) -> std::result::Result<Vec<WeightBucket>, String> {
+    fn finish(self, files: Vec<keel_model::packing::FileBucket>) -> std::result::Result<Vec<WeightBucket>, FileError> {
         std::fs::rename(&self.partial, &self.export).map_err(io(&self.export))?;
         let buckets = files
             .into_iter()
@@ -680,14 +688,15 @@ impl Worker {
     }
 
     /// Serves until `shutdown` completes.
-    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) -> std::result::Result<(), String> {
+    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) -> keel_service::Result<()> {
+        use keel_service::Error;
         let client = self.shared.client.clone();
         let mut own = client
             .subscribe(self.subjects.trainer_all(self.id()))
             .await
-            .map_err(|e| format!("cannot subscribe to the worker's subjects: {e}"))?;
-        let mut group = Some(self.join_group().await.map_err(|e| format!("cannot join the trainer queue group: {e}"))?);
-        client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
+            .map_err(|e| Error::start("subscribe to the worker's subjects", e))?;
+        let mut group = Some(self.join_group().await.map_err(|e| Error::start("join the trainer queue group", e))?);
+        client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
         info!(worker_id = %self.id(), claim = %self.subjects.trainer_claim(), "trainer worker ready");
         let mut tick = tokio::time::interval(LEASE_CHECK);
         tokio::pin!(shutdown);
@@ -701,7 +710,7 @@ impl Worker {
             tokio::select! {
                 () = &mut shutdown => break,
                 message = own.next() => {
-                    let Some(message) = message else { return Err("the NATS subscription ended".into()) };
+                    let Some(message) = message else { return Err(Error::PartStopped("the NATS subscription")) };
                     let op = message.subject.rsplit('.').next().and_then(TrainerOp::from_name);
                     match op {
                         Some(op) => self.respond(message, op),

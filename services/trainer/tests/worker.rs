@@ -19,7 +19,7 @@ struct Harness {
     subjects: Subjects,
     worker: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), String>>,
+    task: tokio::task::JoinHandle<keel_service::Result<()>>,
 }
 
 impl Harness {

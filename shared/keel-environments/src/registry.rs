@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use keel_protocol::Subjects;
 use keel_protocol::reward::EnvConfig;
+use keel_protocol::{FieldError, Subjects};
 
 use crate::envs;
 use crate::envs::{Blocking, Environment};
@@ -42,22 +42,22 @@ impl EnvContext {
         subjects: Subjects,
         bulk_bucket: String,
         sandbox: crate::sandbox::SandboxConfig,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, reqwest::Error> {
         let mut http = reqwest::Client::builder();
         if !allow_private {
             http = http.dns_resolver(Arc::new(envs::addresses::PublicOnly));
         }
-        let http = http.build().map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        let http = http.build()?;
         Ok(Self { http, allow_private, nats, subjects, bulk_bucket, sandbox: Sandbox::new(sandbox) })
     }
 }
 
 /// Builds the environment `config` names; the error names the bad field (`env.pattern: ...`).
-pub fn build(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
-    build_unprefixed(config, ctx).map_err(|e| format!("env.{e}"))
+pub fn build(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, FieldError> {
+    build_unprefixed(config, ctx).map_err(|e| FieldError::new(format!("env.{}", e.field), e.message))
 }
 
-fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
+fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, FieldError> {
     let env: Arc<dyn Environment> = match config {
         EnvConfig::Math(c) => Arc::new(Blocking(Arc::new(envs::math::MathEnv::new(c)?))),
         EnvConfig::Code(c) => Arc::new(envs::code::CodeEnv::new(c, ctx.sandbox.clone())?),
@@ -74,6 +74,17 @@ fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Envi
         )?),
     };
     Ok(env)
+}
+
+/// Why [`EnvCache::get`] has no environment to give.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The configuration names a bad value.
+    #[error(transparent)]
+    Invalid(#[from] FieldError),
+    /// A thread panicked while it held the cache.
+    #[error("environment cache poisoned")]
+    Poisoned,
 }
 
 /// Built environments by configuration (at most [`EnvCache::CAPACITY`]; the oldest half is
@@ -95,9 +106,9 @@ impl std::fmt::Debug for EnvCache {
 impl EnvCache {
     pub const CAPACITY: usize = 64;
 
-    pub fn get(&self, config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, String> {
-        let key = serde_json::to_string(config).map_err(|e| e.to_string())?;
-        let mut guard = self.built.lock().map_err(|_| "environment cache poisoned".to_string())?;
+    pub fn get(&self, config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Environment>, BuildError> {
+        let key = serde_json::to_string(config).map_err(|e| FieldError::new("env", e.to_string()))?;
+        let mut guard = self.built.lock().map_err(|_| BuildError::Poisoned)?;
         let (clock, built) = &mut *guard;
         *clock += 1;
         if let Some((used, env)) = built.get_mut(&key) {

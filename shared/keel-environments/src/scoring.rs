@@ -107,7 +107,7 @@ impl Scorer {
     pub async fn step(&self, request: EnvStepRequest) -> Result<EnvStepReply> {
         self.check_count(request.samples.len())?;
         for (i, sample) in request.samples.iter().enumerate() {
-            check_turn(&sample.messages).map_err(|e| Error::InvalidRequest(format!("samples[{i}].messages: {e}")))?;
+            check_turn(i, &sample.messages)?;
         }
         let span = tracing::info_span!("env_step", env = request.env.name(), samples = request.samples.len());
         self.run(&request.env, request.on_error, &request.samples).instrument(span).await
@@ -128,8 +128,7 @@ impl Scorer {
                         )));
                     }
                     (Some(messages), None) => {
-                        check_turn(&messages)
-                            .map_err(|e| Error::InvalidRequest(format!("samples[{i}].messages: {e}")))?;
+                        check_turn(i, &messages)?;
                         messages
                     }
                     (None, Some(completion)) => {
@@ -179,7 +178,7 @@ impl Scorer {
         samples: &[EnvSample],
     ) -> Result<EnvStepReply> {
         let _permit = self.admission.clone().try_acquire_owned().map_err(|_| Error::Unavailable)?;
-        let env = self.cache.get(config, &self.ctx).map_err(Error::InvalidRequest)?;
+        let env = self.cache.get(config, &self.ctx).map_err(|e| Error::InvalidRequest(e.to_string()))?;
         let started = Instant::now();
         let outcomes = env.step(samples).await;
         let seconds = started.elapsed().as_secs_f64();
@@ -227,11 +226,14 @@ impl Scorer {
     }
 }
 
-/// The conversation must end with the model's turn.
-fn check_turn(messages: &[Message]) -> std::result::Result<(), String> {
+/// The conversation must end with the model's turn; the error names sample `index`.
+fn check_turn(index: usize, messages: &[Message]) -> Result<()> {
+    let invalid = |why: String| Err(Error::InvalidRequest(format!("samples[{index}].messages: {why}")));
     match messages.last() {
-        None => Err("must hold at least the model's turn".into()),
-        Some(m) if m.role != "assistant" => Err(format!("the last message must be the assistant's, not `{}`", m.role)),
+        None => invalid("must hold at least the model's turn".into()),
+        Some(m) if m.role != "assistant" => {
+            invalid(format!("the last message must be the assistant's, not `{}`", m.role))
+        }
         Some(_) => Ok(()),
     }
 }

@@ -106,7 +106,7 @@ struct Refit {
     weights: crate::backend::Weights,
     version: u64,
     requested: Instant,
-    done: oneshot::Sender<Result<f64, String>>,
+    done: oneshot::Sender<crate::Result<f64>>,
 }
 
 /// What a colocated generator does with its memory around the trainer's turn.
@@ -122,7 +122,7 @@ pub enum Memory {
 struct MemoryChange {
     change: Memory,
     requested: Instant,
-    done: oneshot::Sender<Result<(f64, u64), String>>,
+    done: oneshot::Sender<crate::Result<(f64, u64)>>,
 }
 
 enum Command {
@@ -300,11 +300,11 @@ impl Engine {
     }
 
     /// Queues `request`; its events arrive on `events`.
-    pub fn submit(&self, request: GenRequest, events: UnboundedSender<Event>) -> Result<(), String> {
+    pub fn submit(&self, request: GenRequest, events: UnboundedSender<Event>) -> crate::Result<()> {
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         self.submit
             .send(Command::Generate(Submission { request, events, arrived: Instant::now() }))
-            .map_err(|_| "the scheduler has stopped".to_string())
+            .map_err(|_| crate::Error::Stopped)
     }
 
     /// The weight version being served.
@@ -313,20 +313,20 @@ impl Engine {
     }
 
     /// Loads `weights` as `version`; returns the seconds it took.
-    pub async fn refit(&self, weights: crate::backend::Weights, version: u64) -> Result<f64, String> {
+    pub async fn refit(&self, weights: crate::backend::Weights, version: u64) -> crate::Result<f64> {
         let (done, result) = oneshot::channel();
         let refit = Refit { weights, version, requested: Instant::now(), done };
-        self.submit.send(Command::Refit(refit)).map_err(|_| "the scheduler has stopped".to_string())?;
-        result.await.map_err(|_| "the scheduler dropped the refit".to_string())?
+        self.submit.send(Command::Refit(refit)).map_err(|_| crate::Error::Stopped)?;
+        result.await.map_err(|_| crate::Error::Dropped("refit"))?
     }
 
     /// Sleeps or wakes (see [`Memory`]); returns the seconds it took (a sleep waits for the
     /// running samples) and the bytes freed or taken back.
-    pub async fn change_memory(&self, change: Memory) -> Result<(f64, u64), String> {
+    pub async fn change_memory(&self, change: Memory) -> crate::Result<(f64, u64)> {
         let (done, result) = oneshot::channel();
         let command = MemoryChange { change, requested: Instant::now(), done };
-        self.submit.send(Command::Memory(command)).map_err(|_| "the scheduler has stopped".to_string())?;
-        result.await.map_err(|_| "the scheduler dropped the memory change".to_string())?
+        self.submit.send(Command::Memory(command)).map_err(|_| crate::Error::Stopped)?;
+        result.await.map_err(|_| crate::Error::Dropped("memory change"))?
     }
 }
 
@@ -362,15 +362,12 @@ impl Scheduler {
             Command::Generate(submission) => self.waiting.push_back(Waiting::New(submission)),
             Command::Memory(change) => {
                 if let Some(previous) = self.memory.replace(change) {
-                    let _ = previous.done.send(Err("superseded by a newer sleep or wake".into()));
+                    let _ = previous.done.send(Err(crate::Error::MemorySuperseded));
                 }
             }
             Command::Refit(refit) => {
                 if let Some(previous) = self.refit.replace(refit) {
-                    let _ = previous.done.send(Err(format!(
-                        "superseded by a newer refit before version {} was loaded",
-                        previous.version
-                    )));
+                    let _ = previous.done.send(Err(crate::Error::RefitSuperseded(previous.version)));
                 }
             }
         }
@@ -380,7 +377,7 @@ impl Scheduler {
     /// forgets the prefix cache.
     fn apply_refit(&mut self) {
         let Some(refit) = self.refit.take() else { return };
-        let outcome = self.model.reload_weights(&refit.weights).map_err(|e| e.to_string());
+        let outcome = self.model.reload_weights(&refit.weights);
         let seconds = refit.requested.elapsed().as_secs_f64();
         match &outcome {
             Ok(()) => {
@@ -395,7 +392,7 @@ impl Scheduler {
             }
             Err(e) => tracing::error!(version = refit.version, "refit failed, serving the previous weights: {e}"),
         }
-        let _ = refit.done.send(outcome.map(|()| seconds));
+        let _ = refit.done.send(outcome.map(|()| seconds).map_err(crate::Error::from));
     }
 
     /// Sleeps or wakes (the running samples have finished). While asleep the prefix cache
@@ -416,7 +413,7 @@ impl Scheduler {
             Ok(bytes) => tracing::info!(change = ?change.change, seconds, bytes, "memory changed"),
             Err(e) => tracing::error!(change = ?change.change, "memory change failed: {e}"),
         }
-        let _ = change.done.send(outcome.map(|bytes| (seconds, bytes)).map_err(|e| e.to_string()));
+        let _ = change.done.send(outcome.map(|bytes| (seconds, bytes)).map_err(crate::Error::from));
     }
 
     fn publish(&self) {

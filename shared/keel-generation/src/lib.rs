@@ -11,9 +11,13 @@
 //! - [`backend`]: the model (or tensor-parallel ranks) and its block pools.
 //! - [`request`]: the validated request and the events the engine sends back.
 //! - [`text`]: stop strings and what a stream may show.
+//! - [`error`]: what the engine's calls can fail with.
 
 pub mod backend;
 pub mod blocks;
 pub mod engine;
+pub mod error;
 pub mod request;
 pub mod text;
+
+pub use error::{Error, Result};

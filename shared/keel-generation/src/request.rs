@@ -220,7 +220,7 @@ impl SampleOut {
 
 /// The `n` samples of a request, once the engine is done with it (the failure message if
 /// the request failed).
-pub async fn collect(mut events: UnboundedReceiver<Event>, n: usize) -> Result<Vec<SampleOut>, String> {
+pub async fn collect(mut events: UnboundedReceiver<Event>, n: usize) -> crate::Result<Vec<SampleOut>> {
     let mut samples = vec![SampleOut::default(); n];
     while let Some(event) = events.recv().await {
         match event {
@@ -229,7 +229,7 @@ pub async fn collect(mut events: UnboundedReceiver<Event>, n: usize) -> Result<V
                 samples[index].finish = Some((reason, stop));
                 samples[index].version = version;
             }
-            Event::Failed(message) => return Err(message),
+            Event::Failed(message) => return Err(crate::Error::Request(message)),
         }
     }
     Ok(samples)

@@ -105,29 +105,43 @@ pub struct CheckpointEvent {
 /// can climb out of the directory a download writes (`..`, absolute paths, odd characters
 /// and hidden files are refused). The service checks them on the way in, the CLI on the way
 /// out.
-pub fn check_path(path: &str) -> Result<(), String> {
+pub fn check_path(path: &str) -> Result<(), InvalidPath> {
     if path.is_empty() || path.len() > 255 {
-        return Err(format!("file name `{path}` must be 1 to 255 characters"));
+        return Err(InvalidPath::new(path, "must be 1 to 255 characters"));
     }
     if path.starts_with('/') {
-        return Err(format!("file name `{path}` must be relative"));
+        return Err(InvalidPath::new(path, "must be relative"));
     }
     let parts: Vec<&str> = path.split('/').collect();
     if parts.len() > 8 {
-        return Err(format!("file name `{path}` is nested more than 8 deep"));
+        return Err(InvalidPath::new(path, "is nested more than 8 deep"));
     }
     for part in parts {
         if part.len() > 100 {
-            return Err(format!("file name `{path}` has a part longer than 100 characters"));
+            return Err(InvalidPath::new(path, "has a part longer than 100 characters"));
         }
         if part.is_empty() || part.starts_with('.') {
-            return Err(format!("file name `{path}` has an empty, `.`, `..` or hidden part"));
+            return Err(InvalidPath::new(path, "has an empty, `.`, `..` or hidden part"));
         }
         if !part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')) {
-            return Err(format!("file name `{path}` may hold only letters, digits, `.`, `-`, `_` and `/`"));
+            return Err(InvalidPath::new(path, "may hold only letters, digits, `.`, `-`, `_` and `/`"));
         }
     }
     Ok(())
+}
+
+/// A file name [`check_path`] refuses, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("file name `{path}` {reason}")]
+pub struct InvalidPath {
+    pub path: String,
+    pub reason: &'static str,
+}
+
+impl InvalidPath {
+    fn new(path: &str, reason: &'static str) -> Self {
+        Self { path: path.to_string(), reason }
+    }
 }
 
 /// Whether `sha` is a lower-case hex sha256.

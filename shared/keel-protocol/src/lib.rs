@@ -44,6 +44,8 @@ impl FieldError {
     }
 }
 
+impl std::error::Error for FieldError {}
+
 impl std::fmt::Display for FieldError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.field, self.message)

@@ -68,6 +68,11 @@ pub struct Subjects {
     prefix: String,
 }
 
+/// A subject prefix with an empty token, a wildcard, a space or another odd character.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("subject prefix `{0}` must be dot-separated tokens of letters, digits, `-` and `_`")]
+pub struct InvalidPrefix(pub String);
+
 impl Default for Subjects {
     fn default() -> Self {
         Self { prefix: "keel.v1".into() }
@@ -76,13 +81,13 @@ impl Default for Subjects {
 
 impl Subjects {
     /// Subjects under `prefix` (dot-separated tokens without wildcards or spaces).
-    pub fn new(prefix: &str) -> Result<Self, String> {
+    pub fn new(prefix: &str) -> Result<Self, InvalidPrefix> {
         let valid_token =
             |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
         if prefix.split('.').all(valid_token) {
             Ok(Self { prefix: prefix.to_string() })
         } else {
-            Err(format!("subject prefix `{prefix}` must be dot-separated tokens of letters, digits, `-` and `_`"))
+            Err(InvalidPrefix(prefix.to_string()))
         }
     }
 

@@ -7,13 +7,14 @@ use std::path::Path;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Yaml};
+use keel_protocol::FieldError;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// A service's configuration struct.
 pub trait ServiceConfig: Serialize + DeserializeOwned {
-    /// Checks that go beyond types; the message names the field.
-    fn validate(&self) -> Result<(), String> {
+    /// Checks that go beyond types; the error names the field.
+    fn validate(&self) -> Result<(), FieldError> {
         Ok(())
     }
 }
@@ -39,8 +40,11 @@ impl ServiceConfig for HttpConfig {}
 pub enum ConfigError {
     #[error("config file {0} does not exist")]
     MissingFile(String),
+    /// The file or the environment does not fit the configuration's types.
     #[error("configuration: {0}")]
     Invalid(String),
+    #[error("configuration: {0}")]
+    Field(#[from] FieldError),
 }
 
 /// The environment prefix of a service: `KEEL_TRAINER__`.
@@ -59,7 +63,7 @@ pub fn load_config<C: ServiceConfig>(service: &str, defaults: C, file: Option<&P
     }
     figment = figment.merge(Env::prefixed(&env_prefix(service)).split("__"));
     let config: C = figment.extract().map_err(|e| ConfigError::Invalid(one_line(&e)))?;
-    config.validate().map_err(ConfigError::Invalid)?;
+    config.validate()?;
     Ok(config)
 }
 
@@ -86,8 +90,8 @@ mod tests {
     }
 
     impl ServiceConfig for Example {
-        fn validate(&self) -> Result<(), String> {
-            if self.workers == 0 { Err("workers: must be at least 1".into()) } else { Ok(()) }
+        fn validate(&self) -> Result<(), FieldError> {
+            if self.workers == 0 { Err(FieldError::new("workers", "must be at least 1")) } else { Ok(()) }
         }
     }
 

@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod entry;
+pub mod error;
 pub mod http;
 pub mod json;
 pub mod metrics;
@@ -25,4 +26,5 @@ pub mod query;
 
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
+pub use error::{BulkError, Error, PathError, PostgresError, Result};
 pub use http::{ApiError, bearer_matches, cookie, health_routes, require_bearer, run_http, serve, token_matches};

@@ -15,6 +15,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::io::AsyncReadExt;
 
+use crate::error::{BulkError, Error};
+
 /// The default NATS URL, or `KEEL_NATS_URL` when set.
 pub fn default_url() -> String {
     std::env::var("KEEL_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
@@ -22,17 +24,16 @@ pub fn default_url() -> String {
 
 /// Connects to `url`; a user and password in it (`nats://user:password@host:4222`) are the
 /// credentials the server's authorization wants. Errors show the URL without the password.
-pub async fn connect(url: &str) -> Result<async_nats::Client, String> {
-    let shown = redacted(url);
-    let address: async_nats::ServerAddr =
-        url.parse().map_err(|e| format!("cannot connect to NATS at {shown}: not a NATS URL: {e}"))?;
+pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
+    let failed = |reason: String| Error::NatsConnect { url: redacted(url), reason };
+    let address: async_nats::ServerAddr = url.parse().map_err(|e| failed(format!("not a NATS URL: {e}")))?;
     let mut options = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(5));
     if let Some(user) = address.username() {
         let password = address.password().unwrap_or_default();
         options = async_nats::ConnectOptions::with_user_and_password(decoded(user), decoded(password))
             .connection_timeout(Duration::from_secs(5));
     }
-    options.connect(address).await.map_err(|e| format!("cannot connect to NATS at {shown}: {e}"))
+    options.connect(address).await.map_err(|e| failed(e.to_string()))
 }
 
 /// `url` with its password replaced by `***`.
@@ -260,7 +261,7 @@ impl std::fmt::Debug for Bulk {
 
 impl Bulk {
     /// Opens `bucket`, creating it when it does not exist.
-    pub async fn open(client: async_nats::Client, bucket: &str) -> Result<Self, String> {
+    pub async fn open(client: async_nats::Client, bucket: &str) -> Result<Self, BulkError> {
         let chunk_bytes = client.server_info().max_payload.saturating_sub(64 << 10).clamp(64 << 10, OBJECT_CHUNK_BYTES);
         let js = jetstream::new(client);
         let store = match js.get_object_store(bucket).await {
@@ -272,14 +273,14 @@ impl Bulk {
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| format!("cannot create the object store bucket `{bucket}`: {e}"))?,
+                .map_err(|e| BulkError::Open { bucket: bucket.to_string(), reason: e.to_string() })?,
         };
         Ok(Self { store, bucket: bucket.to_string(), chunk_bytes })
     }
 
     /// `value` inline when it is small, else stored as a new object.
-    pub async fn wrap<T: Serialize>(&self, value: T) -> Result<Payload<T>, String> {
-        let bytes = serde_json::to_vec(&value).map_err(|e| format!("cannot encode payload: {e}"))?;
+    pub async fn wrap<T: Serialize>(&self, value: T) -> Result<Payload<T>, BulkError> {
+        let bytes = serde_json::to_vec(&value).map_err(BulkError::Encode)?;
         if bytes.len() + ENVELOPE_MARGIN <= MAX_INLINE_BYTES {
             return Ok(Payload::Inline(value));
         }
@@ -290,7 +291,7 @@ impl Bulk {
     /// (1 MiB by default): each chunk is one acknowledged publish, so fewer, larger chunks store
     /// a large body in fewer round trips (16 MiB: 18 chunks instead of 128 of the default
     /// 128 KiB).
-    pub async fn put(&self, bytes: &[u8]) -> Result<ObjectRef, String> {
+    pub async fn put(&self, bytes: &[u8]) -> Result<ObjectRef, BulkError> {
         let name = format!("bulk-{}", uuid_like());
         let mut reader = bytes;
         let meta = object_store::ObjectMetadata {
@@ -298,44 +299,50 @@ impl Bulk {
             chunk_size: Some(self.chunk_bytes),
             ..Default::default()
         };
-        self.store
-            .put(meta, &mut reader)
-            .await
-            .map_err(|e| format!("cannot store payload `{name}` in bucket `{}`: {e}", self.bucket))?;
+        self.store.put(meta, &mut reader).await.map_err(|e| BulkError::Put {
+            bucket: self.bucket.clone(),
+            name: name.clone(),
+            reason: e.to_string(),
+        })?;
         Ok(ObjectRef { bucket: self.bucket.clone(), name })
     }
 
     /// The body of `payload`, fetched when it is a reference (from this bucket only).
-    pub async fn fetch<T: DeserializeOwned>(&self, payload: Payload<T>) -> Result<T, String> {
+    pub async fn fetch<T: DeserializeOwned>(&self, payload: Payload<T>) -> Result<T, BulkError> {
         let object = match payload {
             Payload::Inline(value) => return Ok(value),
             Payload::Object(object) => object,
         };
         let bytes = self.get(&object).await?;
-        serde_json::from_slice(&bytes).map_err(|e| format!("payload `{}` is not valid: {e}", object.name))
+        serde_json::from_slice(&bytes).map_err(|source| BulkError::Invalid { name: object.name, source })
     }
 
     /// The bytes of `object` (from this bucket only).
-    pub async fn get(&self, object: &ObjectRef) -> Result<Vec<u8>, String> {
-        if object.bucket != self.bucket {
-            return Err(format!("object is in bucket `{}`, this service reads `{}`", object.bucket, self.bucket));
-        }
-        let mut reader =
-            self.store.get(&object.name).await.map_err(|e| format!("cannot fetch object `{}`: {e}", object.name))?;
+    pub async fn get(&self, object: &ObjectRef) -> Result<Vec<u8>, BulkError> {
+        self.ours(object)?;
+        let failed = |reason: String| BulkError::Get { name: object.name.clone(), reason };
+        let mut reader = self.store.get(&object.name).await.map_err(|e| failed(e.to_string()))?;
         let mut bytes = Vec::new();
-        reader.read_to_end(&mut bytes).await.map_err(|e| format!("cannot read object `{}`: {e}", object.name))?;
+        reader.read_to_end(&mut bytes).await.map_err(|e| failed(e.to_string()))?;
         Ok(bytes)
     }
 
     /// Deletes `object` (from this bucket only); one that is already gone is no error.
-    pub async fn delete(&self, object: &ObjectRef) -> Result<(), String> {
-        if object.bucket != self.bucket {
-            return Err(format!("object is in bucket `{}`, this service writes `{}`", object.bucket, self.bucket));
-        }
+    pub async fn delete(&self, object: &ObjectRef) -> Result<(), BulkError> {
+        self.ours(object)?;
         match self.store.delete(&object.name).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == object_store::DeleteErrorKind::NotFound => Ok(()),
-            Err(e) => Err(format!("cannot delete object `{}`: {e}", object.name)),
+            Err(e) => Err(BulkError::Delete { name: object.name.clone(), reason: e.to_string() }),
+        }
+    }
+
+    /// Refuses an object of another bucket (a service reads and writes its own only).
+    fn ours(&self, object: &ObjectRef) -> Result<(), BulkError> {
+        if object.bucket == self.bucket {
+            Ok(())
+        } else {
+            Err(BulkError::ForeignBucket { found: object.bucket.clone(), ours: self.bucket.clone() })
         }
     }
 

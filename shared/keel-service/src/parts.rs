@@ -8,6 +8,8 @@ use std::future::Future;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::error::Error;
+
 #[derive(Debug)]
 pub struct Parts {
     stop: watch::Sender<bool>,
@@ -29,13 +31,19 @@ impl Parts {
         }
     }
 
-    pub fn spawn(&mut self, name: &'static str, part: impl Future<Output = Result<(), String>> + Send + 'static) {
-        self.tasks.spawn(async move { (name, part.await) });
+    /// Runs `part` as the part called `name`; its error, if it ends with one, is what
+    /// [`Parts::run_until`] reports.
+    pub fn spawn<E: std::fmt::Display>(
+        &mut self,
+        name: &'static str,
+        part: impl Future<Output = Result<(), E>> + Send + 'static,
+    ) {
+        self.tasks.spawn(async move { (name, part.await.map_err(|e| e.to_string())) });
     }
 
     /// Runs until `shutdown` completes (then stops every part and waits for them) or a part
     /// ends by itself (then stops the rest and answers why that part ended).
-    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> Result<(), String> {
+    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
         let ended = tokio::select! {
             () = shutdown => None,
             Some(ended) = self.tasks.join_next() => Some(ended),
@@ -43,15 +51,15 @@ impl Parts {
         let _ = self.stop.send(true);
         let mut first_error = match ended {
             None => None,
-            Some(Ok((name, Ok(())))) => Some(format!("{name} stopped")),
-            Some(Ok((name, Err(e)))) => Some(format!("{name}: {e}")),
-            Some(Err(e)) => Some(e.to_string()),
+            Some(Ok((name, Ok(())))) => Some(Error::PartStopped(name)),
+            Some(Ok((part, Err(reason)))) => Some(Error::Part { part, reason }),
+            Some(Err(e)) => Some(Error::Part { part: "task", reason: e.to_string() }),
         };
         while let Some(done) = self.tasks.join_next().await {
             let error = match done {
                 Ok((_, Ok(()))) => continue,
-                Ok((name, Err(e))) => format!("{name}: {e}"),
-                Err(e) => e.to_string(),
+                Ok((part, Err(reason))) => Error::Part { part, reason },
+                Err(e) => Error::Part { part: "task", reason: e.to_string() },
             };
             first_error.get_or_insert(error);
         }
@@ -70,10 +78,10 @@ mod tests {
             let stopped = parts.stopped();
             parts.spawn(name, async move {
                 stopped.await;
-                Ok(())
+                Ok::<_, String>(())
             });
         }
-        assert_eq!(parts.run_until(async {}).await, Ok(()));
+        assert!(parts.run_until(async {}).await.is_ok());
     }
 
     #[tokio::test]
@@ -82,13 +90,13 @@ mod tests {
         let stopped = parts.stopped();
         parts.spawn("http", async move {
             stopped.await;
-            Ok(())
+            Ok::<_, String>(())
         });
         parts.spawn("nats", async { Err("the subscription ended".to_string()) });
         let result = parts.run_until(std::future::pending()).await;
-        assert_eq!(result, Err("nats: the subscription ended".to_string()));
+        assert_eq!(result.unwrap_err().to_string(), "nats: the subscription ended");
         let mut parts = Parts::default();
-        parts.spawn("http", async { Ok(()) });
-        assert_eq!(parts.run_until(std::future::pending()).await, Err("http stopped".to_string()));
+        parts.spawn("http", async { Ok::<_, String>(()) });
+        assert_eq!(parts.run_until(std::future::pending()).await.unwrap_err().to_string(), "http stopped");
     }
 }

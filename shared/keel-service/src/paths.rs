@@ -5,6 +5,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
+use crate::error::PathError;
+
 /// The roots a service is configured with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathRoots {
@@ -31,40 +33,44 @@ pub const SHARED_WEIGHTS_DIR: &str = "/dev/shm/keel-weights";
 impl PathRoots {
     /// `roots` (relative ones against the working directory); `setting` names where they
     /// are configured, e.g. `KEEL_TRAINER__PATH_ROOTS`.
-    pub fn new(roots: &[PathBuf], setting: &str) -> Result<Self, String> {
+    pub fn new(roots: &[PathBuf], setting: &str) -> Result<Self, PathError> {
         if roots.is_empty() {
-            return Err(format!("{setting}: name at least one directory"));
+            return Err(PathError::NoRoots { setting: setting.to_string() });
         }
         let roots = roots
             .iter()
-            .map(|root| std::path::absolute(root).map_err(|e| format!("{setting}: {}: {e}", root.display())))
+            .map(|root| {
+                std::path::absolute(root).map_err(|source| PathError::BadRoot {
+                    setting: setting.to_string(),
+                    root: root.clone(),
+                    source,
+                })
+            })
             .collect::<Result<_, _>>()?;
         Ok(Self { roots, setting: setting.to_string() })
     }
 
     /// `path` resolved (absolute, links followed as far as it exists), if it lies inside a
     /// root; else an error naming `what`, the path and the setting to change.
-    pub fn check(&self, what: &str, path: &str) -> Result<PathBuf, String> {
-        self.inside(path).map_err(|e| format!("{what}: {e}"))
+    pub fn check(&self, what: &str, path: &str) -> Result<PathBuf, PathError> {
+        self.inside(path).map_err(|e| PathError::Field { field: what.to_string(), source: Box::new(e) })
     }
 
     /// [`PathRoots::check`] with an error that names no field (for callers that name it
     /// themselves).
-    pub fn inside(&self, path: &str) -> Result<PathBuf, String> {
+    pub fn inside(&self, path: &str) -> Result<PathBuf, PathError> {
         let given = Path::new(path);
         if path.is_empty() || given.components().any(|c| c == Component::ParentDir) {
-            return Err(format!("`{path}` must be a path without `..`"));
+            return Err(PathError::Climbs { path: path.to_string() });
         }
-        let resolved = resolve(&std::path::absolute(given).map_err(|e| format!("`{path}`: {e}"))?);
+        let absolute =
+            std::path::absolute(given).map_err(|source| PathError::Unresolvable { path: path.to_string(), source })?;
+        let resolved = resolve(&absolute);
         if self.roots.iter().any(|root| resolved.starts_with(resolve(root))) {
             return Ok(resolved);
         }
         let roots: Vec<String> = self.roots.iter().map(|r| r.display().to_string()).collect();
-        Err(format!(
-            "`{path}` is outside the directories this service may use ({}); add its directory to {}",
-            roots.join(", "),
-            self.setting
-        ))
+        Err(PathError::Outside { path: path.to_string(), roots: roots.join(", "), setting: self.setting.clone() })
     }
 }
 
@@ -105,14 +111,14 @@ mod tests {
         assert_eq!(inside, root.canonicalize().unwrap().join("models/m"));
         // Not there yet (a directory to save into) but inside: fine.
         roots.check("path", root.join("runs/r1/step-2").to_str().unwrap()).unwrap();
-        let error = roots.check("path", outside.to_str().unwrap()).unwrap_err();
+        let error = roots.check("path", outside.to_str().unwrap()).unwrap_err().to_string();
         assert!(error.contains("is outside") && error.contains("KEEL_X__PATH_ROOTS"), "{error}");
-        let error = roots.check("path", &format!("{}/models/../../outside", root.display())).unwrap_err();
+        let error = roots.check("path", &format!("{}/models/../../outside", root.display())).unwrap_err().to_string();
         assert!(error.contains("without `..`"), "{error}");
         assert!(roots.check("path", "").is_err());
         // A link inside the root that points out of it is followed, and refused.
         std::os::unix::fs::symlink(&outside, root.join("escape")).unwrap();
-        let error = roots.check("path", root.join("escape/new").to_str().unwrap()).unwrap_err();
+        let error = roots.check("path", root.join("escape/new").to_str().unwrap()).unwrap_err().to_string();
         assert!(error.contains("is outside"), "{error}");
         assert!(roots.check("path", "/etc/passwd").is_err());
         assert!(PathRoots::new(&[], "KEEL_X__PATH_ROOTS").is_err());

@@ -128,7 +128,7 @@ async fn steps(ctx: &RunContext) -> Result<()> {
                 let batch_body = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
                 let request = TrainRequest {
                     run_id: ctx.id.to_string(),
-                    batch: trainer.bulk().wrap(batch_body).await.map_err(Stop::Failed)?,
+                    batch: trainer.bulk().wrap(batch_body).await?,
                     temperature,
                 };
                 Ok::<_, Stop>(trainer.op(&request).await?)
@@ -386,11 +386,11 @@ async fn logprobs(ctx: &RunContext, model: Scorer, sequences: &Sequences, temper
     let request = LogprobsRequest {
         run_id: ctx.id.to_string(),
         model,
-        batch: trainer.bulk().wrap(sequences.clone()).await.map_err(Stop::Failed)?,
+        batch: trainer.bulk().wrap(sequences.clone()).await?,
         temperature,
     };
     let reply: LogprobsReply = trainer.op(&request).await?;
-    Ok(trainer.bulk().fetch(reply.logprobs).await.map_err(Stop::Failed)?.logprobs)
+    Ok(trainer.bulk().fetch(reply.logprobs).await?.logprobs)
 }
 
 /// Each metric averaged over the optimiser steps of one train call, prefixed.

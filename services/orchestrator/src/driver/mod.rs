@@ -68,6 +68,12 @@ impl From<keel_protocol::FieldError> for Stop {
     }
 }
 
+impl From<keel_service::BulkError> for Stop {
+    fn from(e: keel_service::BulkError) -> Self {
+        Self::Failed(e.to_string())
+    }
+}
+
 impl From<sqlx::Error> for Stop {
     fn from(e: sqlx::Error) -> Self {
         Self::Failed(format!("database: {e}"))

@@ -65,11 +65,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             };
             let trainer = ctx.trainer()?;
             let phase = Instant::now();
-            let request = TrainRequest {
-                run_id: ctx.id.to_string(),
-                batch: trainer.bulk().wrap(batch).await.map_err(Stop::Failed)?,
-                temperature: 1.0,
-            };
+            let request =
+                TrainRequest { run_id: ctx.id.to_string(), batch: trainer.bulk().wrap(batch).await?, temperature: 1.0 };
             let trained: TrainReply = trainer.op(&request).instrument(tracing::info_span!("policy_training")).await?;
             let mut metrics = mean_step_metrics(&trained, "train");
             metrics.insert("timing/train/policy_training".into(), seconds(phase));

@@ -6,6 +6,7 @@
 //! or network). Literal addresses are checked when the environment is built; names are
 //! checked when they resolve ([`PublicOnly`]), so a name that points inside is refused too.
 
+use keel_protocol::FieldError;
 use std::net::{IpAddr, SocketAddr};
 
 /// Whether `ip` is an ordinary public unicast address.
@@ -38,7 +39,7 @@ pub fn is_public(ip: IpAddr) -> bool {
 }
 
 /// Refuses a URL host that is a non-public literal address or a `localhost` name.
-pub fn check_host(url: &reqwest::Url) -> Result<(), String> {
+pub fn check_host(url: &reqwest::Url) -> Result<(), FieldError> {
     let host = url.host_str().unwrap_or_default();
     let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>();
     let refused = match literal {
@@ -49,10 +50,13 @@ pub fn check_host(url: &reqwest::Url) -> Result<(), String> {
         }
     };
     if refused {
-        return Err(format!(
-            "url: {} is a loopback or private address; the reward service's operator allows those with \
+        return Err(FieldError::new(
+            "url",
+            format!(
+                "{} is a loopback or private address; the reward service's operator allows those with \
              http_allow_private_addresses",
-            url.host_str().unwrap_or_default()
+                url.host_str().unwrap_or_default()
+            ),
         ));
     }
     Ok(())
@@ -117,7 +121,7 @@ mod tests {
             "http://localhost/",
             "http://api.localhost./",
         ] {
-            let error = check_host(&reqwest::Url::parse(url).unwrap()).unwrap_err();
+            let error = check_host(&reqwest::Url::parse(url).unwrap()).unwrap_err().to_string();
             assert!(error.contains("http_allow_private_addresses"), "{url}: {error}");
         }
         assert!(check_host(&reqwest::Url::parse("https://rewards.example.com/score").unwrap()).is_ok());

@@ -19,6 +19,7 @@
 //! test report comes back as an observation and the episode goes on until every test passes
 //! or `max_attempts` is reached (attempts are counted in `metadata.attempts`).
 
+use keel_protocol::FieldError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -153,7 +154,7 @@ pub struct CodeEnv {
 }
 
 impl CodeEnv {
-    pub fn new(config: &CodeConfig, sandbox: Arc<Sandbox>) -> Result<Self, String> {
+    pub fn new(config: &CodeConfig, sandbox: Arc<Sandbox>) -> Result<Self, FieldError> {
         let most = &sandbox.config().ceilings;
         let bounded = [
             ("cpu_seconds", config.cpu_seconds, most.cpu_seconds),
@@ -164,12 +165,12 @@ impl CodeEnv {
             ("max_attempts", u64::from(config.max_attempts), u64::from(u32::MAX)),
         ];
         if let Some((field, _, most)) = bounded.iter().find(|(_, v, most)| *v == 0 || v > most) {
-            return Err(format!("{field}: must be 1 to {most} (this service's ceiling)"));
+            return Err(FieldError::new(*field, format!("must be 1 to {most} (this service's ceiling)")));
         }
         if !(config.wall_seconds > 0.0 && config.wall_seconds <= most.wall_seconds) {
-            return Err(format!(
-                "wall_seconds: must be more than 0 and at most {} (this service's ceiling)",
-                most.wall_seconds
+            return Err(FieldError::new(
+                "wall_seconds",
+                format!("must be more than 0 and at most {} (this service's ceiling)", most.wall_seconds),
             ));
         }
         let limits = Limits {

@@ -9,6 +9,7 @@
 //! reply over `max_response_bytes` is cut off and refused. A failure never escapes as a
 //! panic or a failed request: every sample of the failed call carries the error.
 
+use keel_protocol::FieldError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,13 +47,16 @@ fn url_under(url: &reqwest::Url, prefix: &str) -> bool {
 }
 
 /// The value of secret `var` when the operator allows it to be sent to `url`.
-fn secret_for(var: &str, url: &reqwest::Url) -> Result<String, String> {
+fn secret_for(var: &str, url: &reqwest::Url) -> Result<String, FieldError> {
     let bound = std::env::var(format!("{var}_URL")).ok().filter(|prefix| url_under(url, prefix));
     match (bound, std::env::var(var)) {
         (Some(_), Ok(value)) => Ok(value),
-        _ => Err(format!(
-            "authorization_env: `{var}` may not be sent to {url} (the operator binds each secret to its URLs with \
+        _ => Err(FieldError::new(
+            "authorization_env",
+            format!(
+                "`{var}` may not be sent to {url} (the operator binds each secret to its URLs with \
              `{var}_URL`)"
+            ),
         )),
     }
 }
@@ -82,10 +86,11 @@ enum Failure {
 impl HttpEnv {
     /// The environment for `config`, calling through `client`; `allow_private` lets the URL
     /// name a loopback or private address (see [`super::addresses`]).
-    pub fn new(config: &HttpRewardConfig, client: reqwest::Client, allow_private: bool) -> Result<Self, String> {
-        let url = reqwest::Url::parse(&config.url).map_err(|e| format!("url: `{}` is not a URL: {e}", config.url))?;
+    pub fn new(config: &HttpRewardConfig, client: reqwest::Client, allow_private: bool) -> Result<Self, FieldError> {
+        let url = reqwest::Url::parse(&config.url)
+            .map_err(|e| FieldError::new("url", format!("`{}` is not a URL: {e}", config.url)))?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(format!("url: `{}` must be http or https", config.url));
+            return Err(FieldError::new("url", format!("`{}` must be http or https", config.url)));
         }
         if !allow_private {
             super::addresses::check_host(&url)?;
@@ -100,21 +105,26 @@ impl HttpEnv {
             ("max_response_bytes", config.max_response_bytes as u64, 16, MAX_RESPONSE_BYTES as u64),
         ];
         if let Some((field, _, least, most)) = bounded.iter().find(|(_, v, least, most)| v < least || v > most) {
-            return Err(format!("{field}: must be {least} to {most}"));
+            return Err(FieldError::new(*field, format!("must be {least} to {most}")));
         }
         let token = match (&config.authorization, &config.authorization_env) {
             (Some(_), Some(_)) => {
-                return Err("authorization_env: give authorization or authorization_env, not both".into());
+                return Err(FieldError::new("authorization_env", "give authorization or authorization_env, not both"));
             }
             (Some(value), None) => Some(value.clone()),
             (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => {
-                return Err(format!("authorization_env: must name a variable starting with {SECRET_PREFIX}"));
+                return Err(FieldError::new(
+                    "authorization_env",
+                    format!("must name a variable starting with {SECRET_PREFIX}"),
+                ));
             }
             (None, Some(var)) => Some(secret_for(var, &url)?),
             (None, None) => None,
         };
         let authorization = token
-            .map(|t| HeaderValue::from_str(&t).map_err(|_| "authorization: not a valid header value".to_string()))
+            .map(|t| {
+                HeaderValue::from_str(&t).map_err(|_| FieldError::new("authorization", "not a valid header value"))
+            })
             .transpose()?
             .map(|mut v| {
                 v.set_sensitive(true);

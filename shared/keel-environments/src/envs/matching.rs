@@ -3,6 +3,7 @@
 //! (the answer letter equals `metadata.ground_truth`). Each ends the episode with reward 1
 //! or 0.
 
+use keel_protocol::FieldError;
 use keel_protocol::reward::{EnvSample, ExactMatchConfig, MultipleChoiceConfig, RegexConfig, SampleError};
 use regex::Regex;
 
@@ -21,7 +22,7 @@ pub struct ExactMatch {
 }
 
 impl ExactMatch {
-    pub fn new(config: &ExactMatchConfig) -> Result<Self, String> {
+    pub fn new(config: &ExactMatchConfig) -> Result<Self, FieldError> {
         let pattern =
             config.answer_pattern.as_deref().map(|p| compile_pattern("answer_pattern", p, true)).transpose()?;
         Ok(Self { config: config.clone(), pattern })
@@ -57,7 +58,7 @@ pub struct RegexEnv {
 }
 
 impl RegexEnv {
-    pub fn new(config: &RegexConfig) -> Result<Self, String> {
+    pub fn new(config: &RegexConfig) -> Result<Self, FieldError> {
         let pattern = config
             .pattern
             .as_deref()
@@ -99,10 +100,10 @@ pub struct MultipleChoice {
 }
 
 impl MultipleChoice {
-    pub fn new(config: &MultipleChoiceConfig) -> Result<Self, String> {
+    pub fn new(config: &MultipleChoiceConfig) -> Result<Self, FieldError> {
         let choices: Vec<char> = config.choices.chars().collect();
         if choices.is_empty() || !choices.iter().all(char::is_ascii_uppercase) {
-            return Err("choices: must be upper-case letters, e.g. ABCD".into());
+            return Err(FieldError::new("choices", "must be upper-case letters, e.g. ABCD"));
         }
         let set: String = choices.iter().collect();
         // Most explicit first: a boxed letter, `Answer: X`, `(X)`, then a letter standing alone.
@@ -173,7 +174,8 @@ mod tests {
         let err = env.step_one(&sample("x", json!({}))).unwrap_err();
         assert!(err.message.contains("metadata.ground_truth"), "{err}");
         let err = ExactMatch::new(&ExactMatchConfig { answer_pattern: Some("no group".into()), ..Default::default() })
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("answer_pattern:"), "{err}");
     }
 
@@ -192,6 +194,7 @@ mod tests {
         assert!(
             RegexEnv::new(&RegexConfig { pattern: Some("(".into()), full_match: false })
                 .unwrap_err()
+                .to_string()
                 .starts_with("pattern:")
         );
     }
@@ -208,7 +211,10 @@ mod tests {
         }
         assert!(env.step_one(&sample("A", json!({"ground_truth": "Z"}))).is_err());
         assert!(
-            MultipleChoice::new(&MultipleChoiceConfig { choices: "ab".into() }).unwrap_err().starts_with("choices:")
+            MultipleChoice::new(&MultipleChoiceConfig { choices: "ab".into() })
+                .unwrap_err()
+                .to_string()
+                .starts_with("choices:")
         );
     }
 }

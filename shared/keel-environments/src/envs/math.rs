@@ -2,6 +2,7 @@
 //! `metadata.ground_truth` by mathematical equivalence ([`crate::math`]). Reward 1 or 0; a
 //! sample that runs past its time limit scores 0 (its `info.reason` says so).
 
+use keel_protocol::FieldError;
 use keel_protocol::reward::{EnvSample, EnvStepResult, MathConfig};
 use serde_json::json;
 
@@ -14,7 +15,7 @@ pub struct MathEnv {
 }
 
 impl MathEnv {
-    pub fn new(config: &MathConfig) -> Result<Self, String> {
+    pub fn new(config: &MathConfig) -> Result<Self, FieldError> {
         Ok(Self { verifier: MathVerifier::new(config)? })
     }
 }

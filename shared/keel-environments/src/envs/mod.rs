@@ -18,6 +18,7 @@ pub mod math;
 pub mod puzzle;
 pub mod reward_model;
 
+use keel_protocol::FieldError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -89,13 +90,13 @@ pub fn metadata_text(metadata: &Value, key: &str) -> Result<String, SampleError>
 }
 
 /// A compiled pattern (with one capture group when `groups`); the error names `field`.
-pub fn compile_pattern(field: &str, pattern: &str, groups: bool) -> Result<regex::Regex, String> {
+pub fn compile_pattern(field: &str, pattern: &str, groups: bool) -> Result<regex::Regex, FieldError> {
     let regex = regex::RegexBuilder::new(pattern)
         .size_limit(1 << 20)
         .build()
-        .map_err(|e| format!("{field}: not a valid regex: {e}"))?;
+        .map_err(|e| FieldError::new(field, format!("not a valid regex: {e}")))?;
     if groups && regex.captures_len() < 2 {
-        return Err(format!("{field}: needs one capture group around the answer"));
+        return Err(FieldError::new(field, "needs one capture group around the answer"));
     }
     Ok(regex)
 }

@@ -12,6 +12,7 @@
 //! it, `view` shows the board. Every step answers the board; an invalid action is explained
 //! and the game goes on. Reward 1 when solved; the episode also ends after `max_moves`.
 
+use keel_protocol::FieldError;
 use keel_protocol::reward::{EnvSample, EnvStepResult, Message, SampleError, SlidingPuzzleConfig};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -119,14 +120,14 @@ impl Board {
     }
 
     /// Slides the tile at `(row, col)` (0-based) into the blank.
-    fn slide(&mut self, row: usize, col: usize) -> Result<(), String> {
+    fn slide(&mut self, row: usize, col: usize) -> Result<(), Invalid> {
         let n = self.size;
         if row >= n || col >= n {
-            return Err(format!("there is no cell at row {}, column {} on a {n}×{n} board", row + 1, col + 1));
+            return Err(Invalid(format!("there is no cell at row {}, column {} on a {n}×{n} board", row + 1, col + 1)));
         }
         let (br, bc) = self.blank();
         if br.abs_diff(row) + bc.abs_diff(col) != 1 {
-            return Err(format!("the tile at row {}, column {} is not next to the blank", row + 1, col + 1));
+            return Err(Invalid(format!("the tile at row {}, column {} is not next to the blank", row + 1, col + 1)));
         }
         self.swap_with_blank((row, col));
         Ok(())
@@ -157,35 +158,37 @@ impl Board {
     }
 
     /// A board from rows of numbers; every tile 0..N²−1 exactly once.
-    pub fn from_json(value: &Value) -> Result<Self, String> {
+    pub fn from_json(value: &Value) -> Result<Self, FieldError> {
         let rows: Vec<Vec<u32>> = serde_json::from_value(value.clone())
-            .map_err(|e| format!("metadata.board: rows of numbers expected: {e}"))?;
+            .map_err(|e| FieldError::new("metadata.board", format!("rows of numbers expected: {e}")))?;
         let size = rows.len();
         if !(2..=MAX_SIZE).contains(&size) || rows.iter().any(|r| r.len() != size) {
-            return Err(format!("metadata.board: must be square, 2 to {MAX_SIZE} rows"));
+            return Err(FieldError::new("metadata.board", format!("must be square, 2 to {MAX_SIZE} rows")));
         }
         let tiles: Vec<u32> = rows.into_iter().flatten().collect();
         let mut sorted = tiles.clone();
         sorted.sort_unstable();
         if sorted.iter().enumerate().any(|(i, t)| *t as usize != i) {
-            return Err(format!("metadata.board: must hold each of 0..{} once", size * size - 1));
+            return Err(FieldError::new("metadata.board", format!("must hold each of 0..{} once", size * size - 1)));
         }
         Ok(Self { size, tiles })
     }
 }
 
 /// The board a sample's metadata describes.
-pub fn board_of(metadata: &Value) -> Result<Board, String> {
+pub fn board_of(metadata: &Value) -> Result<Board, FieldError> {
     if let Some(board) = metadata.get("board") {
         return Board::from_json(board);
     }
     let number = |key: &str, default: u64| match metadata.get(key) {
         None => Ok(default),
-        Some(v) => v.as_u64().ok_or_else(|| format!("metadata.{key}: must be a non-negative integer")),
+        Some(v) => {
+            v.as_u64().ok_or_else(|| FieldError::new(format!("metadata.{key}"), "must be a non-negative integer"))
+        }
     };
     let size = number("size", 3)? as usize;
     if !(2..=MAX_SIZE).contains(&size) {
-        return Err(format!("metadata.size: must be 2 to {MAX_SIZE}"));
+        return Err(FieldError::new("metadata.size", format!("must be 2 to {MAX_SIZE}")));
     }
     let shuffle = number("shuffle_moves", 20)?.min(10_000) as usize;
     Ok(Board::shuffled(size, number("seed", 0)?, shuffle).0)
@@ -197,8 +200,13 @@ enum Action {
     View,
 }
 
-fn parse_action(response: &str) -> Result<Action, String> {
-    let start = response.rfind("<action>").ok_or("no <action>…</action> found")?;
+/// An action the game cannot take; the text is what the model is told.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+struct Invalid(String);
+
+fn parse_action(response: &str) -> Result<Action, Invalid> {
+    let start = response.rfind("<action>").ok_or_else(|| Invalid("no <action>…</action> found".into()))?;
     let rest = &response[start + "<action>".len()..];
     let body = rest.split(STOP).next().unwrap_or(rest).trim().to_lowercase();
     let words: Vec<&str> = body.split_whitespace().collect();
@@ -208,12 +216,12 @@ fn parse_action(response: &str) -> Result<Action, String> {
             .into_iter()
             .find(|d| d.name() == *word)
             .map(Action::Move)
-            .ok_or_else(|| format!("unknown action `{body}`")),
+            .ok_or_else(|| Invalid(format!("unknown action `{body}`"))),
         ["slide", r, c] => match (r.parse::<usize>(), c.parse::<usize>()) {
             (Ok(r), Ok(c)) if r >= 1 && c >= 1 => Ok(Action::Slide(r - 1, c - 1)),
-            _ => Err(format!("`slide` takes a row and a column from 1: `{body}`")),
+            _ => Err(Invalid(format!("`slide` takes a row and a column from 1: `{body}`"))),
         },
-        _ => Err(format!("unknown action `{body}`")),
+        _ => Err(Invalid(format!("unknown action `{body}`"))),
     }
 }
 
@@ -223,9 +231,9 @@ pub struct PuzzleEnv {
 }
 
 impl PuzzleEnv {
-    pub fn new(config: &SlidingPuzzleConfig) -> Result<Self, String> {
+    pub fn new(config: &SlidingPuzzleConfig) -> Result<Self, FieldError> {
         if config.max_moves == 0 {
-            return Err("max_moves: must be at least 1".into());
+            return Err(FieldError::new("max_moves", "must be at least 1"));
         }
         Ok(Self { max_moves: config.max_moves })
     }
@@ -234,7 +242,7 @@ impl PuzzleEnv {
 impl SampleEnv for PuzzleEnv {
     fn step_one(&self, sample: &EnvSample) -> Outcome {
         let response = last_turn(sample)?;
-        let mut board = board_of(&sample.metadata).map_err(|e| SampleError::new("invalid_sample", e))?;
+        let mut board = board_of(&sample.metadata).map_err(|e| SampleError::new("invalid_sample", e.to_string()))?;
         let moves = sample.metadata.get("moves").and_then(Value::as_u64).unwrap_or(0) + 1;
         let note = match parse_action(response) {
             Ok(Action::View) => Ok("Here is the board.".to_string()),
@@ -242,7 +250,7 @@ impl SampleEnv for PuzzleEnv {
                 if board.apply(d) {
                     Ok(format!("Moved a tile {}.", d.name()))
                 } else {
-                    Err(format!("no tile can move {}", d.name()))
+                    Err(Invalid(format!("no tile can move {}", d.name())))
                 }
             }
             Ok(Action::Slide(r, c)) => board.slide(r, c).map(|()| format!("Slid the tile at {} {}.", r + 1, c + 1)),

@@ -5,6 +5,7 @@
 //! on the last token. A batch too large for one NATS message travels through the JetStream
 //! object store, as every trainer request does.
 
+use keel_protocol::FieldError;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -33,14 +34,16 @@ impl RewardModelEnv {
         nats: Option<async_nats::Client>,
         subjects: Subjects,
         bucket: &str,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, FieldError> {
         if !is_subject_token(&config.worker_id) {
-            return Err("worker_id: must name a trainer worker (letters, digits, `-`, `_`)".into());
+            return Err(FieldError::new("worker_id", "must name a trainer worker (letters, digits, `-`, `_`)"));
         }
         if config.run_id.is_empty() {
-            return Err("run_id: must name the run that holds the worker".into());
+            return Err(FieldError::new("run_id", "must name the run that holds the worker"));
         }
-        let nats = nats.ok_or("name: reward_model needs the service connected to NATS (its nats_url is empty)")?;
+        let nats = nats.ok_or_else(|| {
+            FieldError::new("name", "reward_model needs the service connected to NATS (its nats_url is empty)")
+        })?;
         let timeout = Duration::from_millis(if config.timeout_ms == 0 { 30_000 } else { config.timeout_ms });
         Ok(Self {
             run_id: config.run_id.clone(),
@@ -55,12 +58,10 @@ impl RewardModelEnv {
     async fn score(&self, input_ids: Vec<Vec<i64>>) -> Result<Vec<f32>, SampleError> {
         let n = input_ids.len();
         let trainer = |m: String| SampleError::new("trainer", m);
-        let bulk = self
-            .bulk
-            .get_or_try_init(|| Bulk::open(self.nats.clone(), &self.bucket))
-            .await
-            .map_err(|e| trainer(e.to_string()))?;
-        let batch = bulk.wrap(Sequences { input_ids }).await.map_err(trainer)?;
+        let bulk_failed = |e: keel_service::BulkError| trainer(e.to_string());
+        let bulk =
+            self.bulk.get_or_try_init(|| Bulk::open(self.nats.clone(), &self.bucket)).await.map_err(bulk_failed)?;
+        let batch = bulk.wrap(Sequences { input_ids }).await.map_err(bulk_failed)?;
         let request = ScoreRequest { run_id: self.run_id.clone(), batch };
         let body = serde_json::to_vec(&request).map_err(|e| SampleError::new("internal", e.to_string()))?;
         let headers = keel_telemetry::nats_headers();

@@ -67,6 +67,7 @@ mod limits;
 mod normalize;
 mod structure;
 
+use keel_protocol::FieldError;
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -138,7 +139,7 @@ pub struct MathVerifier {
 
 impl MathVerifier {
     /// Validates `config` and compiles its pattern.
-    pub fn new(config: &MathConfig) -> Result<Self, String> {
+    pub fn new(config: &MathConfig) -> Result<Self, FieldError> {
         Ok(Self {
             pattern: config::check(config)?,
             relative_tolerance: config.relative_tolerance,

@@ -27,6 +27,7 @@
 
 pub mod seccomp;
 
+use keel_protocol::FieldError;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
@@ -114,18 +115,18 @@ impl Default for SandboxConfig {
 }
 
 impl SandboxConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), FieldError> {
         if self.slots == 0 {
-            return Err("sandbox.slots: must be at least 1".into());
+            return Err(FieldError::new("sandbox.slots", "must be at least 1"));
         }
         if self.first_uid == 0 || self.first_uid.checked_add(self.slots as u32).is_none() {
-            return Err("sandbox.first_uid: must not be root, and leave room for every slot".into());
+            return Err(FieldError::new("sandbox.first_uid", "must not be root, and leave room for every slot"));
         }
         if !self.python.is_absolute() {
-            return Err("sandbox.python: must be an absolute path".into());
+            return Err(FieldError::new("sandbox.python", "must be an absolute path"));
         }
         if !(1..=1 << 20).contains(&self.disk_mb) {
-            return Err("sandbox.disk_mb: must be 1 to 1048576".into());
+            return Err(FieldError::new("sandbox.disk_mb", "must be 1 to 1048576"));
         }
         Ok(())
     }
@@ -180,7 +181,7 @@ impl RunReport {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum SandboxError {
     #[error("the sandbox is unavailable: {0}")]
     Unavailable(String),
@@ -195,7 +196,7 @@ pub struct Sandbox {
     free_uids: Mutex<Vec<u32>>,
     filter: Option<Vec<u8>>,
     /// The last availability check: when, and what it found (success is kept for good).
-    checked: tokio::sync::Mutex<Option<(Instant, Result<(), String>)>>,
+    checked: tokio::sync::Mutex<Option<(Instant, Result<(), SandboxError>)>>,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -235,20 +236,21 @@ impl Sandbox {
         let mut checked = self.checked.lock().await;
         match &*checked {
             Some((_, Ok(()))) => return Ok(()),
-            Some((at, Err(e))) if at.elapsed() < RECHECK_AFTER => return Err(SandboxError::Unavailable(e.clone())),
+            Some((at, Err(e))) if at.elapsed() < RECHECK_AFTER => return Err(e.clone()),
             _ => {}
         }
         let result = self.probe().await;
         *checked = Some((Instant::now(), result.clone()));
-        result.map_err(SandboxError::Unavailable)
+        result
     }
 
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> Result<(), SandboxError> {
+        let unavailable = |why: String| Err(SandboxError::Unavailable(why));
         if !self.config.bwrap.is_file() {
-            return Err(format!("{} not found (install bubblewrap)", self.config.bwrap.display()));
+            return unavailable(format!("{} not found (install bubblewrap)", self.config.bwrap.display()));
         }
         if self.filter.is_none() {
-            return Err(format!("no seccomp filter for the {} architecture", std::env::consts::ARCH));
+            return unavailable(format!("no seccomp filter for the {} architecture", std::env::consts::ARCH));
         }
         let limits = Limits {
             cpu_seconds: 10,
@@ -260,8 +262,10 @@ impl Sandbox {
         };
         match self.run_unchecked(&[("main.py", "pass\n")], "main.py", b"", &limits).await {
             Ok(report) if report.succeeded() => Ok(()),
-            Ok(report) => Err(format!("a probe run failed: {:?}: {}", report.termination, report.stderr.trim())),
-            Err(e) => Err(e.to_string()),
+            Ok(report) => {
+                unavailable(format!("a probe run failed: {:?}: {}", report.termination, report.stderr.trim()))
+            }
+            Err(e) => unavailable(e.to_string()),
         }
     }
 
