@@ -28,8 +28,6 @@ pub enum Error {
         weights_mib: i64,
         activations_mib: i64,
     },
-    #[error("cannot subscribe to {subject}: {reason}")]
-    Subscribe { subject: String, reason: String },
     #[error("the {0} subscription ended")]
     SubscriptionEnded(&'static str),
     #[error("NATS flush failed: {0}")]

@@ -211,8 +211,9 @@ pub async fn serve(
     roots: keel_service::paths::PathRoots,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> crate::Result<()> {
-    let subscribe =
-        |subject: String| move |e: async_nats::SubscribeError| Error::Subscribe { subject, reason: e.to_string() };
+    let subscribe = |subject: String| {
+        move |e: async_nats::SubscribeError| keel_service::Error::Subscribe { subject, reason: e.to_string() }
+    };
     let mut requests = client
         .queue_subscribe(RolloutRequest::subject(&subjects), GENERATOR_QUEUE_GROUP.to_string())
         .await

@@ -46,7 +46,7 @@ pub struct Scheduler {
 impl Scheduler {
     /// Starts runs until `shutdown`; then stops its drivers and gives their leases up, so
     /// the next orchestrator resumes them at once.
-    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) -> Result<(), String> {
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) -> Result<(), std::convert::Infallible> {
         let mut drivers = JoinSet::new();
         let mut tick = tokio::time::interval(self.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -87,11 +87,9 @@ impl Scheduler {
     }
 
     /// Takes the next run that can start now.
-    async fn claim_next(&self) -> Result<Option<RunContext>, String> {
-        let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
-        let Some((run, attempts)) =
-            db::next_claimable(&mut tx, self.run_lease.as_secs_f64()).await.map_err(|e| e.to_string())?
-        else {
+    async fn claim_next(&self) -> Result<Option<RunContext>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let Some((run, attempts)) = db::next_claimable(&mut tx, self.run_lease.as_secs_f64()).await? else {
             return Ok(None);
         };
         // Queued runs have attempts left (`settle` checked); a run whose driver vanished
@@ -104,8 +102,8 @@ impl Scheduler {
                 run.step
             );
             tracing::error!(run_id = %run.id, "run failed: {reason}");
-            db::abandon(&mut tx, run.id, &reason).await.map_err(|e| e.to_string())?;
-            tx.commit().await.map_err(|e| e.to_string())?;
+            db::abandon(&mut tx, run.id, &reason).await?;
+            tx.commit().await?;
             return Ok(None);
         }
         let run_key = run.id.to_string();
@@ -114,8 +112,7 @@ impl Scheduler {
             let previous: Option<String> = sqlx::query_scalar("SELECT trainer_worker FROM runs WHERE id = $1")
                 .bind(run.id)
                 .fetch_one(&mut *tx)
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
             match self.claim_trainer(&run_key, previous, owner).await {
                 Some(trainer) => Some(trainer),
                 None => return Ok(None),
@@ -123,14 +120,13 @@ impl Scheduler {
         } else {
             None
         };
-        db::start_run(&mut tx, run.id, owner, resumed).await.map_err(|e| e.to_string())?;
+        db::start_run(&mut tx, run.id, owner, resumed).await?;
         sqlx::query("UPDATE runs SET trainer_worker = $2 WHERE id = $1")
             .bind(run.id)
             .bind(trainer.as_ref().map(|t| t.worker.clone()))
             .execute(&mut *tx)
-            .await
-            .map_err(|e| e.to_string())?;
-        tx.commit().await.map_err(|e| e.to_string())?;
+            .await?;
+        tx.commit().await?;
         if let Ok(mut claims) = self.claims.lock() {
             claims.insert(owner);
         }

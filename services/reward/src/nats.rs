@@ -27,19 +27,20 @@ pub async fn serve(
     subjects: Subjects,
     scorer: Scorer,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), String> {
+) -> keel_service::Result<()> {
+    use keel_service::Error;
     let subscribe = |subject: String| {
         let client = client.clone();
         async move {
             client
                 .queue_subscribe(subject.clone(), REWARD_QUEUE_GROUP.to_string())
                 .await
-                .map_err(|e| format!("cannot subscribe to {subject}: {e}"))
+                .map_err(|e| Error::Subscribe { subject, reason: e.to_string() })
         }
     };
     let mut scores = subscribe(ScoreRequest::subject(&subjects)).await?;
     let mut steps = subscribe(EnvStepRequest::subject(&subjects)).await?;
-    client.flush().await.map_err(|e| format!("NATS flush failed: {e}"))?;
+    client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
     info!(score = %subjects.reward_score(), step = %subjects.reward_env_step(), "serving rewards");
     tokio::pin!(shutdown);
     let mut in_flight = tokio::task::JoinSet::new();
@@ -50,7 +51,7 @@ pub async fn serve(
             message = scores.next() => (message, false),
             message = steps.next() => (message, true),
         };
-        let Some(message) = message else { return Err("a reward subscription ended".into()) };
+        let Some(message) = message else { return Err(Error::PartStopped("a reward subscription")) };
         let (scorer, client) = (scorer.clone(), client.clone());
         in_flight.spawn(async move {
             let operation = if is_step { "reward.env_step" } else { "reward.score" };
@@ -91,7 +92,7 @@ pub async fn serve(
             }
         }
         while in_flight.join_next().await.is_some() {}
-        if connected() { client.flush().await.map_err(|e| format!("NATS flush failed: {e}")) } else { Ok(()) }
+        if connected() { client.flush().await.map_err(|e| Error::start("flush NATS", e)) } else { Ok(()) }
     };
     match tokio::time::timeout(DRAIN_LIMIT, drain).await {
         Ok(drained) => drained,

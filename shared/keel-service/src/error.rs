@@ -9,6 +9,8 @@ use std::path::PathBuf;
 pub enum Error {
     #[error("cannot connect to NATS at {url}: {reason}")]
     NatsConnect { url: String, reason: String },
+    #[error("cannot subscribe to {subject}: {reason}")]
+    Subscribe { subject: String, reason: String },
     #[error(transparent)]
     Bulk(#[from] BulkError),
     #[error(transparent)]
