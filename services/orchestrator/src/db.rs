@@ -520,3 +520,37 @@ pub async fn samples(
 pub async fn count_by_status(db: &mut PgConnection) -> sqlx::Result<Vec<(String, i64)>> {
     sqlx::query_as("SELECT status, count(*) FROM runs GROUP BY status ORDER BY status").fetch_all(db).await
 }
+
+/// The trainer worker the run held last, if any.
+pub async fn trainer_worker(conn: &mut PgConnection, run_id: Uuid) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar("SELECT trainer_worker FROM runs WHERE id = $1").bind(run_id).fetch_one(conn).await
+}
+
+/// Remembers the trainer worker the run holds now (none for runs without training).
+pub async fn set_trainer_worker(conn: &mut PgConnection, run_id: Uuid, worker: Option<&str>) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET trainer_worker = $2 WHERE id = $1").bind(run_id).bind(worker).execute(conn).await?;
+    Ok(())
+}
+
+/// How many times the run has been started, while `owner` holds it.
+pub async fn attempts(conn: &mut PgConnection, run_id: Uuid, owner: Uuid) -> sqlx::Result<Option<i32>> {
+    sqlx::query_scalar("SELECT attempts FROM runs WHERE id = $1 AND owner = $2")
+        .bind(run_id)
+        .bind(owner)
+        .fetch_optional(conn)
+        .await
+}
+
+/// Hands the live runs of `owners` over to whichever orchestrator claims them next, at once
+/// (their heartbeat made stale) and without counting this start against them: the
+/// orchestrator is stopping, the runs did not fail.
+pub async fn hand_over(conn: &mut PgConnection, owners: &[Uuid]) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE runs SET heartbeat_at = now() - interval '1 day', attempts = greatest(attempts - 1, 0) \
+         WHERE owner = ANY($1) AND status IN ('running', 'waiting')",
+    )
+    .bind(owners)
+    .execute(conn)
+    .await?;
+    Ok(())
+}

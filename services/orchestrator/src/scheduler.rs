@@ -24,7 +24,7 @@ use uuid::Uuid;
 
 use crate::clients::{Nats, Trainer};
 use crate::db;
-use crate::driver::{self, RunContext, Stop, StopFlag, Waits};
+use crate::driver::{self, RunContext, RunStore, Stop, StopFlag, Waits, WeightPublisher};
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -74,14 +74,7 @@ impl Scheduler {
         drivers.shutdown().await;
         let claims: Vec<Uuid> = self.claims.lock().map(|c| c.iter().copied().collect()).unwrap_or_default();
         if let Ok(mut db) = self.pool.acquire().await {
-            // Handed over, not failed: the next start is not counted against the run.
-            let _ = sqlx::query(
-                "UPDATE runs SET heartbeat_at = now() - interval '1 day', attempts = greatest(attempts - 1, 0) \
-                 WHERE owner = ANY($1) AND status IN ('running', 'waiting')",
-            )
-            .bind(&claims)
-            .execute(&mut *db)
-            .await;
+            let _ = db::hand_over(&mut db, &claims).await;
         }
         Ok(())
     }
@@ -109,10 +102,7 @@ impl Scheduler {
         let run_key = run.id.to_string();
         let owner = Uuid::new_v4();
         let trainer = if run.algorithm.loss_name().is_some() {
-            let previous: Option<String> = sqlx::query_scalar("SELECT trainer_worker FROM runs WHERE id = $1")
-                .bind(run.id)
-                .fetch_one(&mut *tx)
-                .await?;
+            let previous = db::trainer_worker(&mut tx, run.id).await?;
             match self.claim_trainer(&run_key, previous, owner).await {
                 Some(trainer) => Some(trainer),
                 None => return Ok(None),
@@ -121,11 +111,7 @@ impl Scheduler {
             None
         };
         db::start_run(&mut tx, run.id, owner, resumed).await?;
-        sqlx::query("UPDATE runs SET trainer_worker = $2 WHERE id = $1")
-            .bind(run.id)
-            .bind(trainer.as_ref().map(|t| t.worker.clone()))
-            .execute(&mut *tx)
-            .await?;
+        db::set_trainer_worker(&mut tx, run.id, trainer.as_ref().map(|t| t.worker.as_str())).await?;
         tx.commit().await?;
         if let Ok(mut claims) = self.claims.lock() {
             claims.insert(owner);
@@ -135,18 +121,26 @@ impl Scheduler {
         let waits = Arc::new(Waits::new(stop.clone()));
         let mut nats = self.nats.clone();
         nats.patience = nats.patience.watched_by(waits.clone());
+        let weights = WeightPublisher::new(
+            run.id,
+            nats.client.clone(),
+            nats.subjects.clone(),
+            nats.bulk.clone(),
+            stop.clone(),
+            run.spec.generation.colocated.generator_offload_weights,
+        );
         Ok(Some(RunContext {
             id: run.id,
-            spec: run.spec,
             owner,
-            pool: self.pool.clone(),
+            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name()),
+            spec: run.spec,
             trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),
             nats,
+            weights,
             checkpoints: self.checkpoints.clone().watched_by(waits.clone()),
             run_dir: self.work_dir.join("runs").join(run.id.to_string()),
             stop,
             waits,
-            announced: std::sync::Mutex::new(None),
         }))
     }
 
@@ -213,12 +207,7 @@ impl Scheduler {
     async fn settle(&self, ctx: &RunContext, result: &driver::Result<()>) -> sqlx::Result<()> {
         let mut tx = self.pool.begin().await?;
         if let Err(Stop::Failed(reason)) = result {
-            let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM runs WHERE id = $1 AND owner = $2")
-                .bind(ctx.id)
-                .bind(ctx.owner)
-                .fetch_optional(&mut *tx)
-                .await?
-                .unwrap_or(i32::MAX);
+            let attempts = db::attempts(&mut tx, ctx.id, ctx.owner).await?.unwrap_or(i32::MAX);
             if attempts < self.max_attempts {
                 tracing::warn!(run_id = %ctx.id, attempts, "run failed, retrying from its latest checkpoint: {reason}");
                 db::requeue(&mut tx, ctx.id).await?;

@@ -6,20 +6,20 @@
 //! only). Phases are timed under NeMo-RL's names (`timing/train/generation`, ...). In
 //! colocated mode the generators sleep while the trainer has the device.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use tracing::Instrument;
 
 use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
-use keel_protocol::generator::{MemoryAction, Sampling};
+use keel_protocol::generator::{MemoryAction, Sampling, WeightBuckets};
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
-use keel_protocol::trainer::{LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest};
+use keel_protocol::trainer::{Scorer, Sequences, TrainBatch, TrainReply};
 
 use super::rollout::{self, Episode, Settings};
 use super::tokens::Prompting;
-use super::{REFIT_WAIT, Result, RunContext, Stop, seconds};
+use super::{REFIT_WAIT, Result, RunContext, Stop, TrainerSession, seconds};
 use crate::data::{self, Dataloader, Record};
 use crate::db::StepRecord;
 
@@ -32,41 +32,55 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     if colocated {
         // The generators serve again whatever became of the run (they may have been put to
         // sleep for a training turn that never ended).
-        if let Err(e) = ctx.generator_memory(MemoryAction::Wake).await {
+        if let Err(e) = ctx.weights.generator_memory(MemoryAction::Wake).await {
             tracing::warn!(run_id = %ctx.id, "cannot wake the generators at the end of the run: {e:?}");
         }
     }
     result
 }
 
+/// What the run carries from step to step.
+struct Grpo {
+    prompting: Prompting,
+    train: Vec<Record>,
+    validation: Vec<Record>,
+    loader: Dataloader,
+    has_reference: bool,
+    total: u64,
+    /// The weights the generators serve: their directory (for directory transfers and
+    /// checkpoints) and version.
+    weights: (PathBuf, u64),
+    /// Weight directories saved, oldest first ([`prune`] keeps the newest few).
+    saved: Vec<PathBuf>,
+    /// What the generators said they serve in: later exports are cast to it.
+    serving_dtype: Option<String>,
+    /// Exports generators may still be loading (deleted once two newer ones exist).
+    exported: VecDeque<WeightBuckets>,
+}
+
+/// A step's metrics; each phase is timed under NeMo-RL's `timing/train/<phase>` name.
+#[derive(Default)]
+struct StepMetrics(BTreeMap<String, f64>);
+
+impl StepMetrics {
+    /// Runs `work` in `span` and records its time as `timing/train/<phase>`.
+    async fn timed<T>(
+        &mut self,
+        phase: &str,
+        span: tracing::Span,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let started = Instant::now();
+        let out = work.instrument(span).await?;
+        self.0.insert(format!("timing/train/{phase}"), seconds(started));
+        Ok(out)
+    }
+}
+
 async fn steps(ctx: &RunContext) -> Result<()> {
-    let spec = &ctx.spec;
-    let colocated = spec.generation.colocated.enabled;
-    let train = data::load_async(&spec.data.train, Algorithm::Grpo, "data.train").await?;
-    let validation = match &spec.data.validation {
-        Some(d) => data::load_async(d, Algorithm::Grpo, "data.validation").await?,
-        None => Vec::new(),
-    };
-    let start = ctx.start().await?;
-    let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
-    let loaded = ctx.load_trainer(&start).await?;
-    let prompts = spec.grpo.num_prompts_per_step;
-    let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
-    let total = spec.max_num_steps.min(start.step + loader.batches_left(prompts));
-    ctx.set_total_steps(total).await?;
-    let mut weights = (start.policy_dir.clone(), start.step);
-    if colocated {
-        // A run taken over from an orchestrator that died may find its generators asleep.
-        ctx.generator_memory(MemoryAction::Wake).await?;
-    }
-    ctx.publish_weights(&weights.0, weights.1).await?;
-    if !start.resumed && !validation.is_empty() {
-        rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
-    }
-    let mut saved: Vec<PathBuf> = Vec::new();
-    let mut serving_dtype: Option<String> = None;
-    let mut exported: std::collections::VecDeque<keel_protocol::generator::WeightBuckets> = Default::default();
-    for step in start.step + 1..=total {
+    let mut run = prepare(ctx).await?;
+    let first = run.weights.1 + 1;
+    for step in first..=run.total {
         ctx.stop.check()?;
         // One trace per step: a root span, whatever span the driver runs in.
         let span = tracing::info_span!(
@@ -75,170 +89,226 @@ async fn steps(ctx: &RunContext) -> Result<()> {
             otel.name = "grpo step",
             run_id = %ctx.id,
             step,
-            total_steps = total,
-            prompts = prompts,
+            total_steps = run.total,
+            prompts = ctx.spec.grpo.num_prompts_per_step,
             sequences = tracing::field::Empty,
             tokens = tracing::field::Empty,
         );
-        let more = async {
-            let started = Instant::now();
-            let mut metrics = BTreeMap::new();
-            let collected = collect_groups(ctx, &prompting, &train, &mut loader, &weights, step, &mut metrics)
-                .instrument(tracing::info_span!("rollouts", step))
-                .await?;
-            let Some(batch) = collected else {
-                tracing::info!(run_id = %ctx.id, step, "the training data is used up");
-                return Ok(false);
-            };
-            let rows = to_train_batch(spec, &batch)?;
-            let current = tracing::Span::current();
-            current.record("sequences", rows.input_ids.len());
-            current.record("tokens", rows.input_ids.iter().map(Vec::len).sum::<usize>());
-
-            if colocated {
-                // The trainer's turn on the GPUs: the generators free them.
-                let phase = Instant::now();
-                ctx.generator_memory(MemoryAction::Sleep).instrument(tracing::info_span!("generator_sleep")).await?;
-                metrics.insert("timing/train/generator_sleep".into(), seconds(phase));
-                let phase = Instant::now();
-                ctx.trainer_memory(false).instrument(tracing::info_span!("trainer_onload")).await?;
-                metrics.insert("timing/train/trainer_onload".into(), seconds(phase));
-            }
-            ctx.stop.check()?;
-            let phase = Instant::now();
-            let trainer = ctx.trainer()?;
-            let sequences = Sequences { input_ids: rows.input_ids.clone() };
-            let temperature = spec.generation.temperature;
-            let (prev, reference) = async {
-                let prev = logprobs(ctx, Scorer::Policy, &sequences, temperature).await?;
-                let reference = if loaded.has_reference {
-                    Some(logprobs(ctx, Scorer::Reference, &sequences, temperature).await?)
-                } else {
-                    None
-                };
-                Ok::<_, Stop>((prev, reference))
-            }
-            .instrument(tracing::info_span!("policy_and_reference_logprobs", sequences = sequences.input_ids.len()))
-            .await?;
-            metrics.insert("timing/train/policy_and_reference_logprobs".into(), seconds(phase));
-
-            ctx.stop.check()?;
-            let phase = Instant::now();
-            let trained: TrainReply = async {
-                let batch_body = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
-                let request = TrainRequest {
-                    run_id: ctx.id.to_string(),
-                    batch: trainer.bulk().wrap(batch_body).await?,
-                    temperature,
-                };
-                Ok::<_, Stop>(trainer.op(&request).await?)
-            }
-            .instrument(tracing::info_span!("policy_training"))
-            .await?;
-            metrics.insert("timing/train/policy_training".into(), seconds(phase));
-            metrics.extend(mean_step_metrics(&trained, "train"));
-            if colocated {
-                let phase = Instant::now();
-                ctx.trainer_memory(true).instrument(tracing::info_span!("trainer_offload")).await?;
-                metrics.insert("timing/train/trainer_offload".into(), seconds(phase));
-            }
-
-            // Weights only, in memory: the trainer exports them in buckets to the object
-            // store and the generators load them in place. Checkpoints are saved on the
-            // checkpoint period only. The phase ends when a generator serves the new
-            // version (as NeMo-RL's refit does), so that its loading is not counted as
-            // generation.
-            let phase = Instant::now();
-            let dir = weights_dir(&ctx.run_dir, step);
-            let transfer = spec.generation.weight_transfer;
-            let in_memory = transfer != WeightTransfer::Directory;
-            let report = async {
-                let announcement = if in_memory {
-                    let shared_memory = transfer == WeightTransfer::SharedMemory;
-                    let (export, announcement) =
-                        ctx.publish_exported_weights(step, shared_memory, serving_dtype.as_deref()).await?;
-                    if let Some(seconds) = export.timing.get("export") {
-                        metrics.insert("timing/train/trainer_export".into(), *seconds);
-                    }
-                    exported.push_back(export.weights);
-                    announcement
-                } else {
-                    ctx.save(&dir, step, loader.position()).await?;
-                    saved.push(dir.clone());
-                    ctx.publish_weights(&dir, step).await?
-                };
-                announcement.first_report(REFIT_WAIT).await
-            }
-            .instrument(tracing::info_span!("weight_sync", version = step))
-            .await?;
-            match report {
-                Some(report) if report.error.is_none() => {
-                    metrics.insert("timing/train/generator_refit".into(), report.seconds);
-                    // Later exports are cast to what the generator serves.
-                    if report.dtype.is_some() {
-                        serving_dtype = report.dtype;
-                    }
-                }
-                Some(report) => tracing::warn!(
-                    run_id = %ctx.id, step, "a generator could not load the new weights: {}",
-                    report.error.unwrap_or_default()
-                ),
-                None => tracing::warn!(
-                    run_id = %ctx.id, step, "no generator reported the new weights loaded within {REFIT_WAIT:?}"
-                ),
-            }
-            weights = (dir.clone(), step);
-            // The previous version stays for generators still loading it.
-            while exported.len() > 2 {
-                if let Some(old) = exported.pop_front() {
-                    ctx.delete_exported(&old).await;
-                }
-            }
-            metrics.insert("timing/train/weight_sync".into(), seconds(phase));
-
-            if colocated {
-                // The generators' turn: the pool back (the new weights are already in).
-                let phase = Instant::now();
-                ctx.generator_memory(MemoryAction::Wake).instrument(tracing::info_span!("generator_wake")).await?;
-                metrics.insert("timing/train/generator_wake".into(), seconds(phase));
-            }
-            let mut samples: Vec<_> =
-                batch.iter().take(spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
-            let last = step == total;
-            if !validation.is_empty() && ctx.validates_at(step, last) {
-                rollout::validate_step(ctx, &prompting, &validation, weights.clone(), step, &mut metrics, &mut samples)
-                    .instrument(tracing::info_span!("validation", prompts = validation.len()))
-                    .await?;
-            }
-            metrics.insert("timing/train/total_step_time".into(), seconds(started));
-            let record = StepRecord {
-                step,
-                metrics: metrics.clone(),
-                samples,
-                dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
-            };
-            ctx.record(&record).instrument(tracing::info_span!("record", metrics = record.metrics.len())).await?;
-            if ctx.saves_at(step, last) {
-                if in_memory {
-                    ctx.save(&dir, step, loader.position()).instrument(tracing::info_span!("checkpoint_save")).await?;
-                    saved.push(dir.clone());
-                }
-                ctx.upload_checkpoint(&dir, step, loader.position(), metrics)
-                    .instrument(tracing::info_span!("checkpoint_upload"))
-                    .await?;
-            }
-            prune(&mut saved);
-            Ok::<_, Stop>(true)
-        }
-        .instrument(span)
-        .await?;
-        if !more {
+        if !grpo_step(ctx, &mut run, step).instrument(span).await? {
             break;
         }
     }
-    for old in exported {
-        ctx.delete_exported(&old).await;
+    for old in run.exported {
+        ctx.weights.delete_exported(&old).await;
     }
+    Ok(())
+}
+
+/// Loads the data, the prompting and the trainer, announces the starting weights and
+/// records the baseline validation of a new run. The weights' version is the step the run
+/// starts after.
+async fn prepare(ctx: &RunContext) -> Result<Grpo> {
+    let spec = &ctx.spec;
+    let train = data::load_async(&spec.data.train, Algorithm::Grpo, "data.train").await?;
+    let validation = match &spec.data.validation {
+        Some(d) => data::load_async(d, Algorithm::Grpo, "data.validation").await?,
+        None => Vec::new(),
+    };
+    let start = ctx.start().await?;
+    let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
+    let loaded = ctx.session()?.load(&start).await?;
+    let prompts = spec.grpo.num_prompts_per_step;
+    let loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
+    let total = spec.max_num_steps.min(start.step + loader.batches_left(prompts));
+    ctx.store.set_total_steps(total).await?;
+    let weights = (start.policy_dir.clone(), start.step);
+    if spec.generation.colocated.enabled {
+        // A run taken over from an orchestrator that died may find its generators asleep.
+        ctx.weights.generator_memory(MemoryAction::Wake).await?;
+    }
+    ctx.weights.publish_dir(&weights.0, weights.1).await?;
+    if !start.resumed && !validation.is_empty() {
+        rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
+    }
+    Ok(Grpo {
+        prompting,
+        train,
+        validation,
+        loader,
+        has_reference: loaded.has_reference,
+        total,
+        weights,
+        saved: Vec::new(),
+        serving_dtype: None,
+        exported: VecDeque::new(),
+    })
+}
+
+/// One GRPO step, phase by phase; false when the training data is used up.
+async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> {
+    let started = Instant::now();
+    let mut metrics = StepMetrics::default();
+    let collected =
+        collect_groups(ctx, &run.prompting, &run.train, &mut run.loader, &run.weights, step, &mut metrics.0)
+            .instrument(tracing::info_span!("rollouts", step))
+            .await?;
+    let Some(episodes) = collected else {
+        tracing::info!(run_id = %ctx.id, step, "the training data is used up");
+        return Ok(false);
+    };
+    let rows = to_train_batch(&ctx.spec, &episodes)?;
+    let current = tracing::Span::current();
+    current.record("sequences", rows.input_ids.len());
+    current.record("tokens", rows.input_ids.iter().map(Vec::len).sum::<usize>());
+    let trained = train(ctx, run, rows, &mut metrics).await?;
+    metrics.0.extend(mean_step_metrics(&trained, "train"));
+    let dir = weights_dir(&ctx.run_dir, step);
+    sync_weights(ctx, run, &dir, step, &mut metrics).await?;
+    let mut samples: Vec<_> =
+        episodes.iter().take(ctx.spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
+    let last = step == run.total;
+    if !run.validation.is_empty() && ctx.validates_at(step, last) {
+        let weights = run.weights.clone();
+        rollout::validate_step(ctx, &run.prompting, &run.validation, weights, step, &mut metrics.0, &mut samples)
+            .instrument(tracing::info_span!("validation", prompts = run.validation.len()))
+            .await?;
+    }
+    metrics.0.insert("timing/train/total_step_time".into(), seconds(started));
+    let metrics = metrics.0;
+    let record = StepRecord {
+        step,
+        metrics: metrics.clone(),
+        samples,
+        dataloader: serde_json::to_value(run.loader.position()).unwrap_or_default(),
+    };
+    ctx.store.record(&record).instrument(tracing::info_span!("record", metrics = record.metrics.len())).await?;
+    if ctx.saves_at(step, last) {
+        checkpoint(ctx, run, &dir, step, metrics).await?;
+    }
+    prune(&mut run.saved);
+    Ok(true)
+}
+
+/// The trainer's turn: the policy's (and reference's) logprobs before the update, then the
+/// update. In colocated mode the generators sleep first and the trainer's optimiser state
+/// leaves the device after.
+async fn train(ctx: &RunContext, run: &Grpo, rows: TrainBatch, metrics: &mut StepMetrics) -> Result<TrainReply> {
+    let colocated = ctx.spec.generation.colocated.enabled;
+    let session = ctx.session()?;
+    if colocated {
+        let sleep = ctx.weights.generator_memory(MemoryAction::Sleep);
+        metrics.timed("generator_sleep", tracing::info_span!("generator_sleep"), sleep).await?;
+        metrics.timed("trainer_onload", tracing::info_span!("trainer_onload"), session.move_memory(false)).await?;
+    }
+    ctx.stop.check()?;
+    let sequences = Sequences { input_ids: rows.input_ids.clone() };
+    let span = tracing::info_span!("policy_and_reference_logprobs", sequences = sequences.input_ids.len());
+    let both = logprobs(session, &sequences, run.has_reference);
+    let (prev, reference) = metrics.timed("policy_and_reference_logprobs", span, both).await?;
+    ctx.stop.check()?;
+    let batch = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
+    let training = session.train(batch, ctx.spec.generation.temperature);
+    let trained = metrics.timed("policy_training", tracing::info_span!("policy_training"), training).await?;
+    if colocated {
+        metrics.timed("trainer_offload", tracing::info_span!("trainer_offload"), session.move_memory(true)).await?;
+    }
+    Ok(trained)
+}
+
+/// The new weights to the generators ([`weight_sync`]); in colocated mode the generators
+/// then wake with them.
+async fn sync_weights(
+    ctx: &RunContext,
+    run: &mut Grpo,
+    dir: &Path,
+    step: u64,
+    metrics: &mut StepMetrics,
+) -> Result<()> {
+    let span = tracing::info_span!("weight_sync", version = step);
+    let timings = metrics.timed("weight_sync", span, weight_sync(ctx, run, dir, step)).await?;
+    metrics.0.extend(timings);
+    if ctx.spec.generation.colocated.enabled {
+        let wake = ctx.weights.generator_memory(MemoryAction::Wake);
+        metrics.timed("generator_wake", tracing::info_span!("generator_wake"), wake).await?;
+    }
+    Ok(())
+}
+
+/// The policy's logprobs before the update, and the reference's when the run has one.
+async fn logprobs(
+    session: TrainerSession<'_>,
+    sequences: &Sequences,
+    has_reference: bool,
+) -> Result<(Vec<Vec<f32>>, Option<Vec<Vec<f32>>>)> {
+    let prev = session.logprobs(Scorer::Policy, sequences).await?;
+    let reference = if has_reference { Some(session.logprobs(Scorer::Reference, sequences).await?) } else { None };
+    Ok((prev, reference))
+}
+
+/// Weights to the generators: in memory (the trainer exports weights only, in buckets, to
+/// the object store or shared memory) or through a saved directory. The phase ends when a
+/// generator serves the new version (as NeMo-RL's refit does), so that its loading is not
+/// counted as generation. Returns the trainer's export time and the generator's refit time.
+async fn weight_sync(ctx: &RunContext, run: &mut Grpo, dir: &Path, step: u64) -> Result<BTreeMap<String, f64>> {
+    let mut timings = BTreeMap::new();
+    let transfer = ctx.spec.generation.weight_transfer;
+    let announcement = if transfer == WeightTransfer::Directory {
+        ctx.session()?.save(dir, step, run.loader.position()).await?;
+        run.saved.push(dir.to_path_buf());
+        ctx.weights.publish_dir(dir, step).await?
+    } else {
+        let shared_memory = transfer == WeightTransfer::SharedMemory;
+        let export = ctx.session()?.export(shared_memory, run.serving_dtype.as_deref()).await?;
+        if let Some(seconds) = export.timing.get("export") {
+            timings.insert("timing/train/trainer_export".into(), *seconds);
+        }
+        let announcement = ctx.weights.publish_export(step, &export.weights).await?;
+        run.exported.push_back(export.weights);
+        announcement
+    };
+    match announcement.first_report(REFIT_WAIT).await? {
+        Some(report) if report.error.is_none() => {
+            timings.insert("timing/train/generator_refit".into(), report.seconds);
+            if report.dtype.is_some() {
+                run.serving_dtype = report.dtype;
+            }
+        }
+        Some(report) => tracing::warn!(
+            run_id = %ctx.id, step, "a generator could not load the new weights: {}",
+            report.error.unwrap_or_default()
+        ),
+        None => {
+            tracing::warn!(run_id = %ctx.id, step, "no generator reported the new weights loaded within {REFIT_WAIT:?}")
+        }
+    }
+    run.weights = (dir.to_path_buf(), step);
+    // The previous version stays for generators still loading it.
+    while run.exported.len() > 2 {
+        if let Some(old) = run.exported.pop_front() {
+            ctx.weights.delete_exported(&old).await;
+        }
+    }
+    Ok(timings)
+}
+
+/// Saves (unless the weight sync already did) and uploads the step's checkpoint.
+async fn checkpoint(
+    ctx: &RunContext,
+    run: &mut Grpo,
+    dir: &Path,
+    step: u64,
+    metrics: BTreeMap<String, f64>,
+) -> Result<()> {
+    if ctx.spec.generation.weight_transfer != WeightTransfer::Directory {
+        ctx.session()?
+            .save(dir, step, run.loader.position())
+            .instrument(tracing::info_span!("checkpoint_save"))
+            .await?;
+        run.saved.push(dir.to_path_buf());
+    }
+    ctx.upload_checkpoint(dir, step, run.loader.position(), metrics)
+        .instrument(tracing::info_span!("checkpoint_upload"))
+        .await?;
     Ok(())
 }
 
@@ -379,18 +449,6 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
         prev_logprobs: None,
         reference_logprobs: None,
     })
-}
-
-async fn logprobs(ctx: &RunContext, model: Scorer, sequences: &Sequences, temperature: f64) -> Result<Vec<Vec<f32>>> {
-    let trainer = ctx.trainer()?;
-    let request = LogprobsRequest {
-        run_id: ctx.id.to_string(),
-        model,
-        batch: trainer.bulk().wrap(sequences.clone()).await?,
-        temperature,
-    };
-    let reply: LogprobsReply = trainer.op(&request).await?;
-    Ok(trainer.bulk().fetch(reply.logprobs).await?.logprobs)
 }
 
 /// Each metric averaged over the optimiser steps of one train call, prefixed.

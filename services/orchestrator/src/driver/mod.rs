@@ -3,6 +3,9 @@
 //! algorithms themselves.
 //!
 //! Layout:
+//! - [`store`]: the run's rows in Postgres, every write fenced by the run's claim.
+//! - [`session`]: the run's trainer worker, one method per operation.
+//! - [`weights`]: weights announced to the generators, their reports, sleep and wake.
 //! - [`tokens`]: prompts, SFT examples and preference pairs as token ids.
 //! - [`rollout`]: multi-turn rollouts through the generator and reward queue groups, and
 //!   validation (accuracy, pass@k).
@@ -18,8 +21,11 @@
 pub mod eval;
 pub mod grpo;
 pub mod rollout;
+pub mod session;
+pub mod store;
 pub mod supervised;
 pub mod tokens;
+pub mod weights;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,20 +35,16 @@ use std::time::{Duration, Instant};
 
 use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
 use keel_protocol::checkpoint::Retention;
-use keel_protocol::generator::{
-    MemoryAction, MemoryChange, MemoryReport, WeightBuckets, WeightsLoaded, WeightsUpdated,
-};
 use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
-use keel_protocol::trainer::{
-    ExportReply, ExportRequest, LoadReply, LoadRequest, MemoryMoved, ModelSource, OffloadRequest, OnloadRequest,
-    SaveReply, SaveRequest,
-};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::clients::{CallError, Nats, Trainer};
 use crate::data::Position;
 use crate::db;
+pub use session::TrainerSession;
+pub use store::RunStore;
+pub use weights::{Announcement, WeightPublisher};
 
 /// Why a driver stopped before the end.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -157,25 +159,26 @@ impl keel_client::retry::Watcher for Waits {
     }
 }
 
-/// Everything a driver works with.
+/// What a driver works with: the run, and a facade for each party it talks to.
 #[derive(Debug)]
 pub struct RunContext {
     pub id: Uuid,
     pub spec: RunSpec,
     /// This claim of the run (see `db`'s ownership): the fence on every write.
     pub owner: Uuid,
-    pub pool: PgPool,
+    /// The run's rows.
+    pub store: RunStore,
+    /// Rollouts and scoring through the generator and reward queue groups.
     pub nats: Nats,
     pub trainer: Option<Trainer>,
+    /// The generators' side: weights announced, sleep and wake.
+    pub weights: WeightPublisher,
     pub checkpoints: CheckpointClient,
     /// This run's scratch directory on the disk shared with the trainer and generators.
     pub run_dir: PathBuf,
     pub stop: StopFlag,
     /// The run's waits for dependencies (its `nats` and `checkpoints` report to it).
     pub waits: Arc<Waits>,
-    /// The weights last announced, and when (a refusal announces them again, at most every
-    /// [`REANNOUNCE_AFTER`]).
-    pub announced: std::sync::Mutex<Option<(WeightsUpdated, Instant)>>,
 }
 
 /// The largest object a weights-only export packs tensors into.
@@ -202,6 +205,11 @@ pub struct Start {
 impl RunContext {
     pub fn trainer(&self) -> Result<&Trainer> {
         self.trainer.as_ref().ok_or_else(|| Stop::Failed("this run holds no trainer".into()))
+    }
+
+    /// The run's trainer worker, for its operations.
+    pub fn session(&self) -> Result<TrainerSession<'_>> {
+        Ok(TrainerSession::new(self.trainer()?, self.id, &self.spec))
     }
 
     /// Finds the base model (downloading a checkpoint once) and the latest checkpoint, and
@@ -235,74 +243,11 @@ impl RunContext {
                 Start { base_dir, policy_dir, step: 0, position: Position::default(), resumed: false }
             }
         };
-        if !db::rewind(&mut *self.pool.acquire().await?, self.id, self.owner, start.step).await? {
-            return Err(Stop::Lost);
-        }
+        self.store.rewind(start.step).await?;
         if start.resumed {
             tracing::info!(run_id = %self.id, step = start.step, "resuming from the latest checkpoint");
         }
         Ok(start)
-    }
-
-    /// Loads the policy (and reference) on the trainer. A resumed run restores its
-    /// optimiser and scheduler; a run starting from another run's checkpoint does not.
-    pub async fn load_trainer(&self, start: &Start) -> Result<LoadReply> {
-        let Some(training) = self.spec.training.clone() else {
-            return Err(Stop::Failed("this run has no training section".into()));
-        };
-        let request = LoadRequest {
-            run_id: self.id.to_string(),
-            policy: ModelSource { path: start.policy_dir.to_string_lossy().into_owned() },
-            reference: (!start.resumed).then(|| ModelSource { path: start.base_dir.to_string_lossy().into_owned() }),
-            training,
-            device: self.spec.device.clone(),
-            dtype: self.spec.dtype.clone(),
-            reference_offload: false,
-            resume: start.resumed,
-            seed: self.spec.seed,
-            tensor_parallel_size: self.spec.tensor_parallel_size,
-        };
-        Ok(self.trainer()?.op(&request).await?)
-    }
-
-    /// Tells the API how many steps the run will take.
-    pub async fn set_total_steps(&self, total: u64) -> Result<()> {
-        Ok(db::set_total_steps(&mut *self.pool.acquire().await?, self.id, total).await?)
-    }
-
-    /// Records a finished step, or stops if the run is no longer this instance's.
-    pub async fn record(&self, record: &db::StepRecord) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
-        if !db::record_step(&mut tx, self.id, self.owner, record).await? {
-            return Err(Stop::Lost);
-        }
-        tx.commit().await?;
-        let algorithm = self.spec.algorithm.name();
-        for (name, seconds) in &record.metrics {
-            if let Some(phase) = name.strip_prefix("timing/train/") {
-                keel_service::metrics::observe(
-                    "keel_step_phase_seconds",
-                    "Time of each phase of a recorded training step (NeMo-RL's timing/train/* names).",
-                    &[("algorithm", algorithm), ("phase", phase)],
-                    *seconds,
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Saves the trainer's state to `dir` (replacing a copy left by an attempt that stopped
-    /// before uploading it).
-    pub async fn save(&self, dir: &Path, step: u64, position: Position) -> Result<SaveReply> {
-        if dir.exists() {
-            std::fs::remove_dir_all(dir).map_err(|e| Stop::Failed(format!("cannot clear {}: {e}", dir.display())))?;
-        }
-        let request = SaveRequest {
-            run_id: self.id.to_string(),
-            path: dir.to_string_lossy().into_owned(),
-            info: serde_json::json!({"run_step": step, "dataloader": position}),
-        };
-        Ok(self.trainer()?.op(&request).await?)
     }
 
     /// Uploads a saved directory as the run's checkpoint for `step`.
@@ -328,135 +273,8 @@ impl RunContext {
             retention,
         };
         let checkpoint = self.checkpoints.upload_dir(dir, new).await?;
-        let mut db = self.pool.acquire().await?;
-        db::append_event(&mut db, self.id, &RunEvent::Checkpoint { step, checkpoint_id: checkpoint.id }).await?;
+        self.store.append_event(&RunEvent::Checkpoint { step, checkpoint_id: checkpoint.id }).await?;
         Ok(checkpoint.id)
-    }
-
-    /// Tells every generator to serve `dir` as this run's weights at `version`.
-    pub async fn publish_weights(&self, dir: &Path, version: u64) -> Result<Announcement> {
-        let path = dir.to_string_lossy().into_owned();
-        self.announce(WeightsUpdated { run_id: self.id.to_string(), version, path, weights: None }).await
-    }
-
-    /// Has the trainer export the policy's weights (weights only, in the run's dtype, in
-    /// buckets in the object store) and tells every generator to serve them as `version`.
-    /// Returns the export (the caller deletes its buckets once no generator needs them) and
-    /// the announcement. With `shared_memory` the buckets are files in `/dev/shm` on the
-    /// trainer's host. `serving_dtype` (what the generators said they serve in) wins over
-    /// the run's dtype.
-    pub async fn publish_exported_weights(
-        &self,
-        version: u64,
-        shared_memory: bool,
-        serving_dtype: Option<&str>,
-    ) -> Result<(ExportReply, Announcement)> {
-        let shared_dir = shared_memory.then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.id));
-        let request = ExportRequest {
-            run_id: self.id.to_string(),
-            dtype: serving_dtype.map(str::to_string).or_else(|| self.spec.dtype.clone()),
-            bucket_bytes: EXPORT_BUCKET_BYTES,
-            shared_dir,
-        };
-        let exported: ExportReply = self.trainer()?.op(&request).await?;
-        let event = WeightsUpdated {
-            run_id: self.id.to_string(),
-            version,
-            path: String::new(),
-            weights: Some(exported.weights.clone()),
-        };
-        let announcement = self.announce(event).await?;
-        Ok((exported, announcement))
-    }
-
-    /// Publishes `event` with a reply subject of its own, on which generators report when
-    /// they have loaded it.
-    async fn announce(&self, event: WeightsUpdated) -> Result<Announcement> {
-        let reports = self.broadcast(self.nats.subjects.weights_updated(), &event, "weights").await?;
-        let version = event.version;
-        if let Ok(mut announced) = self.announced.lock() {
-            *announced = Some((event, Instant::now()));
-        }
-        Ok(Announcement { version, reports, stop: self.stop.clone() })
-    }
-
-    /// Publishes `body` on `subject` (every generator hears it) with a reply subject of its
-    /// own, and returns the subscription on which the answers come.
-    async fn broadcast(
-        &self,
-        subject: String,
-        body: &impl serde::Serialize,
-        what: &str,
-    ) -> Result<async_nats::Subscriber> {
-        let failed = |e: &dyn std::fmt::Display| Stop::Failed(format!("cannot publish {what}: {e}"));
-        let body = serde_json::to_vec(body).map_err(|e| Stop::Failed(e.to_string()))?;
-        let client = &self.nats.client;
-        let inbox = client.new_inbox();
-        let replies = client.subscribe(inbox.clone()).await.map_err(|e| failed(&e))?;
-        client
-            .publish_with_reply_and_headers(subject, inbox, keel_telemetry::nats_headers(), body.into())
-            .await
-            .map_err(|e| failed(&e))?;
-        client.flush().await.map_err(|e| failed(&e))?;
-        Ok(replies)
-    }
-
-    /// Colocated runs: has the generators sleep or wake, and waits for the first one's
-    /// answer (up to [`REFIT_WAIT`]); a failure it reports fails the run.
-    pub async fn generator_memory(&self, action: MemoryAction) -> Result<()> {
-        let change = MemoryChange {
-            run_id: self.id.to_string(),
-            action,
-            offload_weights: self.spec.generation.colocated.generator_offload_weights,
-        };
-        let mut replies = self.broadcast(self.nats.subjects.generator_memory(), &change, "a memory change").await?;
-        let answer = first_answer(&mut replies, REFIT_WAIT, &self.stop, |_: &MemoryReport| true).await?;
-        match answer {
-            Some(MemoryReport { error: Some(e), .. }) => {
-                Err(Stop::Failed(format!("the generator could not {}: {e}", action.verb())))
-            }
-            Some(_) => Ok(()),
-            None => {
-                tracing::warn!(run_id = %self.id, "no generator answered {action:?} within {REFIT_WAIT:?}");
-                Ok(())
-            }
-        }
-    }
-
-    /// Colocated runs: the trainer's optimiser state (and weights, by the spec) to host
-    /// memory (`offload`), or back (`onload`).
-    pub async fn trainer_memory(&self, offload: bool) -> Result<()> {
-        let trainer = self.trainer()?;
-        let moved: MemoryMoved = if offload {
-            let weights = self.spec.generation.colocated.trainer_offload_weights;
-            trainer.op(&OffloadRequest { run_id: self.id.to_string(), weights }).await?
-        } else {
-            trainer.op(&OnloadRequest { run_id: self.id.to_string() }).await?
-        };
-        tracing::debug!(run_id = %self.id, offload, bytes = moved.bytes, seconds = moved.seconds, "trainer memory moved");
-        Ok(())
-    }
-
-    /// Announces the weights of `version` again unless that was done within
-    /// [`REANNOUNCE_AFTER`]: the same announcement when it was of that version, else `dir`.
-    pub async fn reannounce_weights(&self, dir: &Path, version: u64) -> Result<()> {
-        let last = self.announced.lock().ok().and_then(|a| a.clone());
-        match last {
-            Some((_, at)) if at.elapsed() < REANNOUNCE_AFTER => Ok(()),
-            Some((event, _)) if event.version == version => self.announce(event).await.map(drop),
-            _ => self.publish_weights(dir, version).await.map(drop),
-        }
-    }
-
-    /// Deletes exported weight buckets no generator needs any more (best effort: the object
-    /// store expires them after a day anyway).
-    pub async fn delete_exported(&self, weights: &WeightBuckets) {
-        // Files in shared memory are the trainer's to delete (it keeps the newest three).
-        for object in weights.buckets.iter().filter_map(|b| b.object.as_ref()) {
-            if let Err(e) = self.nats.bulk.delete(object).await {
-                tracing::warn!(run_id = %self.id, "cannot delete exported weights: {e}");
-            }
-        }
     }
 
     /// Whether `step` is a checkpoint step.
@@ -469,50 +287,6 @@ impl RunContext {
     pub fn validates_at(&self, step: u64, last: bool) -> bool {
         let period = self.spec.validation.period;
         last || (period > 0 && step.is_multiple_of(period))
-    }
-}
-
-/// Weights published to the generators, whose reports of loading them can be waited for.
-#[derive(Debug)]
-pub struct Announcement {
-    version: u64,
-    reports: async_nats::Subscriber,
-    stop: StopFlag,
-}
-
-impl Announcement {
-    /// The first generator's report of loading the announced version, waited for up to
-    /// `limit` (None when no generator answered in time: the run's rollouts then wait for
-    /// the weights themselves). A cancelled or lost run stops waiting.
-    pub async fn first_report(mut self, limit: Duration) -> Result<Option<WeightsLoaded>> {
-        let version = self.version;
-        first_answer(&mut self.reports, limit, &self.stop, |r: &WeightsLoaded| r.version == version).await
-    }
-}
-
-/// The first answer on `replies` that parses as a `T` that `wanted` accepts, waited for up
-/// to `limit`; a cancelled or lost run stops waiting.
-async fn first_answer<T: serde::de::DeserializeOwned>(
-    replies: &mut async_nats::Subscriber,
-    limit: Duration,
-    stop: &StopFlag,
-    wanted: impl Fn(&T) -> bool,
-) -> Result<Option<T>> {
-    use futures::StreamExt;
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        stop.check()?;
-        let tick = (tokio::time::Instant::now() + Duration::from_secs(1)).min(deadline);
-        match tokio::time::timeout_at(tick, replies.next()).await {
-            Ok(Some(message)) => match serde_json::from_slice::<T>(&message.payload) {
-                Ok(answer) if wanted(&answer) => return Ok(Some(answer)),
-                Ok(_) => {}
-                Err(e) => tracing::warn!("malformed answer ignored: {e}"),
-            },
-            Ok(None) => return Ok(None),
-            Err(_) if tick >= deadline => return Ok(None),
-            Err(_) => {}
-        }
     }
 }
 

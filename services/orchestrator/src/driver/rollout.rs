@@ -254,7 +254,7 @@ async fn generate(ctx: &RunContext, request: &RolloutRequest, weights: &(PathBuf
         match ctx.nats.ask(request).await {
             Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
                 ctx.stop.check()?;
-                ctx.reannounce_weights(&weights.0, weights.1).await?;
+                ctx.weights.reannounce(&weights.0, weights.1).await?;
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
             other => return Ok(other?),
@@ -398,10 +398,7 @@ pub async fn record_baseline(
     weights: (PathBuf, u64),
 ) -> Result<()> {
     let (metrics, samples) = validate(ctx, prompting, records, weights, 0, "validation").await?;
-    let mut db = ctx.pool.acquire().await?;
-    crate::db::insert_metrics(&mut db, ctx.id, 0, &metrics).await?;
-    crate::db::insert_samples(&mut db, ctx.id, &samples).await?;
-    Ok(())
+    ctx.store.record_baseline(&metrics, &samples).await
 }
 
 /// Validation within step `step`: its metrics, samples and time added to the step's.

@@ -8,7 +8,7 @@ use std::time::Instant;
 use tracing::Instrument;
 
 use keel_protocol::run::Algorithm;
-use keel_protocol::trainer::{TrainBatch, TrainReply, TrainRequest};
+use keel_protocol::trainer::TrainBatch;
 
 use super::grpo::{mean_step_metrics, weights_dir};
 use super::tokens::{Prompting, Row};
@@ -27,14 +27,14 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     };
     let start = ctx.start().await?;
     let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
-    ctx.load_trainer(&start).await?;
+    ctx.session()?.load(&start).await?;
     let pairwise = matches!(algorithm, Algorithm::Dpo | Algorithm::Rm);
     let per_step = if pairwise { training.global_batch_size / 2 } else { training.global_batch_size };
     let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
     let total = spec.max_num_steps.min(start.step + loader.batches_left(per_step));
-    ctx.set_total_steps(total).await?;
+    ctx.store.set_total_steps(total).await?;
     if !start.resumed && !validation.is_empty() {
-        ctx.publish_weights(&start.policy_dir, 0).await?;
+        ctx.weights.publish_dir(&start.policy_dir, 0).await?;
         let weights = (start.policy_dir.clone(), 0);
         rollout::record_baseline(ctx, &prompting, &validation, weights).await?;
     }
@@ -63,11 +63,9 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
                 token_mask: rows.into_iter().map(|r| r.mask).collect(),
                 ..TrainBatch::default()
             };
-            let trainer = ctx.trainer()?;
+            let session = ctx.session()?;
             let phase = Instant::now();
-            let request =
-                TrainRequest { run_id: ctx.id.to_string(), batch: trainer.bulk().wrap(batch).await?, temperature: 1.0 };
-            let trained: TrainReply = trainer.op(&request).instrument(tracing::info_span!("policy_training")).await?;
+            let trained = session.train(batch, 1.0).instrument(tracing::info_span!("policy_training")).await?;
             let mut metrics = mean_step_metrics(&trained, "train");
             metrics.insert("timing/train/policy_training".into(), seconds(phase));
             metrics.insert("performance/training_tokens_per_second".into(), tokens as f64 / seconds(phase).max(1e-9));
@@ -76,8 +74,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
             let mut samples = Vec::new();
             if !validation.is_empty() && ctx.validates_at(step, last) {
                 let dir = weights_dir(&ctx.run_dir, step);
-                ctx.save(&dir, step, loader.position()).await?;
-                ctx.publish_weights(&dir, step).await?;
+                session.save(&dir, step, loader.position()).await?;
+                ctx.weights.publish_dir(&dir, step).await?;
                 rollout::validate_step(
                     ctx,
                     &prompting,
@@ -91,19 +89,20 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
                 saved = Some(dir);
             }
             metrics.insert("timing/train/total_step_time".into(), seconds(started));
-            ctx.record(&StepRecord {
-                step,
-                metrics: metrics.clone(),
-                samples,
-                dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
-            })
-            .await?;
+            ctx.store
+                .record(&StepRecord {
+                    step,
+                    metrics: metrics.clone(),
+                    samples,
+                    dataloader: serde_json::to_value(loader.position()).unwrap_or_default(),
+                })
+                .await?;
             if ctx.saves_at(step, last) {
                 let dir = match saved.take() {
                     Some(dir) => dir,
                     None => {
                         let dir = weights_dir(&ctx.run_dir, step);
-                        ctx.save(&dir, step, loader.position()).await?;
+                        session.save(&dir, step, loader.position()).await?;
                         dir
                     }
                 };
