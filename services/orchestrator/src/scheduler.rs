@@ -24,7 +24,9 @@ use uuid::Uuid;
 
 use crate::clients::{Nats, Trainer};
 use crate::db;
-use crate::driver::{self, RunContext, RunStore, Stop, StopFlag, Waits, WeightPublisher};
+use crate::driver::store::RunStore;
+use crate::driver::weights::WeightPublisher;
+use crate::driver::{self, RunContext, Stop, StopFlag, Waits};
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {

@@ -53,6 +53,13 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A shared library (NCCL, libtorch's CUDA library, a shim) that cannot be used on this
+/// machine, and why. It is `Clone` so that a failed load can be kept for the life of the
+/// process and reported on every later use without loading again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LibraryUnavailable(pub String);
+
 /// Collective operations across the ranks of one group. Every rank must call the same
 /// operations in the same order.
 pub trait Collective: Send + std::fmt::Debug {

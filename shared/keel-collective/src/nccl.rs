@@ -23,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 use tch::{Device, Kind, Tensor};
 
-use crate::{Collective, Error, ReduceOp, Result};
+use crate::{Collective, Error, LibraryUnavailable, ReduceOp, Result};
 
 /// The 128-byte id every rank of a multi-process group joins with.
 #[repr(C)]
@@ -90,12 +90,12 @@ const LIBRARY_NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
 ///
 /// # Safety
 /// `T` must be the C signature of the exported function.
-unsafe fn symbol<T: Copy>(library: &libloading::Library, name: &str) -> std::result::Result<T, String> {
+unsafe fn symbol<T: Copy>(library: &libloading::Library, name: &str) -> std::result::Result<T, LibraryUnavailable> {
     // SAFETY: the caller names the function's true signature.
-    unsafe { library.get::<T>(name.as_bytes()).map(|s| *s).map_err(|e| format!("{name}: {e}")) }
+    unsafe { library.get::<T>(name.as_bytes()).map(|s| *s).map_err(|e| LibraryUnavailable(format!("{name}: {e}"))) }
 }
 
-fn load() -> std::result::Result<Api, String> {
+fn load() -> std::result::Result<Api, LibraryUnavailable> {
     let mut tried = Vec::new();
     for name in LIBRARY_NAMES {
         // SAFETY: loading NCCL runs its initialisers, which have no preconditions.
@@ -121,15 +121,15 @@ fn load() -> std::result::Result<Api, String> {
             Err(e) => tried.push(format!("{name}: {e}")),
         }
     }
-    Err(format!(
+    Err(LibraryUnavailable(format!(
         "NCCL is not available ({}); install NVIDIA's NCCL or put torch's nvidia/nccl/lib on LD_LIBRARY_PATH",
         tried.join("; ")
-    ))
+    )))
 }
 
 fn api() -> Result<&'static Api> {
-    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load).as_ref().map_err(|e| Error::Invalid(e.clone()))
+    static API: OnceLock<std::result::Result<Api, LibraryUnavailable>> = OnceLock::new();
+    API.get_or_init(load).as_ref().map_err(|e| Error::Invalid(e.to_string()))
 }
 
 fn check(api: &Api, status: Status, call: &str) -> Result<()> {

@@ -4,12 +4,13 @@
 
 use std::sync::OnceLock;
 
+use keel_collective::LibraryUnavailable;
 use tch::{Device, Kind};
 
 use crate::error::{Error, Result};
 
-fn load_torch_cuda() -> Result<(), String> {
-    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+fn load_torch_cuda() -> Result<(), LibraryUnavailable> {
+    static LOADED: OnceLock<Result<(), LibraryUnavailable>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
             // SAFETY: loading libtorch's own CUDA library runs its static initialisers, which
@@ -17,7 +18,7 @@ fn load_torch_cuda() -> Result<(), String> {
             // so the library stays loaded for the life of the process.
             #[allow(unsafe_code)]
             let library = unsafe { libloading::os::unix::Library::open(Some("libtorch_cuda.so"), libc_flags()) };
-            library.map(std::mem::forget).map_err(|e| e.to_string())
+            library.map(std::mem::forget).map_err(|e| LibraryUnavailable(e.to_string()))
         })
         .clone()
 }

@@ -13,7 +13,7 @@ use crate::error::Error;
 #[derive(Debug)]
 pub struct Parts {
     stop: watch::Sender<bool>,
-    tasks: JoinSet<(&'static str, Result<(), String>)>,
+    tasks: JoinSet<(&'static str, Result<(), Error>)>,
 }
 
 impl Default for Parts {
@@ -38,7 +38,8 @@ impl Parts {
         name: &'static str,
         part: impl Future<Output = Result<(), E>> + Send + 'static,
     ) {
-        self.tasks.spawn(async move { (name, part.await.map_err(|e| e.to_string())) });
+        self.tasks
+            .spawn(async move { (name, part.await.map_err(|e| Error::Part { part: name, reason: e.to_string() })) });
     }
 
     /// Runs until `shutdown` completes (then stops every part and waits for them) or a part
@@ -52,13 +53,13 @@ impl Parts {
         let mut first_error = match ended {
             None => None,
             Some(Ok((name, Ok(())))) => Some(Error::PartStopped(name)),
-            Some(Ok((part, Err(reason)))) => Some(Error::Part { part, reason }),
+            Some(Ok((_, Err(e)))) => Some(e),
             Some(Err(e)) => Some(Error::Part { part: "task", reason: e.to_string() }),
         };
         while let Some(done) = self.tasks.join_next().await {
             let error = match done {
                 Ok((_, Ok(()))) => continue,
-                Ok((part, Err(reason))) => Error::Part { part, reason },
+                Ok((_, Err(e))) => e,
                 Err(e) => Error::Part { part: "task", reason: e.to_string() },
             };
             first_error.get_or_insert(error);

@@ -18,8 +18,9 @@ use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer}
 use keel_protocol::trainer::{Scorer, Sequences, TrainBatch, TrainReply};
 
 use super::rollout::{self, Episode, Settings};
+use super::session::TrainerSession;
 use super::tokens::Prompting;
-use super::{REFIT_WAIT, Result, RunContext, Stop, TrainerSession, seconds};
+use super::{REFIT_WAIT, Result, RunContext, Stop, seconds};
 use crate::data::{self, Dataloader, Record};
 use crate::db::StepRecord;
 

@@ -42,9 +42,6 @@ use uuid::Uuid;
 use crate::clients::{CallError, Nats, Trainer};
 use crate::data::Position;
 use crate::db;
-pub use session::TrainerSession;
-pub use store::RunStore;
-pub use weights::{Announcement, WeightPublisher};
 
 /// Why a driver stopped before the end.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -167,12 +164,12 @@ pub struct RunContext {
     /// This claim of the run (see `db`'s ownership): the fence on every write.
     pub owner: Uuid,
     /// The run's rows.
-    pub store: RunStore,
+    pub store: store::RunStore,
     /// Rollouts and scoring through the generator and reward queue groups.
     pub nats: Nats,
     pub trainer: Option<Trainer>,
     /// The generators' side: weights announced, sleep and wake.
-    pub weights: WeightPublisher,
+    pub weights: weights::WeightPublisher,
     pub checkpoints: CheckpointClient,
     /// This run's scratch directory on the disk shared with the trainer and generators.
     pub run_dir: PathBuf,
@@ -208,8 +205,8 @@ impl RunContext {
     }
 
     /// The run's trainer worker, for its operations.
-    pub fn session(&self) -> Result<TrainerSession<'_>> {
-        Ok(TrainerSession::new(self.trainer()?, self.id, &self.spec))
+    pub fn session(&self) -> Result<session::TrainerSession<'_>> {
+        Ok(session::TrainerSession::new(self.trainer()?, self.id, &self.spec))
     }
 
     /// Finds the base model (downloading a checkpoint once) and the latest checkpoint, and

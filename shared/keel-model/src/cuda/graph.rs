@@ -14,6 +14,8 @@ use std::sync::OnceLock;
 
 use tch::Device;
 
+use keel_collective::LibraryUnavailable;
+
 use super::KernelError;
 
 /// The shim library, or an empty slice where build.rs could not build it.
@@ -35,24 +37,25 @@ struct Shim {
     current_stream: unsafe extern "C" fn(c_int) -> *mut c_void,
 }
 
-static SHIM: OnceLock<Result<Shim, String>> = OnceLock::new();
+static SHIM: OnceLock<Result<Shim, LibraryUnavailable>> = OnceLock::new();
 
 /// Loads the shim once; later calls return the same outcome.
 fn shim() -> Result<&'static Shim> {
     SHIM.get_or_init(load).as_ref().map_err(|e| KernelError::Unavailable(format!("CUDA graphs: {e}")))
 }
 
-fn load() -> Result<Shim, String> {
+fn load() -> Result<Shim, LibraryUnavailable> {
+    let unavailable = LibraryUnavailable;
     if LIBRARY.is_empty() {
-        return Err(format!("the shim was {BUILD_STATUS}"));
+        return Err(unavailable(format!("the shim was {BUILD_STATUS}")));
     }
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     LIBRARY.hash(&mut hasher);
     let path = std::env::temp_dir().join(format!("keel-cuda-graph-{:016x}.so", hasher.finish()));
     if std::fs::metadata(&path).map(|m| m.len()).ok() != Some(LIBRARY.len() as u64) {
         let partial = path.with_extension(format!("{}.part", std::process::id()));
-        std::fs::write(&partial, LIBRARY).map_err(|e| format!("writing {}: {e}", partial.display()))?;
-        std::fs::rename(&partial, &path).map_err(|e| format!("renaming to {}: {e}", path.display()))?;
+        std::fs::write(&partial, LIBRARY).map_err(|e| unavailable(format!("writing {}: {e}", partial.display())))?;
+        std::fs::rename(&partial, &path).map_err(|e| unavailable(format!("renaming to {}: {e}", path.display())))?;
     }
     let flags = libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_LOCAL;
     // SAFETY: the shim's initialisers are libtorch's; it is loaded once and never unloaded
@@ -60,10 +63,10 @@ fn load() -> Result<Shim, String> {
     #[allow(unsafe_code)]
     unsafe {
         let library = libloading::os::unix::Library::open(Some(&path), flags)
-            .map_err(|e| format!("loading {}: {e}", path.display()))?;
+            .map_err(|e| unavailable(format!("loading {}: {e}", path.display())))?;
         macro_rules! symbol {
             ($name:literal) => {
-                *library.get($name).map_err(|e| format!("{}: {e}", String::from_utf8_lossy($name)))?
+                *library.get($name).map_err(|e| unavailable(format!("{}: {e}", String::from_utf8_lossy($name))))?
             };
         }
         let shim = Shim {
