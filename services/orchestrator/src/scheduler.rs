@@ -123,14 +123,8 @@ impl Scheduler {
         let waits = Arc::new(Waits::new(stop.clone()));
         let mut nats = self.nats.clone();
         nats.patience = nats.patience.watched_by(waits.clone());
-        let weights = WeightPublisher::new(
-            run.id,
-            nats.client.clone(),
-            nats.subjects.clone(),
-            nats.bulk.clone(),
-            stop.clone(),
-            run.spec.generation.colocated.generator_offload_weights,
-        );
+        let offload_weights = run.spec.generation.colocated.generator_offload_weights;
+        let weights = WeightPublisher::new(run.id, &nats, stop.clone(), offload_weights);
         Ok(Some(RunContext {
             id: run.id,
             owner,

@@ -691,11 +691,11 @@ impl Worker {
     pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) -> keel_service::Result<()> {
         use keel_service::Error;
         let client = self.shared.client.clone();
-        let mut own = client
-            .subscribe(self.subjects.trainer_all(self.id()))
-            .await
-            .map_err(|e| Error::start("subscribe to the worker's subjects", e))?;
-        let mut group = Some(self.join_group().await.map_err(|e| Error::start("join the trainer queue group", e))?);
+        let subscribe_failed =
+            |subject: String| move |e: async_nats::SubscribeError| Error::Subscribe { subject, reason: e.to_string() };
+        let own_subjects = self.subjects.trainer_all(self.id());
+        let mut own = client.subscribe(own_subjects.clone()).await.map_err(subscribe_failed(own_subjects))?;
+        let mut group = Some(self.join_group().await.map_err(subscribe_failed(self.subjects.trainer_claim()))?);
         client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
         info!(worker_id = %self.id(), claim = %self.subjects.trainer_claim(), "trainer worker ready");
         let mut tick = tokio::time::interval(LEASE_CHECK);

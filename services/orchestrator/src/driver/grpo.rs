@@ -186,7 +186,7 @@ async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> 
     if ctx.saves_at(step, last) {
         checkpoint(ctx, run, &dir, step, metrics).await?;
     }
-    prune(&mut run.saved);
+    prune(&mut run.saved).await;
     Ok(true)
 }
 
@@ -313,11 +313,11 @@ async fn checkpoint(
     Ok(())
 }
 
-/// Removes weight directories but the newest few.
-fn prune(saved: &mut Vec<PathBuf>) {
+/// Removes weight directories but the newest few (whole checkpoints: on the blocking pool).
+async fn prune(saved: &mut Vec<PathBuf>) {
     while saved.len() > WEIGHT_DIRS_KEPT {
         let old = saved.remove(0);
-        if let Err(e) = std::fs::remove_dir_all(&old) {
+        if let Err(e) = tokio::fs::remove_dir_all(&old).await {
             tracing::warn!("cannot remove {}: {e}", old.display());
         }
     }

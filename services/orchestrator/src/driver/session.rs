@@ -73,10 +73,12 @@ impl<'a> TrainerSession<'a> {
     }
 
     /// Saves the trainer's state to `dir` (replacing a copy left by an attempt that stopped
-    /// before uploading it).
+    /// before uploading it: a whole checkpoint, removed on the blocking pool).
     pub async fn save(&self, dir: &Path, step: u64, position: Position) -> Result<SaveReply> {
-        if dir.exists() {
-            std::fs::remove_dir_all(dir).map_err(|e| Stop::Failed(format!("cannot clear {}: {e}", dir.display())))?;
+        if tokio::fs::try_exists(dir).await.unwrap_or(false) {
+            tokio::fs::remove_dir_all(dir)
+                .await
+                .map_err(|e| Stop::Failed(format!("cannot clear {}: {e}", dir.display())))?;
         }
         let request = SaveRequest {
             run_id: self.run_id(),

@@ -14,6 +14,7 @@ use keel_service::nats::Bulk;
 use uuid::Uuid;
 
 use super::{REANNOUNCE_AFTER, REFIT_WAIT, Result, Stop, StopFlag};
+use crate::clients::Nats;
 
 #[derive(Debug)]
 pub struct WeightPublisher {
@@ -31,15 +32,17 @@ pub struct WeightPublisher {
 }
 
 impl WeightPublisher {
-    pub fn new(
-        run_id: Uuid,
-        client: async_nats::Client,
-        subjects: Subjects,
-        bulk: Bulk,
-        stop: StopFlag,
-        offload_weights: bool,
-    ) -> Self {
-        Self { run_id, client, subjects, bulk, stop, offload_weights, announced: std::sync::Mutex::new(None) }
+    /// The publisher of run `run_id`, on the orchestrator's NATS connection.
+    pub fn new(run_id: Uuid, nats: &Nats, stop: StopFlag, offload_weights: bool) -> Self {
+        Self {
+            run_id,
+            client: nats.client.clone(),
+            subjects: nats.subjects.clone(),
+            bulk: nats.bulk.clone(),
+            stop,
+            offload_weights,
+            announced: std::sync::Mutex::new(None),
+        }
     }
 
     /// Tells every generator to serve `dir` as this run's weights at `version`.
