@@ -10,6 +10,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::attention::{Mask, attention};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
@@ -107,7 +108,7 @@ pub(crate) trait LayerCache {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &crate::model::Mask,
+        mask: &Mask,
         window: Option<i64>,
     ) -> Result<Tensor>;
 }
@@ -119,11 +120,11 @@ impl LayerCache for KvCache {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &crate::model::Mask,
+        mask: &Mask,
         _window: Option<i64>,
     ) -> Result<Tensor> {
         let (k, v) = self.append(layer, k, v)?;
-        crate::model::attention(q, &k, &v, mask)
+        attention(q, &k, &v, mask)
     }
 }
 

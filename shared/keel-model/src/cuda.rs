@@ -63,30 +63,7 @@ impl Kernel {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error("CUDA kernels: {0}")]
-    Unavailable(String),
-    #[error("CUDA kernels do not compile: {0}")]
-    Compile(String),
-    #[error("CUDA driver: {0}")]
-    Driver(String),
-    #[error("kernel launch: {0}")]
-    Shape(String),
-    #[error("kernel {kernel} on {kind:?} differs from the tch path by {worst:e} (tolerance {tolerance:e})")]
-    Mismatch { kernel: &'static str, kind: Kind, worst: f64, tolerance: f64 },
-    #[error(transparent)]
-    Torch(#[from] tch::TchError),
-    /// The tch path a kernel is checked against failed.
-    #[error("the tch reference: {0}")]
-    Reference(Box<crate::error::Error>),
-}
-
-impl From<crate::error::Error> for KernelError {
-    fn from(e: crate::error::Error) -> Self {
-        KernelError::Reference(Box::new(e))
-    }
-}
+pub use crate::error::KernelError;
 
 type Result<T, E = KernelError> = std::result::Result<T, E>;
 

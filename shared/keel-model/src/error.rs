@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use tch::Kind;
+
 /// One problem found while matching a checkpoint's tensors to the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WeightProblem {
@@ -72,14 +74,40 @@ pub enum Error {
     Collective(keel_collective::Error),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
-    /// A CUDA kernel could not run (see [`crate::cuda`]).
+    /// A CUDA kernel could not run.
     #[error("{0}")]
-    Kernel(Box<crate::cuda::KernelError>),
+    Kernel(Box<KernelError>),
 }
 
-impl From<crate::cuda::KernelError> for Error {
-    fn from(e: crate::cuda::KernelError) -> Self {
+impl From<KernelError> for Error {
+    fn from(e: KernelError) -> Self {
         Error::Kernel(Box::new(e))
+    }
+}
+
+/// What the CUDA kernels (`crate::cuda`) can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("CUDA kernels: {0}")]
+    Unavailable(String),
+    #[error("CUDA kernels do not compile: {0}")]
+    Compile(String),
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    #[error("kernel launch: {0}")]
+    Shape(String),
+    #[error("kernel {kernel} on {kind:?} differs from the tch path by {worst:e} (tolerance {tolerance:e})")]
+    Mismatch { kernel: &'static str, kind: Kind, worst: f64, tolerance: f64 },
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+    /// The tch path a kernel is checked against failed.
+    #[error("the tch reference: {0}")]
+    Reference(Box<Error>),
+}
+
+impl From<Error> for KernelError {
+    fn from(e: Error) -> Self {
+        KernelError::Reference(Box::new(e))
     }
 }
 

@@ -17,6 +17,7 @@
 //! - [`cuda`]: CUDA kernels for inference (NVRTC, cudarc), each checked against its tch path
 //!   at load and switched off when it cannot run.
 
+mod attention;
 pub mod cache;
 pub mod config;
 pub mod cuda;

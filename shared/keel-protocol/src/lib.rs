@@ -3,6 +3,7 @@
 //!
 //! Layout:
 //! - [`subjects`]: typed builders for every NATS subject (`keel.v1.trainer.<worker>.train`, ...).
+//! - [`limits`]: the largest values a run spec and a training configuration may hold.
 //! - [`payload`]: [`Payload`], a message body carried inline or, above 1 MiB, by reference to
 //!   the JetStream object store.
 //! - [`reply`]: the `{"ok": ...}` / `{"error": {"type", "message"}}` reply envelope.
@@ -19,6 +20,7 @@
 
 pub mod checkpoint;
 pub mod generator;
+pub mod limits;
 pub mod payload;
 pub mod reply;
 pub mod reward;

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::FieldError;
+use crate::limits;
 use crate::reward::{EnvConfig, OnError};
 use crate::training::{LossConfig, TrainingConfig};
 
@@ -137,21 +138,6 @@ pub enum ArithmeticSplit {
 pub const MAX_ARITHMETIC_SIZE: usize = 10_000_000;
 /// The largest arithmetic operand: products stay exact in 64 bits.
 pub const MAX_ARITHMETIC_OPERAND: u32 = 1_000_000_000;
-
-/// Bounds on the sizes a run spec asks for, checked before anything is allocated: far above
-/// what a real run uses (NeMo-RL recipes run hundreds of prompts × tens of generations per
-/// step, sequences of tens of thousands of tokens), far below what would exhaust memory.
-pub mod limits {
-    /// Samples one GRPO step generates (prompts × generations) and trains on.
-    pub const MAX_SAMPLES_PER_STEP: usize = 1 << 20;
-    pub const MAX_GENERATIONS_PER_PROMPT: usize = 4096;
-    /// Tokens in one sequence, prompt and response.
-    pub const MAX_SEQUENCE_LENGTH: usize = 1 << 20;
-    /// Samples per validation prompt.
-    pub const MAX_VALIDATION_SAMPLES: usize = 4096;
-    /// Environment turns of one multi-turn sample.
-    pub const MAX_ROLLOUT_TURNS: u32 = 1024;
-}
 
 fn default_arithmetic_size() -> usize {
     1000

@@ -407,7 +407,7 @@ impl TrainingConfig {
             );
         }
         let (global, micro) = (self.global_batch_size, self.micro_batch_size);
-        let most = crate::run::limits::MAX_SAMPLES_PER_STEP;
+        let most = crate::limits::MAX_SAMPLES_PER_STEP;
         check(
             &mut problems,
             (1..=most).contains(&global),

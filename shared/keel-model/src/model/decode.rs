@@ -9,7 +9,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::paged::{grouped_decode, in_cache_masks};
-use super::{Mask, Masks};
+use crate::attention::{Mask, Masks};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};

@@ -13,7 +13,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{Mask, Masks, attention};
+use crate::attention::{Mask, Masks, attention};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
 use crate::cuda::{Kernel, Kernels};
@@ -42,20 +42,6 @@ impl PagedModel for super::CausalLm {
 
     fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
         super::CausalLm::forward_paged(self, chunks, cache)
-    }
-}
-
-impl<C: keel_collective::Collective> PagedModel for super::tp::TpCausalLm<C> {
-    fn config(&self) -> &ModelConfig {
-        super::tp::TpCausalLm::config(self)
-    }
-
-    fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
-        super::tp::TpCausalLm::paged_cache(self, blocks)
-    }
-
-    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
-        super::tp::TpCausalLm::forward_paged(self, chunks, cache)
     }
 }
 

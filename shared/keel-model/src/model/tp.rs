@@ -31,9 +31,11 @@ use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Attention, CausalLm, Linear, Masks, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, padded_ids,
+    paged::{self, PagedModel},
+    Attention, CausalLm, Linear, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, padded_ids,
     positions_for,
 };
+use crate::attention::Masks;
 use crate::cache::{LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -548,7 +550,7 @@ impl<C: Collective> TpCausalLm<C> {
         cache.check(self.shards.layers.len(), self.kv_heads, self.kind, self.device)?;
         let windows = self.windows();
         let vocab = self.cfg.vocab_size;
-        let last = super::paged::last_hidden(
+        let last = paged::last_hidden(
             chunks,
             cache,
             vocab,
@@ -850,6 +852,21 @@ fn add_bias(x: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         Some(bias) => x.f_add(bias)?,
         None => x,
     })
+}
+
+/// A rank decodes from its own pool of its KV heads; its logits are gathered over the vocabulary.
+impl<C: Collective> PagedModel for TpCausalLm<C> {
+    fn config(&self) -> &ModelConfig {
+        TpCausalLm::config(self)
+    }
+
+    fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
+        TpCausalLm::paged_cache(self, blocks)
+    }
+
+    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
+        TpCausalLm::forward_paged(self, chunks, cache)
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,13 @@
+//! Bounds on the sizes a run spec asks for, checked before anything is allocated: far above
+//! what a real run uses (NeMo-RL recipes run hundreds of prompts × tens of generations per
+//! step, sequences of tens of thousands of tokens), far below what would exhaust memory.
+
+/// Samples one GRPO step generates (prompts × generations) and trains on.
+pub const MAX_SAMPLES_PER_STEP: usize = 1 << 20;
+pub const MAX_GENERATIONS_PER_PROMPT: usize = 4096;
+/// Tokens in one sequence, prompt and response.
+pub const MAX_SEQUENCE_LENGTH: usize = 1 << 20;
+/// Samples per validation prompt.
+pub const MAX_VALIDATION_SAMPLES: usize = 4096;
+/// Environment turns of one multi-turn sample.
+pub const MAX_ROLLOUT_TURNS: u32 = 1024;
