@@ -27,7 +27,7 @@ PG_DEFAULTS = {
 }
 DPO_DEFAULTS = {
     "reference_policy_kl_penalty": 0.05, "preference_average_log_probs": False,
-    "sft_loss_weight": 0.0, "preference_loss_weight": 1.0,
+    "sft_loss_weight": 0.0, "sft_average_log_probs": False, "preference_loss_weight": 1.0,
 }
 
 
@@ -163,8 +163,10 @@ def dpo(cfg, data, lp_full, mask, sample_mask):
     n_pair = pm.sum().item()
     rc, rr = r[0::2], r[1::2]
     pref = (pm * -torch.nn.functional.logsigmoid(beta * (rc - rr))).sum() / (n_pair + EPS)
-    sft_mask = mask[0::2] * pm[:, None]
-    sft = (-lp[0::2] * sft_mask).sum() / (sft_mask.sum().item() + EPS)
+    nll = (-lp[0::2] * mask[0::2]).sum(1)
+    if cfg["sft_average_log_probs"]:
+        nll = nll / mask[0::2].sum(1).clamp(min=1)
+    sft = (pm * nll).sum() / (n_pair + EPS)
     loss = cfg["preference_loss_weight"] * pref + cfg["sft_loss_weight"] * sft
     with torch.no_grad():
         metrics = {
@@ -172,6 +174,7 @@ def dpo(cfg, data, lp_full, mask, sample_mask):
             "accuracy": ((rc > rr).double() * pm).sum().item() / (n_pair + EPS),
             "rewards_chosen_mean": (beta * rc * pm).sum().item() / (n_pair + EPS),
             "rewards_rejected_mean": (beta * rr * pm).sum().item() / (n_pair + EPS),
+            "rewards_margin_mean": (beta * (rc - rr) * pm).sum().item() / (n_pair + EPS),
             "num_valid_samples": n_pair,
         }
     return loss, metrics

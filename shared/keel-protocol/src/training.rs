@@ -131,7 +131,12 @@ pub struct DpoConfig {
     pub reference_policy_kl_penalty: f64,
     /// Implicit reward as the per-token mean of lp − ref instead of the sum.
     pub preference_average_log_probs: bool,
+    /// Weight of the SFT term: the negative log-likelihood of each chosen answer, averaged
+    /// over the valid pairs.
     pub sft_loss_weight: f64,
+    /// The SFT term takes each chosen answer's per-token mean NLL instead of its sum
+    /// (NeMo-RL's default is the sum).
+    pub sft_average_log_probs: bool,
     pub preference_loss_weight: f64,
 }
 
@@ -141,6 +146,7 @@ impl Default for DpoConfig {
             reference_policy_kl_penalty: 0.05,
             preference_average_log_probs: false,
             sft_loss_weight: 0.0,
+            sft_average_log_probs: false,
             preference_loss_weight: 1.0,
         }
     }

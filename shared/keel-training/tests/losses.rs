@@ -244,6 +244,14 @@ fn nll_dpo_and_bradley_terry_match_pytorch() {
                 9,
             ),
         ),
+        (
+            "dpo, summed SFT",
+            random_case(json!({"type": "dpo", "sft_loss_weight": 0.3}), 11),
+        ),
+        (
+            "dpo, averaged SFT",
+            random_case(json!({"type": "dpo", "sft_loss_weight": 0.3, "sft_average_log_probs": true}), 12),
+        ),
         ("bradley-terry", random_case(json!({"type": "bradley_terry"}), 10)),
     ]);
 }
@@ -337,16 +345,49 @@ fn dpo_at_the_reference_is_ln2_and_sft_weight_adds_the_nll() {
 
     case.loss = json!({"type": "dpo", "sft_loss_weight": 2.0});
     let (with_sft, metrics, _) = keel(&case);
-    // NLL of the chosen rows (0, 2, 4) over their masked tokens.
-    let (mut sum, mut count) = (0.0, 0.0);
+    // The chosen rows' (0, 2, 4) NLL summed over their masked tokens, averaged over 3 pairs.
+    let mut sum = 0.0;
     for row in [0, 2, 4] {
         for i in 1..case.logprobs[row].len() {
             sum -= case.logprobs[row][i] * case.token_mask[row][i];
-            count += case.token_mask[row][i];
         }
     }
-    assert!(close(metrics.get("sft_loss").unwrap(), sum / count));
-    assert!(close(with_sft, std::f64::consts::LN_2 + 2.0 * sum / count), "{with_sft}");
+    assert!(close(metrics.get("sft_loss").unwrap(), sum / 3.0));
+    assert!(close(with_sft, std::f64::consts::LN_2 + 2.0 * sum / 3.0), "{with_sft}");
+}
+
+/// Uniform logits over a vocabulary of V give every token logprob −ln V: with chosen answers
+/// of T tokens the SFT term is T·ln V by default (NeMo-RL sums each answer's NLL) and ln V
+/// with `sft_average_log_probs`.
+#[test]
+fn dpo_sft_term_of_uniform_logits_is_t_ln_v() {
+    let (vocab, answer) = (50.0f64, 7usize);
+    let uniform = -vocab.ln();
+    // Two pairs: a 3-token prompt, then T answer tokens (the rejected answers shorter).
+    let row = |len: usize| -> (Vec<f64>, Vec<f64>) {
+        let logprobs = (0..3 + len).map(|i| if i == 0 { 0.0 } else { uniform }).collect();
+        let mask = (0..3 + len).map(|i| if i >= 3 { 1.0 } else { 0.0 }).collect();
+        (logprobs, mask)
+    };
+    let rows = [row(answer), row(2), row(answer), row(4)];
+    let width = rows.iter().map(|(lp, _)| lp.len()).max().unwrap();
+    let pad = |v: &Vec<f64>| -> Vec<f64> { v.iter().copied().chain(std::iter::repeat(0.0)).take(width).collect() };
+    let case = |average: bool| Case {
+        loss: json!({"type": "dpo", "sft_loss_weight": 1.0, "preference_loss_weight": 0.0, "sft_average_log_probs": average}),
+        logprobs: rows.iter().map(|(lp, _)| pad(lp)).collect(),
+        prev: None,
+        generation: None,
+        reference: Some(rows.iter().map(|(lp, _)| pad(lp)).collect()),
+        token_mask: rows.iter().map(|(_, m)| pad(m)).collect(),
+        sample_mask: vec![1.0; 4],
+        advantages: None,
+        scores: None,
+    };
+    let (summed, metrics, _) = keel(&case(false));
+    assert!(close(summed, answer as f64 * vocab.ln()), "{summed} vs {}", answer as f64 * vocab.ln());
+    assert!(close(metrics.get("sft_loss").unwrap(), summed));
+    let (averaged, _, _) = keel(&case(true));
+    assert!(close(averaged, vocab.ln()), "{averaged} vs {}", vocab.ln());
 }
 
 #[test]

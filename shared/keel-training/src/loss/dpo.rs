@@ -1,8 +1,10 @@
 //! DPO: implicit reward r = Σ (lp − ref) over the masked tokens (or their mean with
 //! `preference_average_log_probs`); loss = mean over valid pairs of −log σ(β (r_c − r_r)),
-//! weighted by `preference_loss_weight`, plus `sft_loss_weight` × the NLL of the chosen
-//! tokens. Rows 2i and 2i + 1 are the chosen and rejected answers of pair i. With the
-//! policy equal to the reference, the preference loss is ln 2.
+//! weighted by `preference_loss_weight`, plus `sft_loss_weight` × the SFT term: each chosen
+//! answer's NLL (summed over its tokens, or their mean with `sft_average_log_probs`),
+//! averaged over the valid pairs. Rows 2i and 2i + 1 are the chosen and rejected answers of
+//! pair i. With the policy equal to the reference, the preference loss is ln 2; with uniform
+//! logits over V tokens and chosen answers of T tokens, the SFT term is T·ln V (ln V averaged).
 
 use tch::{Kind, Tensor};
 
@@ -30,13 +32,16 @@ pub fn dpo(config: &DpoConfig, input: &LossInput<'_>, global: &GlobalCounts) -> 
 
     let margin = chosen.f_sub(&rejected)?.f_mul_scalar(beta)?;
     let preference = pair_mean(&margin.f_log_sigmoid()?.f_neg()?)?;
-    // The SFT term covers the chosen rows of valid pairs.
-    let b = lp.size()[0];
-    let row_pair_mask = pair_mask.f_unsqueeze(1)?.f_expand([b / 2, 2], false)?.f_reshape([b])?;
-    let chosen_rows =
-        Tensor::f_arange(b, (Kind::Int64, lp.device()))?.f_remainder(2)?.f_eq(0)?.f_to_kind(Kind::Float)?;
-    let sft_mask = input.mask.f_mul(&row_pair_mask.f_mul(&chosen_rows)?.f_unsqueeze(1)?)?;
-    let sft = lp.f_neg()?.f_mul(&sft_mask)?.f_sum(Kind::Float)?.f_div_scalar(global.chosen_tokens + EPS)?;
+    // The SFT term: each chosen answer's NLL, averaged over the valid pairs like the
+    // preference loss (so both normalise by the same global count).
+    let (chosen_lp, _) = pair_rows(&lp)?;
+    let (chosen_mask, _) = pair_rows(&input.mask)?;
+    let nll = if config.sft_average_log_probs {
+        row_mean(&chosen_lp.f_neg()?, &chosen_mask)?.f_squeeze_dim(1)?
+    } else {
+        chosen_lp.f_neg()?.f_mul(&chosen_mask)?.f_sum_dim_intlist(1, false, Kind::Float)?
+    };
+    let sft = pair_mean(&nll)?;
     let loss =
         preference.f_mul_scalar(config.preference_loss_weight)?.f_add(&sft.f_mul_scalar(config.sft_loss_weight)?)?;
 
@@ -48,6 +53,7 @@ pub fn dpo(config: &DpoConfig, input: &LossInput<'_>, global: &GlobalCounts) -> 
     metrics.sum("accuracy", detached(&chosen.f_gt_tensor(&rejected)?)?);
     metrics.sum("rewards_chosen_mean", detached(&chosen.f_mul_scalar(beta)?)?);
     metrics.sum("rewards_rejected_mean", detached(&rejected.f_mul_scalar(beta)?)?);
+    metrics.sum("rewards_margin_mean", detached(&margin)?);
     metrics.global("num_valid_samples", global.pairs);
     Ok((loss, metrics))
 }

@@ -53,8 +53,6 @@ pub struct GlobalCounts {
     pub sequences: f64,
     /// Pairs with both rows valid (pairwise losses).
     pub pairs: f64,
-    /// Σ mask over the chosen rows of valid pairs (the DPO SFT term).
-    pub chosen_tokens: f64,
 }
 
 impl GlobalCounts {
@@ -63,13 +61,8 @@ impl GlobalCounts {
         let mask = shifted_mask(token_mask, sample_mask)?;
         let per_row: Vec<f64> = Vec::try_from(mask.f_sum_dim_intlist(1, false, Kind::Double)?)?;
         let samples: Vec<f64> = Vec::try_from(sample_mask.f_to_kind(Kind::Double)?)?;
-        let (mut pairs, mut chosen_tokens) = (0.0, 0.0);
-        for (pair, rows) in samples.chunks_exact(2).enumerate() {
-            let valid = rows[0] * rows[1];
-            pairs += valid;
-            chosen_tokens += valid * per_row[2 * pair];
-        }
-        Ok(Self { tokens: per_row.iter().sum(), sequences: samples.iter().sum(), pairs, chosen_tokens })
+        let pairs = samples.chunks_exact(2).map(|rows| rows[0] * rows[1]).sum();
+        Ok(Self { tokens: per_row.iter().sum(), sequences: samples.iter().sum(), pairs })
     }
 }
 
@@ -110,10 +103,12 @@ pub fn value(x: &Tensor) -> Result<f64> {
     Ok(x.f_detach()?.f_double_value(&[])?)
 }
 
-/// Splits rows into (chosen, rejected) pairs: rows 2i and 2i + 1.
+/// Splits rows into (chosen, rejected) pairs: rows 2i and 2i + 1 (of a [b] or [b, S] tensor).
 pub fn pair_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    let b = x.size()[0];
-    let pairs = x.f_view([b / 2, 2])?;
+    let mut shape = x.size();
+    let b = shape[0];
+    shape.splice(0..1, [b / 2, 2]);
+    let pairs = x.f_reshape(shape.as_slice())?;
     Ok((pairs.f_select(1, 0)?, pairs.f_select(1, 1)?))
 }
 
