@@ -18,7 +18,7 @@ EPS = 1e-8
 
 PG_DEFAULTS = {
     "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None,
-    "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3",
+    "reference_policy_kl_penalty": 0.01, "use_kl_in_reward": False, "reference_policy_kl_type": "k3",
     "kl_input_clamp_value": 20.0, "kl_output_clamp_value": 10.0,
     "use_importance_sampling_correction": False, "truncated_importance_sampling_type": None,
     "truncated_importance_sampling_ratio_min": None, "truncated_importance_sampling_ratio_max": None,
@@ -58,7 +58,8 @@ def clipped_pg(cfg, data, lp_full, mask, sample_mask):
     prev = prev_t[:, 1:] if prev_t is not None else lp.detach()
     gen_t = table(data, "generation_logprobs", False)
     gen = gen_t[:, 1:] if gen_t is not None else prev
-    adv = table(data, "advantages")[:, None]
+    adv_t = table(data, "advantages")
+    adv = adv_t[:, 1:] if adv_t.dim() == 2 else adv_t[:, None]
     n_tok, n_seq = mask.sum().item(), sample_mask.sum().item()
 
     if cfg["force_on_policy_ratio"]:
@@ -103,7 +104,7 @@ def clipped_pg(cfg, data, lp_full, mask, sample_mask):
         return (seq_mean(x, mask).squeeze(1) * sample_mask).sum() / (n_seq + EPS)
 
     actor = reduce(w * per_token)
-    beta = cfg["reference_policy_kl_penalty"]
+    beta = 0.0 if cfg["use_kl_in_reward"] else cfg["reference_policy_kl_penalty"]
     if beta != 0:
         ref = table(data, "reference_logprobs")[:, 1:]
         logr = ref - lp

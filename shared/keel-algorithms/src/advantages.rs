@@ -119,7 +119,24 @@ pub fn reinforce_pp_advantages<K: Hash + Eq>(
     minus_baseline: bool,
 ) -> Result<Vec<f64>> {
     check_len("valid_tokens", rewards.len(), valid_tokens.len())?;
-    let advantages = if minus_baseline {
+    let no_penalty: Vec<Vec<f64>> = valid_tokens.iter().map(|&t| vec![0.0; t]).collect();
+    let per_token = reinforce_pp_token_advantages(groups, rewards, &no_penalty, minus_baseline)?;
+    Ok(per_token.iter().map(|tokens| tokens.first().copied().unwrap_or(0.0)).collect())
+}
+
+/// REINFORCE++ advantages per token with the KL in the reward (NeMo-RL's
+/// `use_kl_in_reward`): sample i's token t gets (r_i − its group's mean, when
+/// `minus_baseline`) − `penalties[i][t]`, then every valid token of the batch is whitened
+/// together. `penalties[i]` holds one entry per valid token of sample i (β·KL_t); the result
+/// has the same shape.
+pub fn reinforce_pp_token_advantages<K: Hash + Eq>(
+    groups: &[K],
+    rewards: &[f64],
+    penalties: &[Vec<f64>],
+    minus_baseline: bool,
+) -> Result<Vec<Vec<f64>>> {
+    check_len("penalties", rewards.len(), penalties.len())?;
+    let base = if minus_baseline {
         let all_valid = vec![true; rewards.len()];
         let stats = group_baseline_and_std(groups, rewards, &all_valid, Baseline::Mean)?;
         rewards.iter().zip(&stats.baseline).map(|(r, b)| r - b).collect::<Vec<_>>()
@@ -128,17 +145,56 @@ pub fn reinforce_pp_advantages<K: Hash + Eq>(
         check_rewards(rewards)?;
         rewards.to_vec()
     };
-    let tokens: f64 = valid_tokens.iter().map(|&t| t as f64).sum();
-    if tokens == 0.0 {
-        return Ok(vec![0.0; rewards.len()]);
+    if let Some((index, value)) =
+        penalties.iter().enumerate().find_map(|(i, p)| p.iter().find(|v| !v.is_finite()).map(|v| (i, *v)))
+    {
+        return Err(Error::NonFinitePenalty { index, value });
     }
-    let weighted = |f: &dyn Fn(f64) -> f64| -> f64 {
-        advantages.iter().zip(valid_tokens).map(|(a, &t)| f(*a) * t as f64).sum::<f64>() / tokens
-    };
-    let mean = weighted(&|a| a);
-    let variance = weighted(&|a| (a - mean) * (a - mean));
+    let raw: Vec<Vec<f64>> =
+        base.iter().zip(penalties).map(|(b, penalty)| penalty.iter().map(|p| b - p).collect()).collect();
+    let tokens = raw.iter().map(Vec::len).sum::<usize>() as f64;
+    if tokens == 0.0 {
+        return Ok(raw);
+    }
+    let mean = raw.iter().flatten().sum::<f64>() / tokens;
+    let variance = raw.iter().flatten().map(|a| (a - mean) * (a - mean)).sum::<f64>() / tokens;
     let rstd = 1.0 / variance.max(VAR_FLOOR).sqrt();
-    Ok(advantages.iter().zip(valid_tokens).map(|(a, &t)| if t == 0 { 0.0 } else { (a - mean) * rstd }).collect())
+    Ok(raw.into_iter().map(|row| row.into_iter().map(|a| (a - mean) * rstd).collect()).collect())
+}
+
+/// Which estimate of KL(policy ‖ reference) per token, from the sampled token's logprobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KlEstimator {
+    /// log(π/π_ref).
+    K1,
+    /// ½·log²(π/π_ref).
+    K2,
+    /// π_ref/π − 1 − log(π_ref/π) (unbiased, non-negative).
+    K3,
+}
+
+/// One token's KL estimate as the loss computes it: log r = reference − policy clamped to
+/// ±`input_clamp`, the estimator, then the value clamped to ±`output_clamp`.
+pub fn kl_estimate(
+    policy: f64,
+    reference: f64,
+    estimator: KlEstimator,
+    input_clamp: Option<f64>,
+    output_clamp: Option<f64>,
+) -> f64 {
+    let mut log_r = reference - policy;
+    if let Some(c) = input_clamp {
+        log_r = log_r.clamp(-c, c);
+    }
+    let k = match estimator {
+        KlEstimator::K1 => -log_r,
+        KlEstimator::K2 => 0.5 * log_r * log_r,
+        KlEstimator::K3 => log_r.exp() - 1.0 - log_r,
+    };
+    match output_clamp {
+        Some(c) => k.clamp(-c, c),
+        None => k,
+    }
 }
 
 #[cfg(test)]
@@ -218,5 +274,36 @@ mod tests {
         let err = grpo_advantages(&[0, 0], &[1.0, f64::NAN], &[true, true], Baseline::Mean, true).unwrap_err();
         assert!(err.to_string().contains("sample 1"));
         assert!(reinforce_pp_advantages(&[0], &[1.0], &[1, 2], false).is_err());
+        let err = reinforce_pp_token_advantages(&[0], &[1.0], &[vec![0.0, f64::INFINITY]], false).unwrap_err();
+        assert_eq!(err.to_string(), "KL penalty of sample 0 is not finite (inf)");
+    }
+
+    #[test]
+    fn kl_in_the_reward_is_per_token_then_whitened() {
+        // Rewards 1 and 0 in one group (mean 0.5): sample 0's tokens carry penalties 0 and 0.5,
+        // sample 1's one token 0: raw 0.5, 0, -0.5 → mean 0, variance 1/6.
+        let adv = reinforce_pp_token_advantages(&[0, 0], &[1.0, 0.0], &[vec![0.0, 0.5], vec![0.0]], true).unwrap();
+        let rstd = 6f64.sqrt();
+        close(&adv[0], &[0.5 * rstd, 0.0]);
+        close(&adv[1], &[-0.5 * rstd]);
+        // Zero penalties give the per-sample estimator's values on every token.
+        let per_sample = reinforce_pp_advantages(&[0, 0, 1], &[1.0, 0.0, 2.0], &[2, 1, 0], true).unwrap();
+        let zero = [vec![0.0; 2], vec![0.0; 1], vec![]];
+        let per_token = reinforce_pp_token_advantages(&[0, 0, 1], &[1.0, 0.0, 2.0], &zero, true).unwrap();
+        close(&per_token[0], &[per_sample[0]; 2]);
+        close(&per_token[1], &[per_sample[1]]);
+        assert!(per_token[2].is_empty() && per_sample[2] == 0.0);
+    }
+
+    #[test]
+    fn kl_estimates_match_their_definitions() {
+        let (policy, reference) = (-1.0f64, -1.5f64);
+        let log_r = reference - policy;
+        close(&[kl_estimate(policy, reference, KlEstimator::K1, None, None)], &[-log_r]);
+        close(&[kl_estimate(policy, reference, KlEstimator::K2, None, None)], &[0.5 * log_r * log_r]);
+        close(&[kl_estimate(policy, reference, KlEstimator::K3, None, None)], &[log_r.exp() - 1.0 - log_r]);
+        // Clamps: log r to ±1 first, then the value to ±0.2.
+        close(&[kl_estimate(0.0, -30.0, KlEstimator::K1, Some(1.0), None)], &[1.0]);
+        close(&[kl_estimate(0.0, -30.0, KlEstimator::K1, Some(20.0), Some(0.2))], &[0.2]);
     }
 }

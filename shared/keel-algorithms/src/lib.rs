@@ -3,7 +3,8 @@
 //!
 //! Layout:
 //! - [`advantages`]: per-prompt baselines and std (mean or leave-one-out), GRPO advantages,
-//!   REINFORCE++ whitening.
+//!   REINFORCE++ whitening (per sample, or per token with the KL in the reward), the
+//!   per-token KL estimates k1/k2/k3.
 //! - [`pass_at_k`]: the unbiased pass@k estimator.
 //!
 //! Inputs are validated here (equal lengths, finite rewards, k ≤ n) and refused with an
@@ -18,6 +19,8 @@ pub enum Error {
     LengthMismatch { what: &'static str, expected: usize, found: usize },
     #[error("reward of sample {index} is not finite ({value})")]
     NonFiniteReward { index: usize, value: f64 },
+    #[error("KL penalty of sample {index} is not finite ({value})")]
+    NonFinitePenalty { index: usize, value: f64 },
     #[error("pass@k needs 1 ≤ k ≤ n and c ≤ n, got n = {n}, c = {c}, k = {k}")]
     InvalidPassAtK { n: usize, c: usize, k: usize },
     #[error("no prompts to average pass@k over")]
@@ -26,5 +29,8 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub use advantages::{Baseline, GroupStats, group_baseline_and_std, grpo_advantages, reinforce_pp_advantages};
+pub use advantages::{
+    Baseline, GroupStats, KlEstimator, group_baseline_and_std, grpo_advantages, kl_estimate, reinforce_pp_advantages,
+    reinforce_pp_token_advantages,
+};
 pub use pass_at_k::{mean_pass_at_k, pass_at_k};

@@ -644,14 +644,13 @@ impl RunSpec {
             }
             Algorithm::Sft | Algorithm::Eval => {}
         }
-        if let LossConfig::ClippedPg(c) = &training.loss
-            && c.sequence_level_importance_ratios
-            && c.token_level_loss
-        {
-            p.push(FieldError::new(
-                "training.loss.token_level_loss",
-                "sequence-level importance ratios (GSPO) need a sequence-level loss",
-            ));
+        if let LossConfig::ClippedPg(c) = &training.loss {
+            check(
+                p,
+                !c.use_kl_in_reward || self.grpo.advantage_estimator == AdvantageEstimator::ReinforcePlusPlus,
+                "training.loss.use_kl_in_reward",
+                "puts the KL into per-token REINFORCE++ advantages: needs grpo.advantage_estimator: reinforce_plus_plus",
+            );
         }
     }
 }

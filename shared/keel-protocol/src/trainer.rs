@@ -191,9 +191,9 @@ pub struct TrainBatch {
     /// 0 drops a sample from the loss (default: all 1).
     #[serde(default)]
     pub sample_mask: Option<Vec<f32>>,
-    /// One advantage per sample (clipped_pg).
+    /// Advantages (clipped_pg): one per sample, or one per token (NeMo-RL's [B, S]).
     #[serde(default)]
-    pub advantages: Option<Vec<f32>>,
+    pub advantages: Option<Advantages>,
     /// Logprobs the generator reported (default: equal to prev_logprobs).
     #[serde(default)]
     pub generation_logprobs: Option<Vec<Vec<f32>>>,
@@ -203,6 +203,15 @@ pub struct TrainBatch {
     /// Reference logprobs (default: computed by the trainer with its reference model).
     #[serde(default)]
     pub reference_logprobs: Option<Vec<Vec<f32>>>,
+}
+
+/// A batch's advantages: one per sample (broadcast over its tokens), or one per token, each
+/// row as long as its sequence (entry 0 unused, like logprobs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Advantages {
+    PerSample(Vec<f32>),
+    PerToken(Vec<Vec<f32>>),
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -83,6 +83,9 @@ pub struct ClippedPgConfig {
     pub ratio_clip_c: Option<f64>,
     /// β of the KL penalty (0 = no reference needed).
     pub reference_policy_kl_penalty: f64,
+    /// The KL penalty goes into the per-token advantages (REINFORCE++: A_t − β·KL_t of the
+    /// policy before the update against the reference) instead of the loss.
+    pub use_kl_in_reward: bool,
     pub reference_policy_kl_type: KlType,
     /// Clamp of log(ref / policy) before the estimator (None = no clamp).
     pub kl_input_clamp_value: Option<f64>,
@@ -109,6 +112,7 @@ impl Default for ClippedPgConfig {
             ratio_clip_max: 0.2,
             ratio_clip_c: None,
             reference_policy_kl_penalty: 0.01,
+            use_kl_in_reward: false,
             reference_policy_kl_type: KlType::K3,
             kl_input_clamp_value: Some(20.0),
             kl_output_clamp_value: Some(10.0),

@@ -5,7 +5,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use keel_protocol::trainer::TrainBatch;
+use keel_protocol::trainer::{Advantages, TrainBatch};
 use keel_protocol::training::LossConfig;
 
 /// A checked batch on the CPU: [B, S] tensors padded to the longest row.
@@ -15,6 +15,7 @@ pub struct Batch {
     pub lengths: Vec<i64>,
     pub token_mask: Tensor,
     pub sample_mask: Tensor,
+    /// [B, S] like the logprobs: per-sample advantages are broadcast over their row.
     pub advantages: Option<Tensor>,
     pub prev_logprobs: Option<Tensor>,
     pub generation_logprobs: Option<Tensor>,
@@ -87,7 +88,14 @@ impl Batch {
             Some(mask) => per_sample("sample_mask", mask, rows)?,
             None => Tensor::f_ones([rows as i64], (Kind::Float, Device::Cpu))?,
         };
-        let advantages = batch.advantages.as_deref().map(|a| per_sample("advantages", a, rows)).transpose()?;
+        let advantages = match &batch.advantages {
+            None => None,
+            Some(Advantages::PerToken(values)) => Some(pad_values("advantages", values, &lengths)?),
+            Some(Advantages::PerSample(values)) => {
+                let width = input_ids.size()[1];
+                Some(per_sample("advantages", values, rows)?.f_unsqueeze(1)?.f_expand([rows as i64, width], false)?.f_contiguous()?)
+            }
+        };
         let logprobs = |field: &str, values: &Option<Vec<Vec<f32>>>| {
             values.as_deref().map(|v| pad_values(field, v, &lengths)).transpose()
         };
@@ -102,7 +110,7 @@ impl Batch {
             advantages,
         };
         if matches!(loss, LossConfig::ClippedPg(_)) && checked.advantages.is_none() {
-            return Err(invalid("clipped_pg needs advantages (one per sample)".into()));
+            return Err(invalid("clipped_pg needs advantages (one per sample or one per token)".into()));
         }
         if loss.is_pairwise() && rows % 2 != 0 {
             return Err(invalid(format!(
@@ -132,7 +140,7 @@ impl Batch {
             input_ids: cut(&self.input_ids)?,
             token_mask: cut(&self.token_mask)?,
             sample_mask: self.sample_mask.f_narrow(0, start as i64, len as i64)?,
-            advantages: self.advantages.as_ref().map(|a| a.f_narrow(0, start as i64, len as i64)).transpose()?,
+            advantages: cut_opt(&self.advantages)?,
             prev_logprobs: cut_opt(&self.prev_logprobs)?,
             generation_logprobs: cut_opt(&self.generation_logprobs)?,
             reference_logprobs: cut_opt(&self.reference_logprobs)?,
@@ -186,8 +194,21 @@ mod tests {
         wire.prev_logprobs = None;
         let pg = LossConfig::ClippedPg(Default::default());
         assert!(Batch::new(&wire, &pg).unwrap_err().to_string().contains("needs advantages"));
-        wire.advantages = Some(vec![1.0]);
+        wire.advantages = Some(Advantages::PerSample(vec![1.0]));
         assert_eq!(Batch::new(&wire, &pg).unwrap_err().to_string(), "advantages has 1 entries for 2 sequences");
+        wire.advantages = Some(Advantages::PerToken(vec![vec![0.0, 1.0, 2.0], vec![0.0]]));
+        assert_eq!(Batch::new(&wire, &pg).unwrap_err().to_string(), "advantages row 1 has 1 entries, input_ids row 1 has 2");
+        // Per-sample advantages are broadcast over their rows, per-token ones padded like logprobs.
+        wire.advantages = Some(Advantages::PerSample(vec![1.5, -2.0]));
+        let broadcast = Batch::new(&wire, &pg).unwrap().advantages.unwrap();
+        assert_eq!(Vec::<f32>::try_from(broadcast.flatten(0, -1)).unwrap(), [1.5, 1.5, 1.5, -2.0, -2.0, -2.0]);
+        wire.advantages = Some(Advantages::PerToken(vec![vec![0.0, 1.0, 2.0], vec![0.0, 3.0]]));
+        let per_token = Batch::new(&wire, &pg).unwrap().advantages.unwrap();
+        assert_eq!(Vec::<f32>::try_from(per_token.flatten(0, -1)).unwrap(), [0.0, 1.0, 2.0, 0.0, 3.0, 0.0]);
+        let json = serde_json::json!({"input_ids": [[1, 2]], "token_mask": [[0.0, 1.0]], "advantages": [[0.0, 0.5]]});
+        let parsed: TrainBatch = serde_json::from_value(json).unwrap();
+        assert_eq!(parsed.advantages, Some(Advantages::PerToken(vec![vec![0.0, 0.5]])));
+        wire.advantages = None;
         wire.input_ids.push(vec![]);
         assert_eq!(Batch::new(&wire, &sft()).unwrap_err().to_string(), "input_ids row 2 is empty");
     }

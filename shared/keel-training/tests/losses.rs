@@ -37,7 +37,10 @@ struct Case {
     reference: Option<Vec<Vec<f64>>>,
     token_mask: Vec<Vec<f64>>,
     sample_mask: Vec<f64>,
+    /// One advantage per sample, broadcast over its tokens...
     advantages: Option<Vec<f64>>,
+    /// ... or one per token (taken over `advantages` when both are set).
+    token_advantages: Option<Vec<Vec<f64>>>,
     scores: Option<Vec<f64>>,
 }
 
@@ -73,6 +76,7 @@ fn random_case(loss: Value, seed: u64) -> Case {
         token_mask,
         sample_mask: vec![1.0, 1.0, 1.0, 0.0, 1.0, 1.0],
         advantages: Some(advantages),
+        token_advantages: None,
         scores: Some(scores),
     }
 }
@@ -98,7 +102,14 @@ fn keel(case: &Case) -> (f64, Metrics, Vec<f64>) {
         logprobs: &logprobs,
         mask: loss::shifted_mask(&token_mask, &sample_mask).unwrap(),
         sample_mask,
-        advantages: case.advantages.as_ref().map(|a| vector(a)),
+        advantages: match (&case.token_advantages, &case.advantages) {
+            (Some(per_token), _) => Some(tensor(per_token)),
+            (None, Some(a)) => {
+                let width = case.logprobs[0].len() as i64;
+                Some(vector(a).unsqueeze(1).expand([a.len() as i64, width], false).contiguous())
+            }
+            (None, None) => None,
+        },
         prev_logprobs: case.prev.as_ref().map(|t| tensor(t)),
         generation_logprobs: case.generation.as_ref().map(|t| tensor(t)),
         reference_logprobs: case.reference.as_ref().map(|t| tensor(t)),
@@ -126,7 +137,7 @@ fn problem(case: &Case) -> Value {
         ("prev_logprobs", case.prev.as_ref().map(|t| json!(t))),
         ("generation_logprobs", case.generation.as_ref().map(|t| json!(t))),
         ("reference_logprobs", case.reference.as_ref().map(|t| json!(t))),
-        ("advantages", case.advantages.as_ref().map(|t| json!(t))),
+        ("advantages", case.token_advantages.as_ref().map(|t| json!(t)).or_else(|| case.advantages.as_ref().map(|t| json!(t)))),
         ("scores", case.scores.as_ref().map(|t| json!(t))),
     ];
     for (name, value) in fields {
@@ -224,6 +235,14 @@ fn clipped_policy_gradient_variants_match_pytorch() {
     ];
     let mut problems: Vec<(&str, Case)> =
         cases.into_iter().enumerate().map(|(seed, (name, loss))| (name, random_case(loss, seed as u64 + 1))).collect();
+    // Per-token advantages (NeMo-RL's [B, S]), with dual clip so the sign of each token counts;
+    // and the KL in the reward: no KL term in the loss.
+    let mut case = random_case(json!({"type": "clipped_pg", "ratio_clip_c": 3.0}), 98);
+    case.token_advantages = Some(Lcg(98).table(6, 7, -2.0, 2.0));
+    problems.push(("per-token advantages", case));
+    let mut case = random_case(json!({"type": "clipped_pg", "use_kl_in_reward": true, "reference_policy_kl_penalty": 0.3}), 97);
+    case.token_advantages = Some(Lcg(97).table(6, 7, -2.0, 2.0));
+    problems.push(("KL in the reward", case));
     // Without generator logprobs (gen = prev) and without a reference when β = 0.
     let mut case = random_case(json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.0}), 99);
     case.generation = None;
@@ -256,6 +275,20 @@ fn nll_dpo_and_bradley_terry_match_pytorch() {
     ]);
 }
 
+/// Per-sample advantages and the same values given per token train alike.
+#[test]
+fn per_sample_advantages_are_per_token_advantages_broadcast() {
+    let case = random_case(json!({"type": "clipped_pg", "ratio_clip_c": 3.0}), 21);
+    let mut per_token = case.clone();
+    let advantages = case.advantages.clone().unwrap();
+    per_token.token_advantages = Some(advantages.iter().map(|&a| vec![a; case.logprobs[0].len()]).collect());
+    let (loss, metrics, grad) = keel(&case);
+    let (loss_t, metrics_t, grad_t) = keel(&per_token);
+    assert!(close(loss, loss_t), "{loss} vs {loss_t}");
+    assert!(grad.iter().zip(&grad_t).all(|(a, b)| close(*a, *b)));
+    assert_eq!(metrics.get("probs_ratio"), metrics_t.get("probs_ratio"));
+}
+
 /// One row with one generated token: [0, lp].
 fn one_token(loss: Value, lp: f64, prev: f64, reference: f64, advantage: f64) -> (f64, f64, Metrics) {
     let case = Case {
@@ -267,6 +300,7 @@ fn one_token(loss: Value, lp: f64, prev: f64, reference: f64, advantage: f64) ->
         token_mask: vec![vec![0.0, 1.0]],
         sample_mask: vec![1.0],
         advantages: Some(vec![advantage]),
+        token_advantages: None,
         scores: None,
     };
     let (value, metrics, grad) = keel(&case);
@@ -381,6 +415,7 @@ fn dpo_sft_term_of_uniform_logits_is_t_ln_v() {
         token_mask: rows.iter().map(|(_, m)| pad(m)).collect(),
         sample_mask: vec![1.0; 4],
         advantages: None,
+        token_advantages: None,
         scores: None,
     };
     let (summed, metrics, _) = keel(&case(false));

@@ -12,10 +12,13 @@ use std::time::Instant;
 
 use tracing::Instrument;
 
-use keel_algorithms::{Baseline, grpo_advantages, reinforce_pp_advantages};
+use keel_algorithms::{
+    Baseline, KlEstimator, grpo_advantages, kl_estimate, reinforce_pp_advantages, reinforce_pp_token_advantages,
+};
 use keel_protocol::generator::{MemoryAction, Sampling, WeightBuckets};
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
-use keel_protocol::trainer::{Scorer, Sequences, TrainBatch, TrainReply};
+use keel_protocol::trainer::{Advantages, Scorer, Sequences, TrainBatch, TrainReply};
+use keel_protocol::training::{ClippedPgConfig, KlType, LossConfig};
 
 use super::rollout::{self, Episode, Settings};
 use super::session::TrainerSession;
@@ -161,7 +164,7 @@ async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> 
     let current = tracing::Span::current();
     current.record("sequences", rows.input_ids.len());
     current.record("tokens", rows.input_ids.iter().map(Vec::len).sum::<usize>());
-    let trained = train(ctx, run, rows, &mut metrics).await?;
+    let trained = train(ctx, run, rows, &episodes, &mut metrics).await?;
     metrics.0.extend(mean_step_metrics(&trained, "train"));
     let dir = weights_dir(&ctx.run_dir, step);
     sync_weights(ctx, run, &dir, step, &mut metrics).await?;
@@ -191,9 +194,16 @@ async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> 
 }
 
 /// The trainer's turn: the policy's (and reference's) logprobs before the update, then the
-/// update. In colocated mode the generators sleep first and the trainer's optimiser state
-/// leaves the device after.
-async fn train(ctx: &RunContext, run: &Grpo, rows: TrainBatch, metrics: &mut StepMetrics) -> Result<TrainReply> {
+/// update (with the KL in the reward, the advantages are made per token in between). In
+/// colocated mode the generators sleep first and the trainer's optimiser state leaves the
+/// device after.
+async fn train(
+    ctx: &RunContext,
+    run: &Grpo,
+    rows: TrainBatch,
+    episodes: &[Episode],
+    metrics: &mut StepMetrics,
+) -> Result<TrainReply> {
     let colocated = ctx.spec.generation.colocated.enabled;
     let session = ctx.session()?;
     if colocated {
@@ -207,7 +217,24 @@ async fn train(ctx: &RunContext, run: &Grpo, rows: TrainBatch, metrics: &mut Ste
     let both = logprobs(session, &sequences, run.has_reference);
     let (prev, reference) = metrics.timed("policy_and_reference_logprobs", span, both).await?;
     ctx.stop.check()?;
-    let batch = TrainBatch { prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
+    let advantages = match (rows.advantages, kl_in_reward(&ctx.spec)) {
+        (Some(advantages), _) => advantages,
+        (None, Some(loss)) => {
+            let reference = reference.as_deref().ok_or_else(|| {
+                Stop::Failed("use_kl_in_reward needs reference logprobs (a KL penalty β ≠ 0)".into())
+            })?;
+            let (advantages, penalty) = token_advantages(&ctx.spec, loss, episodes, &prev, reference)?;
+            metrics.0.insert("train/kl_in_reward".into(), penalty);
+            advantages
+        }
+        (None, None) => return Err(Stop::Failed("the train batch has no advantages".into())),
+    };
+    let batch = TrainBatch {
+        advantages: Some(advantages),
+        prev_logprobs: Some(prev),
+        reference_logprobs: reference,
+        ..rows
+    };
     let training = session.train(batch, ctx.spec.generation.temperature);
     let trained = metrics.timed("policy_training", tracing::info_span!("policy_training"), training).await?;
     if colocated {
@@ -423,21 +450,24 @@ async fn collect_groups(
 
 /// The training batch of the kept episodes: advantages over each prompt's group (every
 /// sample counts in the baseline; truncated ones are masked out of the loss when overlong
-/// filtering is on, skipped ones always).
+/// filtering is on, skipped ones always). With the KL in the reward the advantages are left
+/// out: they need the trainer's logprobs ([`token_advantages`]).
 fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
     let g = &spec.grpo;
     let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
     let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
     let advantages = match g.advantage_estimator {
+        _ if kl_in_reward(spec).is_some() => None,
         AdvantageEstimator::Grpo => {
             let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
-            grpo_advantages(&groups, &rewards, &vec![true; episodes.len()], baseline, g.normalize_rewards)
+            Some(grpo_advantages(&groups, &rewards, &vec![true; episodes.len()], baseline, g.normalize_rewards))
         }
         AdvantageEstimator::ReinforcePlusPlus => {
             let tokens: Vec<usize> = episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
-            reinforce_pp_advantages(&groups, &rewards, &tokens, g.normalize_rewards)
+            Some(reinforce_pp_advantages(&groups, &rewards, &tokens, g.normalize_rewards))
         }
     }
+    .transpose()
     .map_err(|e| Stop::Failed(format!("advantages: {e}")))?;
     let sample_mask =
         episodes.iter().map(|e| if e.skipped || (g.overlong_filtering && e.truncated) { 0.0 } else { 1.0 }).collect();
@@ -445,11 +475,70 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
         input_ids: episodes.iter().map(|e| e.ids.clone()).collect(),
         token_mask: episodes.iter().map(|e| e.mask.clone()).collect(),
         sample_mask: Some(sample_mask),
-        advantages: Some(advantages.into_iter().map(|a| a as f32).collect()),
+        advantages: advantages.map(|a| Advantages::PerSample(a.into_iter().map(|a| a as f32).collect())),
         generation_logprobs: Some(episodes.iter().map(|e| e.gen_logprobs.clone()).collect()),
         prev_logprobs: None,
         reference_logprobs: None,
     })
+}
+
+/// The loss configuration when the run puts the KL penalty into the reward.
+fn kl_in_reward(spec: &RunSpec) -> Option<&ClippedPgConfig> {
+    match spec.training.as_ref().map(|t| &t.loss) {
+        Some(LossConfig::ClippedPg(c)) if c.use_kl_in_reward => Some(c),
+        _ => None,
+    }
+}
+
+/// REINFORCE++ advantages per token with the KL in the reward (NeMo-RL's
+/// `use_kl_in_reward`): each generated token's reward is the sample's (less its group's mean)
+/// minus β·KL_t of the policy before the update (`prev`) against the reference, estimated and
+/// clamped as the loss would; then all of them are whitened together. Also returns the mean
+/// β·KL_t over those tokens.
+fn token_advantages(
+    spec: &RunSpec,
+    loss: &ClippedPgConfig,
+    episodes: &[Episode],
+    prev: &[Vec<f32>],
+    reference: &[Vec<f32>],
+) -> Result<(Advantages, f64)> {
+    let estimator = match loss.reference_policy_kl_type {
+        KlType::K1 => KlEstimator::K1,
+        KlType::K2 => KlEstimator::K2,
+        KlType::K3 => KlEstimator::K3,
+    };
+    let beta = loss.reference_policy_kl_penalty;
+    let aligned = |rows: &[Vec<f32>]| rows.len() == episodes.len() && rows.iter().zip(episodes).all(|(r, e)| r.len() == e.ids.len());
+    if !aligned(prev) || !aligned(reference) {
+        return Err(Stop::Failed("the trainer's logprobs do not match the batch's sequences".into()));
+    }
+    let generated = |e: &Episode| e.mask.iter().enumerate().filter(|(_, m)| **m > 0.0).map(|(t, _)| t).collect();
+    let positions: Vec<Vec<usize>> = episodes.iter().map(generated).collect();
+    let penalties: Vec<Vec<f64>> = positions
+        .iter()
+        .zip(prev.iter().zip(reference))
+        .map(|(at, (p, r))| {
+            let kl = |t: &usize| kl_estimate(p[*t] as f64, r[*t] as f64, estimator, loss.kl_input_clamp_value, loss.kl_output_clamp_value);
+            at.iter().map(|t| beta * kl(t)).collect()
+        })
+        .collect();
+    let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
+    let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
+    let per_token = reinforce_pp_token_advantages(&groups, &rewards, &penalties, spec.grpo.normalize_rewards)
+        .map_err(|e| Stop::Failed(format!("advantages: {e}")))?;
+    let rows = episodes
+        .iter()
+        .zip(positions.iter().zip(per_token))
+        .map(|(e, (at, values))| {
+            let mut row = vec![0.0f32; e.ids.len()];
+            for (t, a) in at.iter().zip(values) {
+                row[*t] = a as f32;
+            }
+            row
+        })
+        .collect();
+    let tokens = penalties.iter().map(Vec::len).sum::<usize>().max(1) as f64;
+    Ok((Advantages::PerToken(rows), penalties.iter().flatten().sum::<f64>() / tokens))
 }
 
 /// Each metric averaged over the optimiser steps of one train call, prefixed.

@@ -36,6 +36,7 @@ pub struct LossInput<'a> {
     pub mask: Tensor,
     /// [b] f32.
     pub sample_mask: Tensor,
+    /// [b, S] like the logprobs (position 0 unused).
     pub advantages: Option<Tensor>,
     pub prev_logprobs: Option<Tensor>,
     pub generation_logprobs: Option<Tensor>,

@@ -2,7 +2,9 @@
 //! r = exp(lp − prev), ℓ = max(−A·r, −A·clamp(r, 1 − ε_low, 1 + ε_high)), dual clip
 //! min(ℓ, −A·c) where A < 0, an importance weight w = exp(prev − gen) for the
 //! generator/trainer mismatch (tis / icepop / seq-mask-tis), token- or sequence-level
-//! reduction, plus β × a k1/k2/k3 estimate of KL(policy ‖ reference). Variants: GSPO
+//! reduction, plus β × a k1/k2/k3 estimate of KL(policy ‖ reference) unless the KL is in the
+//! reward (`use_kl_in_reward`). Advantages are per token ([b, S], per-sample ones broadcast
+//! when the batch is made). Variants: GSPO
 //! (one ratio per sequence), REINFORCE (ℓ = −A·lp), force-on-policy (r = exp(lp − sg(lp))).
 //! `LOSSES.md` has the exact text.
 
@@ -79,8 +81,8 @@ pub fn clipped_pg(config: &ClippedPgConfig, input: &LossInput<'_>, global: &Glob
     let advantages = input
         .advantages
         .as_ref()
-        .ok_or_else(|| Error::Internal("clipped_pg needs advantages".into()))?
-        .f_unsqueeze(1)?;
+        .ok_or_else(|| Error::Internal("clipped_pg needs advantages".into()))
+        .and_then(shifted)?;
     let neg_a = advantages.f_neg()?;
 
     let log_ratio = if config.force_on_policy_ratio {
@@ -98,8 +100,8 @@ pub fn clipped_pg(config: &ClippedPgConfig, input: &LossInput<'_>, global: &Glob
         let clipped = neg_a.f_mul(&ratio)?.f_maximum(&neg_a.f_mul(&clamped)?)?;
         match config.ratio_clip_c {
             Some(c) => {
-                let dual = clipped.f_minimum(&neg_a.f_mul_scalar(c)?.f_expand_as(&clipped)?)?;
-                dual.f_where_self(&advantages.f_lt(0.0)?.f_expand_as(&clipped)?, &clipped)?
+                let dual = clipped.f_minimum(&neg_a.f_mul_scalar(c)?)?;
+                dual.f_where_self(&advantages.f_lt(0.0)?, &clipped)?
             }
             None => clipped,
         }
@@ -107,7 +109,8 @@ pub fn clipped_pg(config: &ClippedPgConfig, input: &LossInput<'_>, global: &Glob
     let weight = importance_weight(config, &prev, &generation, mask)?;
     let actor = reduce(config, &weight.f_mul(&per_token)?, input, global)?;
 
-    let beta = config.reference_policy_kl_penalty;
+    // With the KL in the reward, the advantages already carry −β·KL and the loss adds none.
+    let beta = if config.use_kl_in_reward { 0.0 } else { config.reference_policy_kl_penalty };
     let kl = match (&input.reference_logprobs, beta != 0.0) {
         (Some(reference), true) => reduce(config, &kl_per_token(config, &lp, &shifted(reference)?)?, input, global)?,
         (None, true) => return Err(Error::Internal("clipped_pg with β ≠ 0 needs reference logprobs".into())),
