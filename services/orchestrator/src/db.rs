@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 
 use keel_protocol::run::{Algorithm, MetricSeries, Run, RunEvent, RunEventRecord, RunSpec, RunStatus, Sample};
 use sqlx::postgres::PgRow;
+use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
@@ -432,11 +433,34 @@ fn storable(text: &str) -> String {
     text.replace('\0', "\u{FFFD}")
 }
 
+/// The most of a sample's `info` kept, serialised; a larger one is replaced by a note of its size.
+const MAX_INFO_BYTES: usize = 64 * 1024;
+
+/// JSON as Postgres's `jsonb` stores it: NUL characters in strings replaced, and an `info`
+/// larger than [`MAX_INFO_BYTES`] replaced by `{"omitted_bytes": n}`.
+fn storable_json(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    fn clean(value: &Value) -> Value {
+        match value {
+            Value::String(s) => Value::String(storable(s)),
+            Value::Array(items) => Value::Array(items.iter().map(clean).collect()),
+            Value::Object(fields) => Value::Object(fields.iter().map(|(k, v)| (storable(k), clean(v))).collect()),
+            other => other.clone(),
+        }
+    }
+    let size = serde_json::to_vec(value).map_or(0, |bytes| bytes.len());
+    if size > MAX_INFO_BYTES { serde_json::json!({ "omitted_bytes": size }) } else { clean(value) }
+}
+
 pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Sample]) -> sqlx::Result<()> {
     for (i, s) in samples.iter().enumerate() {
+        let turns: Vec<_> =
+            s.turns.iter().map(|m| keel_protocol::reward::Message::new(&storable(&m.role), storable(&m.content))).collect();
+        let count = |n: Option<u64>| n.map(|n| n.min(i64::MAX as u64) as i64);
         sqlx::query(
-            "INSERT INTO samples (run_id, step, split, idx, prompt, completion, reward, ground_truth, finish_reason) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+            "INSERT INTO samples (run_id, step, split, idx, prompt, completion, reward, ground_truth, finish_reason, \
+             rewards, info, turns, num_prompt_tokens, num_generated_tokens, num_tokens, truncated) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ON CONFLICT DO NOTHING",
         )
         .bind(run_id)
         .bind(s.step as i64)
@@ -447,6 +471,13 @@ pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Samp
         .bind(s.reward)
         .bind(s.ground_truth.as_deref().map(storable))
         .bind(&s.finish_reason)
+        .bind(Json(&s.rewards))
+        .bind((!s.info.is_null()).then(|| Json(storable_json(&s.info))))
+        .bind(Json(&turns))
+        .bind(count(s.num_prompt_tokens))
+        .bind(count(s.num_generated_tokens))
+        .bind(count(s.num_tokens))
+        .bind(s.truncated)
         .execute(&mut *db)
         .await?;
     }
@@ -491,7 +522,8 @@ pub async fn samples(
     limit: i64,
 ) -> sqlx::Result<Vec<Sample>> {
     let rows = sqlx::query(
-        "SELECT step, split, prompt, completion, reward, ground_truth, finish_reason FROM samples \
+        "SELECT step, split, prompt, completion, reward, ground_truth, finish_reason, rewards, info, turns, \
+         num_prompt_tokens, num_generated_tokens, num_tokens, truncated FROM samples \
          WHERE run_id = $1 AND ($2::bigint IS NULL OR step = $2) AND ($3::text IS NULL OR split = $3) \
          ORDER BY step DESC, split, idx LIMIT $4",
     )
@@ -501,6 +533,7 @@ pub async fn samples(
     .bind(limit)
     .fetch_all(db)
     .await?;
+    let count = |n: Option<i64>| n.map(|n| n.max(0) as u64);
     rows.iter()
         .map(|row| {
             Ok(Sample {
@@ -511,6 +544,13 @@ pub async fn samples(
                 reward: row.try_get("reward")?,
                 ground_truth: row.try_get("ground_truth")?,
                 finish_reason: row.try_get("finish_reason")?,
+                rewards: row.try_get::<Json<BTreeMap<String, f64>>, _>("rewards")?.0,
+                info: row.try_get::<Option<serde_json::Value>, _>("info")?.unwrap_or_default(),
+                turns: row.try_get::<Json<Vec<keel_protocol::reward::Message>>, _>("turns")?.0,
+                num_prompt_tokens: count(row.try_get("num_prompt_tokens")?),
+                num_generated_tokens: count(row.try_get("num_generated_tokens")?),
+                num_tokens: count(row.try_get("num_tokens")?),
+                truncated: row.try_get("truncated")?,
             })
         })
         .collect()

@@ -86,6 +86,19 @@ impl EnvConfig {
             Self::RewardModel(_) => "reward_model",
         }
     }
+
+    /// Whether every reward it gives is 0 or 1 (a right-or-wrong verifier, over all turns):
+    /// validation then reports `accuracy`, else the mean reward.
+    pub fn binary_rewards(&self) -> bool {
+        match self {
+            Self::Math(_) | Self::ExactMatch(_) | Self::Regex(_) | Self::MultipleChoice(_) | Self::SlidingPuzzle(_) => {
+                true
+            }
+            // Partial credit, or a reward per attempt with feedback.
+            Self::Code(c) => c.all_or_nothing && !c.feedback,
+            Self::Http(_) | Self::RewardModel(_) => false,
+        }
+    }
 }
 
 /// `math`: the last `\boxed{}` (or the pattern's capture) against `metadata.ground_truth`,
@@ -230,6 +243,62 @@ pub struct HttpRewardConfig {
     pub authorization_env: Option<String>,
     /// Samples per request: 1 sends one sample per request, more sends `{"samples": [...]}`.
     pub batch_size: usize,
+}
+
+/// Bounds on an `http` environment's settings, so that no request holds a slot for ever.
+pub mod http_limits {
+    pub const MAX_RETRIES: u32 = 10;
+    pub const MAX_TIMEOUT_MS: u64 = 600_000;
+    pub const MAX_BACKOFF_MS: u64 = 60_000;
+    pub const MAX_CONCURRENCY: usize = 1024;
+    pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
+    pub const MAX_BATCH: usize = 1024;
+    /// What `authorization_env` must start with.
+    pub const SECRET_PREFIX: &str = "KEEL_REWARD_SECRET_";
+}
+
+impl HttpRewardConfig {
+    /// What is wrong with it on its face (field paths relative to the environment): the URL
+    /// (absolute, http or https, with a host), the bounds, and the authorization's shape.
+    /// Whether its host is allowed and its secret bound to it is the reward service's call.
+    pub fn problems(&self) -> Vec<FieldError> {
+        use http_limits::*;
+        let mut problems = Vec::new();
+        match url::Url::parse(&self.url) {
+            Err(e) => problems.push(FieldError::new("url", format!("`{}` is not an absolute URL: {e}", self.url))),
+            Ok(url) if !matches!(url.scheme(), "http" | "https") => {
+                problems.push(FieldError::new("url", format!("`{}` must be http or https", self.url)))
+            }
+            Ok(url) if url.host_str().is_none_or(str::is_empty) => {
+                problems.push(FieldError::new("url", format!("`{}` has no host", self.url)))
+            }
+            Ok(_) => {}
+        }
+        let bounded = [
+            ("timeout_ms", self.timeout_ms, 1, MAX_TIMEOUT_MS),
+            ("max_retries", u64::from(self.max_retries), 0, u64::from(MAX_RETRIES)),
+            ("backoff_ms", self.backoff_ms, 0, MAX_BACKOFF_MS),
+            ("max_backoff_ms", self.max_backoff_ms, 0, MAX_BACKOFF_MS),
+            ("max_concurrency", self.max_concurrency as u64, 1, MAX_CONCURRENCY as u64),
+            ("batch_size", self.batch_size as u64, 1, MAX_BATCH as u64),
+            ("max_response_bytes", self.max_response_bytes as u64, 16, MAX_RESPONSE_BYTES as u64),
+        ];
+        for (field, value, least, most) in bounded {
+            if value < least || value > most {
+                problems.push(FieldError::new(field, format!("must be {least} to {most}, got {value}")));
+            }
+        }
+        match (&self.authorization, &self.authorization_env) {
+            (Some(_), Some(_)) => problems
+                .push(FieldError::new("authorization_env", "give authorization or authorization_env, not both")),
+            (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => problems.push(FieldError::new(
+                "authorization_env",
+                format!("must name a variable starting with {SECRET_PREFIX}"),
+            )),
+            _ => {}
+        }
+        problems
+    }
 }
 
 impl Default for HttpRewardConfig {

@@ -7,11 +7,12 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use utoipa::ToSchema;
 
 use crate::FieldError;
 use crate::limits;
-use crate::reward::{EnvConfig, OnError};
+use crate::reward::{EnvConfig, Message, OnError};
 use crate::training::{LossConfig, TrainingConfig};
 
 /// What a run does.
@@ -193,6 +194,13 @@ pub struct EnvironmentsSpec {
     /// the step fails (`fail`).
     #[serde(default)]
     pub on_error: OnError,
+}
+
+impl EnvironmentsSpec {
+    /// Whether every environment of the run rewards 0 or 1 ([`EnvConfig::binary_rewards`]).
+    pub fn binary_rewards(&self) -> bool {
+        self.default.binary_rewards() && self.tasks.values().all(EnvConfig::binary_rewards)
+    }
 }
 
 /// Sampling for rollouts (validation decodes greedily unless `validation.temperature` says).
@@ -476,6 +484,15 @@ impl RunSpec {
         }
         if alg.generates() {
             check(&mut p, self.environments.is_some(), "environments", format!("required for `{}`", alg.name()));
+            if let Some(envs) = &self.environments {
+                let named = std::iter::once(("environments.default".to_string(), &envs.default))
+                    .chain(envs.tasks.iter().map(|(task, env)| (format!("environments.tasks.{task}"), env)));
+                for (field, env) in named {
+                    if let EnvConfig::Http(http) = env {
+                        p.extend(http.problems().into_iter().map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)));
+                    }
+                }
+            }
             let g = &self.generation;
             check(&mut p, g.max_new_tokens >= 1, "generation.max_new_tokens", "must be at least 1");
             check(
@@ -739,10 +756,34 @@ pub struct Sample {
     /// `train` or `validation`.
     pub split: String,
     pub prompt: String,
+    /// Every turn after the prompt as text, joined by newlines (see `turns` for the roles).
     pub completion: String,
     pub reward: f64,
     pub ground_truth: Option<String>,
     pub finish_reason: Option<String>,
+    /// Named reward components, each summed over the sample's turns (an environment or reward
+    /// plugin that reports several).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rewards: BTreeMap<String, f64>,
+    /// What the environment last reported besides the reward (a plugin's `info`).
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    #[schema(value_type = Object)]
+    pub info: Value,
+    /// The turns after the prompt: the model's (`assistant`) and the environment's
+    /// observations, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub turns: Vec<Message>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_prompt_tokens: Option<u64>,
+    /// Tokens the model generated: those the loss covers (observations are not among them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_generated_tokens: Option<u64>,
+    /// Every token of the sample: prompt, generated and observations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_tokens: Option<u64>,
+    /// Cut at the maximum sequence length (or the last turn ran out of new tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -803,6 +844,51 @@ mod tests {
     #[test]
     fn a_sound_spec_has_no_problems() {
         assert_eq!(grpo().problems(), vec![]);
+    }
+
+    /// An `http` environment's URL and bounds are checked at submit, under its field path.
+    #[test]
+    fn http_environments_are_checked_at_submit() {
+        let mut spec = grpo();
+        let http = |url: &str, timeout_ms: u64| {
+            EnvConfig::Http(crate::reward::HttpRewardConfig { url: url.into(), timeout_ms, ..Default::default() })
+        };
+        let envs = spec.environments.as_mut().unwrap();
+        envs.default = http("reward.example/score", 10_000);
+        envs.tasks.insert("poems".into(), http("ftp://reward.example/score", 0));
+        envs.tasks.insert("proofs".into(), http("https://reward.example/score", 10_000));
+        let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            ["environments.default.url", "environments.tasks.poems.url", "environments.tasks.poems.timeout_ms"]
+        );
+    }
+
+    #[test]
+    fn kl_in_the_reward_needs_reinforce_plus_plus() {
+        let mut spec = grpo();
+        let Some(TrainingConfig { loss: LossConfig::ClippedPg(loss), .. }) = spec.training.as_mut() else {
+            unreachable!()
+        };
+        loss.use_kl_in_reward = true;
+        let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(fields, ["training.loss.use_kl_in_reward"]);
+        spec.grpo.advantage_estimator = AdvantageEstimator::ReinforcePlusPlus;
+        assert_eq!(spec.problems(), vec![]);
+    }
+
+    /// Validation reports accuracy only where every environment rewards right or wrong.
+    #[test]
+    fn binary_rewards_come_from_the_environments() {
+        let mut envs = grpo().environments.unwrap();
+        assert!(envs.binary_rewards());
+        envs.tasks.insert("code".into(), EnvConfig::Code(Default::default()));
+        assert!(!envs.binary_rewards(), "code gives partial credit unless all_or_nothing");
+        let all_or_nothing = crate::reward::CodeConfig { all_or_nothing: true, ..Default::default() };
+        envs.tasks.insert("code".into(), EnvConfig::Code(all_or_nothing));
+        assert!(envs.binary_rewards());
+        envs.default = EnvConfig::Http(Default::default());
+        assert!(!envs.binary_rewards());
     }
 
     #[test]

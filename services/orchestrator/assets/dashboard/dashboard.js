@@ -24,7 +24,7 @@
     ['reward', 'Reward', (names) => names.filter((n) => n === 'train/reward'), false],
     ['loss', 'Loss', (names) => names.filter((n) => n === 'train/loss'), false],
     ['kl', 'KL', (names) => KL_NAMES.filter((n) => names.indexOf(n) >= 0).slice(0, 1), false],
-    ['validation', 'Validation accuracy', pickValidation, false],
+    ['validation', 'Validation', pickValidation, false],
     ['step_time', 'Step time (s, stacked)', (names) => names
       .filter((n) => n.startsWith(STEP_TIME_PREFIX) && n !== 'timing/train/total_step_time').sort(), true],
   ];
@@ -32,7 +32,8 @@
   function pickValidation(names) {
     const passAt = names.filter((n) => /^validation\/pass@\d+$/.test(n))
       .sort((a, b) => Number(a.split('@')[1]) - Number(b.split('@')[1]));
-    return names.filter((n) => n === 'validation/accuracy').concat(passAt);
+    // Accuracy where rewards are right-or-wrong, the mean reward where they are not.
+    return names.filter((n) => n === 'validation/accuracy' || n === 'validation/reward_mean').concat(passAt);
   }
 
   // ---- bearer token and API access ----
@@ -271,7 +272,7 @@
     document.title = 'Runs · Keel';
     const rows = el('tbody');
     const note = el('p', { class: 'muted' });
-    const heads = ['Run', 'Algorithm', 'Status', 'Progress', 'Created', 'Reward', 'Loss', 'Val. accuracy'];
+    const heads = ['Run', 'Algorithm', 'Status', 'Progress', 'Created', 'Reward', 'Loss', 'Validation'];
     fill(app, el('section', { class: 'card' },
       el('h1', null, 'Runs'),
       el('div', { class: 'table-wrap' }, el('table', { class: 'runs' },
@@ -291,7 +292,8 @@
       el('td', { class: 'nowrap' }, fmtTime(run.created_at)),
       el('td', { class: 'num' }, fmt(m['train/reward'])),
       el('td', { class: 'num' }, fmt(m['train/loss'])),
-      el('td', { class: 'num' }, fmt(m['validation/accuracy'])));
+      el('td', { class: 'num', title: m['validation/accuracy'] !== undefined ? 'accuracy' : 'mean reward' },
+        fmt(m['validation/accuracy'] ?? m['validation/reward_mean'])));
     }
 
     const poll = poller(async () => {

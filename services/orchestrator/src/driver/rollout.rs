@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use keel_protocol::generator::{RolloutReply, RolloutRequest, Sampling};
 use keel_protocol::reward::{EnvConfig, EnvSample, EnvStepRequest, Message};
-use keel_protocol::run::Sample;
+use keel_protocol::run::{EnvironmentsSpec, Sample};
 use serde_json::{Value, json};
 
 use super::tokens::Prompting;
@@ -43,6 +43,10 @@ pub struct Episode {
     pub env: EnvConfig,
     pub stop: Vec<String>,
     pub reward: f64,
+    /// Named reward components, each summed over the turns.
+    pub rewards: BTreeMap<String, f64>,
+    /// The environment's last `info`.
+    pub info: Value,
     pub done: bool,
     /// Cut at the maximum length (or the last generation ran out of tokens).
     pub truncated: bool,
@@ -60,10 +64,15 @@ pub struct Episode {
 }
 
 impl Episode {
-    /// Every assistant turn and observation after the prompt, as text.
-    pub fn completion(&self) -> String {
+    /// Every assistant turn and observation after the prompt.
+    pub fn turns(&self) -> &[Message] {
         let opening = self.messages.iter().take_while(|m| m.role != "assistant").count();
-        self.messages[opening..].iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n")
+        &self.messages[opening..]
+    }
+
+    /// The turns as text.
+    pub fn completion(&self) -> String {
+        self.turns().iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n")
     }
 
     pub fn sample(&self, step: u64, split: &str) -> Sample {
@@ -75,6 +84,13 @@ impl Episode {
             reward: self.reward,
             ground_truth: self.ground_truth.clone(),
             finish_reason: Some(self.finish_reason.clone()),
+            rewards: self.rewards.clone(),
+            info: self.info.clone(),
+            turns: self.turns().to_vec(),
+            num_prompt_tokens: Some(self.prompt_len as u64),
+            num_generated_tokens: Some(self.mask.iter().filter(|&&m| m > 0.0).count() as u64),
+            num_tokens: Some(self.ids.len() as u64),
+            truncated: Some(self.truncated),
         }
     }
 }
@@ -136,6 +152,8 @@ pub async fn rollout(
                 env: env.clone(),
                 stop: ctx.spec.generation.stop.clone(),
                 reward: 0.0,
+                rewards: BTreeMap::new(),
+                info: Value::Null,
                 done: ids.len() >= max_len,
                 truncated: ids.len() >= max_len,
                 terminated: false,
@@ -306,6 +324,12 @@ async fn step_environments(
         for (i, result) in members.into_iter().zip(reply.results) {
             let e = &mut episodes[i];
             e.reward += result.reward;
+            for (name, value) in &result.rewards {
+                *e.rewards.entry(name.clone()).or_default() += value;
+            }
+            if !result.info.is_null() {
+                e.info = result.info.clone();
+            }
             e.skipped |= result.skipped;
             if let Some(error) = &result.error {
                 e.error = Some(error.to_string());
@@ -337,22 +361,35 @@ async fn step_environments(
     Ok(())
 }
 
-/// Rollout metrics under NeMo-RL's names (without the `train/` or `validation/` prefix).
+/// Rollout metrics under NeMo-RL's names (without the `train/` or `validation/` prefix),
+/// with `rewards/<name>` for each named reward component: its mean over the samples that
+/// report it.
 pub fn rollout_metrics(episodes: &[Episode]) -> BTreeMap<String, f64> {
     let n = episodes.len().max(1) as f64;
     let mean = |f: &dyn Fn(&Episode) -> f64| episodes.iter().map(f).sum::<f64>() / n;
-    BTreeMap::from([
+    let mut named: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
+    for (name, value) in episodes.iter().flat_map(|e| &e.rewards) {
+        let entry = named.entry(name).or_default();
+        entry.0 += value;
+        entry.1 += 1.0;
+    }
+    let components = named.into_iter().map(|(name, (sum, count))| (format!("rewards/{name}"), sum / count));
+    let mut metrics = BTreeMap::from([
         ("reward".to_string(), mean(&|e| e.reward)),
         ("mean_gen_tokens_per_sample".to_string(), mean(&|e| e.generated as f64)),
         ("turns_per_sample".to_string(), mean(&|e| f64::from(e.turns))),
         ("natural_termination_rate".to_string(), mean(&|e| f64::from(u8::from(e.terminated && !e.truncated)))),
         ("truncation_rate".to_string(), mean(&|e| f64::from(u8::from(e.truncated)))),
         ("scoring_error_rate".to_string(), mean(&|e| f64::from(u8::from(e.error.is_some())))),
-    ])
+    ]);
+    metrics.extend(components);
+    metrics
 }
 
 /// Accuracy and pass@k of `records` (greedy unless `validation.temperature` says), with a
-/// few samples to record.
+/// few samples to record. Accuracy (the fraction of samples with reward 1, as NeMo-RL
+/// counts it) only where every environment rewards 0 or 1; otherwise the mean reward as
+/// `reward_mean`.
 pub async fn validate(
     ctx: &RunContext,
     prompting: &Prompting,
@@ -372,16 +409,23 @@ pub async fn validate(
         weights,
     };
     let (episodes, _) = rollout(ctx, prompting, &chosen, &settings, ctx.spec.seed ^ 0x5eed).await?;
+    let correct = |e: &Episode| e.reward >= 1.0 - 1e-6;
     let mut per_prompt = vec![(v.num_samples, 0usize); chosen.len()];
-    for e in &episodes {
-        if e.reward >= 1.0 - 1e-6 {
-            per_prompt[e.group].1 += 1;
-        }
+    for e in episodes.iter().filter(|e| correct(e)) {
+        per_prompt[e.group].1 += 1;
     }
     let mut metrics = BTreeMap::new();
     let base = rollout_metrics(&episodes);
-    metrics.insert(format!("{prefix}/accuracy"), base["reward"]);
+    if ctx.spec.environments.as_ref().is_some_and(EnvironmentsSpec::binary_rewards) {
+        let right = episodes.iter().filter(|e| correct(e)).count();
+        metrics.insert(format!("{prefix}/accuracy"), right as f64 / episodes.len().max(1) as f64);
+    } else {
+        metrics.insert(format!("{prefix}/reward_mean"), base["reward"]);
+    }
     metrics.insert(format!("{prefix}/avg_length"), base["mean_gen_tokens_per_sample"]);
+    for (name, value) in base.iter().filter(|(name, _)| name.starts_with("rewards/")) {
+        metrics.insert(format!("{prefix}/{name}"), *value);
+    }
     for &k in &v.pass_at_k {
         let value = keel_algorithms::mean_pass_at_k(&per_prompt, k).map_err(|e| Stop::Failed(e.to_string()))?;
         metrics.insert(format!("{prefix}/pass@{k}"), value);

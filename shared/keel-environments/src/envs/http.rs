@@ -26,14 +26,12 @@ use tokio::sync::Semaphore;
 
 use crate::envs::{Environment, Outcome, last_turn, prompt_of};
 
-const MAX_BATCH: usize = 1024;
-
 /// Environment variables `authorization_env` may name: a request must not be able to send
 /// any other of the service's variables (a database URL, cloud credentials) to a URL it
 /// chooses. Each secret `KEEL_REWARD_SECRET_X` is bound by the operator to the URLs it may
 /// go to with `KEEL_REWARD_SECRET_X_URL` (a URL prefix): a request naming another URL gets
 /// the same refusal as one naming a secret that does not exist, so refusals reveal nothing.
-pub const SECRET_PREFIX: &str = "KEEL_REWARD_SECRET_";
+pub use keel_protocol::reward::http_limits::SECRET_PREFIX;
 
 /// Whether `url` is under `prefix`: same scheme, host and port, and a path that starts with
 /// the prefix's path (at a `/` boundary).
@@ -61,13 +59,6 @@ fn secret_for(var: &str, url: &reqwest::Url) -> Result<String, FieldError> {
     }
 }
 
-/// Upper bounds, so that no request holds a slot for ever.
-const MAX_RETRIES: u32 = 10;
-const MAX_TIMEOUT_MS: u64 = 600_000;
-const MAX_BACKOFF_MS: u64 = 60_000;
-const MAX_CONCURRENCY: usize = 1024;
-const MAX_RESPONSE_BYTES: usize = 64 << 20;
-
 #[derive(Debug)]
 pub struct HttpEnv {
     config: HttpRewardConfig,
@@ -87,37 +78,16 @@ impl HttpEnv {
     /// The environment for `config`, calling through `client`; `allow_private` lets the URL
     /// name a loopback or private address (see [`super::addresses`]).
     pub fn new(config: &HttpRewardConfig, client: reqwest::Client, allow_private: bool) -> Result<Self, FieldError> {
+        if let Some(problem) = config.problems().into_iter().next() {
+            return Err(problem);
+        }
         let url = reqwest::Url::parse(&config.url)
             .map_err(|e| FieldError::new("url", format!("`{}` is not a URL: {e}", config.url)))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(FieldError::new("url", format!("`{}` must be http or https", config.url)));
-        }
         if !allow_private {
             super::addresses::check_host(&url)?;
         }
-        let bounded = [
-            ("timeout_ms", config.timeout_ms, 1, MAX_TIMEOUT_MS),
-            ("max_retries", u64::from(config.max_retries), 0, u64::from(MAX_RETRIES)),
-            ("backoff_ms", config.backoff_ms, 0, MAX_BACKOFF_MS),
-            ("max_backoff_ms", config.max_backoff_ms, 0, MAX_BACKOFF_MS),
-            ("max_concurrency", config.max_concurrency as u64, 1, MAX_CONCURRENCY as u64),
-            ("batch_size", config.batch_size as u64, 1, MAX_BATCH as u64),
-            ("max_response_bytes", config.max_response_bytes as u64, 16, MAX_RESPONSE_BYTES as u64),
-        ];
-        if let Some((field, _, least, most)) = bounded.iter().find(|(_, v, least, most)| v < least || v > most) {
-            return Err(FieldError::new(*field, format!("must be {least} to {most}")));
-        }
         let token = match (&config.authorization, &config.authorization_env) {
-            (Some(_), Some(_)) => {
-                return Err(FieldError::new("authorization_env", "give authorization or authorization_env, not both"));
-            }
-            (Some(value), None) => Some(value.clone()),
-            (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => {
-                return Err(FieldError::new(
-                    "authorization_env",
-                    format!("must name a variable starting with {SECRET_PREFIX}"),
-                ));
-            }
+            (Some(value), _) => Some(value.clone()),
             (None, Some(var)) => Some(secret_for(var, &url)?),
             (None, None) => None,
         };
