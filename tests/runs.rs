@@ -1,7 +1,7 @@
 //! Runs end to end: the five services as processes on the real NATS and Postgres, runs
 //! submitted through the REST API. SFT then GRPO from the SFT checkpoint (metrics, samples,
 //! checkpoints; the generator and trainer agree on logprobs); DPO's first loss is ln 2 and
-//! falls; a reward model's accuracy rises; an orchestrator killed mid-run is replaced and
+//! falls, on held-out pairs too; a reward model's accuracy rises; an orchestrator killed mid-run is replaced and
 //! the run finishes with every step recorded once; weights refitted in memory or through a
 //! directory, and training and generation colocated or not, give the same run; REINFORCE++
 //! with the KL in the reward and GSPO run end to end.
@@ -132,7 +132,10 @@ async fn dpo_starts_at_ln2_and_falls_and_reward_model_accuracy_rises() {
         json!({
             "algorithm": algorithm,
             "model": {"path": stack.model},
-            "data": {"train": {"kind": "arithmetic", "size": 32, "max_operand": 9, "seed": 4}},
+            "data": {
+                "train": {"kind": "arithmetic", "size": 32, "max_operand": 9, "seed": 4},
+                "validation": {"kind": "arithmetic", "size": 8, "max_operand": 9, "seed": 9, "split": "held_out"},
+            },
             "training": {
                 "loss": loss,
                 "optimizer": {"lr": lr, "weight_decay": 0.0},
@@ -142,6 +145,7 @@ async fn dpo_starts_at_ln2_and_falls_and_reward_model_accuracy_rises() {
             "max_total_sequence_length": 64,
             "max_num_steps": steps,
             "max_num_epochs": 20,
+            "validation": {"period": 2},
             "checkpointing": {"enabled": false},
         })
     };
@@ -151,11 +155,23 @@ async fn dpo_starts_at_ln2_and_falls_and_reward_model_accuracy_rises() {
     let loss = stack.series(&dpo, "train/loss").await;
     assert!((loss[0].1 - std::f64::consts::LN_2).abs() < 1e-3, "first DPO loss {} is not ln 2", loss[0].1);
     assert!(loss.last().unwrap().1 < loss[0].1 - 0.01, "DPO loss did not fall: {loss:?}");
+    // Validation on held-out pairs without an update: at the start (the policy is the
+    // reference: ln 2, margins 0) and every second step, after which the policy has moved.
+    let validation = stack.series(&dpo, "validation/loss").await;
+    assert_eq!(validation.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2, 4, 6], "{validation:?}");
+    assert!((validation[0].1 - std::f64::consts::LN_2).abs() < 1e-3, "{validation:?}");
+    assert!((validation[3].1 - validation[0].1).abs() > 1e-4, "held-out loss never moved: {validation:?}");
+    assert_eq!(stack.series(&dpo, "validation/accuracy").await.len(), 4);
+    let margins = stack.series(&dpo, "validation/rewards_margin_mean").await;
+    assert!(margins[0].1.abs() < 1e-3 && margins[3].1 != margins[0].1, "{margins:?}");
     stack.wait_succeeded(&rm, LIMIT).await;
     let accuracy: Vec<f64> = stack.series(&rm, "train/accuracy").await.into_iter().map(|p| p.1).collect();
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
     let (first, last) = (mean(&accuracy[..4]), mean(&accuracy[accuracy.len() - 4..]));
     assert!(last > first, "reward-model accuracy did not rise: {accuracy:?}");
+    let held_out = stack.series(&rm, "validation/accuracy").await;
+    assert_eq!(held_out.len(), 9, "steps 0, 2, ..., 16: {held_out:?}");
+    assert_eq!(stack.series(&rm, "validation/loss").await.len(), 9);
 }
 
 #[tokio::test(flavor = "multi_thread")]

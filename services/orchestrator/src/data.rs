@@ -57,8 +57,12 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
             Algorithm::Grpo | Algorithm::Eval => {
                 (r.prompt.is_none() && r.messages.is_none()).then_some("prompt (or messages)")
             }
-            Algorithm::Sft => (r.messages.is_none() && (r.prompt.is_none() || r.response.is_none()))
-                .then_some("prompt and answer (or messages)"),
+            Algorithm::Sft => match &r.messages {
+                Some(messages) => {
+                    (!messages.iter().any(|m| m.role == "assistant")).then_some("an assistant turn in its messages")
+                }
+                None => (r.prompt.is_none() || r.response.is_none()).then_some("prompt and answer (or messages)"),
+            },
             Algorithm::Dpo | Algorithm::Rm => (r.prompt.is_none() || r.chosen.is_none() || r.rejected.is_none())
                 .then_some("prompt, chosen and rejected"),
         };
@@ -67,6 +71,17 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
         }
     }
     Ok(records)
+}
+
+/// What a run's validation records must hold, as the algorithm their rows are made for:
+/// generation validation (GRPO, eval, SFT with environments) needs prompts only; loss
+/// validation (DPO, reward models, SFT without environments) the same rows as training.
+pub fn validation_algorithm(spec: &keel_protocol::run::RunSpec) -> Algorithm {
+    match spec.algorithm {
+        Algorithm::Dpo | Algorithm::Rm => spec.algorithm,
+        Algorithm::Sft if spec.environments.is_none() => Algorithm::Sft,
+        _ => Algorithm::Eval,
+    }
 }
 
 /// [`load`] on a blocking thread (files are read and records made off the async workers).

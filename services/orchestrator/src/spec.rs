@@ -152,7 +152,7 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         if problems.iter().any(|p| p.field.starts_with(field)) {
             continue;
         }
-        let needs = if field == "data.validation" { keel_protocol::run::Algorithm::Eval } else { spec.algorithm };
+        let needs = if field == "data.validation" { data::validation_algorithm(spec) } else { spec.algorithm };
         if let Err(problem) = data::load_async(dataset, needs, field).await {
             problems.push(problem);
         }

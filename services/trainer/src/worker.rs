@@ -25,7 +25,7 @@ use keel_model::packing::Packed;
 use keel_protocol::generator::{WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
-    ClaimReply, ClaimRequest, ExportReply, ExportRequest, HeartbeatReply, HeartbeatRequest, LoadReply, LoadRequest,
+    ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply, HeartbeatRequest, LoadReply, LoadRequest,
     Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved, OffloadRequest, OnloadRequest, ReleaseRequest,
     Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest, TrainerCall,
     error_types,
@@ -276,6 +276,7 @@ impl Shared {
             TrainerOp::Load => encode(self.op(op, payload, h, load).await),
             TrainerOp::Logprobs => encode(self.op(op, payload, h, logprobs).await),
             TrainerOp::Train => encode(self.op(op, payload, h, train).await),
+            TrainerOp::Evaluate => encode(self.op(op, payload, h, evaluate).await),
             TrainerOp::Score => encode(self.op(op, payload, h, score).await),
             TrainerOp::Save => encode(self.op(op, payload, h, save).await),
             TrainerOp::Export => encode(self.op(op, payload, h, export).await),
@@ -395,18 +396,35 @@ async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<Logpr
     Ok(LogprobsReply { logprobs, timing, memory: memory() })
 }
 
+/// A sampling temperature the logits can be divided by.
+fn positive_temperature(temperature: f64) -> Answer<f64> {
+    if temperature.is_finite() && temperature > 0.0 {
+        Ok(temperature)
+    } else {
+        Err(refuse(error_types::INVALID_REQUEST, format!("temperature must be positive, got {temperature}")))
+    }
+}
+
 async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply> {
     let batch = fetch(&shared, request.batch).await?;
-    let temperature = request.temperature;
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(refuse(error_types::INVALID_REQUEST, format!("temperature must be positive, got {temperature}")));
-    }
+    let temperature = positive_temperature(request.temperature)?;
     let trained = shared
         .engine
         .call(move |slot| loaded(slot)?.train(batch, temperature))
         .instrument(info_span!("train", run_id = %request.run_id))
         .await?;
     Ok(TrainReply { steps: trained.steps, tokens: trained.tokens, timing: trained.timing, memory: memory() })
+}
+
+async fn evaluate(shared: Arc<Shared>, request: EvaluateRequest) -> Answer<EvaluateReply> {
+    let batch = fetch(&shared, request.batch).await?;
+    let temperature = positive_temperature(request.temperature)?;
+    let evaluated = shared
+        .engine
+        .call(move |slot| loaded(slot)?.evaluate(batch, temperature))
+        .instrument(info_span!("evaluate", run_id = %request.run_id))
+        .await?;
+    Ok(EvaluateReply { metrics: evaluated.metrics, tokens: evaluated.tokens, timing: evaluated.timing, memory: memory() })
 }
 
 async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<ScoreReply> {

@@ -16,6 +16,8 @@ pub enum TrainerOp {
     Load,
     Logprobs,
     Train,
+    /// The loss on a batch without an update (validation).
+    Evaluate,
     Score,
     Save,
     Export,
@@ -27,11 +29,12 @@ pub enum TrainerOp {
 }
 
 impl TrainerOp {
-    pub const ALL: [TrainerOp; 11] = [
+    pub const ALL: [TrainerOp; 12] = [
         Self::Claim,
         Self::Load,
         Self::Logprobs,
         Self::Train,
+        Self::Evaluate,
         Self::Score,
         Self::Save,
         Self::Export,
@@ -47,6 +50,7 @@ impl TrainerOp {
             Self::Load => "load",
             Self::Logprobs => "logprobs",
             Self::Train => "train",
+            Self::Evaluate => "evaluate",
             Self::Score => "score",
             Self::Save => "save",
             Self::Export => "export",

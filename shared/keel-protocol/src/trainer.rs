@@ -223,6 +223,26 @@ pub struct TrainRequest {
     pub temperature: f64,
 }
 
+/// The loss and its metrics on a batch, changing nothing (validation of DPO and reward
+/// models): one global batch over the whole of `batch`, no gradients, no optimiser step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluateRequest {
+    pub run_id: String,
+    pub batch: Payload<TrainBatch>,
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvaluateReply {
+    /// The loss function's metrics (NeMo-RL names) over the whole batch, and `global_valid_tokens`.
+    pub metrics: BTreeMap<String, f64>,
+    pub tokens: u64,
+    pub timing: Timing,
+    pub memory: Memory,
+}
+
 /// One optimiser step: the loss function's metrics (NeMo-RL names) plus `lr`, `grad_norm`
 /// (before clipping) and `global_valid_tokens`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -368,6 +388,7 @@ trainer_calls! {
     LoadRequest => Load, LoadReply;
     LogprobsRequest => Logprobs, LogprobsReply;
     TrainRequest => Train, TrainReply;
+    EvaluateRequest => Evaluate, EvaluateReply;
     ScoreRequest => Score, ScoreReply;
     SaveRequest => Save, SaveReply;
     ExportRequest => Export, ExportReply;
@@ -413,6 +434,7 @@ mod tests {
             LoadRequest::OP,
             LogprobsRequest::OP,
             TrainRequest::OP,
+            EvaluateRequest::OP,
             ScoreRequest::OP,
             SaveRequest::OP,
             ExportRequest::OP,

@@ -146,4 +146,40 @@ impl Tokenizer {
         vars.extend(extra.clone());
         template.render(messages, add_generation_prompt, &Value::Object(vars))
     }
+
+    /// A conversation cut where the model speaks: alternately the text that leads up to an
+    /// assistant turn (everything the template renders before it, with the generation
+    /// prompt) and the assistant turn as the template renders it (its content and the
+    /// template's end of turn), for every assistant turn. Messages after the last assistant
+    /// turn are left out. A template that does not render each turn as an extension of the
+    /// conversation before it (one that rewrites earlier turns) is refused: its turns have
+    /// no fixed place to train on.
+    pub fn chat_segments(&self, messages: &[Value]) -> Result<Vec<Segment>> {
+        let mut segments = Vec::new();
+        let mut done = String::new();
+        for (i, message) in messages.iter().enumerate() {
+            if message.get("role").and_then(Value::as_str) != Some("assistant") {
+                continue;
+            }
+            let before = self.apply_chat_template(&Value::Array(messages[..i].to_vec()), true)?;
+            let through = self.apply_chat_template(&Value::Array(messages[..=i].to_vec()), false)?;
+            if !before.starts_with(&done) || !through.starts_with(&before) {
+                return Err(Error::ChatTemplate(format!(
+                    "the template does not render assistant turn {i} as an extension of the conversation before it"
+                )));
+            }
+            segments.push(Segment { text: before[done.len()..].to_string(), assistant: false });
+            segments.push(Segment { text: through[before.len()..].to_string(), assistant: true });
+            done = through;
+        }
+        Ok(segments)
+    }
+}
+
+/// A piece of a rendered conversation ([`Tokenizer::chat_segments`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub text: String,
+    /// An assistant turn (what a model trained on the conversation learns to produce).
+    pub assistant: bool,
 }

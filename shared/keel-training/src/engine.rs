@@ -48,6 +48,23 @@ pub struct Engine {
     seed: u64,
 }
 
+/// Refuses a non-finite microbatch loss (rows `start..start + len`).
+fn finite(loss: &Tensor, start: usize, len: usize, consequence: &str) -> Result<()> {
+    let value = loss.f_double_value(&[])?;
+    if value.is_finite() {
+        return Ok(());
+    }
+    Err(Error::NonFinite(format!("the loss of rows {start}..{} is {value}; {consequence}", start + len)))
+}
+
+/// What one `evaluate` call found: the loss's metrics over the whole batch.
+#[derive(Debug)]
+pub struct Evaluated {
+    pub metrics: BTreeMap<String, f64>,
+    pub tokens: u64,
+    pub timing: Timing,
+}
+
 /// What one `train` call did.
 #[derive(Debug)]
 pub struct Trained {
@@ -333,13 +350,7 @@ impl Engine {
         for (start, len) in chunks(global.len(), micro_batch_size) {
             let micro = global.rows(start, len)?;
             let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
-            let value = loss.f_double_value(&[])?;
-            if !value.is_finite() {
-                return Err(Error::NonFinite(format!(
-                    "the loss of rows {start}..{} is {value}; no step was taken",
-                    start + len
-                )));
-            }
+            finite(&loss, start, len, "no step was taken")?;
             loss.f_backward()?;
             self.policy.backward(pending)?;
             metrics.merge(part);
@@ -365,6 +376,28 @@ impl Engine {
 
     pub fn zero_grad(&mut self) {
         self.optimizer.zero_grad();
+    }
+
+    /// The loss and its metrics on `batch` as one global batch, changing nothing: no
+    /// gradients, no optimiser step (validation). Microbatches of `micro_batch_size` rows
+    /// divide by the whole batch's counts, so the metrics are those of the whole batch.
+    pub fn evaluate(&mut self, mut batch: Batch, temperature: f64) -> Result<Evaluated> {
+        let _no_grad = tch::no_grad_guard();
+        let total = Instant::now();
+        let mut timing = Timing::new();
+        self.complete(&mut batch, temperature, &mut timing)?;
+        let counts = GlobalCounts::of(&batch.token_mask, &batch.sample_mask)?;
+        let mut metrics = Metrics::default();
+        for (start, len) in chunks(batch.len(), self.config.micro_batch_size) {
+            let micro = batch.rows(start, len)?;
+            let (loss, part, _) = self.microbatch_loss(&micro, &counts, temperature)?;
+            finite(&loss, start, len, "nothing was evaluated")?;
+            metrics.merge(part);
+        }
+        metrics.global("global_valid_tokens", counts.tokens);
+        timing.insert("total".into(), seconds(total));
+        let tokens = batch.lengths.iter().sum::<i64>() as u64;
+        Ok(Evaluated { metrics: metrics.into_map(), tokens, timing })
     }
 
     /// Trains on `batch`: one optimiser step per global batch.

@@ -11,7 +11,7 @@ use keel_protocol::training::TrainingConfig;
 use tch::Device;
 
 use crate::batch::Batch;
-use crate::engine::{Engine, Trained};
+use crate::engine::{Engine, Evaluated, Trained};
 use crate::error::{Error, Result};
 
 /// The most tensor-parallel ranks a trainer runs.
@@ -153,6 +153,20 @@ impl Trainer {
                 ranks.step = first(ranks.group.run_all((), |engine, ()| Ok(engine.step())))?;
                 Ok(trained?.0)
             }
+        }
+    }
+
+    /// The loss on the wire batch `batch` without an update (see [`Engine::evaluate`]).
+    pub fn evaluate(&mut self, batch: TrainBatch, temperature: f64) -> Result<Evaluated> {
+        match self {
+            Self::One(engine) => {
+                let batch = Batch::new(&batch, &engine.config().loss)?;
+                engine.evaluate(batch, temperature)
+            }
+            Self::Ranks(ranks) => first(ranks.group.run_all(batch, move |engine, batch| {
+                let batch = Batch::new(&batch, &engine.config().loss)?;
+                engine.evaluate(batch, temperature)
+            })),
         }
     }
 

@@ -163,6 +163,37 @@ fn dpo_learns_synthetic_preferences() {
     assert_eq!(preference_accuracy(&mut resumed, &held_out), after);
 }
 
+/// `evaluate` gives the metrics the first training step would (the same loss over the same
+/// global batch, whatever the microbatch split) and changes nothing: no step, the same weights.
+#[test]
+fn evaluation_is_a_training_step_without_the_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let training = |micro: usize| {
+        json!({
+            "loss": {"type": "dpo", "reference_policy_kl_penalty": 0.1, "sft_loss_weight": 0.2},
+            "global_batch_size": 32, "micro_batch_size": micro, "optimizer": {"lr": 2e-3},
+        })
+    };
+    let pairs = preferences(&(0..16).map(|i| 30 + 11 * i).collect::<Vec<_>>());
+    let batch = |e: &Engine| Batch::new(&pairs, &e.config().loss).unwrap();
+    let mut engine = engine(&model, training(4));
+    let policy = |e: &mut Engine| e.logprobs(Scorer::Policy, &pairs.input_ids, 1.0).unwrap();
+    let before = policy(&mut engine);
+    let evaluated = engine.evaluate(batch(&engine), 1.0).unwrap();
+    assert_eq!(engine.step(), 0);
+    assert_eq!(policy(&mut engine), before, "evaluation changed the weights");
+    let mut whole = common::engine(&model, training(32));
+    let one_microbatch = whole.evaluate(batch(&whole), 1.0).unwrap();
+    let trained = engine.train(batch(&engine), 1.0).unwrap();
+    let first = &trained.steps[0].metrics;
+    for name in ["loss", "preference_loss", "sft_loss", "accuracy", "rewards_margin_mean", "global_valid_tokens"] {
+        let (got, split, want) = (evaluated.metrics[name], one_microbatch.metrics[name], first[name]);
+        assert!((got - want).abs() < 1e-5 && (split - want).abs() < 1e-5, "{name}: {got} / {split} vs {want}");
+    }
+    assert!(!evaluated.metrics.contains_key("grad_norm") && !evaluated.metrics.contains_key("lr"));
+}
+
 #[test]
 fn reward_model_separates_chosen_from_rejected_and_its_head_is_saved() {
     let dir = tempfile::tempdir().unwrap();

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use keel_protocol::run::RunSpec;
 use keel_protocol::trainer::{
-    ExportReply, ExportRequest, LoadReply, LoadRequest, LogprobsReply, LogprobsRequest, MemoryMoved, ModelSource,
+    EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, LoadReply, LoadRequest, LogprobsReply, LogprobsRequest, MemoryMoved, ModelSource,
     OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest,
 };
 
@@ -69,6 +69,12 @@ impl<'a> TrainerSession<'a> {
     pub async fn train(&self, batch: TrainBatch, temperature: f64) -> Result<TrainReply> {
         let request =
             TrainRequest { run_id: self.run_id(), batch: self.trainer.bulk().wrap(batch).await?, temperature };
+        Ok(self.trainer.op(&request).await?)
+    }
+
+    /// The loss on `batch` without an update (validation), logits at temperature 1.
+    pub async fn evaluate(&self, batch: TrainBatch) -> Result<EvaluateReply> {
+        let request = EvaluateRequest { run_id: self.run_id(), batch: self.trainer.bulk().wrap(batch).await?, temperature: 1.0 };
         Ok(self.trainer.op(&request).await?)
     }
 
