@@ -454,8 +454,11 @@ fn storable_json(value: &serde_json::Value) -> serde_json::Value {
 
 pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Sample]) -> sqlx::Result<()> {
     for (i, s) in samples.iter().enumerate() {
-        let turns: Vec<_> =
-            s.turns.iter().map(|m| keel_protocol::reward::Message::new(&storable(&m.role), storable(&m.content))).collect();
+        let turns: Vec<_> = s
+            .turns
+            .iter()
+            .map(|m| keel_protocol::reward::Message::new(&storable(&m.role), storable(&m.content)))
+            .collect();
         let count = |n: Option<u64>| n.map(|n| n.min(i64::MAX as u64) as i64);
         sqlx::query(
             "INSERT INTO samples (run_id, step, split, idx, prompt, completion, reward, ground_truth, finish_reason, \

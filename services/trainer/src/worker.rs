@@ -25,10 +25,10 @@ use keel_model::packing::Packed;
 use keel_protocol::generator::{WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
-    ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply, HeartbeatRequest, LoadReply, LoadRequest,
-    Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved, OffloadRequest, OnloadRequest, ReleaseRequest,
-    Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing, TrainReply, TrainRequest, TrainerCall,
-    error_types,
+    ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply,
+    HeartbeatRequest, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved,
+    OffloadRequest, OnloadRequest, ReleaseRequest, Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing,
+    TrainReply, TrainRequest, TrainerCall, error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -424,7 +424,12 @@ async fn evaluate(shared: Arc<Shared>, request: EvaluateRequest) -> Answer<Evalu
         .call(move |slot| loaded(slot)?.evaluate(batch, temperature))
         .instrument(info_span!("evaluate", run_id = %request.run_id))
         .await?;
-    Ok(EvaluateReply { metrics: evaluated.metrics, tokens: evaluated.tokens, timing: evaluated.timing, memory: memory() })
+    Ok(EvaluateReply {
+        metrics: evaluated.metrics,
+        tokens: evaluated.tokens,
+        timing: evaluated.timing,
+        memory: memory(),
+    })
 }
 
 async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<ScoreReply> {

@@ -115,8 +115,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// The metrics the progress line shows, with their labels.
-const KEY_METRICS: [(&str, &str); 5] =
-    [("train/reward", "reward"), ("train/loss", "loss"), ("validation/accuracy", "val acc"), ("validation/reward_mean", "val reward"), ("train/accuracy", "acc")];
+const KEY_METRICS: [(&str, &str); 5] = [
+    ("train/reward", "reward"),
+    ("train/loss", "loss"),
+    ("validation/accuracy", "val acc"),
+    ("validation/reward_mean", "val reward"),
+    ("train/accuracy", "acc"),
+];
 
 fn progress_line(run: &Run) -> String {
     let width = 30;

@@ -42,7 +42,13 @@ impl Mask {
 
     /// Rows whose S new tokens start at different offsets: query s of row b sits at
     /// offsets[b] + s and sees keys 0..=that position (within the window). [B, 1, S, T].
-    pub(crate) fn per_row(queries: i64, offsets: &[i64], visible: i64, window: Option<i64>, device: Device) -> Result<Self> {
+    pub(crate) fn per_row(
+        queries: i64,
+        offsets: &[i64],
+        visible: i64,
+        window: Option<i64>,
+        device: Device,
+    ) -> Result<Self> {
         let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_view([-1, 1, 1])?;
         let q = starts.f_add(&Tensor::f_arange(queries, (Kind::Int64, device))?.f_view([1, -1, 1])?)?;
         let k = Tensor::f_arange(visible, (Kind::Int64, device))?.f_view([1, 1, -1])?;
@@ -59,7 +65,13 @@ pub(crate) type Masks = Vec<(Option<i64>, Mask)>;
 
 /// One mask per distinct attention window among `windows` (full layers share one, windowed
 /// layers another) for S = `queries` new tokens per row starting at `offsets`.
-pub(crate) fn masks_for(windows: &[Option<i64>], queries: i64, offsets: &[i64], visible: i64, device: Device) -> Result<Masks> {
+pub(crate) fn masks_for(
+    windows: &[Option<i64>],
+    queries: i64,
+    offsets: &[i64],
+    visible: i64,
+    device: Device,
+) -> Result<Masks> {
     let uniform = offsets.windows(2).all(|w| w[0] == w[1]);
     let mut distinct = windows.to_vec();
     distinct.dedup();

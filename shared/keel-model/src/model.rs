@@ -187,7 +187,6 @@ impl<'a> Positions<'a> {
     }
 }
 
-
 #[derive(Debug)]
 struct Attention {
     q_proj: Linear,

@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use crate::FieldError;
+
 /// The queue group of reward workers.
 pub const REWARD_QUEUE_GROUP: &str = "reward";
 
@@ -289,8 +291,9 @@ impl HttpRewardConfig {
             }
         }
         match (&self.authorization, &self.authorization_env) {
-            (Some(_), Some(_)) => problems
-                .push(FieldError::new("authorization_env", "give authorization or authorization_env, not both")),
+            (Some(_), Some(_)) => {
+                problems.push(FieldError::new("authorization_env", "give authorization or authorization_env, not both"))
+            }
             (None, Some(var)) if !var.starts_with(SECRET_PREFIX) => problems.push(FieldError::new(
                 "authorization_env",
                 format!("must name a variable starting with {SECRET_PREFIX}"),

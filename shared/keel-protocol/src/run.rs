@@ -489,7 +489,11 @@ impl RunSpec {
                     .chain(envs.tasks.iter().map(|(task, env)| (format!("environments.tasks.{task}"), env)));
                 for (field, env) in named {
                     if let EnvConfig::Http(http) = env {
-                        p.extend(http.problems().into_iter().map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)));
+                        p.extend(
+                            http.problems()
+                                .into_iter()
+                                .map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)),
+                        );
                     }
                 }
             }

@@ -93,7 +93,12 @@ impl Batch {
             Some(Advantages::PerToken(values)) => Some(pad_values("advantages", values, &lengths)?),
             Some(Advantages::PerSample(values)) => {
                 let width = input_ids.size()[1];
-                Some(per_sample("advantages", values, rows)?.f_unsqueeze(1)?.f_expand([rows as i64, width], false)?.f_contiguous()?)
+                Some(
+                    per_sample("advantages", values, rows)?
+                        .f_unsqueeze(1)?
+                        .f_expand([rows as i64, width], false)?
+                        .f_contiguous()?,
+                )
             }
         };
         let logprobs = |field: &str, values: &Option<Vec<Vec<f32>>>| {
@@ -197,7 +202,10 @@ mod tests {
         wire.advantages = Some(Advantages::PerSample(vec![1.0]));
         assert_eq!(Batch::new(&wire, &pg).unwrap_err().to_string(), "advantages has 1 entries for 2 sequences");
         wire.advantages = Some(Advantages::PerToken(vec![vec![0.0, 1.0, 2.0], vec![0.0]]));
-        assert_eq!(Batch::new(&wire, &pg).unwrap_err().to_string(), "advantages row 1 has 1 entries, input_ids row 1 has 2");
+        assert_eq!(
+            Batch::new(&wire, &pg).unwrap_err().to_string(),
+            "advantages row 1 has 1 entries, input_ids row 1 has 2"
+        );
         // Per-sample advantages are broadcast over their rows, per-token ones padded like logprobs.
         wire.advantages = Some(Advantages::PerSample(vec![1.5, -2.0]));
         let broadcast = Batch::new(&wire, &pg).unwrap().advantages.unwrap();

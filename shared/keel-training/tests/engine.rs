@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use keel_protocol::trainer::{Scorer, TrainBatch};
+use keel_protocol::trainer::{Advantages, Scorer, TrainBatch};
 use keel_training::Engine;
 use keel_training::batch::Batch;
 use serde_json::json;
@@ -48,7 +48,7 @@ fn rich_batch(engine: &mut Engine) -> TrainBatch {
     batch.prev_logprobs = Some(perturbed(1, 0.3));
     batch.generation_logprobs = Some(perturbed(2, 0.3));
     batch.reference_logprobs = Some(perturbed(3, 1.0));
-    batch.advantages = Some(noise(4, 8, 1.5));
+    batch.advantages = Some(Advantages::PerSample(noise(4, 8, 1.5)));
     batch.sample_mask = Some(vec![1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
     batch
 }

@@ -137,7 +137,10 @@ fn problem(case: &Case) -> Value {
         ("prev_logprobs", case.prev.as_ref().map(|t| json!(t))),
         ("generation_logprobs", case.generation.as_ref().map(|t| json!(t))),
         ("reference_logprobs", case.reference.as_ref().map(|t| json!(t))),
-        ("advantages", case.token_advantages.as_ref().map(|t| json!(t)).or_else(|| case.advantages.as_ref().map(|t| json!(t)))),
+        (
+            "advantages",
+            case.token_advantages.as_ref().map(|t| json!(t)).or_else(|| case.advantages.as_ref().map(|t| json!(t))),
+        ),
         ("scores", case.scores.as_ref().map(|t| json!(t))),
     ];
     for (name, value) in fields {
@@ -240,7 +243,8 @@ fn clipped_policy_gradient_variants_match_pytorch() {
     let mut case = random_case(json!({"type": "clipped_pg", "ratio_clip_c": 3.0}), 98);
     case.token_advantages = Some(Lcg(98).table(6, 7, -2.0, 2.0));
     problems.push(("per-token advantages", case));
-    let mut case = random_case(json!({"type": "clipped_pg", "use_kl_in_reward": true, "reference_policy_kl_penalty": 0.3}), 97);
+    let mut case =
+        random_case(json!({"type": "clipped_pg", "use_kl_in_reward": true, "reference_policy_kl_penalty": 0.3}), 97);
     case.token_advantages = Some(Lcg(97).table(6, 7, -2.0, 2.0));
     problems.push(("KL in the reward", case));
     // Without generator logprobs (gen = prev) and without a reference when β = 0.
@@ -263,10 +267,7 @@ fn nll_dpo_and_bradley_terry_match_pytorch() {
                 9,
             ),
         ),
-        (
-            "dpo, summed SFT",
-            random_case(json!({"type": "dpo", "sft_loss_weight": 0.3}), 11),
-        ),
+        ("dpo, summed SFT", random_case(json!({"type": "dpo", "sft_loss_weight": 0.3}), 11)),
         (
             "dpo, averaged SFT",
             random_case(json!({"type": "dpo", "sft_loss_weight": 0.3, "sft_average_log_probs": true}), 12),

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use common::*;
 use keel_model::CausalLm;
-use keel_protocol::trainer::TrainBatch;
+use keel_protocol::trainer::{Advantages, TrainBatch};
 use keel_training::Trainer;
 use keel_training::batch::Batch;
 use serde_json::{Value, json};
@@ -92,7 +92,7 @@ fn gradients_at_tp_2_and_4_equal_tp_1() {
         if loss["type"] == "clipped_pg" {
             wire.prev_logprobs = Some(moved(-0.1));
             wire.generation_logprobs = Some(moved(0.05));
-            wire.advantages = Some((0..8).map(|i| i as f32 * 0.4 - 1.3).collect());
+            wire.advantages = Some(Advantages::PerSample((0..8).map(|i| i as f32 * 0.4 - 1.3).collect()));
         }
         let gradients = |tp: usize| -> BTreeMap<String, Tensor> {
             let mut trainer = trainer(&model, config.clone(), tp);

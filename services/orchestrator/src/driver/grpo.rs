@@ -220,21 +220,17 @@ async fn train(
     let advantages = match (rows.advantages, kl_in_reward(&ctx.spec)) {
         (Some(advantages), _) => advantages,
         (None, Some(loss)) => {
-            let reference = reference.as_deref().ok_or_else(|| {
-                Stop::Failed("use_kl_in_reward needs reference logprobs (a KL penalty β ≠ 0)".into())
-            })?;
+            let reference = reference
+                .as_deref()
+                .ok_or_else(|| Stop::Failed("use_kl_in_reward needs reference logprobs (a KL penalty β ≠ 0)".into()))?;
             let (advantages, penalty) = token_advantages(&ctx.spec, loss, episodes, &prev, reference)?;
             metrics.0.insert("train/kl_in_reward".into(), penalty);
             advantages
         }
         (None, None) => return Err(Stop::Failed("the train batch has no advantages".into())),
     };
-    let batch = TrainBatch {
-        advantages: Some(advantages),
-        prev_logprobs: Some(prev),
-        reference_logprobs: reference,
-        ..rows
-    };
+    let batch =
+        TrainBatch { advantages: Some(advantages), prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
     let training = session.train(batch, ctx.spec.generation.temperature);
     let trained = metrics.timed("policy_training", tracing::info_span!("policy_training"), training).await?;
     if colocated {
@@ -508,7 +504,9 @@ fn token_advantages(
         KlType::K3 => KlEstimator::K3,
     };
     let beta = loss.reference_policy_kl_penalty;
-    let aligned = |rows: &[Vec<f32>]| rows.len() == episodes.len() && rows.iter().zip(episodes).all(|(r, e)| r.len() == e.ids.len());
+    let aligned = |rows: &[Vec<f32>]| {
+        rows.len() == episodes.len() && rows.iter().zip(episodes).all(|(r, e)| r.len() == e.ids.len())
+    };
     if !aligned(prev) || !aligned(reference) {
         return Err(Stop::Failed("the trainer's logprobs do not match the batch's sequences".into()));
     }
@@ -518,7 +516,15 @@ fn token_advantages(
         .iter()
         .zip(prev.iter().zip(reference))
         .map(|(at, (p, r))| {
-            let kl = |t: &usize| kl_estimate(p[*t] as f64, r[*t] as f64, estimator, loss.kl_input_clamp_value, loss.kl_output_clamp_value);
+            let kl = |t: &usize| {
+                kl_estimate(
+                    p[*t] as f64,
+                    r[*t] as f64,
+                    estimator,
+                    loss.kl_input_clamp_value,
+                    loss.kl_output_clamp_value,
+                )
+            };
             at.iter().map(|t| beta * kl(t)).collect()
         })
         .collect();

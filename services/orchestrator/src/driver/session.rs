@@ -6,8 +6,9 @@ use std::path::Path;
 
 use keel_protocol::run::RunSpec;
 use keel_protocol::trainer::{
-    EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, LoadReply, LoadRequest, LogprobsReply, LogprobsRequest, MemoryMoved, ModelSource,
-    OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer, Sequences, TrainBatch, TrainReply, TrainRequest,
+    EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, LoadReply, LoadRequest, LogprobsReply, LogprobsRequest,
+    MemoryMoved, ModelSource, OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer, Sequences, TrainBatch,
+    TrainReply, TrainRequest,
 };
 
 use super::{EXPORT_BUCKET_BYTES, Result, Start, Stop};
@@ -74,7 +75,8 @@ impl<'a> TrainerSession<'a> {
 
     /// The loss on `batch` without an update (validation), logits at temperature 1.
     pub async fn evaluate(&self, batch: TrainBatch) -> Result<EvaluateReply> {
-        let request = EvaluateRequest { run_id: self.run_id(), batch: self.trainer.bulk().wrap(batch).await?, temperature: 1.0 };
+        let request =
+            EvaluateRequest { run_id: self.run_id(), batch: self.trainer.bulk().wrap(batch).await?, temperature: 1.0 };
         Ok(self.trainer.op(&request).await?)
     }
 

@@ -31,8 +31,8 @@ use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    paged::{self, PagedModel},
     Attention, CausalLm, Linear, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, padded_ids,
+    paged::{self, PagedModel},
     positions_for,
 };
 use crate::attention::Masks;
