@@ -30,6 +30,7 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
     let mut puzzle = grpo_spec(&json!({"path": stack.model}));
     puzzle["environments"] = json!({"default": {"name": "sliding_puzzle", "max_moves": 50}});
     puzzle["grpo"]["max_rollout_turns"] = json!(max_turns);
+    puzzle["grpo"]["turn_level_advantages"] = json!(true);
     puzzle["grpo"]["samples_to_record"] = json!(8);
     puzzle["generation"]["max_new_tokens"] = json!(max_new);
     puzzle["generation"]["stop"] = json!([" "]);

@@ -109,6 +109,30 @@ pub fn grpo_advantages<K: Hash + Eq>(
         .collect())
 }
 
+/// Turn-level GRPO advantages for multi-turn samples: sample i's turn k is credited with its
+/// reward-to-go (`turn_rewards[i][k] + turn_rewards[i][k + 1] + ...`), compared by
+/// [`grpo_advantages`] with the reward-to-go of turn k of the other samples of its group that
+/// reached turn k. One value per turn of each sample; on single-turn samples this is
+/// [`grpo_advantages`] of their rewards.
+pub fn turn_grpo_advantages<K: Hash + Eq + Clone>(
+    groups: &[K],
+    turn_rewards: &[Vec<f64>],
+    baseline: Baseline,
+    normalize_std: bool,
+) -> Result<Vec<Vec<f64>>> {
+    check_len("turn_rewards", groups.len(), turn_rewards.len())?;
+    let (mut keys, mut to_go) = (Vec::new(), Vec::new());
+    for (group, rewards) in groups.iter().zip(turn_rewards) {
+        for k in 0..rewards.len() {
+            keys.push((group.clone(), k));
+            to_go.push(rewards[k..].iter().sum::<f64>());
+        }
+    }
+    let flat = grpo_advantages(&keys, &to_go, &vec![true; keys.len()], baseline, normalize_std)?;
+    let mut values = flat.into_iter();
+    Ok(turn_rewards.iter().map(|rewards| values.by_ref().take(rewards.len()).collect()).collect())
+}
+
 /// REINFORCE++ advantages: optionally the group mean subtracted, then whitened over all valid
 /// tokens of the batch (each sample's advantage counts once per valid token). Samples with
 /// no valid tokens get 0.
@@ -276,6 +300,23 @@ mod tests {
         assert!(reinforce_pp_advantages(&[0], &[1.0], &[1, 2], false).is_err());
         let err = reinforce_pp_token_advantages(&[0], &[1.0], &[vec![0.0, f64::INFINITY]], false).unwrap_err();
         assert_eq!(err.to_string(), "KL penalty of sample 0 is not finite (inf)");
+    }
+
+    #[test]
+    fn turns_are_credited_with_their_reward_to_go_against_the_same_turn() {
+        // One group: sample 0 scores 1 then 0, sample 1 scores 0 then 1, sample 2 ends after
+        // one turn scoring 0. Turn 0 compares totals 1, 1, 0; turn 1 compares 0 and 1.
+        let turns = [vec![1.0, 0.0], vec![0.0, 1.0], vec![0.0]];
+        let adv = turn_grpo_advantages(&[7, 7, 7], &turns, Baseline::Mean, false).unwrap();
+        let third = 2.0 / 3.0;
+        close(&adv[0], &[1.0 - third, -0.5]);
+        close(&adv[1], &[1.0 - third, 0.5]);
+        close(&adv[2], &[-third]);
+        // Single-turn samples get GRPO's advantages.
+        let single = turn_grpo_advantages(&[0, 0, 1, 1], &[vec![1.0], vec![0.0], vec![2.0], vec![3.0]], Baseline::LeaveOneOut, true)
+            .unwrap();
+        let grpo = grpo_advantages(&[0, 0, 1, 1], &[1.0, 0.0, 2.0, 3.0], &[true; 4], Baseline::LeaveOneOut, true).unwrap();
+        close(&single.concat(), &grpo);
     }
 
     #[test]

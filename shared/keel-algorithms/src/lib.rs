@@ -2,7 +2,8 @@
 //! (the definitions are written out in ARCHITECTURE.md, "What Keel computes").
 //!
 //! Layout:
-//! - [`advantages`]: per-prompt baselines and std (mean or leave-one-out), GRPO advantages,
+//! - [`advantages`]: per-prompt baselines and std (mean or leave-one-out), GRPO advantages
+//!   (per sample, or per turn with each turn's reward-to-go),
 //!   REINFORCE++ whitening (per sample, or per token with the KL in the reward), the
 //!   per-token KL estimates k1/k2/k3.
 //! - [`pass_at_k`]: the unbiased pass@k estimator.
@@ -31,6 +32,6 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 pub use advantages::{
     Baseline, GroupStats, KlEstimator, group_baseline_and_std, grpo_advantages, kl_estimate, reinforce_pp_advantages,
-    reinforce_pp_token_advantages,
+    reinforce_pp_token_advantages, turn_grpo_advantages,
 };
 pub use pass_at_k::{mean_pass_at_k, pass_at_k};

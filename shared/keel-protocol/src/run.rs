@@ -312,6 +312,10 @@ pub struct GrpoSpec {
     pub advantage_estimator: AdvantageEstimator,
     /// Environment turns per sample (1 = single-turn).
     pub max_rollout_turns: u32,
+    /// Multi-turn credit: each assistant turn's tokens get the advantage of the rewards from
+    /// that turn on (its reward-to-go), against the group's samples at the same turn, instead
+    /// of one advantage for the whole sample (GRPO's estimator; the same as it on one turn).
+    pub turn_level_advantages: bool,
     pub normalize_rewards: bool,
     pub use_leave_one_out_baseline: bool,
     /// Truncated samples are left out of the loss (they still count in the baselines).
@@ -329,6 +333,7 @@ impl Default for GrpoSpec {
             num_generations_per_prompt: 16,
             advantage_estimator: AdvantageEstimator::Grpo,
             max_rollout_turns: 1,
+            turn_level_advantages: false,
             normalize_rewards: true,
             use_leave_one_out_baseline: true,
             overlong_filtering: false,
@@ -665,6 +670,12 @@ impl RunSpec {
             }
             Algorithm::Sft | Algorithm::Eval => {}
         }
+        check(
+            p,
+            !self.grpo.turn_level_advantages || self.grpo.advantage_estimator == AdvantageEstimator::Grpo,
+            "grpo.turn_level_advantages",
+            "credits each turn with GRPO's group baseline: needs grpo.advantage_estimator: grpo",
+        );
         if let LossConfig::ClippedPg(c) = &training.loss {
             check(
                 p,

@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use keel_algorithms::{
     Baseline, KlEstimator, grpo_advantages, kl_estimate, reinforce_pp_advantages, reinforce_pp_token_advantages,
+    turn_grpo_advantages,
 };
 use keel_protocol::generator::{MemoryAction, Sampling, WeightBuckets};
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
@@ -389,7 +390,11 @@ async fn collect_groups(
             let free = spec.generation.max_new_tokens.saturating_sub(shaping.buffer);
             for e in &mut episodes {
                 let over = e.generated.saturating_sub(free) as f64 / shaping.buffer as f64;
-                e.reward -= over.min(1.0) * shaping.penalty;
+                let penalty = over.min(1.0) * shaping.penalty;
+                e.reward -= penalty;
+                if let Some(last) = e.turn_rewards.last_mut() {
+                    *last -= penalty;
+                }
             }
         }
         all.extend(episodes.iter().cloned());
@@ -447,35 +452,75 @@ async fn collect_groups(
 /// The training batch of the kept episodes: advantages over each prompt's group (every
 /// sample counts in the baseline; truncated ones are masked out of the loss when overlong
 /// filtering is on, skipped ones always). With the KL in the reward the advantages are left
-/// out: they need the trainer's logprobs ([`token_advantages`]).
+/// out: they need the trainer's logprobs ([`token_advantages`]); with turn-level credit they
+/// are per token ([`turn_advantages`]).
 fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
     let g = &spec.grpo;
     let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
     let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
-    let advantages = match g.advantage_estimator {
-        _ if kl_in_reward(spec).is_some() => None,
-        AdvantageEstimator::Grpo => {
-            let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
-            Some(grpo_advantages(&groups, &rewards, &vec![true; episodes.len()], baseline, g.normalize_rewards))
-        }
-        AdvantageEstimator::ReinforcePlusPlus => {
-            let tokens: Vec<usize> = episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
-            Some(reinforce_pp_advantages(&groups, &rewards, &tokens, g.normalize_rewards))
-        }
+    let per_sample = |a: Vec<f64>| Advantages::PerSample(a.into_iter().map(|a| a as f32).collect());
+    let advantages = if kl_in_reward(spec).is_some() {
+        None
+    } else if g.turn_level_advantages {
+        Some(turn_advantages(spec, episodes).map(Advantages::PerToken))
+    } else {
+        Some(match g.advantage_estimator {
+            AdvantageEstimator::Grpo => {
+                let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
+                grpo_advantages(&groups, &rewards, &vec![true; episodes.len()], baseline, g.normalize_rewards)
+                    .map(per_sample)
+            }
+            AdvantageEstimator::ReinforcePlusPlus => {
+                let tokens: Vec<usize> =
+                    episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
+                reinforce_pp_advantages(&groups, &rewards, &tokens, g.normalize_rewards).map(per_sample)
+            }
+        })
     }
     .transpose()
     .map_err(|e| Stop::Failed(format!("advantages: {e}")))?;
+    Ok(batch_of(spec, episodes, advantages))
+}
+
+/// The episodes as a train batch with `advantages`.
+fn batch_of(spec: &RunSpec, episodes: &[Episode], advantages: Option<Advantages>) -> TrainBatch {
+    let g = &spec.grpo;
     let sample_mask =
         episodes.iter().map(|e| if e.skipped || (g.overlong_filtering && e.truncated) { 0.0 } else { 1.0 }).collect();
-    Ok(TrainBatch {
+    TrainBatch {
         input_ids: episodes.iter().map(|e| e.ids.clone()).collect(),
         token_mask: episodes.iter().map(|e| e.mask.clone()).collect(),
         sample_mask: Some(sample_mask),
-        advantages: advantages.map(|a| Advantages::PerSample(a.into_iter().map(|a| a as f32).collect())),
+        advantages,
         generation_logprobs: Some(episodes.iter().map(|e| e.gen_logprobs.clone()).collect()),
         prev_logprobs: None,
         reference_logprobs: None,
-    })
+    }
+}
+
+/// Turn-level GRPO advantages ([`turn_grpo_advantages`]) on the tokens each turn generated;
+/// every other position 0.
+fn turn_advantages(spec: &RunSpec, episodes: &[Episode]) -> keel_algorithms::Result<Vec<Vec<f32>>> {
+    let g = &spec.grpo;
+    let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
+    let turn_rewards: Vec<Vec<f64>> = episodes.iter().map(|e| e.turn_rewards.clone()).collect();
+    let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
+    let per_turn = turn_grpo_advantages(&groups, &turn_rewards, baseline, g.normalize_rewards)?;
+    Ok(episodes
+        .iter()
+        .zip(per_turn)
+        .map(|(e, turns)| {
+            let mut row = vec![0.0f32; e.ids.len()];
+            for (k, a) in turns.into_iter().enumerate() {
+                let start = e.turn_starts.get(k).copied().unwrap_or(e.ids.len());
+                let end = e.turn_starts.get(k + 1).copied().unwrap_or(e.ids.len());
+                for t in (start..end).filter(|&t| e.mask[t] > 0.0) {
+                    row[t] = a as f32;
+                }
+            }
+            row
+        })
+        .collect())
 }
 
 /// The loss configuration when the run puts the KL penalty into the reward.

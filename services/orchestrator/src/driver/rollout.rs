@@ -45,6 +45,10 @@ pub struct Episode {
     pub reward: f64,
     /// Named reward components, each summed over the turns.
     pub rewards: BTreeMap<String, f64>,
+    /// The reward of each turn's environment step (they sum to `reward`).
+    pub turn_rewards: Vec<f64>,
+    /// Where each assistant turn's generated tokens start in `ids`.
+    pub turn_starts: Vec<usize>,
     /// The environment's last `info`.
     pub info: Value,
     pub done: bool,
@@ -153,6 +157,8 @@ pub async fn rollout(
                 stop: ctx.spec.generation.stop.clone(),
                 reward: 0.0,
                 rewards: BTreeMap::new(),
+                turn_rewards: Vec::new(),
+                turn_starts: Vec::new(),
                 info: Value::Null,
                 done: ids.len() >= max_len,
                 truncated: ids.len() >= max_len,
@@ -247,6 +253,7 @@ async fn generate_turn(
             let e = &mut episodes[i];
             let room = max_len.saturating_sub(e.ids.len());
             let take = sample.token_ids.len().min(room);
+            e.turn_starts.push(e.ids.len());
             e.ids.extend_from_slice(&sample.token_ids[..take]);
             e.mask.extend(std::iter::repeat_n(1.0, take));
             e.gen_logprobs.extend_from_slice(&sample.logprobs[..take.min(sample.logprobs.len())]);
@@ -324,6 +331,7 @@ async fn step_environments(
         for (i, result) in members.into_iter().zip(reply.results) {
             let e = &mut episodes[i];
             e.reward += result.reward;
+            e.turn_rewards.push(result.reward);
             for (name, value) in &result.rewards {
                 *e.rewards.entry(name.clone()).or_default() += value;
             }
