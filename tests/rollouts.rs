@@ -1,8 +1,10 @@
-//! Rollouts end to end, through the five services as processes: a multi-turn GRPO run on
-//! `sliding_puzzle` (observations masked out of the loss, truncation at the maximum length,
-//! every turn recorded with its role) and a GRPO run scored by a user's HTTP reward plugin
-//! (its named rewards as metrics and on the samples, its `info` stored, validation reported
-//! as the mean reward since the plugin's rewards are not right-or-wrong).
+//! Rollouts end to end, through the five services as processes: multi-turn GRPO runs on
+//! `sliding_puzzle` (observations masked out of the loss, per-sample stop strings,
+//! truncation at the maximum length, every turn recorded with its role, turn-level credit),
+//! a GRPO run scored by a user's HTTP reward plugin (its named rewards as metrics and on the
+//! samples, its `info` stored, validation reported as the mean reward since the plugin's
+//! rewards are not right-or-wrong), and on its rewards REINFORCE++ with the KL in the reward
+//! and GSPO.
 
 #![allow(clippy::unwrap_used)]
 
@@ -22,40 +24,57 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
     let stack = Stack::start_with(&[("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true")]);
     let plugin = start_plugin().await;
 
-    // The puzzle: up to 3 turns, long observations, a sequence limit that cuts most samples.
-    // A turn that runs out of new tokens ends its sample, so the first turn stops at a space
-    // (the run's stop string, which a random model soon writes); from the second on, the
-    // puzzle's own stop string (`</action>`, which it will not write) replaces it.
-    let (max_turns, max_new, max_len) = (3u64, 8u64, 160u64);
-    let mut puzzle = grpo_spec(&json!({"path": stack.model}));
-    puzzle["environments"] = json!({"default": {"name": "sliding_puzzle", "max_moves": 50}});
-    puzzle["grpo"]["max_rollout_turns"] = json!(max_turns);
-    puzzle["grpo"]["turn_level_advantages"] = json!(true);
-    puzzle["grpo"]["samples_to_record"] = json!(8);
-    puzzle["generation"]["max_new_tokens"] = json!(max_new);
-    puzzle["generation"]["stop"] = json!([" "]);
-    puzzle["max_total_sequence_length"] = json!(max_len);
-    puzzle["max_num_steps"] = json!(2);
-    puzzle["data"]["validation"] = Value::Null;
-    puzzle["checkpointing"] = json!({"enabled": false});
-    let puzzle = stack.submit(&puzzle).await;
+    // The puzzle, up to 3 turns. A turn that runs out of new tokens ends its sample, so the
+    // first turn stops at a space (the run's stop string, which a random model soon
+    // writes); from the second on, the puzzle's own stop string (`</action>`, which it will
+    // not write) replaces it. Observations are long: with room for them (512 tokens) samples
+    // go on to a second turn; with 100 the first observation is cut at the limit.
+    let (max_turns, max_new) = (3u64, 8u64);
+    let puzzle = |max_len: u64| {
+        let mut spec = grpo_spec(&json!({"path": stack.model}));
+        spec["environments"] = json!({"default": {"name": "sliding_puzzle", "max_moves": 50}});
+        spec["grpo"]["max_rollout_turns"] = json!(max_turns);
+        spec["grpo"]["turn_level_advantages"] = json!(true);
+        spec["grpo"]["samples_to_record"] = json!(8);
+        spec["generation"]["max_new_tokens"] = json!(max_new);
+        spec["generation"]["stop"] = json!([" "]);
+        spec["max_total_sequence_length"] = json!(max_len);
+        spec["max_num_steps"] = json!(2);
+        spec["data"]["validation"] = Value::Null;
+        spec["checkpointing"] = json!({"enabled": false});
+        spec
+    };
+    let roomy = stack.submit(&puzzle(512)).await;
+    let cut = stack.submit(&puzzle(100)).await;
 
     let mut scored = grpo_spec(&json!({"path": stack.model}));
     scored["environments"] = json!({"default": {"name": "http", "url": plugin}});
     scored["max_num_steps"] = json!(2);
     scored["checkpointing"] = json!({"enabled": false});
     let scored = stack.submit(&scored).await;
+    // REINFORCE++ with the KL in the reward, on the plugin's rewards (which always differ
+    // between samples, so the first step moves the policy away from the reference).
+    let kl_in_reward = stack.submit(&scored_kl_spec(&stack, &plugin)).await;
+    // GSPO: sequence-level ratios with a sequence-level loss; two optimiser steps a step, so
+    // the second trains off the policy that generated (ratios leave 1, clipped per sequence).
+    let mut gspo = grpo_spec(&json!({"path": stack.model}));
+    gspo["environments"] = json!({"default": {"name": "http", "url": plugin}});
+    gspo["training"]["global_batch_size"] = json!(4);
+    gspo["training"]["micro_batch_size"] = json!(2);
+    gspo["training"]["loss"] = json!({
+        "type": "clipped_pg", "token_level_loss": false, "sequence_level_importance_ratios": true,
+        "ratio_clip_min": 0.0003, "ratio_clip_max": 0.0004, "reference_policy_kl_penalty": 0.01,
+    });
+    gspo["max_num_steps"] = json!(2);
+    gspo["data"]["validation"] = Value::Null;
+    gspo["checkpointing"] = json!({"enabled": false});
+    let gspo = stack.submit(&gspo).await;
 
-    stack.wait_succeeded(&puzzle, LIMIT).await;
-    let turns = stack.series(&puzzle, "train/turns_per_sample").await;
+    stack.wait_succeeded(&roomy, LIMIT).await;
+    let turns = stack.series(&roomy, "train/turns_per_sample").await;
     assert!(turns.iter().any(|(_, t)| *t > 1.0), "no sample took a second turn: {turns:?}");
-    let truncation = stack.series(&puzzle, "train/truncation_rate").await;
-    assert!(truncation.iter().any(|(_, r)| *r > 0.0), "no sample reached the limit: {truncation:?}");
-    let samples = stack.get(&format!("/v1/runs/{puzzle}/samples?split=train&limit=100")).await;
-    let samples = samples["samples"].as_array().unwrap();
-    assert_eq!(samples.len(), 16, "8 samples recorded at each of 2 steps");
     let mut observed = 0;
-    for s in samples {
+    for s in samples_of(&stack, &roomy).await {
         let turns = s["turns"].as_array().unwrap();
         let roles: Vec<&str> = turns.iter().map(|t| t["role"].as_str().unwrap()).collect();
         let assistant = roles.iter().filter(|r| **r == "assistant").count() as u64;
@@ -64,19 +83,12 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
         assert!((1..=max_turns).contains(&assistant), "{s}");
         // The puzzle saw every assistant turn (its `info` counts the moves).
         assert_eq!(s["info"]["moves"].as_u64(), Some(assistant), "{s}");
-        let (prompt, generated, all) = (
-            s["num_prompt_tokens"].as_u64().unwrap(),
-            s["num_generated_tokens"].as_u64().unwrap(),
-            s["num_tokens"].as_u64().unwrap(),
-        );
-        assert!(all <= max_len, "{s}");
+        let (prompt, generated, all) = tokens(&s);
         assert!(generated <= max_new * assistant, "{s}");
         if roles.contains(&"user") {
             // Observation tokens are in the sequence but not among the generated (trained) ones.
             assert!(generated < all - prompt, "observation tokens counted as generated: {s}");
             observed += 1;
-        } else if s["truncated"] == false {
-            assert_eq!(generated, all - prompt, "{s}");
         }
         if assistant >= 2 {
             // Per-sample stop strings: the first turn ended at a space (else the sample would
@@ -84,11 +96,21 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
             let last = turns.iter().rev().find(|t| t["role"] == "assistant").unwrap()["content"].as_str().unwrap();
             assert!(s["finish_reason"] == "length" || last.contains("</action>"), "{s}");
         }
-        if s["truncated"] == true && s["finish_reason"] != "length" {
-            assert_eq!(all, max_len, "truncated before the limit: {s}");
-        }
     }
     assert!(observed > 0, "no recorded sample has an observation");
+
+    stack.wait_succeeded(&cut, LIMIT).await;
+    let mut at_limit = 0;
+    for s in samples_of(&stack, &cut).await {
+        let (_, _, all) = tokens(&s);
+        assert!(all <= 100, "{s}");
+        if s["finish_reason"] == "stop" {
+            // Its first turn stopped at a space, its observation did not fit: cut at the limit.
+            assert!(s["truncated"] == true && all == 100, "{s}");
+            at_limit += 1;
+        }
+    }
+    assert!(at_limit > 0, "no sample's observation reached the limit");
 
     stack.wait_succeeded(&scored, LIMIT).await;
     for name in ["train/rewards/digits", "train/rewards/brevity"] {
@@ -108,6 +130,60 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
         let completion = s["completion"].as_str().unwrap();
         assert_eq!(s["info"]["chars"].as_u64(), Some(completion.chars().count() as u64), "{s}");
     }
+
+    stack.wait_succeeded(&kl_in_reward, LIMIT).await;
+    let penalty = stack.series(&kl_in_reward, "train/kl_in_reward").await;
+    assert_eq!(penalty.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{penalty:?}");
+    // k3 is never negative; the first step's policy is the reference (KL 0), the second's not.
+    assert!(penalty[0].1.abs() < 1e-6 && penalty[1].1 > 0.0, "{penalty:?}");
+    for (step, kl) in stack.series(&kl_in_reward, "train/kl_penalty").await {
+        assert_eq!(kl, 0.0, "step {step}: the loss has no KL term");
+    }
+
+    stack.wait_succeeded(&gspo, LIMIT).await;
+    let loss = stack.series(&gspo, "train/loss").await;
+    assert_eq!(loss.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{loss:?}");
+    assert!(loss.iter().all(|p| p.1.is_finite()), "{loss:?}");
+    for (step, error) in stack.series(&gspo, "train/token_mult_prob_error").await {
+        assert!((0.99..1.05).contains(&error), "step {step}: token_mult_prob_error {error}");
+    }
+    // Each sequence's ratio is clipped to GSPO's narrow range [1 − 3e-4, 1 + 4e-4]; the second
+    // optimiser step of each step is off-policy, so its ratios leave 1.
+    for (step, low) in stack.series(&gspo, "train/probs_ratio_clamped_min").await {
+        assert!(low >= 1.0 - 3e-4 - 1e-6, "step {step}: clamped ratio {low}");
+    }
+    let (low, high) =
+        (stack.series(&gspo, "train/probs_ratio_min").await, stack.series(&gspo, "train/probs_ratio_max").await);
+    for ((step, low), (_, high)) in low.iter().zip(&high) {
+        assert!(high - low > 1e-6, "step {step}: ratios {low}..{high} never left 1");
+    }
+}
+
+/// A GRPO run scored by the plugin with REINFORCE++ and the KL in the reward.
+fn scored_kl_spec(stack: &Stack, plugin: &str) -> Value {
+    let mut spec = grpo_spec(&json!({"path": stack.model}));
+    spec["environments"] = json!({"default": {"name": "http", "url": plugin}});
+    spec["grpo"]["advantage_estimator"] = json!("reinforce_plus_plus");
+    spec["training"]["loss"] =
+        json!({"type": "clipped_pg", "use_kl_in_reward": true, "reference_policy_kl_penalty": 0.05});
+    spec["max_num_steps"] = json!(2);
+    spec["data"]["validation"] = Value::Null;
+    spec["checkpointing"] = json!({"enabled": false});
+    spec
+}
+
+/// The training samples a run recorded.
+async fn samples_of(stack: &Stack, run: &str) -> Vec<Value> {
+    let samples = stack.get(&format!("/v1/runs/{run}/samples?split=train&limit=100")).await;
+    let samples = samples["samples"].as_array().unwrap().clone();
+    assert_eq!(samples.len(), 16, "8 samples recorded at each of 2 steps");
+    samples
+}
+
+/// A sample's token counts: prompt, generated, all.
+fn tokens(sample: &Value) -> (u64, u64, u64) {
+    let count = |name: &str| sample[name].as_u64().unwrap();
+    (count("num_prompt_tokens"), count("num_generated_tokens"), count("num_tokens"))
 }
 
 /// A reward plugin on a free local port: `digits` (the share of the completion's characters

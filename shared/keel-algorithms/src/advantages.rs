@@ -313,9 +313,15 @@ mod tests {
         close(&adv[1], &[1.0 - third, 0.5]);
         close(&adv[2], &[-third]);
         // Single-turn samples get GRPO's advantages.
-        let single = turn_grpo_advantages(&[0, 0, 1, 1], &[vec![1.0], vec![0.0], vec![2.0], vec![3.0]], Baseline::LeaveOneOut, true)
-            .unwrap();
-        let grpo = grpo_advantages(&[0, 0, 1, 1], &[1.0, 0.0, 2.0, 3.0], &[true; 4], Baseline::LeaveOneOut, true).unwrap();
+        let single = turn_grpo_advantages(
+            &[0, 0, 1, 1],
+            &[vec![1.0], vec![0.0], vec![2.0], vec![3.0]],
+            Baseline::LeaveOneOut,
+            true,
+        )
+        .unwrap();
+        let grpo =
+            grpo_advantages(&[0, 0, 1, 1], &[1.0, 0.0, 2.0, 3.0], &[true; 4], Baseline::LeaveOneOut, true).unwrap();
         close(&single.concat(), &grpo);
     }
 

@@ -471,8 +471,7 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
                     .map(per_sample)
             }
             AdvantageEstimator::ReinforcePlusPlus => {
-                let tokens: Vec<usize> =
-                    episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
+                let tokens: Vec<usize> = episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
                 reinforce_pp_advantages(&groups, &rewards, &tokens, g.normalize_rewards).map(per_sample)
             }
         })
