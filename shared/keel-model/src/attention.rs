@@ -17,8 +17,11 @@ pub(crate) enum Mask {
     /// An explicit [1 or B, 1, S, T] boolean mask (cache plus several queries, a window, or
     /// rows of different lengths).
     Allowed(Tensor),
-    /// The cache knows each row's keys and masks them itself ([`paged`]).
+    /// The cache knows each row's keys and masks them itself (the paged cache).
     InCache,
+    /// One row of sequences packed end to end ([`crate::packed::PackedRow`]): the queries of
+    /// each (start, length) span attend causally (within `window`) to that span only.
+    Segments { spans: Vec<(i64, i64)>, window: Option<i64> },
 }
 
 impl Mask {
@@ -105,10 +108,13 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Resu
     let size = q.size();
     let (b, heads, queries, d) = (size[0], size[1], size[2], size[3]);
     let kv_heads = k.size()[1];
+    if let Mask::Segments { spans, window } = mask {
+        return segments_attention(q, k, v, spans, *window);
+    }
     let per_row_mask = match mask {
         Mask::All => true,
         Mask::Allowed(allowed) => allowed.size()[1] == 1 && allowed.size()[2] == 1,
-        Mask::Causal | Mask::InCache => false,
+        Mask::Causal | Mask::InCache | Mask::Segments { .. } => false,
     };
     if queries == 1 && heads != kv_heads && per_row_mask {
         // One query per head (decoding): the query heads of a KV group become that group's
@@ -127,6 +133,28 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Resu
         Mask::Causal => (None, true),
         Mask::Allowed(allowed) => (Some(allowed), false),
         Mask::InCache => return Err(Error::InvalidInput("attention needs the cache's own mask".into())),
+        Mask::Segments { .. } => return Err(Error::InvalidInput("a packed row attends span by span".into())),
     };
     Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, explicit, 0.0, causal, None, false)?)
+}
+
+/// Attention of a packed row (`q` [1, heads, T, D], `k`, `v` [1, kv_heads, T, D]): each span
+/// attends to itself alone, causally, so the work is that of the sequences apart (no [T, T]
+/// mask). Positions after the last span (none in a packed row) are left to zero.
+fn segments_attention(q: &Tensor, k: &Tensor, v: &Tensor, spans: &[(i64, i64)], window: Option<i64>) -> Result<Tensor> {
+    if q.size()[0] != 1 {
+        return Err(Error::InvalidInput(format!("a packed row is one row, got {}", q.size()[0])));
+    }
+    let mut outs = Vec::with_capacity(spans.len() + 1);
+    for &(start, len) in spans {
+        let span = |x: &Tensor| x.f_narrow(2, start, len);
+        let mask = Mask::new(len, 0, window, q.device())?;
+        outs.push(attention(&span(q)?, &span(k)?, &span(v)?, &mask)?);
+    }
+    let covered = spans.last().map_or(0, |(start, len)| start + len);
+    let total = q.size()[2];
+    if covered < total {
+        outs.push(Tensor::f_zeros_like(&q.f_narrow(2, covered, total - covered)?)?);
+    }
+    Ok(Tensor::f_cat(&outs, 2)?)
 }

@@ -25,6 +25,7 @@ pub mod device;
 pub mod error;
 pub mod init;
 pub mod model;
+pub mod packed;
 pub mod packing;
 pub mod pretrained;
 pub mod rope;

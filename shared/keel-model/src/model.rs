@@ -24,6 +24,7 @@ use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
+use crate::packed::PackedRow;
 use crate::rope::{self, Rotary};
 
 /// How new parameters are filled.
@@ -555,12 +556,31 @@ impl CausalLm {
         let (ids, invalid) = self.padded_input(input_ids, lengths)?;
         let hidden = self.hidden_states(&ids, None)?;
         let vocab = self.cfg.vocab_size;
-        let logprobs = |logits: &Tensor, targets: &Tensor| -> Result<Tensor> {
-            let targets = targets.f_unsqueeze(-1)?;
-            Ok(logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &targets, false)?.f_squeeze_dim(-1)?)
-        };
-        chunked_token_logprobs(&hidden, &ids, &invalid, &self.lm_head, vocab, temperature, logprobs)
+        chunked_token_logprobs(&hidden, &ids, &invalid, &self.lm_head, vocab, temperature, target_logprobs)
     }
+
+    /// [`Self::token_logprobs`] of the sequences packed in `row`, each attending to itself
+    /// only with its own positions, given back right-padded [n, S] as the unpacked pass
+    /// gives them. Gradients flow as the caller's mode records them.
+    pub fn packed_token_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<Tensor> {
+        check_temperature(temperature)?;
+        check_ids(self.cfg.vocab_size, &row.ids, None)?;
+        let device = self.device();
+        let ids = row.ids.f_to_device(device)?;
+        let (cos, sin) = self.rotary.cos_sin(&row.positions(device)?, self.kind)?;
+        let hidden = self.run_layers_at(&ids, &cos, &sin, &row.masks(&self.windows()), None)?;
+        let vocab = self.cfg.vocab_size;
+        let starts = row.starts(device)?;
+        let packed =
+            chunked_token_logprobs(&hidden, &ids, &starts, &self.lm_head, vocab, temperature, target_logprobs)?;
+        row.unpack(&packed)
+    }
+}
+
+/// The logprobs [B, L] of `targets` [B, L] under f32 `logits` [B, L, vocab].
+fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let targets = targets.f_unsqueeze(-1)?;
+    Ok(logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &targets, false)?.f_squeeze_dim(-1)?)
 }
 
 fn check_temperature(temperature: f64) -> Result<()> {

@@ -215,6 +215,45 @@ pub struct TrainingConfig {
     pub global_batch_size: usize,
     /// Samples per forward/backward pass.
     pub micro_batch_size: usize,
+    /// NeMo-RL's `sequence_packing`: the sequences of a global batch packed end to end into
+    /// microbatches of up to `train_mb_tokens` tokens (first-fit decreasing), each sequence
+    /// attending to itself with its own positions; losses and their normalisation unchanged.
+    #[serde(default)]
+    pub sequence_packing: TokenBatching,
+    /// NeMo-RL's `dynamic_batching`: sequences sorted by length and cut into padded
+    /// microbatches of up to `train_mb_tokens` tokens (rows × their longest).
+    #[serde(default)]
+    pub dynamic_batching: TokenBatching,
+}
+
+/// Microbatches made by a token budget instead of `micro_batch_size` rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct TokenBatching {
+    pub enabled: bool,
+    /// Tokens per training microbatch.
+    pub train_mb_tokens: usize,
+    /// Tokens per microbatch of the logprob passes (the policy's before the update, the
+    /// reference's); 0 takes `train_mb_tokens`.
+    pub logprob_mb_tokens: usize,
+}
+
+impl Default for TokenBatching {
+    fn default() -> Self {
+        Self { enabled: false, train_mb_tokens: 4096, logprob_mb_tokens: 0 }
+    }
+}
+
+impl TrainingConfig {
+    /// The token budget microbatches are made by, when one is on: (budget for training,
+    /// budget for logprob passes, packed or padded).
+    pub fn token_budget(&self) -> Option<(usize, usize, bool)> {
+        let on = [(&self.sequence_packing, true), (&self.dynamic_batching, false)];
+        on.into_iter().find(|(b, _)| b.enabled).map(|(b, packed)| {
+            let logprobs = if b.logprob_mb_tokens == 0 { b.train_mb_tokens } else { b.logprob_mb_tokens };
+            (b.train_mb_tokens, logprobs, packed)
+        })
+    }
 }
 
 fn default_max_grad_norm() -> Option<f64> {
@@ -431,6 +470,32 @@ impl TrainingConfig {
             &field("micro_batch_size"),
             format!("{micro} is larger than global_batch_size {global}"),
         );
+        check(
+            &mut problems,
+            !(self.sequence_packing.enabled && self.dynamic_batching.enabled),
+            &field("dynamic_batching.enabled"),
+            "sequence_packing and dynamic_batching exclude each other",
+        );
+        check(
+            &mut problems,
+            !(self.sequence_packing.enabled && matches!(self.loss, LossConfig::BradleyTerry)),
+            &field("sequence_packing.enabled"),
+            "bradley_terry scores each sequence's last token with a value head: use dynamic_batching",
+        );
+        for (name, b) in [("sequence_packing", &self.sequence_packing), ("dynamic_batching", &self.dynamic_batching)] {
+            check(
+                &mut problems,
+                (1..=crate::limits::MAX_SEQUENCE_LENGTH * 64).contains(&b.train_mb_tokens),
+                &field(&format!("{name}.train_mb_tokens")),
+                format!("must be 1 to {}, got {}", crate::limits::MAX_SEQUENCE_LENGTH * 64, b.train_mb_tokens),
+            );
+            check(
+                &mut problems,
+                b.logprob_mb_tokens <= crate::limits::MAX_SEQUENCE_LENGTH * 64,
+                &field(&format!("{name}.logprob_mb_tokens")),
+                format!("must be at most {}, got {}", crate::limits::MAX_SEQUENCE_LENGTH * 64, b.logprob_mb_tokens),
+            );
+        }
         if self.loss.is_pairwise() {
             for (name, n) in [("global_batch_size", global), ("micro_batch_size", micro)] {
                 check(

@@ -134,6 +134,25 @@ impl Batch {
         self.lengths.is_empty()
     }
 
+    /// Rows `rows` (in that order), trimmed to their longest sequence.
+    pub fn select(&self, rows: &[usize]) -> Result<Batch> {
+        let lengths: Vec<i64> = rows.iter().map(|&r| self.lengths[r]).collect();
+        let width = lengths.iter().copied().max().unwrap_or(1);
+        let index = Tensor::from_slice(&rows.iter().map(|&r| r as i64).collect::<Vec<_>>());
+        let pick = |x: &Tensor| -> Result<Tensor> { Ok(x.f_index_select(0, &index)?.f_narrow(1, 0, width)?) };
+        let pick_opt = |x: &Option<Tensor>| x.as_ref().map(pick).transpose();
+        Ok(Batch {
+            input_ids: pick(&self.input_ids)?,
+            token_mask: pick(&self.token_mask)?,
+            sample_mask: self.sample_mask.f_index_select(0, &index)?,
+            advantages: pick_opt(&self.advantages)?,
+            prev_logprobs: pick_opt(&self.prev_logprobs)?,
+            generation_logprobs: pick_opt(&self.generation_logprobs)?,
+            reference_logprobs: pick_opt(&self.reference_logprobs)?,
+            lengths,
+        })
+    }
+
     /// Rows `start..start + len`, trimmed to their longest sequence.
     pub fn rows(&self, start: usize, len: usize) -> Result<Batch> {
         let lengths = self.lengths[start..start + len].to_vec();
@@ -157,6 +176,27 @@ impl Batch {
 /// `len` rows split into consecutive chunks of at most `size`.
 pub fn chunks(len: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..len).step_by(size.max(1)).map(move |start| (start, size.max(1).min(len - start)))
+}
+
+/// How the rows of a batch with `lengths` are split into microbatches: `rows` at a time, or
+/// by a token budget (`Some((tokens, packed))`: packed tokens, or rows × their longest).
+/// Pairwise losses keep each (chosen, rejected) pair of rows together and in order.
+pub fn microbatches(lengths: &[i64], rows: usize, budget: Option<(usize, bool)>, pairwise: bool) -> Vec<Vec<usize>> {
+    let Some((tokens, packed)) = budget else {
+        return chunks(lengths.len(), rows).map(|(start, len)| (start..start + len).collect()).collect();
+    };
+    let unit = if pairwise { 2 } else { 1 };
+    let units: Vec<&[i64]> = lengths.chunks(unit).collect();
+    let bins = if packed {
+        let sizes: Vec<i64> = units.iter().map(|u| u.iter().sum()).collect();
+        keel_model::packed::first_fit_decreasing(&sizes, tokens as i64)
+    } else {
+        let longest: Vec<i64> = units.iter().map(|u| u.iter().copied().max().unwrap_or(0)).collect();
+        keel_model::packed::length_sorted_bins(&longest, unit as i64, tokens as i64)
+    };
+    bins.into_iter()
+        .map(|bin| bin.into_iter().flat_map(|u| u * unit..(u * unit + unit).min(lengths.len())).collect())
+        .collect()
 }
 
 /// Ragged rows of a padded [B, S] tensor, each cut to its length.

@@ -12,9 +12,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use keel_model::packed::PackedRow;
 use tch::{Device, Kind, Tensor};
 
-use crate::batch::{Batch, chunks, pad_ids, unpad};
+use crate::batch::{Batch, chunks, microbatches, pad_ids, unpad};
 use crate::checkpoint;
 use crate::error::{Error, Result};
 use crate::loss::{self, GlobalCounts, LossInput};
@@ -48,13 +49,17 @@ pub struct Engine {
     seed: u64,
 }
 
-/// Refuses a non-finite microbatch loss (rows `start..start + len`).
-fn finite(loss: &Tensor, start: usize, len: usize, consequence: &str) -> Result<()> {
+/// Refuses a non-finite microbatch loss (of `rows`).
+fn finite(loss: &Tensor, rows: &[usize], consequence: &str) -> Result<()> {
     let value = loss.f_double_value(&[])?;
     if value.is_finite() {
         return Ok(());
     }
-    Err(Error::NonFinite(format!("the loss of rows {start}..{} is {value}; {consequence}", start + len)))
+    let rows = match (rows.first(), rows.last()) {
+        (Some(first), Some(last)) if last - first + 1 == rows.len() => format!("rows {first}..{}", last + 1),
+        _ => format!("rows {rows:?}"),
+    };
+    Err(Error::NonFinite(format!("the loss of {rows} is {value}; {consequence}")))
 }
 
 /// What one `evaluate` call found: the loss's metrics over the whole batch.
@@ -204,7 +209,8 @@ impl Engine {
         &self.config
     }
 
-    /// Padded [B, S] logprobs (CPU, f32) without gradients, computed `micro_batch_size` rows at a time.
+    /// Padded [B, S] logprobs (CPU, f32) without gradients, computed `micro_batch_size` rows
+    /// at a time, or by the token budget of sequence packing or dynamic batching.
     fn padded_logprobs(&mut self, scorer: Scorer, ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
         let micro = self.config.micro_batch_size;
@@ -224,16 +230,29 @@ impl Engine {
             }
         };
         let width = ids.size()[1];
-        let mut parts = Vec::new();
+        let budget = self.config.token_budget().map(|(_, logprobs, packed)| (logprobs, packed));
+        let mut rows: Vec<Option<Tensor>> = (0..lengths.len()).map(|_| None).collect();
         let mut result: Result<()> = Ok(());
-        for (start, len) in chunks(lengths.len(), micro) {
-            let rows = &lengths[start..start + len];
-            let max = rows.iter().copied().max().unwrap_or(1);
-            let slice = ids.f_narrow(0, start as i64, len as i64)?.f_narrow(1, 0, max)?;
-            match model.token_logprobs(&slice, rows, temperature) {
-                Ok(lp) => parts.push(lp.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?),
+        for bin in microbatches(lengths, micro, budget, false) {
+            let picked: Vec<i64> = bin.iter().map(|&r| lengths[r]).collect();
+            let max = picked.iter().copied().max().unwrap_or(1);
+            let index = Tensor::from_slice(&bin.iter().map(|&r| r as i64).collect::<Vec<_>>());
+            let slice = ids.f_index_select(0, &index)?.f_narrow(1, 0, max)?;
+            let computed = match budget {
+                Some((_, true)) => PackedRow::new(&slice, &picked)
+                    .map_err(Error::from)
+                    .and_then(|row| Ok(model.packed_token_logprobs(&row, temperature)?)),
+                _ => model.token_logprobs(&slice, &picked, temperature).map_err(Error::from),
+            };
+            match computed {
+                Ok(lp) => {
+                    let lp = lp.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?;
+                    for (k, &r) in bin.iter().enumerate() {
+                        rows[r] = Some(lp.f_select(0, k as i64)?);
+                    }
+                }
                 Err(e) => {
-                    result = Err(e.into());
+                    result = Err(e);
                     break;
                 }
             }
@@ -244,7 +263,8 @@ impl Engine {
             reference.model.set_device(Device::Cpu)?;
         }
         result?;
-        Ok(Tensor::f_cat(&parts, 0)?)
+        let rows: Vec<Tensor> = rows.into_iter().flatten().collect();
+        Ok(Tensor::f_stack(&rows, 0)?)
     }
 
     /// Per-token logprobs of `sequences` under the policy or the reference at `temperature`.
@@ -314,7 +334,12 @@ impl Engine {
             let scores = self.padded_scores(&micro.input_ids, &micro.lengths)?;
             (Tensor::f_zeros([0], (Kind::Float, device))?, Some(scores), Pending::Nothing)
         } else {
-            let (logprobs, pending) = self.policy.train_logprobs(&micro.input_ids, &micro.lengths, temperature)?;
+            let (logprobs, pending) = if self.config.sequence_packing.enabled {
+                let row = PackedRow::new(&micro.input_ids, &micro.lengths)?;
+                self.policy.packed_train_logprobs(&row, temperature)?
+            } else {
+                self.policy.train_logprobs(&micro.input_ids, &micro.lengths, temperature)?
+            };
             (logprobs, None, pending)
         };
         let sample_mask = micro.sample_mask.f_to_device(device)?;
@@ -347,16 +372,23 @@ impl Engine {
     ) -> Result<Metrics> {
         let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
         let mut metrics = Metrics::default();
-        for (start, len) in chunks(global.len(), micro_batch_size) {
-            let micro = global.rows(start, len)?;
+        for rows in self.plan(&global.lengths, micro_batch_size) {
+            let micro = global.select(&rows)?;
             let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
-            finite(&loss, start, len, "no step was taken")?;
+            finite(&loss, &rows, "no step was taken")?;
             loss.f_backward()?;
             self.policy.backward(pending)?;
             metrics.merge(part);
         }
         metrics.global("global_valid_tokens", counts.tokens);
         Ok(metrics)
+    }
+
+    /// The microbatches of a global batch with `lengths`: `micro_batch_size` rows at a time,
+    /// or by the training token budget of sequence packing or dynamic batching.
+    fn plan(&self, lengths: &[i64], micro_batch_size: usize) -> Vec<Vec<usize>> {
+        let budget = self.config.token_budget().map(|(train, _, packed)| (train, packed));
+        microbatches(lengths, micro_batch_size, budget, self.config.loss.is_pairwise())
     }
 
     /// The gradients of every trainable tensor (for tests and diagnostics), by name, whole
@@ -388,10 +420,10 @@ impl Engine {
         self.complete(&mut batch, temperature, &mut timing)?;
         let counts = GlobalCounts::of(&batch.token_mask, &batch.sample_mask)?;
         let mut metrics = Metrics::default();
-        for (start, len) in chunks(batch.len(), self.config.micro_batch_size) {
-            let micro = batch.rows(start, len)?;
+        for rows in self.plan(&batch.lengths, self.config.micro_batch_size) {
+            let micro = batch.select(&rows)?;
             let (loss, part, _) = self.microbatch_loss(&micro, &counts, temperature)?;
-            finite(&loss, start, len, "nothing was evaluated")?;
+            finite(&loss, &rows, "nothing was evaluated")?;
             metrics.merge(part);
         }
         metrics.global("global_valid_tokens", counts.tokens);

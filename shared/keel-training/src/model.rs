@@ -7,6 +7,7 @@ use std::path::Path;
 
 use keel_collective::{Collective, SharedComm};
 use keel_model::model::tp::{Layout, Tape, TpCausalLm};
+use keel_model::packed::PackedRow;
 use keel_model::{CausalLm, ModelConfig};
 use tch::{Device, Kind, Tensor};
 
@@ -118,6 +119,27 @@ impl Model {
             Self::Full(m) => (m.token_logprobs(ids, lengths, temperature)?, Pending::Nothing),
             Self::Sharded(m) => {
                 let (logprobs, tape) = m.train_logprobs(ids, lengths, temperature)?;
+                (logprobs, Pending::Sharded(tape))
+            }
+        })
+    }
+
+    /// Token logprobs of the sequences packed in `row`, right-padded [n, S] (see
+    /// [`keel_model::CausalLm::packed_token_logprobs`]); without gradients unless the
+    /// caller's mode records them.
+    pub fn packed_token_logprobs(&self, row: &PackedRow, temperature: f64) -> keel_model::Result<Tensor> {
+        match self {
+            Self::Full(m) => m.packed_token_logprobs(row, temperature),
+            Self::Sharded(m) => m.packed_token_logprobs(row, temperature),
+        }
+    }
+
+    /// [`Model::train_logprobs`] of the sequences packed in `row`.
+    pub fn packed_train_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<(Tensor, Pending)> {
+        Ok(match self {
+            Self::Full(m) => (m.packed_token_logprobs(row, temperature)?, Pending::Nothing),
+            Self::Sharded(m) => {
+                let (logprobs, tape) = m.packed_train_logprobs(row, temperature)?;
                 (logprobs, Pending::Sharded(tape))
             }
         })

@@ -97,6 +97,49 @@ fn loss_and_gradients_do_not_depend_on_the_microbatch_split() {
     }
 }
 
+/// Sequence packing and dynamic batching (microbatches by a token budget) give the loss,
+/// the gradients and the logprobs of the plain padded microbatches (1e-5, f32).
+#[test]
+fn packed_and_dynamic_microbatches_match_padded_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let losses = [
+        json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.1, "ratio_clip_c": 3.0}),
+        json!({"type": "clipped_pg", "token_level_loss": false, "sequence_level_importance_ratios": true}),
+        json!({"type": "nll"}),
+        json!({"type": "dpo", "sft_loss_weight": 0.3}),
+    ];
+    let budget = json!({"enabled": true, "train_mb_tokens": 24, "logprob_mb_tokens": 17});
+    for loss in losses {
+        let config = |extra: (&str, &serde_json::Value)| {
+            let mut c = json!({"loss": loss, "global_batch_size": 8, "micro_batch_size": 8});
+            c[extra.0] = extra.1.clone();
+            c
+        };
+        let mut plain = engine(&model, config(("sequence_packing", &json!({"enabled": false}))));
+        let wire = rich_batch(&mut plain);
+        let batch = |e: &Engine| Batch::new(&wire, &e.config().loss).unwrap();
+        let padded = batch(&plain);
+        let (want, want_grads) = loss_and_gradients(&mut plain, &padded, 8);
+        let want_logprobs = plain.logprobs(Scorer::Policy, &wire.input_ids, 0.7).unwrap();
+        for mode in ["sequence_packing", "dynamic_batching"] {
+            let mut other = engine(&model, config((mode, &budget)));
+            let budgeted = batch(&other);
+            let (got, grads) = loss_and_gradients(&mut other, &budgeted, 8);
+            assert!((got - want).abs() < 1e-5, "{loss} {mode}: loss {got} vs {want}");
+            for (name, g) in &want_grads {
+                let scale = g.abs().max().double_value(&[]).max(1.0);
+                let diff = (&grads[name] - g).abs().max().double_value(&[]);
+                assert!(diff < 1e-5 * scale, "{loss} {mode}: gradient of {name} differs by {diff}");
+            }
+            let logprobs = other.logprobs(Scorer::Policy, &wire.input_ids, 0.7).unwrap();
+            for (a, b) in logprobs.iter().flatten().zip(want_logprobs.iter().flatten()) {
+                assert!((a - b).abs() < 1e-5, "{loss} {mode}: logprob {a} vs {b}");
+            }
+        }
+    }
+}
+
 #[test]
 fn sft_lowers_held_out_loss() {
     let dir = tempfile::tempdir().unwrap();

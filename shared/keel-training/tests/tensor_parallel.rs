@@ -62,7 +62,7 @@ fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
 }
 
 #[test]
-fn gradients_at_tp_2_and_4_equal_tp_1() {
+fn gradients_at_tp_2_and_4_and_packed_equal_tp_1() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let losses = [
@@ -94,8 +94,10 @@ fn gradients_at_tp_2_and_4_equal_tp_1() {
             wire.generation_logprobs = Some(moved(0.05));
             wire.advantages = Some(Advantages::PerSample((0..8).map(|i| i as f32 * 0.4 - 1.3).collect()));
         }
-        let gradients = |tp: usize| -> BTreeMap<String, Tensor> {
-            let mut trainer = trainer(&model, config.clone(), tp);
+        let gradients = |tp: usize, packing: bool| -> BTreeMap<String, Tensor> {
+            let mut config = config.clone();
+            config["sequence_packing"] = json!({"enabled": packing, "train_mb_tokens": 30});
+            let mut trainer = trainer(&model, config, tp);
             let wire = wire.clone();
             trainer
                 .on_every_rank(move |engine| {
@@ -106,11 +108,17 @@ fn gradients_at_tp_2_and_4_equal_tp_1() {
                 })
                 .unwrap()
         };
-        let whole = gradients(1);
+        let whole = gradients(1, false);
         for tp in [2, 4] {
-            let (diff, name) = max_diff(&gradients(tp), &whole);
+            let (diff, name) = max_diff(&gradients(tp, false), &whole);
             eprintln!("{}: TP={tp} max gradient difference from TP=1 {diff:e} (`{name}`)", loss["type"]);
             assert!(diff <= 1e-5, "{loss}: TP={tp} gradient of `{name}` differs by {diff:e}");
+        }
+        // Sequences packed into microbatches of at most 30 tokens, at TP 1 and 2.
+        for tp in [1, 2] {
+            let (diff, name) = max_diff(&gradients(tp, true), &whole);
+            eprintln!("{}: packed at TP={tp} max gradient difference {diff:e} (`{name}`)", loss["type"]);
+            assert!(diff <= 1e-5, "{loss}: packed at TP={tp} gradient of `{name}` differs by {diff:e}");
         }
     }
 }

@@ -31,7 +31,8 @@ use keel_collective::{Collective, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Attention, CausalLm, Linear, Mlp, Positions, RmsNorm, check_temperature, chunked_token_logprobs, padded_ids,
+    Attention, CausalLm, Linear, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
+    padded_ids,
     paged::{self, PagedModel},
     positions_for,
 };
@@ -39,8 +40,19 @@ use crate::attention::Masks;
 use crate::cache::{LayerCache, PagedCache, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::packed::PackedRow;
 use crate::rope::Rotary;
 use crate::weights::SliceReader;
+
+/// What one forward pass over a batch of rows needs besides the weights.
+struct Pass {
+    ids: Tensor,
+    /// Positions without a logprob (a sequence's first token, padding).
+    invalid: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    masks: Masks,
+}
 
 /// The half-open range of `total` items that `rank` of `world` holds (as even as possible).
 fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
@@ -354,19 +366,6 @@ impl<C: Collective> TpCausalLm<C> {
         positions_for(&self.rotary, self.kind, &self.windows(), ids, offsets, visible, self.device)
     }
 
-    /// Final hidden states [B, S, hidden] (replicated on every rank) of `ids` [B, S] whose
-    /// row b starts at `offsets[b]`, attending to `visible` keys (cached plus new).
-    fn run_layers(
-        &self,
-        ids: &Tensor,
-        offsets: &[i64],
-        visible: i64,
-        cache: Option<&mut dyn LayerCache>,
-    ) -> Result<Tensor> {
-        let (cos, sin, masks) = self.positions(ids, offsets, visible)?;
-        self.run_layers_at(ids, &cos, &sin, &masks, cache)
-    }
-
     fn windows(&self) -> Vec<Option<i64>> {
         self.shards.layers.iter().map(|l| l.window).collect()
     }
@@ -406,12 +405,19 @@ impl<C: Collective> TpCausalLm<C> {
     pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
         check_temperature(temperature)?;
         let _no_grad = tch::no_grad_guard();
-        let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
-        let (b, s) = (ids.size()[0], ids.size()[1]);
-        let hidden = self.run_layers(&ids, &vec![0; b as usize], s, None)?;
-        let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
-        let share = self.largest_vocab_share();
-        chunked_token_logprobs(&hidden, &ids, &invalid, &self.shards.lm_head, share, temperature, logprobs)
+        let pass = self.padded_pass(input_ids, lengths)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        self.pass_logprobs(&hidden, &pass, temperature)
+    }
+
+    /// [`TpCausalLm::token_logprobs`] of the sequences packed in `row` (see
+    /// [`CausalLm::packed_token_logprobs`]), right-padded [n, S]. No gradients.
+    pub fn packed_token_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<Tensor> {
+        check_temperature(temperature)?;
+        let _no_grad = tch::no_grad_guard();
+        let pass = self.packed_pass(row)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        row.unpack(&self.pass_logprobs(&hidden, &pass, temperature)?)
     }
 
     /// Token logprobs as [`TpCausalLm::token_logprobs`], with gradients: the caller computes
@@ -419,14 +425,51 @@ impl<C: Collective> TpCausalLm<C> {
     /// [`TpCausalLm::backward`] to carry the gradients through the rest of the model.
     pub fn train_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<(Tensor, Tape)> {
         check_temperature(temperature)?;
+        let pass = self.padded_pass(input_ids, lengths)?;
+        self.taped_logprobs(&pass, temperature)
+    }
+
+    /// [`TpCausalLm::train_logprobs`] of the sequences packed in `row`, right-padded [n, S].
+    pub fn packed_train_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<(Tensor, Tape)> {
+        check_temperature(temperature)?;
+        let pass = self.packed_pass(row)?;
+        let (packed, tape) = self.taped_logprobs(&pass, temperature)?;
+        Ok((row.unpack(&packed)?, tape))
+    }
+
+    /// Right-padded rows as a pass: ids (padding as token 0), the positions' rotary tables
+    /// and causal masks, and the positions without a logprob (padding).
+    fn padded_pass(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Pass> {
         let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
         let (b, s) = (ids.size()[0], ids.size()[1]);
         let (cos, sin, masks) = self.positions(&ids, &vec![0; b as usize], s)?;
-        let embedded = self.embed(&ids)?;
+        Ok(Pass { ids, invalid, cos, sin, masks })
+    }
+
+    /// A packed row as a pass: each sequence at its own positions, attending to itself; its
+    /// first token has no logprob.
+    fn packed_pass(&self, row: &PackedRow) -> Result<Pass> {
+        check_ids(self.cfg.vocab_size, &row.ids, None)?;
+        let (cos, sin) = self.rotary.cos_sin(&row.positions(self.device)?, self.kind)?;
+        let ids = row.ids.f_to_device(self.device)?;
+        Ok(Pass { ids, invalid: row.starts(self.device)?, cos, sin, masks: row.masks(&self.windows()) })
+    }
+
+    /// The logprobs of a pass's tokens from its final hidden states, the vocabulary split
+    /// over the ranks.
+    fn pass_logprobs(&self, hidden: &Tensor, pass: &Pass, temperature: f64) -> Result<Tensor> {
+        let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
+        let share = self.largest_vocab_share();
+        chunked_token_logprobs(hidden, &pass.ids, &pass.invalid, &self.shards.lm_head, share, temperature, logprobs)
+    }
+
+    /// A pass with gradients, cut into residual segments for [`TpCausalLm::backward`].
+    fn taped_logprobs(&self, pass: &Pass, temperature: f64) -> Result<(Tensor, Tape)> {
+        let embedded = self.embed(&pass.ids)?;
         let mut segments = Vec::with_capacity(2 * self.shards.layers.len() + 1);
         let mut x = embedded.shallow_clone();
         for layer in &self.shards.layers {
-            let at = Positions::of(&cos, &sin, &masks, layer.window);
+            let at = Positions::of(&pass.cos, &pass.sin, &pass.masks, layer.window);
             let attention = |a: &Tensor| layer.attention.forward(a, &at, None);
             x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
             let mlp = |a: &Tensor| layer.mlp.forward(a, None);
@@ -435,10 +478,7 @@ impl<C: Collective> TpCausalLm<C> {
         let input = leaf(&x)?;
         let normed = self.shards.norm.forward(&input, None)?;
         let branch_input = leaf(&normed)?;
-        let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
-        let share = self.largest_vocab_share();
-        let lm_head = &self.shards.lm_head;
-        let result = chunked_token_logprobs(&branch_input, &ids, &invalid, lm_head, share, temperature, logprobs)?;
+        let result = self.pass_logprobs(&branch_input, pass, temperature)?;
         segments.push(Segment { input, normed, branch_input, output: None });
         Ok((result, Tape { embedded, segments }))
     }
