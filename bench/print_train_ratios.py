@@ -1,5 +1,7 @@
 """Reads JSON lines from `keel train bench` and `bench/hf_train_throughput.py`, alternating
-Keel then PyTorch for each shape, and prints them side by side with Keel/PyTorch ratios."""
+Keel then PyTorch for each shape, and prints them side by side with Keel/PyTorch ratios;
+then Keel's mixed-length runs (`batching` rows, packed, dynamic) with each one's real
+tokens/s as a ratio to padded rows."""
 
 import json
 import os
@@ -8,8 +10,10 @@ import sys
 
 def main():
     model = sys.argv[1]
-    rows = [json.loads(line) for line in sys.stdin if line.strip()]
-    print(f"model: {model}   threads: {rows[0]['threads']}   host CPUs: {os.cpu_count()}")
+    lines = [json.loads(line) for line in sys.stdin if line.strip()]
+    rows = [r for r in lines if r.get("min_len", r["seq_len"]) == r["seq_len"] and r.get("batching", "rows") == "rows"]
+    mixed = [r for r in lines if r not in rows]
+    print(f"model: {model}   threads: {lines[0]['threads']}   host CPUs: {os.cpu_count()}")
     print(f"{'batch x seq (micro)':<24}{'engine':<26}{'step s':>10}{'tokens/s':>12}")
     for keel, ref in zip(rows[0::2], rows[1::2]):
         shape = f"{keel['batch']} x {keel['seq_len']} ({keel['micro_batch']})"
@@ -17,6 +21,15 @@ def main():
             print(f"{shape:<24}{r['engine']:<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}")
         ratio = keel["tokens_per_s"] / ref["tokens_per_s"]
         print(f"{shape:<24}{'ratio keel / torch':<26}{'':>10}{ratio:>12.2f}")
+    padded = None
+    for r in mixed:
+        if r["batching"] == "rows":
+            padded = r
+            print(f"\nmixed lengths {r['min_len']}..{r['seq_len']}, {r['batch']} sequences, {r['tokens']} tokens, "
+                  f"budget {r['micro_batch']} rows x {r['seq_len']} tokens")
+        shape = f"keel {r['batching']}"
+        ratio = r["tokens_per_s"] / padded["tokens_per_s"] if padded else float("nan")
+        print(f"{shape:<24}{'':<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}   x{ratio:.2f} of padded")
 
 
 if __name__ == "__main__":
