@@ -142,7 +142,13 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
         _ => panic!("a bucket is an object or a file"),
     }
     let report = pair
-        .publish(&WeightsUpdated { run_id: "r".into(), version: 1, path: String::new(), weights: Some(broken) })
+        .publish(&WeightsUpdated {
+            run_id: "r".into(),
+            version: 1,
+            path: String::new(),
+            weights: Some(broken),
+            refit_mode: None,
+        })
         .await;
     assert!(report.error.is_some(), "the generator reports the failed refit: {report:?}");
     let (base_tokens, _) = pair.rollout(0).await;
@@ -158,7 +164,13 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
     let (still, _) = pair.rollout(0).await;
     assert_eq!(still, base_tokens, "the old version serves after a failed refit");
 
-    let event = WeightsUpdated { run_id: "r".into(), version: 2, path: String::new(), weights: Some(exported.weights) };
+    let event = WeightsUpdated {
+        run_id: "r".into(),
+        version: 2,
+        path: String::new(),
+        weights: Some(exported.weights),
+        refit_mode: None,
+    };
     let report = pair.publish(&event).await;
     assert!(report.error.is_none() && report.seconds > 0.0, "the generator reports the refit done: {report:?}");
     assert_eq!(report.dtype.as_deref(), Some("float32"), "and the dtype it serves in (f32 on a CPU)");

@@ -3,8 +3,8 @@
 //! truncation at the maximum length, every turn recorded with its role, turn-level credit),
 //! a GRPO run scored by a user's HTTP reward plugin (its named rewards as metrics and on the
 //! samples, its `info` stored, validation reported as the mean reward since the plugin's
-//! rewards are not right-or-wrong), and on its rewards REINFORCE++ with the KL in the reward
-//! and GSPO.
+//! rewards are not right-or-wrong), and on its rewards REINFORCE++ with the KL in the reward,
+//! GSPO and async GRPO.
 
 #![allow(clippy::unwrap_used)]
 
@@ -69,6 +69,19 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
     gspo["data"]["validation"] = Value::Null;
     gspo["checkpointing"] = json!({"enabled": false});
     let gspo = stack.submit(&gspo).await;
+    // Async GRPO: step t+1's rollouts run while step t trains, from weights at most one
+    // update old, refit under the running samples (in flight), with the importance-sampling
+    // correction for the difference.
+    let mut asynchronous = grpo_spec(&json!({"path": stack.model}));
+    asynchronous["environments"] = json!({"default": {"name": "http", "url": plugin}});
+    asynchronous["grpo"]["async_grpo"] =
+        json!({"enabled": true, "max_trajectory_age_steps": 1, "in_flight_weight_updates": true});
+    asynchronous["training"]["loss"] = json!({
+        "type": "clipped_pg", "reference_policy_kl_penalty": 0.01, "use_importance_sampling_correction": true,
+    });
+    asynchronous["max_num_steps"] = json!(4);
+    asynchronous["checkpointing"] = json!({"save_period": 2});
+    let asynchronous = stack.submit(&asynchronous).await;
 
     stack.wait_succeeded(&roomy, LIMIT).await;
     let turns = stack.series(&roomy, "train/turns_per_sample").await;
@@ -157,6 +170,30 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
     for ((step, low), (_, high)) in low.iter().zip(&high) {
         assert!(high - low > 1e-6, "step {step}: ratios {low}..{high} never left 1");
     }
+
+    stack.wait_succeeded(&asynchronous, LIMIT).await;
+    // Step 1 trains on rollouts of the starting weights; every later step on rollouts made
+    // while the step before it trained, one update old; none dropped.
+    let ages = stack.series(&asynchronous, "async/trajectory_age_max").await;
+    assert_eq!(ages, [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)], "{ages:?}");
+    let counted = stack.series(&asynchronous, "async/trajectories_age_1").await;
+    assert_eq!(counted.iter().map(|p| p.1).collect::<Vec<_>>(), [0.0, 8.0, 8.0, 8.0], "{counted:?}");
+    for name in ["async/dropped_trajectories", "async/trajectory_age_mean"] {
+        let points = stack.series(&asynchronous, name).await;
+        assert_eq!(points.len(), 4, "{name}: {points:?}");
+        assert!(points.iter().all(|p| p.1 <= 1.0), "{name}: {points:?}");
+    }
+    assert!(stack.series(&asynchronous, "async/dropped_trajectories").await.iter().all(|p| p.1 == 0.0));
+    for name in ["async/trainer_idle_seconds", "async/generator_idle_seconds", "train/loss"] {
+        let points = stack.series(&asynchronous, name).await;
+        assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 3, 4], "{name}: {points:?}");
+        assert!(points.iter().all(|p| p.1.is_finite() && (p.1 >= 0.0 || name == "train/loss")), "{name}: {points:?}");
+    }
+    let validated = stack.series(&asynchronous, "validation/reward_mean").await;
+    assert_eq!(validated.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2, 4], "{validated:?}");
+    let checkpoints = stack.get(&format!("/v1/runs/{asynchronous}/checkpoints")).await;
+    let steps: Vec<u64> = checkpoints.as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 4], "{checkpoints}");
 }
 
 /// A GRPO run scored by the plugin with REINFORCE++ and the KL in the reward.

@@ -269,8 +269,13 @@ pub async fn serve(
                         let (client, roots, dtype) = (client.clone(), roots.clone(), state.dtype);
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
+                            // A refit a newer one replaced before it ran is not a refusal of its weights.
+                            let mut superseded = false;
                             let refit = match new_weights(&client, &roots, &update).await {
-                                Ok(weights) => engine.refit(weights, update.version).await.map_err(|e| e.to_string()),
+                                Ok(weights) => engine.refit(weights, update.version, update.refit_mode).await.map_err(|e| {
+                                    superseded = matches!(e, keel_generation::Error::RefitSuperseded(_));
+                                    e.to_string()
+                                }),
                                 Err(e) => Err(e.to_string()),
                             };
                             if let Some(to) = message.reply.clone() {
@@ -286,6 +291,7 @@ pub async fn serve(
                                     }
                                     info!(version = update.version, run_id = %update.run_id, seconds, "weights updated");
                                 }
+                                Err(e) if superseded => info!(version = update.version, "{e}"),
                                 Err(e) => {
                                     warn!(version = update.version, "refit refused: {e}");
                                     if let Ok(mut refused) = refused.lock() {

@@ -123,8 +123,7 @@ impl Scheduler {
         let waits = Arc::new(Waits::new(stop.clone()));
         let mut nats = self.nats.clone();
         nats.patience = nats.patience.watched_by(waits.clone());
-        let offload_weights = run.spec.generation.colocated.generator_offload_weights;
-        let weights = WeightPublisher::new(run.id, &nats, stop.clone(), offload_weights);
+        let weights = WeightPublisher::new(run.id, &nats, stop.clone(), &run.spec);
         Ok(Some(RunContext {
             id: run.id,
             owner,

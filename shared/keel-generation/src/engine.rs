@@ -79,16 +79,7 @@ pub struct Stats {
     pub sleeps: AtomicU64,
 }
 
-/// How a refit treats running samples.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RefitMode {
-    /// Admit nothing new until the running samples finish, then swap the weights.
-    #[default]
-    Drain,
-    /// Swap at the next token boundary; running samples continue on the new weights.
-    Pause,
-}
+pub use keel_protocol::generator::RefitMode;
 
 /// The scheduler's limits.
 #[derive(Debug, Clone, Copy)]
@@ -105,6 +96,8 @@ pub struct EngineConfig {
 struct Refit {
     weights: crate::backend::Weights,
     version: u64,
+    /// This refit's mode where it overrides [`EngineConfig::refit_mode`].
+    mode: Option<RefitMode>,
     requested: Instant,
     done: oneshot::Sender<crate::Result<f64>>,
 }
@@ -312,10 +305,16 @@ impl Engine {
         self.stats.weight_version.load(Ordering::Relaxed)
     }
 
-    /// Loads `weights` as `version`; returns the seconds it took.
-    pub async fn refit(&self, weights: crate::backend::Weights, version: u64) -> crate::Result<f64> {
+    /// Loads `weights` as `version`, in `mode` (None: the engine's `refit_mode`); returns
+    /// the seconds it took.
+    pub async fn refit(
+        &self,
+        weights: crate::backend::Weights,
+        version: u64,
+        mode: Option<RefitMode>,
+    ) -> crate::Result<f64> {
         let (done, result) = oneshot::channel();
-        let refit = Refit { weights, version, requested: Instant::now(), done };
+        let refit = Refit { weights, version, mode, requested: Instant::now(), done };
         self.submit.send(Command::Refit(refit)).map_err(|_| crate::Error::Stopped)?;
         result.await.map_err(|_| crate::Error::Dropped("refit"))?
     }
@@ -344,7 +343,7 @@ impl Scheduler {
                 self.take(command);
             }
             let drained = self.running.is_empty() && !self.waiting.iter().any(|w| matches!(w, Waiting::Preempted(_)));
-            if self.refit.is_some() && (self.config.refit_mode == RefitMode::Pause || drained) {
+            if self.refit_mode() == Some(RefitMode::Pause) || (self.refit.is_some() && drained) {
                 self.apply_refit();
             }
             if self.memory.is_some() && drained {
@@ -371,6 +370,11 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// The mode of the refit waiting to be applied, if one is.
+    fn refit_mode(&self) -> Option<RefitMode> {
+        self.refit.as_ref().map(|r| r.mode.unwrap_or(self.config.refit_mode))
     }
 
     /// Copies the new weights in (the model keeps its old weights if they do not fit) and
@@ -536,7 +540,7 @@ impl Scheduler {
                         self.waiting.pop_front();
                         continue;
                     }
-                    let draining = self.refit.is_some() && self.config.refit_mode == RefitMode::Drain;
+                    let draining = self.refit_mode() == Some(RefitMode::Drain);
                     if draining || self.memory.is_some() {
                         break;
                     }

@@ -198,3 +198,38 @@ fn a_sleeping_engine_frees_its_pool_holds_requests_and_serves_the_same_after_wak
     assert_same(&run(&sleeper, requests()), &want, "after a sleep and a wake");
     assert_eq!(sleeper.stats.sleeps.load(Ordering::Relaxed), 1);
 }
+
+/// A refit names its own mode over the engine's: on an engine configured to drain, a `pause`
+/// refit swaps the weights under a running sample (which ends on the new version) and a
+/// `drain` refit waits for it (it ends on the old one).
+#[test]
+fn a_refit_in_pause_mode_swaps_under_running_samples_and_a_drain_refit_waits_for_them() {
+    use keel_generation::backend::Weights;
+    let dir = tempfile::tempdir().unwrap();
+    tch::manual_seed(99);
+    let other = CausalLm::new(model().config().clone(), Device::Cpu, Kind::Float, Init::Random { std: 0.5 }).unwrap();
+    other.save(dir.path(), keel_model::SaveOptions::default()).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    for (mode, version, ends_on) in [(RefitMode::Pause, 7, 7), (RefitMode::Drain, 8, 0)] {
+        // Long samples (8 × 240 tokens), so that the refit comes while they run.
+        let config = EngineConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 512,
+            max_model_len: 256,
+            refit_mode: RefitMode::Drain,
+        };
+        let engine = Engine::start(model(), None, 512, config).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        engine.submit(request(prompt(10, 1), 8, 5, 240), tx).unwrap();
+        assert!(matches!(rx.blocking_recv(), Some(Event::Token(_))), "the sample runs");
+        runtime.block_on(engine.refit(Weights::Dir(dir.path().to_path_buf()), version, Some(mode))).unwrap();
+        assert_eq!(engine.weight_version(), version, "{mode:?}: the new version serves");
+        let mut finished = Vec::new();
+        while let Some(event) = rx.blocking_recv() {
+            if let Event::Finished { version, .. } = event {
+                finished.push(version);
+            }
+        }
+        assert_eq!(finished, vec![ends_on; 8], "{mode:?}: the version the running samples ended on");
+    }
+}

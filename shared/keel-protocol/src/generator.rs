@@ -102,6 +102,22 @@ pub struct WeightsUpdated {
     pub path: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<WeightBuckets>,
+    /// How this refit treats samples already running; unset: the generator's own
+    /// `refit_mode`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refit_mode: Option<RefitMode>,
+}
+
+/// How a refit treats the samples a generator is running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefitMode {
+    /// Admit nothing new until the running samples finish, then swap the weights: no sample
+    /// mixes weight versions.
+    #[default]
+    Drain,
+    /// Swap at the next token boundary; running samples continue on the new weights.
+    Pause,
 }
 
 /// A generator's answer to a [`WeightsUpdated`] published with a reply subject: the

@@ -322,8 +322,33 @@ pub struct GrpoSpec {
     pub overlong_filtering: bool,
     pub overlong_shaping: Option<OverlongShaping>,
     pub dynamic_sampling: DynamicSampling,
+    /// Rollouts of later steps generated while a step trains (NeMo-RL's `async_grpo`).
+    pub async_grpo: AsyncGrpo,
     /// Samples stored per step for `GET /v1/runs/{id}/samples`.
     pub samples_to_record: usize,
+}
+
+/// Asynchronous GRPO: the generators roll out the prompts of the next steps on the weights
+/// they serve while the trainer trains, so neither waits for the other. A step's
+/// trajectories may come from weights up to `max_trajectory_age_steps` updates old (the
+/// policy trained at step t is version t−1; a trajectory from version v has age t−1−v);
+/// older ones are dropped and counted. New weights reach the generators between requests
+/// (`drain`: a sample never mixes versions) or, with `in_flight_weight_updates`, at the next
+/// token (running samples continue on the new weights). The importance-sampling options of
+/// the loss (`tis`, `icepop`, `seq-mask-tis`) correct with the logprobs recorded at
+/// generation. Needs generators of their own: not with `generation.colocated`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncGrpo {
+    pub enabled: bool,
+    pub max_trajectory_age_steps: u64,
+    pub in_flight_weight_updates: bool,
+}
+
+impl Default for AsyncGrpo {
+    fn default() -> Self {
+        Self { enabled: false, max_trajectory_age_steps: 1, in_flight_weight_updates: false }
+    }
 }
 
 impl Default for GrpoSpec {
@@ -339,6 +364,7 @@ impl Default for GrpoSpec {
             overlong_filtering: false,
             overlong_shaping: None,
             dynamic_sampling: DynamicSampling::default(),
+            async_grpo: AsyncGrpo::default(),
             samples_to_record: 8,
         }
     }
@@ -670,6 +696,21 @@ impl RunSpec {
             }
             Algorithm::Sft | Algorithm::Eval => {}
         }
+        let asynchronous = &self.grpo.async_grpo;
+        if asynchronous.enabled {
+            check(
+                p,
+                !self.generation.colocated.enabled,
+                "grpo.async_grpo.enabled",
+                "generates while the trainer trains, which needs generators of their own: turn generation.colocated off",
+            );
+            check(
+                p,
+                asynchronous.max_trajectory_age_steps >= 1,
+                "grpo.async_grpo.max_trajectory_age_steps",
+                "must be at least 1 (0 is synchronous GRPO: turn async_grpo off)",
+            );
+        }
         check(
             p,
             !self.grpo.turn_level_advantages || self.grpo.advantage_estimator == AdvantageEstimator::Grpo,
@@ -890,6 +931,18 @@ mod tests {
         assert_eq!(fields, ["training.loss.use_kl_in_reward"]);
         spec.grpo.advantage_estimator = AdvantageEstimator::ReinforcePlusPlus;
         assert_eq!(spec.problems(), vec![]);
+    }
+
+    /// Async GRPO generates while the trainer trains: it cannot share the GPUs with it.
+    #[test]
+    fn async_grpo_refuses_colocated_generation_and_an_age_of_zero() {
+        let mut spec = grpo();
+        spec.grpo.async_grpo.enabled = true;
+        assert_eq!(spec.problems(), vec![]);
+        spec.generation.colocated.enabled = true;
+        spec.grpo.async_grpo.max_trajectory_age_steps = 0;
+        let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(fields, ["grpo.async_grpo.enabled", "grpo.async_grpo.max_trajectory_age_steps"]);
     }
 
     /// Validation reports accuracy only where every environment rewards right or wrong.

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use tokio::sync::watch;
 use tracing::Instrument;
 
 use keel_algorithms::{
@@ -25,7 +26,7 @@ use super::rollout::{self, Episode, Settings};
 use super::session::TrainerSession;
 use super::tokens::Prompting;
 use super::{REFIT_WAIT, Result, RunContext, Stop, seconds};
-use crate::data::{self, Dataloader, Record};
+use crate::data::{self, Dataloader, Position, Record};
 use crate::db::StepRecord;
 
 /// Weight directories kept on disk (a generator may still be loading the previous one).
@@ -44,23 +45,49 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     result
 }
 
-/// What the run carries from step to step.
-struct Grpo {
-    prompting: Prompting,
-    train: Vec<Record>,
-    validation: Vec<Record>,
-    loader: Dataloader,
-    has_reference: bool,
-    total: u64,
-    /// The weights the generators serve: their directory (for directory transfers and
-    /// checkpoints) and version.
-    weights: (PathBuf, u64),
+/// What the run reads from step to step.
+pub(super) struct Inputs {
+    pub prompting: Prompting,
+    pub train: Vec<Record>,
+    pub validation: Vec<Record>,
+    pub has_reference: bool,
+    pub total: u64,
+}
+
+/// What the steps move on.
+pub(super) struct Grpo {
+    /// The weights the generators serve (or, in an async run, were last sent): their
+    /// directory (for directory transfers and checkpoints) and version.
+    pub weights: (PathBuf, u64),
+    /// Where the dataloader stands after the prompts of the last step trained (checkpoints
+    /// resume from there).
+    pub position: Position,
     /// Weight directories saved, oldest first ([`prune`] keeps the newest few).
     saved: Vec<PathBuf>,
     /// What the generators said they serve in: later exports are cast to it.
-    serving_dtype: Option<String>,
+    pub serving_dtype: Option<String>,
     /// Exports generators may still be loading (deleted once two newer ones exist).
     exported: VecDeque<WeightBuckets>,
+}
+
+/// A step's rollouts, ready to train: the kept episodes, the rollout metrics and timings,
+/// and where the dataloader stood after drawing their prompts.
+pub(super) struct Rollouts {
+    pub episodes: Vec<Episode>,
+    pub metrics: BTreeMap<String, f64>,
+    pub position: Position,
+}
+
+/// What the generators serve, as the run last heard.
+#[derive(Debug, Clone)]
+pub(super) struct Served {
+    /// Directory and version of the newest weights a generator loaded (or was not heard
+    /// from about in time).
+    pub weights: (PathBuf, u64),
+    /// The dtype the generators serve in, once one said.
+    pub dtype: Option<String>,
+    /// How long the last refit took, when a generator reported it.
+    pub refit_seconds: Option<f64>,
 }
 
 /// A step's metrics; each phase is timed under NeMo-RL's `timing/train/<phase>` name.
@@ -83,36 +110,55 @@ impl StepMetrics {
 }
 
 async fn steps(ctx: &RunContext) -> Result<()> {
-    let mut run = prepare(ctx).await?;
-    let first = run.weights.1 + 1;
-    for step in first..=run.total {
-        ctx.stop.check()?;
-        // One trace per step: a root span, whatever span the driver runs in.
-        let span = tracing::info_span!(
-            parent: None,
-            "grpo.step",
-            otel.name = "grpo step",
-            run_id = %ctx.id,
-            step,
-            total_steps = run.total,
-            prompts = ctx.spec.grpo.num_prompts_per_step,
-            sequences = tracing::field::Empty,
-            tokens = tracing::field::Empty,
-        );
-        if !grpo_step(ctx, &mut run, step).instrument(span).await? {
-            break;
-        }
-    }
-    for old in run.exported {
+    let (inputs, mut run, loader) = prepare(ctx).await?;
+    let result = if ctx.spec.grpo.async_grpo.enabled {
+        super::async_grpo::steps(ctx, &inputs, &mut run, loader).await
+    } else {
+        synchronous(ctx, &inputs, &mut run, loader).await
+    };
+    for old in run.exported.drain(..) {
         ctx.weights.delete_exported(&old).await;
     }
+    result
+}
+
+/// Each step rolls out on the weights the previous one trained.
+async fn synchronous(ctx: &RunContext, inputs: &Inputs, run: &mut Grpo, mut loader: Dataloader) -> Result<()> {
+    for step in run.weights.1 + 1..=inputs.total {
+        ctx.stop.check()?;
+        let started = Instant::now();
+        let span = step_span(ctx, inputs, step);
+        let rollouts = collect_groups(ctx, inputs, &mut loader, &run.weights, step)
+            .instrument(tracing::info_span!(parent: &span, "rollouts", step))
+            .await?;
+        let Some(rollouts) = rollouts else {
+            tracing::info!(run_id = %ctx.id, step, "the training data is used up");
+            break;
+        };
+        train_step(ctx, inputs, run, step, rollouts, started, None).instrument(span).await?;
+    }
     Ok(())
+}
+
+/// One trace per step: a root span, whatever span the driver runs in.
+pub(super) fn step_span(ctx: &RunContext, inputs: &Inputs, step: u64) -> tracing::Span {
+    tracing::info_span!(
+        parent: None,
+        "grpo.step",
+        otel.name = "grpo step",
+        run_id = %ctx.id,
+        step,
+        total_steps = inputs.total,
+        prompts = ctx.spec.grpo.num_prompts_per_step,
+        sequences = tracing::field::Empty,
+        tokens = tracing::field::Empty,
+    )
 }
 
 /// Loads the data, the prompting and the trainer, announces the starting weights and
 /// records the baseline validation of a new run. The weights' version is the step the run
 /// starts after.
-async fn prepare(ctx: &RunContext) -> Result<Grpo> {
+async fn prepare(ctx: &RunContext) -> Result<(Inputs, Grpo, Dataloader)> {
     let spec = &ctx.spec;
     let train = data::load_async(&spec.data.train, Algorithm::Grpo, "data.train").await?;
     let validation = match &spec.data.validation {
@@ -135,47 +181,56 @@ async fn prepare(ctx: &RunContext) -> Result<Grpo> {
     if !start.resumed && !validation.is_empty() {
         rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
     }
-    Ok(Grpo {
-        prompting,
-        train,
-        validation,
-        loader,
-        has_reference: loaded.has_reference,
-        total,
-        weights,
-        saved: Vec::new(),
-        serving_dtype: None,
-        exported: VecDeque::new(),
-    })
+    let inputs = Inputs { prompting, train, validation, has_reference: loaded.has_reference, total };
+    let run =
+        Grpo { weights, position: start.position, saved: Vec::new(), serving_dtype: None, exported: VecDeque::new() };
+    Ok((inputs, run, loader))
 }
 
-/// One GRPO step, phase by phase; false when the training data is used up.
-async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> {
-    let started = Instant::now();
-    let mut metrics = StepMetrics::default();
-    let collected =
-        collect_groups(ctx, &run.prompting, &run.train, &mut run.loader, &run.weights, step, &mut metrics.0)
-            .instrument(tracing::info_span!("rollouts", step))
-            .await?;
-    let Some(episodes) = collected else {
-        tracing::info!(run_id = %ctx.id, step, "the training data is used up");
-        return Ok(false);
-    };
+/// A step on its rollouts: train, weights to the generators, validation, record,
+/// checkpoint. `started` is when the step began (its rollouts included in a synchronous
+/// run). An async run passes what the generators serve, to be told of the new weights when
+/// one reports them loaded (the step does not wait for that).
+pub(super) async fn train_step(
+    ctx: &RunContext,
+    inputs: &Inputs,
+    run: &mut Grpo,
+    step: u64,
+    rollouts: Rollouts,
+    started: Instant,
+    served: Option<&watch::Sender<Served>>,
+) -> Result<()> {
+    let Rollouts { episodes, metrics, position } = rollouts;
+    let mut metrics = StepMetrics(metrics);
+    run.position = position;
     let rows = to_train_batch(&ctx.spec, &episodes)?;
     let current = tracing::Span::current();
     current.record("sequences", rows.input_ids.len());
     current.record("tokens", rows.input_ids.iter().map(Vec::len).sum::<usize>());
-    let trained = train(ctx, run, rows, &episodes, &mut metrics).await?;
+    let trained = train(ctx, inputs, rows, &episodes, &mut metrics).await?;
     metrics.0.extend(mean_step_metrics(&trained, "train"));
     let dir = weights_dir(&ctx.run_dir, step);
-    sync_weights(ctx, run, &dir, step, &mut metrics).await?;
+    sync_weights(ctx, run, &dir, step, &mut metrics, served).await?;
     let mut samples: Vec<_> =
         episodes.iter().take(ctx.spec.grpo.samples_to_record).map(|e| e.sample(step, "train")).collect();
-    let last = step == run.total;
-    if !run.validation.is_empty() && ctx.validates_at(step, last) {
+    let last = step == inputs.total;
+    if !inputs.validation.is_empty() && ctx.validates_at(step, last) {
+        if let Some(served) = served {
+            // Validation scores the new weights: an async run waits for a generator to serve them.
+            let mut watched = served.subscribe();
+            loop {
+                ctx.stop.check()?;
+                let loaded = watched.wait_for(|s| s.weights.1 >= step);
+                if let Ok(loaded) = tokio::time::timeout(std::time::Duration::from_secs(1), loaded).await {
+                    loaded.map_err(|_| Stop::Failed("the weights watch closed".into()))?;
+                    break;
+                }
+            }
+        }
         let weights = run.weights.clone();
-        rollout::validate_step(ctx, &run.prompting, &run.validation, weights, step, &mut metrics.0, &mut samples)
-            .instrument(tracing::info_span!("validation", prompts = run.validation.len()))
+        let prompting = &inputs.prompting;
+        rollout::validate_step(ctx, prompting, &inputs.validation, weights, step, &mut metrics.0, &mut samples)
+            .instrument(tracing::info_span!("validation", prompts = inputs.validation.len()))
             .await?;
     }
     metrics.0.insert("timing/train/total_step_time".into(), seconds(started));
@@ -184,14 +239,14 @@ async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> 
         step,
         metrics: metrics.clone(),
         samples,
-        dataloader: serde_json::to_value(run.loader.position()).unwrap_or_default(),
+        dataloader: serde_json::to_value(run.position).unwrap_or_default(),
     };
     ctx.store.record(&record).instrument(tracing::info_span!("record", metrics = record.metrics.len())).await?;
     if ctx.saves_at(step, last) {
         checkpoint(ctx, run, &dir, step, metrics).await?;
     }
     prune(&mut run.saved).await;
-    Ok(true)
+    Ok(())
 }
 
 /// The trainer's turn: the policy's (and reference's) logprobs before the update, then the
@@ -200,7 +255,7 @@ async fn grpo_step(ctx: &RunContext, run: &mut Grpo, step: u64) -> Result<bool> 
 /// device after.
 async fn train(
     ctx: &RunContext,
-    run: &Grpo,
+    inputs: &Inputs,
     rows: TrainBatch,
     episodes: &[Episode],
     metrics: &mut StepMetrics,
@@ -215,7 +270,7 @@ async fn train(
     ctx.stop.check()?;
     let sequences = Sequences { input_ids: rows.input_ids.clone() };
     let span = tracing::info_span!("policy_and_reference_logprobs", sequences = sequences.input_ids.len());
-    let both = logprobs(session, &sequences, run.has_reference);
+    let both = logprobs(session, &sequences, inputs.has_reference);
     let (prev, reference) = metrics.timed("policy_and_reference_logprobs", span, both).await?;
     ctx.stop.check()?;
     let advantages = match (rows.advantages, kl_in_reward(&ctx.spec)) {
@@ -248,9 +303,10 @@ async fn sync_weights(
     dir: &Path,
     step: u64,
     metrics: &mut StepMetrics,
+    served: Option<&watch::Sender<Served>>,
 ) -> Result<()> {
     let span = tracing::info_span!("weight_sync", version = step);
-    let timings = metrics.timed("weight_sync", span, weight_sync(ctx, run, dir, step)).await?;
+    let timings = metrics.timed("weight_sync", span, weight_sync(ctx, run, dir, step, served)).await?;
     metrics.0.extend(timings);
     if ctx.spec.generation.colocated.enabled {
         let wake = ctx.weights.generator_memory(MemoryAction::Wake);
@@ -274,11 +330,23 @@ async fn logprobs(
 /// the object store or shared memory) or through a saved directory. The phase ends when a
 /// generator serves the new version (as NeMo-RL's refit does), so that its loading is not
 /// counted as generation. Returns the trainer's export time and the generator's refit time.
-async fn weight_sync(ctx: &RunContext, run: &mut Grpo, dir: &Path, step: u64) -> Result<BTreeMap<String, f64>> {
+/// An async run does not wait: the generators load the new weights while its next rollouts
+/// run, and `served` hears of them when the first one reports them loaded (or fails to, or
+/// is not heard from in time: the rollouts then find out for themselves).
+async fn weight_sync(
+    ctx: &RunContext,
+    run: &mut Grpo,
+    dir: &Path,
+    step: u64,
+    served: Option<&watch::Sender<Served>>,
+) -> Result<BTreeMap<String, f64>> {
     let mut timings = BTreeMap::new();
+    if let Some(dtype) = served.and_then(|s| s.borrow().dtype.clone()) {
+        run.serving_dtype = Some(dtype);
+    }
     let transfer = ctx.spec.generation.weight_transfer;
     let announcement = if transfer == WeightTransfer::Directory {
-        ctx.session()?.save(dir, step, run.loader.position()).await?;
+        ctx.session()?.save(dir, step, run.position).await?;
         run.saved.push(dir.to_path_buf());
         ctx.weights.publish_dir(dir, step).await?
     } else {
@@ -291,6 +359,36 @@ async fn weight_sync(ctx: &RunContext, run: &mut Grpo, dir: &Path, step: u64) ->
         run.exported.push_back(export.weights);
         announcement
     };
+    // The previous version stays for generators still loading it.
+    while run.exported.len() > 2 {
+        if let Some(old) = run.exported.pop_front() {
+            ctx.weights.delete_exported(&old).await;
+        }
+    }
+    if let Some(served) = served {
+        let (served, new_dir, id) = (served.clone(), dir.to_path_buf(), ctx.id);
+        tokio::spawn(async move {
+            let report = announcement.first_report(REFIT_WAIT).await.ok().flatten();
+            if let Some(error) = report.as_ref().and_then(|r| r.error.as_ref()) {
+                tracing::warn!(run_id = %id, step, "a generator could not load the new weights: {error}");
+            }
+            let loaded = report.filter(|r| r.error.is_none());
+            served.send_if_modified(|s| {
+                // A late report of older weights changes nothing.
+                if s.weights.1 > step {
+                    return false;
+                }
+                s.weights = (new_dir, step);
+                s.refit_seconds = loaded.as_ref().map(|r| r.seconds);
+                if let Some(dtype) = loaded.and_then(|r| r.dtype) {
+                    s.dtype = Some(dtype);
+                }
+                true
+            });
+        });
+        run.weights = (dir.to_path_buf(), step);
+        return Ok(timings);
+    }
     match announcement.first_report(REFIT_WAIT).await? {
         Some(report) if report.error.is_none() => {
             timings.insert("timing/train/generator_refit".into(), report.seconds);
@@ -307,12 +405,6 @@ async fn weight_sync(ctx: &RunContext, run: &mut Grpo, dir: &Path, step: u64) ->
         }
     }
     run.weights = (dir.to_path_buf(), step);
-    // The previous version stays for generators still loading it.
-    while run.exported.len() > 2 {
-        if let Some(old) = run.exported.pop_front() {
-            ctx.weights.delete_exported(&old).await;
-        }
-    }
     Ok(timings)
 }
 
@@ -325,13 +417,10 @@ async fn checkpoint(
     metrics: BTreeMap<String, f64>,
 ) -> Result<()> {
     if ctx.spec.generation.weight_transfer != WeightTransfer::Directory {
-        ctx.session()?
-            .save(dir, step, run.loader.position())
-            .instrument(tracing::info_span!("checkpoint_save"))
-            .await?;
+        ctx.session()?.save(dir, step, run.position).instrument(tracing::info_span!("checkpoint_save")).await?;
         run.saved.push(dir.to_path_buf());
     }
-    ctx.upload_checkpoint(dir, step, run.loader.position(), metrics)
+    ctx.upload_checkpoint(dir, step, run.position, metrics)
         .instrument(tracing::info_span!("checkpoint_upload"))
         .await?;
     Ok(())
@@ -350,16 +439,16 @@ async fn prune(saved: &mut Vec<PathBuf>) {
 /// Rollouts until `num_prompts_per_step` groups are kept. With dynamic sampling, groups
 /// whose rewards all agree are set aside and more prompts drawn, for up to `max_rounds`
 /// rounds; set-aside groups fill what is still missing after that. Rewards are shaped,
-/// and timing and rollout metrics written into `metrics`. None when the data ran out.
-async fn collect_groups(
+/// and timing and rollout metrics recorded. None when the data ran out.
+pub(super) async fn collect_groups(
     ctx: &RunContext,
-    prompting: &Prompting,
-    train: &[Record],
+    inputs: &Inputs,
     loader: &mut Dataloader,
     weights: &(PathBuf, u64),
     step: u64,
-    metrics: &mut BTreeMap<String, f64>,
-) -> Result<Option<Vec<Episode>>> {
+) -> Result<Option<Rollouts>> {
+    let (prompting, train) = (&inputs.prompting, &inputs.train);
+    let mut metrics = BTreeMap::new();
     let spec = &ctx.spec;
     let g = &spec.grpo;
     let settings = Settings {
@@ -446,7 +535,7 @@ async fn collect_groups(
     for (name, value) in rollout::rollout_metrics(&all) {
         metrics.insert(format!("train/{name}"), value);
     }
-    Ok(Some(kept.into_iter().flatten().collect()))
+    Ok(Some(Rollouts { episodes: kept.into_iter().flatten().collect(), metrics, position: loader.position() }))
 }
 
 /// The training batch of the kept episodes: advantages over each prompt's group (every

@@ -10,6 +10,7 @@
 //! - [`rollout`]: multi-turn rollouts through the generator and reward queue groups, and
 //!   validation (accuracy, pass@k).
 //! - [`grpo`]: the GRPO step (DAPO options included).
+//! - [`async_grpo`]: GRPO with the next steps' rollouts generated while a step trains.
 //! - [`supervised`]: SFT, DPO and reward-model steps.
 //! - [`eval`]: generation and scoring only.
 //!
@@ -18,6 +19,7 @@
 //! from the checkpoint's info), and everything recorded after that step is forgotten first,
 //! so the steps done again are recorded once.
 
+pub mod async_grpo;
 pub mod eval;
 pub mod grpo;
 pub mod rollout;

@@ -60,6 +60,9 @@ pub struct Episode {
     pub generated: usize,
     /// Scoring failed and `on_error: skip` says to leave the sample out.
     pub skipped: bool,
+    /// The weight version its rollout was asked of (the generator served it or a newer
+    /// one when the first turn began).
+    pub weight_version: u64,
     pub error: Option<String>,
     pub prompt_text: String,
     pub ground_truth: Option<String>,
@@ -167,6 +170,7 @@ pub async fn rollout(
                 turns: 0,
                 generated: 0,
                 skipped: false,
+                weight_version: settings.weights.1,
                 error: None,
                 prompt_text: prompt_text.clone(),
                 ground_truth: record.answer.clone(),

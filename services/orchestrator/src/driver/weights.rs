@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use keel_protocol::Subjects;
 use keel_protocol::generator::{
-    MemoryAction, MemoryChange, MemoryReport, WeightBuckets, WeightsLoaded, WeightsUpdated,
+    MemoryAction, MemoryChange, MemoryReport, RefitMode, WeightBuckets, WeightsLoaded, WeightsUpdated,
 };
+use keel_protocol::run::RunSpec;
 use keel_service::nats::Bulk;
 use uuid::Uuid;
 
@@ -26,21 +27,32 @@ pub struct WeightPublisher {
     stop: StopFlag,
     /// Colocated runs: whether a sleeping generator moves its weights to host memory too.
     offload_weights: bool,
+    /// Async runs: how a refit treats the samples running (None: as the generator is set).
+    refit_mode: Option<RefitMode>,
     /// The weights last announced, and when (a refusal announces them again, at most every
     /// [`REANNOUNCE_AFTER`]).
     announced: std::sync::Mutex<Option<(WeightsUpdated, Instant)>>,
 }
 
 impl WeightPublisher {
-    /// The publisher of run `run_id`, on the orchestrator's NATS connection.
-    pub fn new(run_id: Uuid, nats: &Nats, stop: StopFlag, offload_weights: bool) -> Self {
+    /// The publisher of run `run_id` (run as `spec` says), on the orchestrator's NATS
+    /// connection. An async run's refits come while its rollouts run: they drain the
+    /// generators' running requests first, or pause them with `in_flight_weight_updates`.
+    pub fn new(run_id: Uuid, nats: &Nats, stop: StopFlag, spec: &RunSpec) -> Self {
+        let asynchronous = &spec.grpo.async_grpo;
+        let refit_mode = asynchronous.enabled.then_some(if asynchronous.in_flight_weight_updates {
+            RefitMode::Pause
+        } else {
+            RefitMode::Drain
+        });
         Self {
             run_id,
             client: nats.client.clone(),
             subjects: nats.subjects.clone(),
             bulk: nats.bulk.clone(),
             stop,
-            offload_weights,
+            offload_weights: spec.generation.colocated.generator_offload_weights,
+            refit_mode,
             announced: std::sync::Mutex::new(None),
         }
     }
@@ -48,7 +60,9 @@ impl WeightPublisher {
     /// Tells every generator to serve `dir` as this run's weights at `version`.
     pub async fn publish_dir(&self, dir: &Path, version: u64) -> Result<Announcement> {
         let path = dir.to_string_lossy().into_owned();
-        self.announce(WeightsUpdated { run_id: self.run_id.to_string(), version, path, weights: None }).await
+        let refit_mode = self.refit_mode;
+        self.announce(WeightsUpdated { run_id: self.run_id.to_string(), version, path, weights: None, refit_mode })
+            .await
     }
 
     /// Tells every generator to serve the exported `weights` as `version`.
@@ -58,17 +72,19 @@ impl WeightPublisher {
             version,
             path: String::new(),
             weights: Some(weights.clone()),
+            refit_mode: self.refit_mode,
         };
         self.announce(event).await
     }
 
-    /// Announces the weights of `version` again unless that was done within
-    /// [`REANNOUNCE_AFTER`]: the same announcement when it was of that version, else `dir`.
+    /// Announces the weights of `version` (or newer) again unless that was done within
+    /// [`REANNOUNCE_AFTER`]: the last announcement when it was of that version or a newer one
+    /// (an async run's rollouts may ask for older weights than it last sent), else `dir`.
     pub async fn reannounce(&self, dir: &Path, version: u64) -> Result<()> {
         let last = self.announced.lock().ok().and_then(|a| a.clone());
         match last {
             Some((_, at)) if at.elapsed() < REANNOUNCE_AFTER => Ok(()),
-            Some((event, _)) if event.version == version => self.announce(event).await.map(drop),
+            Some((event, _)) if event.version >= version => self.announce(event).await.map(drop),
             _ => self.publish_dir(dir, version).await.map(drop),
         }
     }

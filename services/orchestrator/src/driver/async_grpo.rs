@@ -1,0 +1,178 @@
+//! Asynchronous GRPO (NeMo-RL's `async_grpo`): a producer rolls out the prompts of the next
+//! steps on the weights the generators serve while the trainer trains, and hands each
+//! step's rollouts over a queue; the trainer's side trains on them as they come.
+//!
+//! Step t trains the policy of version t−1. The producer rolls out for step t from the
+//! newest weights a generator has reported loaded, and only from version t−1−age or newer
+//! (`max_trajectory_age_steps`); when those are not there yet it waits (the generator is
+//! idle then). So the rollouts of step t+1 run while step t trains, on weights one update
+//! old, and with a larger age limit further steps run ahead. The trainer's side checks each
+//! trajectory's age again, drops (and counts) those past the limit, and does not wait for the
+//! generators to load the weights it sends: they refit between requests (`drain`) or at the
+//! next token (`in_flight_weight_updates`), under the rollouts already running.
+//!
+//! Per step it records the trajectories' ages (`async/trajectory_age_mean`, `_max`, and a
+//! count per age, `async/trajectories_age_<k>`), `async/dropped_trajectories`, how long the
+//! trainer waited for rollouts (`async/trainer_idle_seconds`) and how long the producer
+//! waited for recent enough weights before rolling out the step
+//! (`async/generator_idle_seconds`). `timing/train/generator_refit` is that of the weights
+//! the previous step sent (it ran during this step's rollouts).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tracing::Instrument;
+
+use super::grpo::{self, Grpo, Inputs, Rollouts, Served};
+use super::{Result, RunContext, Stop, seconds};
+use crate::data::Dataloader;
+
+/// How often waiting sides look at the run's stop flag.
+const STOP_CHECK: Duration = Duration::from_secs(1);
+
+/// Runs the steps from `run.weights.1 + 1` to the last, rollouts produced ahead of training.
+pub(super) async fn steps(ctx: &RunContext, inputs: &Inputs, run: &mut Grpo, loader: Dataloader) -> Result<()> {
+    let max_age = ctx.spec.grpo.async_grpo.max_trajectory_age_steps;
+    let first = run.weights.1 + 1;
+    let (served, watched) =
+        watch::channel(Served { weights: run.weights.clone(), dtype: run.serving_dtype.clone(), refit_seconds: None });
+    // The producer is at most `max_age` + 1 steps ahead of the trainer: room for all of them.
+    let (sender, receiver) = mpsc::channel(max_age as usize + 1);
+    let producer = produce(ctx, inputs, loader, first, watched, sender);
+    let consumer = consume(ctx, inputs, run, first, receiver, &served);
+    tokio::try_join!(producer, consumer)?;
+    // The generators serve the trained policy when the run ends, as after a synchronous one.
+    let last = run.weights.1;
+    let mut watched = served.subscribe();
+    let loaded = tokio::time::timeout(super::REFIT_WAIT, watched.wait_for(|s| s.weights.1 >= last)).await;
+    if !matches!(loaded, Ok(Ok(_))) {
+        tracing::warn!(run_id = %ctx.id, version = last, "no generator reported the last weights loaded");
+    }
+    Ok(())
+}
+
+/// Rolls out step after step, each from weights no older than its age limit allows, and
+/// queues them; ends when the steps or the data run out or the trainer's side is gone.
+async fn produce(
+    ctx: &RunContext,
+    inputs: &Inputs,
+    mut loader: Dataloader,
+    first: u64,
+    mut served: watch::Receiver<Served>,
+    queue: mpsc::Sender<Rollouts>,
+) -> Result<()> {
+    let max_age = ctx.spec.grpo.async_grpo.max_trajectory_age_steps;
+    for step in first..=inputs.total {
+        let waiting = Instant::now();
+        let oldest = (step - 1).saturating_sub(max_age);
+        let weights = loop {
+            ctx.stop.check()?;
+            let newest = served.borrow_and_update().weights.clone();
+            if newest.1 >= oldest {
+                break newest;
+            }
+            match tokio::time::timeout(STOP_CHECK, served.changed()).await {
+                Ok(Ok(())) | Err(_) => {}
+                Ok(Err(_)) => return Ok(()),
+            }
+        };
+        let idle = seconds(waiting);
+        let span = tracing::info_span!(
+            parent: None,
+            "grpo.rollouts",
+            otel.name = "grpo rollouts",
+            run_id = %ctx.id,
+            step,
+            weight_version = weights.1,
+        );
+        let Some(mut rollouts) =
+            grpo::collect_groups(ctx, inputs, &mut loader, &weights, step).instrument(span).await?
+        else {
+            return Ok(());
+        };
+        rollouts.metrics.insert("async/generator_idle_seconds".into(), idle);
+        if queue.send(rollouts).await.is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Trains each step on the rollouts queued for it, past-age trajectories dropped.
+async fn consume(
+    ctx: &RunContext,
+    inputs: &Inputs,
+    run: &mut Grpo,
+    first: u64,
+    mut queue: mpsc::Receiver<Rollouts>,
+    served: &watch::Sender<Served>,
+) -> Result<()> {
+    let max_age = ctx.spec.grpo.async_grpo.max_trajectory_age_steps;
+    for step in first..=inputs.total {
+        let started = Instant::now();
+        let rollouts = loop {
+            ctx.stop.check()?;
+            if let Ok(next) = tokio::time::timeout(STOP_CHECK, queue.recv()).await {
+                break next;
+            }
+        };
+        let Some(mut rollouts) = rollouts else {
+            tracing::info!(run_id = %ctx.id, step, "the training data is used up");
+            break;
+        };
+        rollouts.metrics.insert("async/trainer_idle_seconds".into(), seconds(started));
+        if let Some(refit) = served.borrow().refit_seconds {
+            rollouts.metrics.insert("timing/train/generator_refit".into(), refit);
+        }
+        let global = ctx.spec.training.as_ref().map_or(1, |t| t.global_batch_size.max(1));
+        let ages = keep_young(&mut rollouts, step - 1, max_age, global);
+        if rollouts.episodes.is_empty() {
+            return Err(Stop::Failed(format!(
+                "step {step}: every trajectory is older than grpo.async_grpo.max_trajectory_age_steps ({max_age})"
+            )));
+        }
+        rollouts.metrics.extend(ages);
+        let span = grpo::step_span(ctx, inputs, step);
+        grpo::train_step(ctx, inputs, run, step, rollouts, started, Some(served)).instrument(span).await?;
+    }
+    Ok(())
+}
+
+/// Drops the groups of trajectories older than `max_age` against the trainer's `version`
+/// (and then as many more as keep whole global batches of `global` rows), and returns the
+/// age metrics: mean, max, a count per age and the number dropped.
+fn keep_young(rollouts: &mut Rollouts, version: u64, max_age: u64, global: usize) -> BTreeMap<String, f64> {
+    let age = |v: u64| version.saturating_sub(v);
+    let episodes = std::mem::take(&mut rollouts.episodes);
+    let mut metrics = BTreeMap::new();
+    let ages: Vec<u64> = episodes.iter().map(|e| age(e.weight_version)).collect();
+    let n = ages.len().max(1) as f64;
+    metrics.insert("async/trajectory_age_mean".into(), ages.iter().sum::<u64>() as f64 / n);
+    metrics.insert("async/trajectory_age_max".into(), ages.iter().copied().max().unwrap_or(0) as f64);
+    for k in 0..=max_age.max(ages.iter().copied().max().unwrap_or(0)) {
+        let count = ages.iter().filter(|&&a| a == k).count();
+        metrics.insert(format!("async/trajectories_age_{k}"), count as f64);
+    }
+    // A group's samples share their weights; one too old drops its group.
+    let mut groups: BTreeMap<usize, Vec<_>> = BTreeMap::new();
+    for e in episodes {
+        groups.entry(e.group).or_default().push(e);
+    }
+    let total: usize = groups.values().map(Vec::len).sum();
+    let mut kept: Vec<Vec<_>> =
+        groups.into_values().filter(|g| g.iter().all(|e| age(e.weight_version) <= max_age)).collect();
+    let per_group = kept.first().map_or(1, Vec::len).max(1);
+    let rows = kept.len() * per_group;
+    kept.truncate(rows / global * global / per_group);
+    let mut kept_rows = 0;
+    for (k, group) in kept.iter_mut().enumerate() {
+        for e in group.iter_mut() {
+            e.group = k;
+        }
+        kept_rows += group.len();
+    }
+    metrics.insert("async/dropped_trajectories".into(), (total - kept_rows) as f64);
+    rollouts.episodes = kept.into_iter().flatten().collect();
+    metrics
+}
