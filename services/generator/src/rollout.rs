@@ -269,15 +269,11 @@ pub async fn serve(
                         let (client, roots, dtype) = (client.clone(), roots.clone(), state.dtype);
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
-                            // A refit a newer one replaced before it ran is not a refusal of its weights.
-                            let mut superseded = false;
-                            let refit = match new_weights(&client, &roots, &update).await {
-                                Ok(weights) => engine.refit(weights, update.version, update.refit_mode).await.map_err(|e| {
-                                    superseded = matches!(e, keel_generation::Error::RefitSuperseded(_));
-                                    e.to_string()
-                                }),
-                                Err(e) => Err(e.to_string()),
-                            };
+                            let refit = async {
+                                let weights = new_weights(&client, &roots, &update).await?;
+                                Ok(engine.refit(weights, update.version, update.refit_mode).await?)
+                            }
+                            .await;
                             if let Some(to) = message.reply.clone() {
                                 report_refit(&client, to, &update, arrived, &refit, dtype).await;
                             }
@@ -291,11 +287,14 @@ pub async fn serve(
                                     }
                                     info!(version = update.version, run_id = %update.run_id, seconds, "weights updated");
                                 }
-                                Err(e) if superseded => info!(version = update.version, "{e}"),
+                                // A refit a newer one replaced before it ran is not a refusal of its weights.
+                                Err(e @ Error::Engine(keel_generation::Error::RefitSuperseded(_))) => {
+                                    info!(version = update.version, "{e}")
+                                }
                                 Err(e) => {
                                     warn!(version = update.version, "refit refused: {e}");
                                     if let Ok(mut refused) = refused.lock() {
-                                        refused.insert(update.run_id.clone(), (update.version, e));
+                                        refused.insert(update.run_id.clone(), (update.version, e.to_string()));
                                     }
                                 }
                             }
@@ -343,7 +342,7 @@ async fn report_refit(
     to: async_nats::Subject,
     update: &WeightsUpdated,
     arrived: std::time::Instant,
-    refit: &Result<f64, String>,
+    refit: &crate::Result<f64>,
     dtype: &str,
 ) {
     let report = WeightsLoaded {
@@ -351,7 +350,7 @@ async fn report_refit(
         version: update.version,
         seconds: arrived.elapsed().as_secs_f64(),
         dtype: Some(dtype.to_string()),
-        error: refit.as_ref().err().cloned(),
+        error: refit.as_ref().err().map(ToString::to_string),
     };
     let body = serde_json::to_vec(&report).unwrap_or_default();
     if let Err(e) = client.publish(to, body.into()).await {
