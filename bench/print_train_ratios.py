@@ -29,7 +29,9 @@ def main():
                   f"budget {r['micro_batch']} rows x {r['seq_len']} tokens")
         shape = f"keel {r['batching']}"
         ratio = r["tokens_per_s"] / padded["tokens_per_s"] if padded else float("nan")
-        print(f"{shape:<24}{'':<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}   x{ratio:.2f} of padded")
+        computed = r.get("computed_tokens")
+        cost = f", computes {computed} positions (x{computed / r['tokens']:.2f} the real tokens)" if computed else ""
+        print(f"{shape:<24}{'':<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}   x{ratio:.2f} of padded{cost}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
     let events = stack.http.get(format!("{}/v1/runs/{grpo}/events", stack.api())).send().await.unwrap();
     let text = events.text().await.unwrap();
     assert!(text.contains("event: step") && text.contains("\"succeeded\""), "{text}");
+    cli_reads_the_run(&stack, &grpo, &steps);
 
     // The REINFORCE++ estimator, from the base model, without validation, with the trainer
     // splitting the policy and reference over two tensor-parallel ranks.
@@ -231,4 +232,51 @@ async fn grpo_records_the_same_metrics_with_weights_in_memory_or_through_a_direc
             assert!((x - y).abs() <= 1e-6, "train/{name} at step {step}: {x} in memory, {y} through a directory");
         }
     }
+}
+
+/// `keel run` and `keel checkpoint` on a finished GRPO run whose checkpoints are at `steps`:
+/// a readable summary (and the raw document with `--json`), a list with a header, one short
+/// line per checkpoint with the chosen metric, `watch` in plain lines when its output is not a
+/// terminal, and a reader that closes the pipe ends the command quietly.
+fn cli_reads_the_run(stack: &Stack, run: &str, steps: &[u64]) {
+    use std::process::{Command, Stdio};
+    let keel = |args: &[&str]| {
+        let output = Command::new(keel_testkit::binary("keel"))
+            .args(args)
+            .env("KEEL_API_URL", stack.api())
+            .env("KEEL_CHECKPOINT_URL", &stack.checkpoint.url)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        assert!(output.status.success(), "keel {args:?}: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+        stdout
+    };
+    let summary = keel(&["run", "show", run]);
+    assert!(summary.contains("status     succeeded\n"), "{summary}");
+    assert!(summary.contains(&format!("checkpoints {}\n", steps.len())), "{summary}");
+    assert!(summary.contains("  train/loss  ") && summary.contains("elapsed    "), "{summary}");
+    let document: serde_json::Value = serde_json::from_str(&keel(&["run", "show", run, "--json"])).unwrap();
+    assert_eq!(document["id"], run);
+    let list = keel(&["run", "list"]);
+    assert!(list.starts_with("ID ") && list.contains(run), "{list}");
+    let checkpoints = keel(&["checkpoint", "list", "--run", run, "--metric", "validation/accuracy"]);
+    let lines: Vec<&str> = checkpoints.lines().collect();
+    assert_eq!(lines.len(), steps.len(), "{checkpoints}");
+    for (line, step) in lines.iter().zip(steps) {
+        assert!(line.contains(&format!("step {step:>6}")) && line.ends_with(|c: char| c.is_ascii_digit()), "{line}");
+        assert!(line.contains("  validation/accuracy=") && !line.contains("train/"), "{line}");
+    }
+    let watched = keel(&["run", "watch", run]);
+    assert!(!watched.contains('\r') && watched.lines().count() == 1 && watched.contains("succeeded"), "{watched}");
+    // The reader goes away before anything is written.
+    let mut child = Command::new(keel_testkit::binary("keel"))
+        .args(["run", "show", run])
+        .env("KEEL_API_URL", stack.api())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success() && output.stderr.is_empty(), "{output:?}");
 }

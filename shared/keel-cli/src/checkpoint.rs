@@ -4,21 +4,27 @@
 //! API (`--url`, default `KEEL_CHECKPOINT_URL` or http://127.0.0.1:8083).
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
+use keel_protocol::checkpoint::Checkpoint;
 use uuid::Uuid;
 
 #[derive(Debug, Subcommand)]
 pub enum CheckpointCommand {
-    /// A run's complete checkpoints.
+    /// A run's complete checkpoints, one line each: id, step, size, age and metrics.
     List {
         #[command(flatten)]
         service: Service,
+        /// The run's id.
         #[arg(long)]
         run: String,
+        /// Show this metric (repeatable; default: every metric the checkpoint has).
+        #[arg(long = "metric")]
+        metrics: Vec<String>,
     },
     /// Uploads a directory (an HF model directory, a trainer checkpoint) as a checkpoint.
     Upload(UploadArgs),
@@ -26,7 +32,9 @@ pub enum CheckpointCommand {
     Download {
         #[command(flatten)]
         service: Service,
+        /// The checkpoint's id (from `keel checkpoint list` or `keel run show`).
         id: Uuid,
+        /// The directory to create (it appears only when complete).
         #[arg(long)]
         out: PathBuf,
     },
@@ -34,7 +42,9 @@ pub enum CheckpointCommand {
     Export {
         #[command(flatten)]
         service: Service,
+        /// The checkpoint's id (from `keel checkpoint list` or `keel run show`).
         id: Uuid,
+        /// The tar file to write.
         #[arg(long)]
         out: PathBuf,
     },
@@ -60,9 +70,12 @@ impl Service {
 pub struct UploadArgs {
     #[command(flatten)]
     service: Service,
+    /// The directory to upload.
     dir: PathBuf,
+    /// The run it belongs to.
     #[arg(long)]
     run: String,
+    /// The step it was saved at.
     #[arg(long)]
     step: u64,
     /// A metric, `name=value` (repeatable).
@@ -74,16 +87,10 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         match command {
-            CheckpointCommand::List { service, run } => {
+            CheckpointCommand::List { service, run, metrics } => {
+                let mut out = std::io::stdout().lock();
                 for c in service.client().list(&run).await? {
-                    let size: u64 = c.files.iter().map(|f| f.size).sum();
-                    println!(
-                        "{}  step {:>6}  {:>12} bytes  {}",
-                        c.id,
-                        c.step,
-                        size,
-                        serde_json::to_string(&c.metrics)?
-                    );
+                    writeln!(out, "{}", line(&c, &metrics))?;
                 }
             }
             CheckpointCommand::Upload(args) => {
@@ -95,17 +102,71 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
                 }
                 let new = NewCheckpoint { run_id: args.run, step: args.step, metrics, ..NewCheckpoint::default() };
                 let committed = args.service.client().upload_dir(&args.dir, new).await?;
-                println!("{}", committed.id);
+                writeln!(std::io::stdout(), "{}", committed.id)?;
             }
             CheckpointCommand::Download { service, id, out } => {
                 service.client().download_dir(id, &out).await?;
-                println!("{}", out.display());
+                writeln!(std::io::stdout(), "{}", out.display())?;
             }
             CheckpointCommand::Export { service, id, out } => {
                 service.client().export_tar(id, &out).await?;
-                println!("{}", out.display());
+                writeln!(std::io::stdout(), "{}", out.display())?;
             }
         }
         Ok(())
     })
+}
+
+/// One checkpoint in a line: id, step, size, and `metrics` (all of them when empty; one
+/// it does not have shows as `-`).
+pub fn line(c: &Checkpoint, metrics: &[String]) -> String {
+    let bytes: u64 = c.files.iter().map(|f| f.size).sum();
+    let shown: Vec<String> = if metrics.is_empty() {
+        c.metrics.iter().map(|(name, value)| format!("{name}={value:.4}")).collect()
+    } else {
+        metrics
+            .iter()
+            .map(|name| match c.metrics.get(name) {
+                Some(value) => format!("{name}={value:.4}"),
+                None => format!("{name}=-"),
+            })
+            .collect()
+    };
+    format!("{}  step {:>6}  {:>10}  {}", c.id, c.step, size(bytes), shown.join("  ")).trim_end().to_string()
+}
+
+/// Bytes in the largest unit that keeps a number of at least 1 (`12.3 MiB`).
+fn size(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", units[unit]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_line_is_short_and_shows_the_chosen_metrics() {
+        let c: Checkpoint = serde_json::from_value(serde_json::json!({
+            "id": "00000000-0000-0000-0000-000000000002", "run_id": "r", "step": 20, "status": "complete",
+            "metrics": {"validation/accuracy": 0.4375, "train/loss": 0.25}, "info": {},
+            "files": [{"path": "model.safetensors", "size": 3_145_728, "sha256": "00"}],
+            "missing": [], "created_at": 0.0,
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let all = line(&c, &[]);
+        assert_eq!(
+            all,
+            "00000000-0000-0000-0000-000000000002  step     20     3.0 MiB  train/loss=0.2500  validation/accuracy=0.4375"
+        );
+        let chosen = line(&c, &["validation/accuracy".into(), "validation/pass@1".into()]);
+        assert!(chosen.ends_with("3.0 MiB  validation/accuracy=0.4375  validation/pass@1=-"), "{chosen}");
+        assert_eq!(size(512), "512 B");
+    }
 }

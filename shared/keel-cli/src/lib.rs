@@ -75,3 +75,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => run::run(args),
     }
 }
+
+/// Whether `err` is the reader of our output having gone away (a closed pipe): not a
+/// failure of the command.
+pub fn closed_pipe(err: &anyhow::Error) -> bool {
+    err.chain()
+        .any(|cause| cause.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))
+}

@@ -2,14 +2,19 @@
 //! progress bar and its key metrics, cancel it, print its samples. Talks to the
 //! orchestrator's REST API (`--url`, default `KEEL_API_URL` or http://127.0.0.1:8080; a
 //! bearer token from `--token` or `KEEL_API_TOKEN`).
+//!
+//! Output goes through [`crate::out`]: a reader that closes the pipe (`| head`) ends the
+//! command quietly. `watch` redraws one line on a terminal and prints a line per change
+//! otherwise.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use keel_client::runs::RunsClient;
+use keel_protocol::checkpoint::Checkpoint;
 use keel_protocol::run::{Run, RunStatus};
 use uuid::Uuid;
 
@@ -18,6 +23,7 @@ pub struct Api {
     /// The orchestrator.
     #[arg(long, env = "KEEL_API_URL", default_value = "http://127.0.0.1:8080", global = true)]
     url: String,
+    /// The orchestrator's API token, when it has one.
     #[arg(long, env = "KEEL_API_TOKEN", global = true, hide_env_values = true)]
     token: Option<String>,
 }
@@ -34,35 +40,48 @@ pub struct RunArgs {
 pub enum RunCommand {
     /// Submits a run spec (YAML or JSON) and prints the run's id.
     Submit {
+        /// The spec: JSON when the file ends in `.json`, else YAML.
         file: PathBuf,
         /// Watch the run until it ends.
         #[arg(long)]
         watch: bool,
     },
-    /// Runs, newest first.
+    /// Runs, newest first, one line each under a header.
     List {
+        /// Only runs in this status (queued, running, waiting, succeeded, failed, cancelled).
         #[arg(long)]
         status: Option<String>,
+        /// How many runs at most.
         #[arg(long, default_value_t = 20)]
         limit: usize,
     },
-    /// A run's status and latest metrics, as JSON.
+    /// A run's summary: status, progress, timing, latest metrics and checkpoints.
     Show {
+        /// The run's id.
         id: Uuid,
+        /// The run's whole document as JSON instead (spec and every latest metric).
+        #[arg(long)]
+        json: bool,
     },
-    /// Follows a run until it ends: a progress bar and the key metrics. Exits non-zero when
-    /// the run fails or is cancelled.
+    /// Follows a run until it ends: progress, elapsed time, steps/s, ETA and the key
+    /// metrics. Exits non-zero when the run fails or is cancelled.
     Watch {
+        /// The run's id.
         id: Uuid,
     },
+    /// Asks the orchestrator to cancel a run; prints its status.
     Cancel {
+        /// The run's id.
         id: Uuid,
     },
     /// Recorded prompts, completions and rewards.
     Samples {
+        /// The run's id.
         id: Uuid,
+        /// Only the samples of this step.
         #[arg(long)]
         step: Option<u64>,
+        /// How many samples at most.
         #[arg(long, default_value_t = 10)]
         limit: usize,
     },
@@ -72,46 +91,116 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = RunsClient::new(&args.api.url, args.api.token);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
+        let mut out = std::io::stdout().lock();
         match args.command {
             RunCommand::Submit { file, watch: follow } => {
                 let text = std::fs::read_to_string(&file).with_context(|| format!("cannot read {}", file.display()))?;
                 let yaml = file.extension().is_none_or(|e| e != "json");
                 let run = client.submit(text, yaml).await?;
-                println!("{}", run.id);
+                writeln!(out, "{}", run.id)?;
                 if follow {
-                    watch(&client, run.id).await?;
+                    watch(&client, run.id, &mut out).await?;
                 }
             }
             RunCommand::List { status, limit } => {
+                writeln!(
+                    out,
+                    "{:<36}  {:<9}  {:<5}  {:>11}  {:<24}  NAME",
+                    "ID", "STATUS", "ALGO", "STEP", "CREATED (UTC)"
+                )?;
                 for run in client.list(status.as_deref(), limit, None).await?.runs {
-                    println!(
-                        "{}  {:<9}  {:<5}  step {:>5}/{:<5}  {}  {}",
+                    writeln!(
+                        out,
+                        "{}  {:<9}  {:<5}  {:>11}  {:<24}  {}",
                         run.id,
                         run.status.name(),
                         run.algorithm.name(),
-                        run.step,
-                        run.total_steps,
+                        format!("{}/{}", run.step, run.total_steps),
                         run.created_at,
                         run.name.as_deref().unwrap_or("")
-                    );
+                    )?;
                 }
             }
-            RunCommand::Show { id } => println!("{}", serde_json::to_string_pretty(&client.get(id).await?)?),
-            RunCommand::Watch { id } => watch(&client, id).await?,
-            RunCommand::Cancel { id } => println!("{}", client.cancel(id).await?.status.name()),
+            RunCommand::Show { id, json: true } => {
+                writeln!(out, "{}", serde_json::to_string_pretty(&client.get(id).await?)?)?
+            }
+            RunCommand::Show { id, json: false } => {
+                let run = client.get(id).await?;
+                let checkpoints = client.checkpoints(id).await?;
+                write!(out, "{}", summary(&run, &checkpoints, SystemTime::now()))?;
+            }
+            RunCommand::Watch { id } => watch(&client, id, &mut out).await?,
+            RunCommand::Cancel { id } => writeln!(out, "{}", client.cancel(id).await?.status.name())?,
             RunCommand::Samples { id, step, limit } => {
                 for s in client.samples(id, step, limit).await?.samples {
-                    println!("--- step {} ({}), reward {:.3}", s.step, s.split, s.reward);
-                    println!("prompt: {}", s.prompt.trim());
-                    println!("completion: {}", s.completion.trim());
+                    writeln!(out, "--- step {} ({}), reward {:.3}", s.step, s.split, s.reward)?;
+                    writeln!(out, "prompt: {}", s.prompt.trim())?;
+                    writeln!(out, "completion: {}", s.completion.trim())?;
                     if let Some(truth) = s.ground_truth {
-                        println!("ground truth: {truth}");
+                        writeln!(out, "ground truth: {truth}")?;
                     }
                 }
             }
         }
         Ok(())
     })
+}
+
+/// `keel run show`: what a person wants to see of a run, one fact a line.
+fn summary(run: &Run, checkpoints: &[Checkpoint], now: SystemTime) -> String {
+    use std::fmt::Write as _;
+    let mut text = String::new();
+    let name = run.name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
+    let _ = writeln!(text, "run        {}{name}", run.id);
+    let _ = writeln!(text, "algorithm  {}", run.algorithm.name());
+    let reason = run.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
+    let _ = writeln!(text, "status     {}{reason}", run.status.name());
+    let _ = writeln!(text, "progress   {}", progress(run));
+    let _ = writeln!(text, "created    {}", run.created_at);
+    if let Some(seconds) = elapsed(run, now) {
+        let _ = writeln!(text, "elapsed    {}", clock(seconds));
+        if run.step > 0 && !run.status.is_final() {
+            let rate = run.step as f64 / seconds.max(1e-9);
+            let left = run.total_steps.saturating_sub(run.step) as f64 / rate;
+            let _ = writeln!(text, "eta        {} ({rate:.3} steps/s)", clock(left));
+        }
+    }
+    if !run.latest_metrics.is_empty() {
+        let _ = writeln!(text, "latest metrics");
+        let width = run.latest_metrics.keys().map(String::len).max().unwrap_or(0);
+        for (name, value) in &run.latest_metrics {
+            let _ = writeln!(text, "  {name:<width$}  {value:.6}");
+        }
+    }
+    let _ = writeln!(text, "checkpoints {}", checkpoints.len());
+    for c in checkpoints {
+        let _ = writeln!(text, "  {}", crate::checkpoint::line(c, &[]));
+    }
+    text
+}
+
+/// `step/total` with a bar.
+fn progress(run: &Run) -> String {
+    let width = 30;
+    let done = (run.step * width).checked_div(run.total_steps).unwrap_or(0).min(width) as usize;
+    format!("[{}{}] {}/{}", "#".repeat(done), ".".repeat(width as usize - done), run.step, run.total_steps)
+}
+
+/// Seconds from the run's creation to its last update (a run that ended) or to `now`.
+fn elapsed(run: &Run, now: SystemTime) -> Option<f64> {
+    let created = humantime::parse_rfc3339_weak(&run.created_at).ok()?;
+    let end = if run.status.is_final() { humantime::parse_rfc3339_weak(&run.updated_at).ok()? } else { now };
+    Some(end.duration_since(created).unwrap_or_default().as_secs_f64())
+}
+
+/// `1h02m03s`, `4m05s`, `6s`.
+fn clock(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, s) => format!("{h}h{m:02}m{s:02}s"),
+    }
 }
 
 /// The metrics the progress line shows, with their labels.
@@ -123,11 +212,20 @@ const KEY_METRICS: [(&str, &str); 5] = [
     ("train/accuracy", "acc"),
 ];
 
-fn progress_line(run: &Run) -> String {
-    let width = 30;
-    let done = (run.step * width).checked_div(run.total_steps).unwrap_or(0).min(width) as usize;
-    let bar = format!("{}{}", "#".repeat(done), ".".repeat(width as usize - done));
-    let mut line = format!("[{bar}] {}/{} {}", run.step, run.total_steps, run.status.name());
+/// What `watch` shows of a run: progress, elapsed time, the rate seen since watching
+/// began (`seen`: when and at which step), the ETA, and the key metrics.
+fn progress_line(run: &Run, seen: (Instant, u64), now: SystemTime) -> String {
+    let mut line = format!("{} {}", progress(run), run.status.name());
+    if let Some(seconds) = elapsed(run, now) {
+        line.push_str(&format!("  {}", clock(seconds)));
+    }
+    let watched = seen.0.elapsed().as_secs_f64();
+    let steps = run.step.saturating_sub(seen.1);
+    if steps > 0 && watched > 0.0 && !run.status.is_final() {
+        let rate = steps as f64 / watched;
+        let left = run.total_steps.saturating_sub(run.step) as f64 / rate;
+        line.push_str(&format!("  {rate:.3} steps/s  eta {}", clock(left)));
+    }
     for (name, label) in KEY_METRICS {
         if let Some(value) = run.latest_metrics.get(name) {
             line.push_str(&format!("  {label} {value:.4}"));
@@ -136,23 +234,71 @@ fn progress_line(run: &Run) -> String {
     line
 }
 
-async fn watch(client: &RunsClient, id: Uuid) -> anyhow::Result<()> {
-    let mut last = String::new();
+/// Follows the run every 2 s: on a terminal one line redrawn in place, else a line whenever
+/// the step or status changes.
+async fn watch(client: &RunsClient, id: Uuid, out: &mut impl Write) -> anyhow::Result<()> {
+    let terminal = std::io::stdout().is_terminal();
+    let mut last = (u64::MAX, None);
+    let mut seen = None;
     loop {
         let run = client.get(id).await?;
-        let line = progress_line(&run);
-        if line != last {
-            print!("\r{line}\x1b[K");
-            std::io::stdout().flush()?;
-            last = line;
+        let since = *seen.get_or_insert((Instant::now(), run.step));
+        let line = progress_line(&run, since, SystemTime::now());
+        if terminal {
+            write!(out, "\r{line}\x1b[K")?;
+            out.flush()?;
+        } else if last != (run.step, Some(run.status)) {
+            writeln!(out, "{line}")?;
+            last = (run.step, Some(run.status));
         }
         if run.status.is_final() {
-            println!();
+            if terminal {
+                writeln!(out)?;
+            }
             return match run.status {
                 RunStatus::Succeeded => Ok(()),
                 status => bail!("run {id} {}: {}", status.name(), run.reason.unwrap_or_default()),
             };
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(status: RunStatus, step: u64) -> Run {
+        serde_json::from_value(serde_json::json!({
+            "id": "00000000-0000-0000-0000-000000000001", "name": "demo", "algorithm": "grpo",
+            "status": status, "reason": null, "step": step, "total_steps": 10,
+            "created_at": "2026-11-25T10:00:00.000Z", "updated_at": "2026-11-25T10:01:40.000Z",
+            "latest_metrics": {"train/reward": 0.5, "train/loss": -0.01},
+            "spec": {"algorithm": "grpo", "model": {"path": "/m"}, "data": {"train": {"kind": "arithmetic"}}},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn a_summary_shows_progress_timing_metrics_and_checkpoints() {
+        let now = humantime::parse_rfc3339("2026-11-25T10:02:00Z").unwrap_or_else(|e| panic!("{e}"));
+        let running = summary(&run(RunStatus::Running, 4), &[], now);
+        assert!(running.contains("status     running\n"), "{running}");
+        assert!(running.contains("[############..................] 4/10"), "{running}");
+        assert!(running.contains("elapsed    2m00s\n"), "{running}");
+        // 4 steps in 120 s: 6 more take 180 s.
+        assert!(running.contains("eta        3m00s (0.033 steps/s)"), "{running}");
+        assert!(running.contains("  train/reward  0.500000\n"), "{running}");
+        assert!(running.contains("checkpoints 0\n"), "{running}");
+        // An ended run's time runs to its last update, and it has no ETA.
+        let done = summary(&run(RunStatus::Succeeded, 10), &[], now);
+        assert!(done.contains("elapsed    1m40s\n") && !done.contains("eta"), "{done}");
+    }
+
+    #[test]
+    fn clocks_read_as_hours_minutes_and_seconds() {
+        assert_eq!(clock(6.4), "6s");
+        assert_eq!(clock(245.0), "4m05s");
+        assert_eq!(clock(3723.0), "1h02m03s");
     }
 }

@@ -73,7 +73,8 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
         bail!("--min-len must be 2 to --seq-len");
     }
     crate::bench::set_threads(args.threads)?;
-    let budget = json!({"enabled": true, "train_mb_tokens": args.mb_tokens.unwrap_or(micro * args.seq_len)});
+    let budget_tokens = args.mb_tokens.unwrap_or(micro * args.seq_len);
+    let budget = json!({"enabled": true, "train_mb_tokens": budget_tokens});
     let (packing, dynamic) = match args.batching.as_str() {
         "rows" => (json!({"enabled": false}), json!({"enabled": false})),
         "packed" => (budget, json!({"enabled": false})),
@@ -112,6 +113,18 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
         .collect();
     let token_mask: Vec<Vec<f32>> = lengths.iter().map(|&len| vec![1.0; len]).collect();
     let tokens: usize = lengths.iter().sum();
+    // The positions the microbatches compute: padded rows are as long as their microbatch's
+    // longest; packed ones hold only real tokens.
+    let packed = args.batching == "packed";
+    let budget = (args.batching != "rows").then_some((budget_tokens, packed));
+    let as_i64: Vec<i64> = lengths.iter().map(|&l| l as i64).collect();
+    let computed: i64 = keel_training::batch::microbatches(&as_i64, micro, budget, false)
+        .iter()
+        .map(|rows| {
+            let longest = rows.iter().map(|&r| as_i64[r]).max().unwrap_or(0);
+            if packed { rows.iter().map(|&r| as_i64[r]).sum() } else { longest * rows.len() as i64 }
+        })
+        .sum();
     let wire = TrainBatch { input_ids, token_mask, ..Default::default() };
     let device = engine.policy().device();
     let mut step = || -> anyhow::Result<f64> {
@@ -129,7 +142,7 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
         "{}",
         json!({
             "engine": "keel", "batch": args.batch, "micro_batch": micro, "seq_len": args.seq_len,
-            "min_len": min_len, "batching": args.batching, "tokens": tokens,
+            "min_len": min_len, "batching": args.batching, "tokens": tokens, "computed_tokens": computed,
             "dtype": args.dtype, "threads": tch::get_num_threads(),
             "step_seconds": median, "tokens_per_s": tokens as f64 / median,
         })

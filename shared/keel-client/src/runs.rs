@@ -1,5 +1,6 @@
 //! The orchestrator's run API (`openapi/keel.yaml`).
 
+use keel_protocol::checkpoint::Checkpoint;
 use keel_protocol::run::{Metrics, Run, RunList, Samples};
 use uuid::Uuid;
 
@@ -56,6 +57,13 @@ impl RunsClient {
         let response =
             self.request(reqwest::Method::GET, &format!("/v1/runs/{id}")).send().await.map_err(unreachable("show"))?;
         json(response, &format!("run {id}")).await
+    }
+
+    /// The run's checkpoints (those retention kept), oldest first.
+    pub async fn checkpoints(&self, id: Uuid) -> Result<Vec<Checkpoint>> {
+        let path = format!("/v1/runs/{id}/checkpoints");
+        let response = self.request(reqwest::Method::GET, &path).send().await.map_err(unreachable("checkpoints"))?;
+        json(response, &format!("run {id}'s checkpoints")).await
     }
 
     /// Metrics whose names are in `names` (all when empty), from step `from` on.
