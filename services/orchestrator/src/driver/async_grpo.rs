@@ -176,3 +176,39 @@ fn keep_young(rollouts: &mut Rollouts, version: u64, max_age: u64, global: usize
     rollouts.episodes = kept.into_iter().flatten().collect();
     metrics
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::rollout::Episode;
+
+    /// Groups of 2 samples from the given weight versions, as one step's rollouts.
+    fn rollouts(versions: &[u64]) -> Rollouts {
+        let episodes = versions
+            .iter()
+            .enumerate()
+            .flat_map(|(g, &v)| [Episode::for_test(g, v), Episode::for_test(g, v)])
+            .collect();
+        Rollouts { episodes, metrics: BTreeMap::new(), position: Default::default() }
+    }
+
+    #[test]
+    fn trajectories_past_the_age_limit_are_dropped_with_their_group_and_counted() {
+        // The trainer is at version 5 with an age limit of 1: versions 4 and 5 are young
+        // enough, 3 is not; whole global batches of 4 rows are kept.
+        let mut step = rollouts(&[5, 3, 4, 4, 3]);
+        let metrics = keep_young(&mut step, 5, 1, 4);
+        let kept: Vec<(usize, u64)> = step.episodes.iter().map(|e| (e.group, e.weight_version)).collect();
+        // Three young groups (6 rows) make one batch of 4: the first two, renumbered.
+        assert_eq!(kept, [(0, 5), (0, 5), (1, 4), (1, 4)]);
+        assert_eq!(metrics["async/dropped_trajectories"], 6.0);
+        assert_eq!(metrics["async/trajectory_age_max"], 2.0);
+        assert_eq!(metrics["async/trajectory_age_mean"], (0.0 * 2.0 + 2.0 * 4.0 + 1.0 * 4.0) / 10.0);
+        let counts: Vec<f64> = (0..3).map(|k| metrics[&format!("async/trajectories_age_{k}")]).collect();
+        assert_eq!(counts, [2.0, 4.0, 4.0]);
+        // All young: nothing dropped.
+        let mut young = rollouts(&[5, 4]);
+        assert_eq!(keep_young(&mut young, 5, 1, 4)["async/dropped_trajectories"], 0.0);
+        assert_eq!(young.episodes.len(), 4);
+    }
+}

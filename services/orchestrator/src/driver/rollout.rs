@@ -102,6 +102,41 @@ impl Episode {
     }
 }
 
+#[cfg(test)]
+impl Episode {
+    /// A one-token sample of `group` rolled out from weights `weight_version` (tests only).
+    pub fn for_test(group: usize, weight_version: u64) -> Self {
+        Self {
+            group,
+            prompt_len: 1,
+            ids: vec![1],
+            mask: vec![0.0],
+            gen_logprobs: vec![0.0],
+            messages: Vec::new(),
+            metadata: Value::Null,
+            env: EnvConfig::Math(Default::default()),
+            stop: Vec::new(),
+            reward: 0.0,
+            rewards: BTreeMap::new(),
+            turn_rewards: Vec::new(),
+            turn_starts: Vec::new(),
+            info: Value::Null,
+            done: true,
+            truncated: false,
+            terminated: true,
+            finish_reason: "stop".into(),
+            turns: 1,
+            generated: 0,
+            skipped: false,
+            weight_version,
+            error: None,
+            prompt_text: String::new(),
+            ground_truth: None,
+            last_tokens: Vec::new(),
+        }
+    }
+}
+
 /// What a rollout is asked for.
 #[derive(Debug, Clone)]
 pub struct Settings {
