@@ -1,6 +1,7 @@
 //! Observability of one GRPO run through the five services as processes: every service
 //! exports its spans to an OTLP receiver this test runs (decoding the protobuf), and each
-//! GRPO step is one trace whose spans form a single tree across all five services; every
+//! GRPO step is one trace whose spans form a single tree across all five services; error
+//! spans carry their error's type and message; every
 //! service answers `/metrics` with what it served; and the orchestrator's dashboard, loaded
 //! in headless Chromium, plots the run and lists its samples (a screenshot is saved).
 
@@ -35,6 +36,8 @@ struct Span {
     name: String,
     service: String,
     attributes: BTreeMap<String, String>,
+    /// OTLP's status code (2: error) and message.
+    status: (i32, String),
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -83,6 +86,7 @@ async fn otlp_receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
                                 name: span.name.clone(),
                                 service: service.clone(),
                                 attributes: attributes(&span.attributes),
+                                status: span.status.as_ref().map(|s| (s.code, s.message.clone())).unwrap_or_default(),
                             });
                         }
                     }
@@ -259,6 +263,28 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     let second = step_trace(&spans, &run, 2).await;
     check_step_tree(&second, &run, 2);
     assert_ne!(first[0].trace, second[0].trace, "each step is its own trace");
+
+    // Error spans say why: a request the generator refuses, and every other error span.
+    let nats = async_nats::connect(keel_service::nats::default_url()).await.unwrap();
+    let subject = keel_protocol::Subjects::new(&stack.prefix).unwrap().generate();
+    let reply = nats.request(subject, "{}".into()).await.unwrap();
+    assert!(reply.payload.starts_with(b"{\"error\""), "{:?}", reply.payload);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let refused = loop {
+        let received = spans.lock().unwrap().clone();
+        let found = received.into_iter().find(|s| s.service == "keel-generator" && s.status.1.contains("malformed"));
+        match found {
+            Some(span) => break span,
+            None if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+            None => panic!("no generator span for the malformed request"),
+        }
+    };
+    assert_eq!((refused.name.as_str(), refused.status.0), ("generator.generate", 2), "{refused:?}");
+    assert!(refused.status.1.starts_with("invalid_request: "), "{refused:?}");
+    assert_eq!(refused.attributes.get("error.type").map(String::as_str), Some("invalid_request"), "{refused:?}");
+    for span in spans.lock().unwrap().iter().filter(|s| s.status.0 == 2) {
+        assert!(!span.status.1.is_empty(), "an error span without its error: {span:?}");
+    }
 
     // Metrics: every service answers /metrics with what it served.
     let api = stack.api();

@@ -181,6 +181,9 @@ pub fn server_span(operation: &str, message: &async_nats::Message) -> tracing::S
         messaging.message.body.size = message.payload.len(),
         run_id = tracing::field::Empty,
         error = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
     );
     keel_telemetry::set_nats_parent(&span, message.headers.as_ref());
     span
@@ -188,7 +191,8 @@ pub fn server_span(operation: &str, message: &async_nats::Message) -> tracing::S
 
 /// Runs `handle` (which makes the reply body) inside [`server_span`] and records its
 /// latency in `keel_nats_request_duration_seconds{operation, outcome}`; `outcome` is
-/// `error` when the reply is a Keel error envelope. While it runs, a sender that asked
+/// `error` when the reply is a Keel error envelope, and the span then has error status with
+/// the envelope's type and message. While it runs, a sender that asked
 /// ([`PROGRESS_HEADER`]) is told the work is going on, at once and then every interval it
 /// asked for (at least 100 ms).
 pub async fn served<F>(
@@ -223,7 +227,13 @@ where
     }
     let failed = body.starts_with(b"{\"error\"");
     if failed {
+        // The span says why: the envelope's type and message.
         span.record("error", true);
+        span.record("otel.status_code", "ERROR");
+        if let Ok(keel_protocol::reply::Reply::<serde_json::Value>::Error(why)) = serde_json::from_slice(&body) {
+            span.record("error.type", why.kind.as_str());
+            span.record("otel.status_description", why.to_string().as_str());
+        }
     }
     crate::metrics::observe(
         "keel_nats_request_duration_seconds",
