@@ -12,17 +12,27 @@ mod stack;
 
 use std::time::Duration;
 
+use std::sync::{Arc, Mutex};
+
 use axum::Json;
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::routing::post;
 use serde_json::{Value, json};
+use stack::otlp::otlp_receiver;
 use stack::{Stack, grpo_spec};
 
 const LIMIT: Duration = Duration::from_secs(600);
 
 #[tokio::test(flavor = "multi_thread")]
 async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
-    let stack = Stack::start_with(&[("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true")]);
-    let plugin = start_plugin().await;
+    let (otlp, spans) = otlp_receiver().await;
+    let stack = Stack::start_with(&[
+        ("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
+        ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+    ]);
+    let (plugin, traceparents) = start_plugin().await;
 
     // The puzzle, up to 3 turns. A turn that runs out of new tokens ends its sample, so the
     // first turn stops at a space (the run's stop string, which a random model soon
@@ -144,6 +154,25 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
         assert_eq!(s["info"]["chars"].as_u64(), Some(completion.chars().count() as u64), "{s}");
     }
 
+    // Each call to the plugin is a client span of the reward service, under its server span,
+    // and the plugin's request carries it as the parent.
+    let parent = traceparents.lock().unwrap().first().cloned().expect("the plugin was called");
+    let client_id = parent.split('-').nth(2).unwrap().to_string();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (client, received) = loop {
+        let received = spans.lock().unwrap().clone();
+        if let Some(span) = received.iter().find(|s| s.id == client_id).cloned() {
+            break (span, received);
+        }
+        assert!(std::time::Instant::now() < deadline, "no span {client_id} (the plugin's parent) was exported");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!((client.name.as_str(), client.service.as_str()), ("reward.plugin POST", "keel-reward"), "{client:?}");
+    assert_eq!(client.attributes.get("http.response.status_code").map(String::as_str), Some("200"), "{client:?}");
+    assert!(client.attributes["url.full"].ends_with("/score"), "{client:?}");
+    let server = received.iter().find(|s| s.id == client.parent).expect("the client span's parent was exported");
+    assert_eq!(server.service, "keel-reward", "{server:?}");
+
     stack.wait_succeeded(&kl_in_reward, LIMIT).await;
     let penalty = stack.series(&kl_in_reward, "train/kl_in_reward").await;
     assert_eq!(penalty.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{penalty:?}");
@@ -224,9 +253,13 @@ fn tokens(sample: &Value) -> (u64, u64, u64) {
 }
 
 /// A reward plugin on a free local port: `digits` (the share of the completion's characters
-/// that are digits) and `brevity` (1 / (1 + characters)), with the character count as `info`.
-async fn start_plugin() -> String {
-    async fn score(Json(request): Json<Value>) -> Json<Value> {
+/// that are digits) and `brevity` (1 / (1 + characters)), with the character count as `info`;
+/// it keeps the `traceparent` of each request.
+async fn start_plugin() -> (String, Arc<Mutex<Vec<String>>>) {
+    async fn score(State(seen): State<Seen>, headers: HeaderMap, Json(request): Json<Value>) -> Json<Value> {
+        if let Some(parent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+            seen.lock().unwrap().push(parent.to_string());
+        }
         let completion = request["completion"].as_str().unwrap_or_default();
         let chars = completion.chars().count();
         let digits = completion.chars().filter(char::is_ascii_digit).count() as f64 / chars.max(1) as f64;
@@ -237,6 +270,11 @@ async fn start_plugin() -> String {
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/score", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, axum::Router::new().route("/score", post(score))).await });
-    url
+    let seen = Seen::default();
+    let app = axum::Router::new().route("/score", post(score)).with_state(seen.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
 }
+
+/// The `traceparent` headers of the plugin's requests.
+type Seen = Arc<Mutex<Vec<String>>>;

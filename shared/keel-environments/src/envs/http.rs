@@ -158,13 +158,20 @@ impl HttpEnv {
             let result = {
                 let _permit = self.permits.acquire().await.map_err(|e| SampleError::new("internal", e.to_string()))?;
                 let timeout = Duration::from_millis(self.config.timeout_ms);
-                match tokio::time::timeout(timeout, self.attempt(&body)).await {
+                // Each attempt is a client span, the plugin's request a child of it.
+                let span = self.client_span(attempt);
+                let call = tracing::Instrument::instrument(self.attempt(&body), span.clone());
+                let result = match tokio::time::timeout(timeout, call).await {
                     Ok(result) => result,
                     Err(_) => Err(Failure::Retry(SampleError::new(
                         "timeout",
                         format!("{} did not answer within {} ms", self.url, self.config.timeout_ms),
                     ))),
+                };
+                if let Err(Failure::Retry(e) | Failure::Final(e)) = &result {
+                    span.record("otel.status_description", format!("{}: {}", e.kind, e.message).as_str());
                 }
+                result
             };
             let error = match result {
                 Ok(bytes) => {
@@ -193,6 +200,24 @@ impl HttpEnv {
         Duration::from_millis((base as f64 * rand::rng().random_range(0.5..=1.0)) as u64)
     }
 
+    /// The span of one request to the plugin (OpenTelemetry's HTTP client conventions; the
+    /// URL without its query, which may hold a credential).
+    fn client_span(&self, attempt: u32) -> tracing::Span {
+        let mut url = self.url.clone();
+        url.set_query(None);
+        tracing::info_span!(
+            "http.client",
+            otel.name = "reward.plugin POST",
+            otel.kind = "client",
+            http.request.method = "POST",
+            url.full = %url,
+            server.address = self.url.host_str().unwrap_or_default(),
+            http.request.resend_count = attempt,
+            http.response.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+        )
+    }
+
     async fn attempt(&self, body: &[u8]) -> Result<Vec<u8>, Failure> {
         let mut request = self
             .client
@@ -207,6 +232,7 @@ impl HttpEnv {
             Failure::Retry(SampleError::new("unreachable", format!("cannot reach {}: {}", self.url, error_chain(&e))))
         })?;
         let status = response.status();
+        tracing::Span::current().record("http.response.status_code", status.as_u16());
         if !status.is_success() {
             let error = SampleError::new("http_status", format!("{} answered {status}", self.url));
             let retry = status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS;
