@@ -159,9 +159,7 @@ fn summary(run: &Run, checkpoints: &[Checkpoint], now: SystemTime) -> String {
     let _ = writeln!(text, "created    {}", run.created_at);
     if let Some(seconds) = elapsed(run, now) {
         let _ = writeln!(text, "elapsed    {}", clock(seconds));
-        if run.step > 0 && !run.status.is_final() {
-            let rate = run.step as f64 / seconds.max(1e-9);
-            let left = run.total_steps.saturating_sub(run.step) as f64 / rate;
+        if let Some((rate, left)) = pace(run, run.step, seconds) {
             let _ = writeln!(text, "eta        {} ({rate:.3} steps/s)", clock(left));
         }
     }
@@ -193,6 +191,16 @@ fn elapsed(run: &Run, now: SystemTime) -> Option<f64> {
     Some(end.duration_since(created).unwrap_or_default().as_secs_f64())
 }
 
+/// Steps per second (`steps` done in `seconds`) and the seconds the rest of a running run
+/// takes at that rate; None before a step is done or once the run has ended.
+fn pace(run: &Run, steps: u64, seconds: f64) -> Option<(f64, f64)> {
+    if steps == 0 || seconds <= 0.0 || run.status.is_final() {
+        return None;
+    }
+    let rate = steps as f64 / seconds;
+    Some((rate, run.total_steps.saturating_sub(run.step) as f64 / rate))
+}
+
 /// `1h02m03s`, `4m05s`, `6s`.
 fn clock(seconds: f64) -> String {
     let s = seconds.max(0.0).round() as u64;
@@ -219,11 +227,7 @@ fn progress_line(run: &Run, seen: (Instant, u64), now: SystemTime) -> String {
     if let Some(seconds) = elapsed(run, now) {
         line.push_str(&format!("  {}", clock(seconds)));
     }
-    let watched = seen.0.elapsed().as_secs_f64();
-    let steps = run.step.saturating_sub(seen.1);
-    if steps > 0 && watched > 0.0 && !run.status.is_final() {
-        let rate = steps as f64 / watched;
-        let left = run.total_steps.saturating_sub(run.step) as f64 / rate;
+    if let Some((rate, left)) = pace(run, run.step.saturating_sub(seen.1), seen.0.elapsed().as_secs_f64()) {
         line.push_str(&format!("  {rate:.3} steps/s  eta {}", clock(left)));
     }
     for (name, label) in KEY_METRICS {
@@ -238,7 +242,7 @@ fn progress_line(run: &Run, seen: (Instant, u64), now: SystemTime) -> String {
 /// the step or status changes.
 async fn watch(client: &RunsClient, id: Uuid, out: &mut impl Write) -> anyhow::Result<()> {
     let terminal = std::io::stdout().is_terminal();
-    let mut last = (u64::MAX, None);
+    let mut last = None;
     let mut seen = None;
     loop {
         let run = client.get(id).await?;
@@ -247,9 +251,9 @@ async fn watch(client: &RunsClient, id: Uuid, out: &mut impl Write) -> anyhow::R
         if terminal {
             write!(out, "\r{line}\x1b[K")?;
             out.flush()?;
-        } else if last != (run.step, Some(run.status)) {
+        } else if last != Some((run.step, run.status)) {
             writeln!(out, "{line}")?;
-            last = (run.step, Some(run.status));
+            last = Some((run.step, run.status));
         }
         if run.status.is_final() {
             if terminal {

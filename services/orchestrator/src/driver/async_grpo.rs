@@ -19,17 +19,17 @@
 //! the previous step sent (it ran during this step's rollouts).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
+use keel_protocol::run::RunSpec;
+
 use super::grpo::{self, Grpo, Inputs, Rollouts, Served};
+use super::rollout::Episode;
 use super::{Result, RunContext, Stop, seconds};
 use crate::data::Dataloader;
-
-/// How often waiting sides look at the run's stop flag.
-const STOP_CHECK: Duration = Duration::from_secs(1);
 
 /// Runs the steps from `run.weights.1 + 1` to the last, rollouts produced ahead of training.
 pub(super) async fn steps(ctx: &RunContext, inputs: &Inputs, run: &mut Grpo, loader: Dataloader) -> Result<()> {
@@ -67,14 +67,12 @@ async fn produce(
         let waiting = Instant::now();
         let oldest = (step - 1).saturating_sub(max_age);
         let weights = loop {
-            ctx.stop.check()?;
             let newest = served.borrow_and_update().weights.clone();
             if newest.1 >= oldest {
                 break newest;
             }
-            match tokio::time::timeout(STOP_CHECK, served.changed()).await {
-                Ok(Ok(())) | Err(_) => {}
-                Ok(Err(_)) => return Ok(()),
+            if ctx.stop.guard(served.changed()).await?.is_err() {
+                return Ok(());
             }
         };
         let idle = seconds(waiting);
@@ -111,13 +109,7 @@ async fn consume(
     let max_age = ctx.spec.grpo.async_grpo.max_trajectory_age_steps;
     for step in first..=inputs.total {
         let started = Instant::now();
-        let rollouts = loop {
-            ctx.stop.check()?;
-            if let Ok(next) = tokio::time::timeout(STOP_CHECK, queue.recv()).await {
-                break next;
-            }
-        };
-        let Some(mut rollouts) = rollouts else {
+        let Some(mut rollouts) = ctx.stop.guard(queue.recv()).await? else {
             tracing::info!(run_id = %ctx.id, step, "the training data is used up");
             break;
         };
@@ -125,8 +117,7 @@ async fn consume(
         if let Some(refit) = served.borrow().refit_seconds {
             rollouts.metrics.insert("timing/train/generator_refit".into(), refit);
         }
-        let global = ctx.spec.training.as_ref().map_or(1, |t| t.global_batch_size.max(1));
-        let ages = keep_young(&mut rollouts, step - 1, max_age, global);
+        let ages = keep_young(&ctx.spec, &mut rollouts, step - 1);
         if rollouts.episodes.is_empty() {
             return Err(Stop::Failed(format!(
                 "step {step}: every trajectory is older than grpo.async_grpo.max_trajectory_age_steps ({max_age})"
@@ -139,48 +130,49 @@ async fn consume(
     Ok(())
 }
 
-/// Drops the groups of trajectories older than `max_age` against the trainer's `version`
-/// (and then as many more as keep whole global batches of `global` rows), and returns the
-/// age metrics: mean, max, a count per age and the number dropped.
-fn keep_young(rollouts: &mut Rollouts, version: u64, max_age: u64, global: usize) -> BTreeMap<String, f64> {
-    let age = |v: u64| version.saturating_sub(v);
+/// Drops the groups of trajectories older than the age limit against the trainer's
+/// `version` (and then as many more as keep whole global batches), and returns the age
+/// metrics: mean, max, a count per age and the number dropped.
+fn keep_young(spec: &RunSpec, rollouts: &mut Rollouts, version: u64) -> BTreeMap<String, f64> {
+    let max_age = spec.grpo.async_grpo.max_trajectory_age_steps;
+    let age = |e: &Episode| version.saturating_sub(e.weight_version);
     let episodes = std::mem::take(&mut rollouts.episodes);
+    let ages: Vec<u64> = episodes.iter().map(age).collect();
+    let oldest = ages.iter().copied().max().unwrap_or(0);
     let mut metrics = BTreeMap::new();
-    let ages: Vec<u64> = episodes.iter().map(|e| age(e.weight_version)).collect();
-    let n = ages.len().max(1) as f64;
-    metrics.insert("async/trajectory_age_mean".into(), ages.iter().sum::<u64>() as f64 / n);
-    metrics.insert("async/trajectory_age_max".into(), ages.iter().copied().max().unwrap_or(0) as f64);
-    for k in 0..=max_age.max(ages.iter().copied().max().unwrap_or(0)) {
+    metrics.insert("async/trajectory_age_mean".into(), ages.iter().sum::<u64>() as f64 / ages.len().max(1) as f64);
+    metrics.insert("async/trajectory_age_max".into(), oldest as f64);
+    for k in 0..=max_age.max(oldest) {
         let count = ages.iter().filter(|&&a| a == k).count();
         metrics.insert(format!("async/trajectories_age_{k}"), count as f64);
     }
     // A group's samples share their weights; one too old drops its group.
-    let mut groups: BTreeMap<usize, Vec<_>> = BTreeMap::new();
+    let mut groups: BTreeMap<usize, Vec<Episode>> = BTreeMap::new();
     for e in episodes {
         groups.entry(e.group).or_default().push(e);
     }
-    let total: usize = groups.values().map(Vec::len).sum();
-    let mut kept: Vec<Vec<_>> =
-        groups.into_values().filter(|g| g.iter().all(|e| age(e.weight_version) <= max_age)).collect();
-    let per_group = kept.first().map_or(1, Vec::len).max(1);
-    let rows = kept.len() * per_group;
-    kept.truncate(rows / global * global / per_group);
-    let mut kept_rows = 0;
-    for (k, group) in kept.iter_mut().enumerate() {
-        for e in group.iter_mut() {
-            e.group = k;
-        }
-        kept_rows += group.len();
-    }
-    metrics.insert("async/dropped_trajectories".into(), (total - kept_rows) as f64);
+    let mut kept: Vec<Vec<Episode>> = groups.into_values().filter(|g| g.iter().all(|e| age(e) <= max_age)).collect();
+    grpo::whole_batches(spec, &mut kept);
     rollouts.episodes = kept.into_iter().flatten().collect();
+    metrics.insert("async/dropped_trajectories".into(), (ages.len() - rollouts.episodes.len()) as f64);
     metrics
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::rollout::Episode;
+
+    /// Groups of 2 samples, global batches of 4 rows, trajectories up to 1 update old.
+    fn spec() -> RunSpec {
+        let mut spec: RunSpec = serde_json::from_value(serde_json::json!({
+            "algorithm": "grpo", "model": {"path": "/m"}, "data": {"train": {"kind": "arithmetic"}},
+            "training": {"loss": {"type": "clipped_pg"}, "global_batch_size": 4, "micro_batch_size": 2},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        spec.grpo.async_grpo.max_trajectory_age_steps = 1;
+        spec
+    }
 
     /// Groups of 2 samples from the given weight versions, as one step's rollouts.
     fn rollouts(versions: &[u64]) -> Rollouts {
@@ -197,7 +189,7 @@ mod tests {
         // The trainer is at version 5 with an age limit of 1: versions 4 and 5 are young
         // enough, 3 is not; whole global batches of 4 rows are kept.
         let mut step = rollouts(&[5, 3, 4, 4, 3]);
-        let metrics = keep_young(&mut step, 5, 1, 4);
+        let metrics = keep_young(&spec(), &mut step, 5);
         let kept: Vec<(usize, u64)> = step.episodes.iter().map(|e| (e.group, e.weight_version)).collect();
         // Three young groups (6 rows) make one batch of 4: the first two, renumbered.
         assert_eq!(kept, [(0, 5), (0, 5), (1, 4), (1, 4)]);
@@ -208,7 +200,7 @@ mod tests {
         assert_eq!(counts, [2.0, 4.0, 4.0]);
         // All young: nothing dropped.
         let mut young = rollouts(&[5, 4]);
-        assert_eq!(keep_young(&mut young, 5, 1, 4)["async/dropped_trajectories"], 0.0);
+        assert_eq!(keep_young(&spec(), &mut young, 5)["async/dropped_trajectories"], 0.0);
         assert_eq!(young.episodes.len(), 4);
     }
 }

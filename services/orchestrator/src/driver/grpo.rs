@@ -17,7 +17,7 @@ use keel_algorithms::{
     Baseline, KlEstimator, grpo_advantages, kl_estimate, reinforce_pp_advantages, reinforce_pp_token_advantages,
     turn_grpo_advantages,
 };
-use keel_protocol::generator::{MemoryAction, Sampling, WeightBuckets};
+use keel_protocol::generator::{MemoryAction, Sampling, WeightBuckets, WeightsLoaded};
 use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
 use keel_protocol::trainer::{Advantages, Scorer, Sequences, TrainBatch, TrainReply};
 use keel_protocol::training::{ClippedPgConfig, KlType, LossConfig};
@@ -218,14 +218,11 @@ pub(super) async fn train_step(
         if let Some(served) = served {
             // Validation scores the new weights: an async run waits for a generator to serve them.
             let mut watched = served.subscribe();
-            loop {
-                ctx.stop.check()?;
-                let loaded = watched.wait_for(|s| s.weights.1 >= step);
-                if let Ok(loaded) = tokio::time::timeout(std::time::Duration::from_secs(1), loaded).await {
-                    loaded.map_err(|_| Stop::Failed("the weights watch closed".into()))?;
-                    break;
-                }
-            }
+            ctx.stop
+                .guard(watched.wait_for(|s| s.weights.1 >= step))
+                .await?
+                .map(drop)
+                .map_err(|_| Stop::Failed("the weights watch closed".into()))?;
         }
         let weights = run.weights.clone();
         let prompting = &inputs.prompting;
@@ -368,11 +365,7 @@ async fn weight_sync(
     if let Some(served) = served {
         let (served, new_dir, id) = (served.clone(), dir.to_path_buf(), ctx.id);
         tokio::spawn(async move {
-            let report = announcement.first_report(REFIT_WAIT).await.ok().flatten();
-            if let Some(error) = report.as_ref().and_then(|r| r.error.as_ref()) {
-                tracing::warn!(run_id = %id, step, "a generator could not load the new weights: {error}");
-            }
-            let loaded = report.filter(|r| r.error.is_none());
+            let loaded = loaded(id, step, announcement.first_report(REFIT_WAIT).await.ok().flatten());
             served.send_if_modified(|s| {
                 // A late report of older weights changes nothing.
                 if s.weights.1 > step {
@@ -386,26 +379,31 @@ async fn weight_sync(
                 true
             });
         });
-        run.weights = (dir.to_path_buf(), step);
-        return Ok(timings);
-    }
-    match announcement.first_report(REFIT_WAIT).await? {
-        Some(report) if report.error.is_none() => {
-            timings.insert("timing/train/generator_refit".into(), report.seconds);
-            if report.dtype.is_some() {
-                run.serving_dtype = report.dtype;
-            }
-        }
-        Some(report) => tracing::warn!(
-            run_id = %ctx.id, step, "a generator could not load the new weights: {}",
-            report.error.unwrap_or_default()
-        ),
-        None => {
-            tracing::warn!(run_id = %ctx.id, step, "no generator reported the new weights loaded within {REFIT_WAIT:?}")
+    } else if let Some(report) = loaded(ctx.id, step, announcement.first_report(REFIT_WAIT).await?) {
+        timings.insert("timing/train/generator_refit".into(), report.seconds);
+        if report.dtype.is_some() {
+            run.serving_dtype = report.dtype;
         }
     }
     run.weights = (dir.to_path_buf(), step);
     Ok(timings)
+}
+
+/// A generator's report of loading weights `step`, when it loaded them; a failure or no
+/// report in time is logged.
+fn loaded(run_id: uuid::Uuid, step: u64, report: Option<WeightsLoaded>) -> Option<WeightsLoaded> {
+    match report {
+        Some(report) if report.error.is_none() => Some(report),
+        Some(report) => {
+            let error = report.error.unwrap_or_default();
+            tracing::warn!(%run_id, step, "a generator could not load the new weights: {error}");
+            None
+        }
+        None => {
+            tracing::warn!(%run_id, step, "no generator reported the new weights loaded within {REFIT_WAIT:?}");
+            None
+        }
+    }
 }
 
 /// Saves (unless the weight sync already did) and uploads the step's checkpoint.
@@ -515,16 +513,9 @@ pub(super) async fn collect_groups(
             None => break,
         }
     }
-    let rows = kept.len() * g.num_generations_per_prompt;
-    let global = spec.training.as_ref().map_or(rows, |t| t.global_batch_size.max(1));
-    kept.truncate(rows / global * global / g.num_generations_per_prompt.max(1));
+    whole_batches(spec, &mut kept);
     if kept.is_empty() {
         return Ok(None);
-    }
-    for (k, group) in kept.iter_mut().enumerate() {
-        for e in group {
-            e.group = k;
-        }
     }
     metrics.insert("timing/train/generation".into(), generation);
     metrics.insert("timing/train/reward_calculation".into(), reward);
@@ -536,6 +527,20 @@ pub(super) async fn collect_groups(
         metrics.insert(format!("train/{name}"), value);
     }
     Ok(Some(Rollouts { episodes: kept.into_iter().flatten().collect(), metrics, position: loader.position() }))
+}
+
+/// Keeps the first groups that make whole global batches (every sample trains once) and
+/// numbers them from 0.
+pub(super) fn whole_batches(spec: &RunSpec, groups: &mut Vec<Vec<Episode>>) {
+    let per_group = spec.grpo.num_generations_per_prompt.max(1);
+    let rows = groups.len() * per_group;
+    let global = spec.training.as_ref().map_or(rows, |t| t.global_batch_size).max(1);
+    groups.truncate(rows / global * global / per_group);
+    for (k, group) in groups.iter_mut().enumerate() {
+        for e in group {
+            e.group = k;
+        }
+    }
 }
 
 /// The training batch of the kept episodes: advantages over each prompt's group (every

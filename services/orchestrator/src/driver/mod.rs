@@ -113,6 +113,17 @@ impl StopFlag {
             _ => Err(Stop::Lost),
         }
     }
+
+    /// Awaits `work`, giving up as soon as the run is stopped (looked at every second).
+    pub async fn guard<T>(&self, work: impl std::future::Future<Output = T>) -> Result<T> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            self.check()?;
+            if let Ok(out) = tokio::time::timeout(Duration::from_secs(1), &mut work).await {
+                return Ok(out);
+            }
+        }
+    }
 }
 
 /// The run's calls that are waiting for a dependency past the grace period (see

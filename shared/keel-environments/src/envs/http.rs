@@ -169,7 +169,7 @@ impl HttpEnv {
                     ))),
                 };
                 if let Err(Failure::Retry(e) | Failure::Final(e)) = &result {
-                    span.record("otel.status_description", format!("{}: {}", e.kind, e.message).as_str());
+                    span.record("otel.status_description", e.to_string().as_str());
                 }
                 result
             };
