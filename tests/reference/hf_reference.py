@@ -3,7 +3,9 @@
 Every subcommand prints one JSON document on stdout.
 
   make-model VARIANT OUT [--dtype float32|bfloat16]   random model of a named variant
-  score MODEL INPUT.jsonl [--temperature T]          per-token logprobs, one sequence at a time
+  score MODEL INPUT.jsonl [--temperature T] [--adapter DIR]
+                                                     per-token logprobs, one sequence at a time
+                                                     (with PEFT LoRA adapters on top when given)
   render MODEL MESSAGES.json [--add-generation-prompt] chat template through the tokenizer
   tokenize MODEL TEXT                                 token ids (add_special_tokens=False)
   generate MODEL IDS.json --max-new-tokens N          greedy `generate`, eos ignored
@@ -69,8 +71,12 @@ def make_model(variant, out, dtype, seed):
     return {"variant": variant, "architectures": config.architectures}
 
 
-def score(model_dir, input_path, temperature):
+def score(model_dir, input_path, temperature, adapter=None):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
     model.eval()
     rows = []
     with open(input_path) as f, torch.no_grad():
@@ -95,6 +101,7 @@ def main():
     p.add_argument("model")
     p.add_argument("input")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--adapter")
     p = sub.add_parser("render")
     p.add_argument("model")
     p.add_argument("messages")
@@ -116,7 +123,7 @@ def main():
     if args.cmd == "make-model":
         result = make_model(args.variant, args.out, args.dtype, args.seed)
     elif args.cmd == "score":
-        result = score(args.model, args.input, args.temperature)
+        result = score(args.model, args.input, args.temperature, args.adapter)
     elif args.cmd == "render":
         tok = AutoTokenizer.from_pretrained(args.model)
         messages = json.load(open(args.messages))

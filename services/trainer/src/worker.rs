@@ -509,9 +509,15 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         None => None,
     };
     let files = shared_dir.as_ref().map(|s| s.partial.clone());
-    let (step, kind, packed) = shared
+    let (step, kind, packed, lora_scale) = shared
         .engine
-        .call(move |slot| loaded(slot)?.export(kind, bucket_bytes, files))
+        .call(move |slot| {
+            let trainer = loaded(slot)?;
+            let lora = &trainer.config().lora;
+            let lora_scale = lora.enabled.then(|| lora.scale());
+            let (step, kind, packed) = trainer.export(kind, bucket_bytes, files)?;
+            Ok((step, kind, packed, lora_scale))
+        })
         .instrument(info_span!("export", dtype = ?request.dtype))
         .await?;
     let packing = started.elapsed().as_secs_f64();
@@ -527,7 +533,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
     };
     let timing =
         Timing::from([("export_pack".to_string(), packing), ("export".to_string(), started.elapsed().as_secs_f64())]);
-    let weights = WeightBuckets { dtype: keel_model::weights::dtype_name(kind).to_string(), buckets };
+    let weights = WeightBuckets { dtype: keel_model::weights::dtype_name(kind).to_string(), buckets, lora_scale };
     Ok(ExportReply { step, weights, timing })
 }
 

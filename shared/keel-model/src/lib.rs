@@ -12,6 +12,7 @@
 //! - [`tokenizer`] and [`chat`]: `tokenizer.json`, special tokens, chat templates (the
 //!   `keel-tokenizer` crate, re-exported).
 //! - [`sampling`]: batched sampling on the device; single-sequence generation for the CLI.
+//! - [`lora`]: LoRA adapters (training, merging, PEFT's directory layout).
 //! - [`init`]: a new model directory with a trained tokenizer (`keel model init`).
 //! - [`device`]: device and dtype names, CUDA probing without panics.
 //! - [`cuda`]: CUDA kernels for inference (NVRTC, cudarc), each checked against its tch path
@@ -24,6 +25,7 @@ pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod init;
+pub mod lora;
 pub mod model;
 pub mod packed;
 pub mod packing;

@@ -71,20 +71,26 @@ impl<'a> Params<'a> {
 }
 
 #[derive(Debug)]
-struct Linear {
-    weight: Tensor,
+pub(crate) struct Linear {
+    pub(crate) weight: Tensor,
     bias: Option<Tensor>,
+    /// A LoRA adapter ([`crate::lora`]).
+    pub(crate) adapter: Option<crate::lora::Adapter>,
 }
 
 impl Linear {
     fn new(p: &Params<'_>, inputs: i64, outputs: i64, bias: bool) -> Result<Self> {
         let weight = p.weight("weight", &[outputs, inputs])?;
         let bias = if bias { Some(p.zeros("bias", &[outputs])?) } else { None };
-        Ok(Self { weight, bias })
+        Ok(Self { weight, bias, adapter: None })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+        let y = x.f_linear(&self.weight, self.bias.as_ref())?;
+        match &self.adapter {
+            Some(adapter) => adapter.add_to(y, x),
+            None => Ok(y),
+        }
     }
 }
 
@@ -189,11 +195,11 @@ impl<'a> Positions<'a> {
 }
 
 #[derive(Debug)]
-struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+pub(crate) struct Attention {
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     heads: i64,
@@ -253,10 +259,10 @@ impl Attention {
 }
 
 #[derive(Debug)]
-struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+pub(crate) struct Mlp {
+    pub(crate) gate_proj: Linear,
+    pub(crate) up_proj: Linear,
+    pub(crate) down_proj: Linear,
 }
 
 impl Mlp {
@@ -280,11 +286,11 @@ impl Mlp {
 }
 
 #[derive(Debug)]
-struct DecoderLayer {
+pub(crate) struct DecoderLayer {
     input_layernorm: RmsNorm,
-    self_attn: Attention,
+    pub(crate) self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    pub(crate) mlp: Mlp,
     window: Option<i64>,
 }
 
@@ -321,13 +327,15 @@ pub struct CausalLm {
     cfg: ModelConfig,
     vs: nn::VarStore,
     embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
+    pub(crate) layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Tensor,
     rotary: Rotary,
     kind: Kind,
     /// CUDA kernels for inference passes ([`Self::use_kernels`]).
     kernels: Option<Arc<Kernels>>,
+    /// LoRA adapters, in a var store of their own ([`crate::lora`]).
+    pub(crate) adapters: Option<crate::lora::Adapters>,
 }
 
 /// Largest number of logits (batch × positions × vocabulary) materialised at once when
@@ -355,7 +363,7 @@ impl CausalLm {
             root.sub("lm_head").weight("weight", &[cfg.vocab_size, cfg.hidden_size])?
         };
         let rotary = Rotary::new(&cfg.rope, cfg.head_dim, device)?;
-        Ok(Self { cfg, vs, embed_tokens, layers, norm, lm_head, rotary, kind, kernels: None })
+        Ok(Self { cfg, vs, embed_tokens, layers, norm, lm_head, rotary, kind, kernels: None, adapters: None })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -387,16 +395,19 @@ impl CausalLm {
         self.kind
     }
 
-    /// Casts the parameters to `kind` (f32, bf16 or f16) in place.
+    /// Casts the parameters (and adapters) to `kind` (f32, bf16 or f16) in place.
     pub fn set_kind(&mut self, kind: Kind) -> Result<()> {
-        match kind {
-            Kind::Float => self.vs.float(),
-            Kind::BFloat16 => self.vs.bfloat16(),
-            Kind::Half => self.vs.half(),
-            other => {
-                return Err(Error::InvalidInput(format!(
-                    "parameter dtype {other:?} is not supported (f32, bf16, f16)"
-                )));
+        let stores = std::iter::once(&mut self.vs).chain(self.adapters.as_mut().map(|a| &mut a.vs));
+        for vs in stores {
+            match kind {
+                Kind::Float => vs.float(),
+                Kind::BFloat16 => vs.bfloat16(),
+                Kind::Half => vs.half(),
+                other => {
+                    return Err(Error::InvalidInput(format!(
+                        "parameter dtype {other:?} is not supported (f32, bf16, f16)"
+                    )));
+                }
             }
         }
         self.kind = kind;
@@ -408,12 +419,16 @@ impl CausalLm {
     pub fn set_device(&mut self, device: Device) -> Result<()> {
         if device != self.device() {
             self.vs.set_device(device);
+            if let Some(adapters) = &mut self.adapters {
+                adapters.vs.set_device(device);
+            }
             self.rotary = Rotary::new(&self.cfg.rope, self.cfg.head_dim, device)?;
         }
         Ok(())
     }
 
-    /// Stops gradients to every parameter (a frozen reference).
+    /// Stops gradients to every parameter of the base model (a frozen reference, or the
+    /// base under LoRA adapters, which keep theirs).
     pub fn freeze(&mut self) {
         self.vs.freeze();
     }

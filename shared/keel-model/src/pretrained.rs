@@ -25,10 +25,17 @@ pub(crate) fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> R
 }
 
 impl CausalLm {
-    /// Loads a HF model directory, with parameters in `kind` on `device`.
+    /// Loads a HF model directory, with parameters in `kind` on `device`. An adapter
+    /// directory ([`crate::lora`]) loads as its base model with the adapters merged in.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
         if !dir.is_dir() {
             return Err(Error::MissingDirectory(dir.to_path_buf()));
+        }
+        if crate::lora::is_adapter_dir(dir) {
+            let mut model = crate::lora::AdapterDir::read(dir)?.load(device, Kind::Float)?;
+            model.merge_adapters()?;
+            model.set_kind(kind)?;
+            return Ok(model);
         }
         let cfg = ModelConfig::load(dir)?;
         let tied = cfg.tie_word_embeddings;

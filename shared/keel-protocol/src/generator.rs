@@ -185,6 +185,11 @@ pub struct WeightBuckets {
     /// `f32`, `bf16` or `f16`: every tensor's dtype.
     pub dtype: String,
     pub buckets: Vec<WeightBucket>,
+    /// Set when the tensors are a LoRA run's adapters (`<module>.lora_A.weight` and
+    /// `….lora_B.weight`) instead of the weights: the generator serves `base + s·B·A` with
+    /// this `s`, keeping the base it loaded to merge the next version into.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_scale: Option<f64>,
 }
 
 /// One buffer of packed tensors: an object of the JetStream object store, or a file in

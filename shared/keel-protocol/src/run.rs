@@ -509,6 +509,12 @@ impl RunSpec {
                     format!("`{}` trains with `{loss}`, not `{}`", alg.name(), training.loss.name()),
                 );
                 p.extend(training.problems("training"));
+                check(
+                    &mut p,
+                    !(training.lora.enabled && tp > 1),
+                    "training.lora.enabled",
+                    format!("LoRA trains on one rank: tensor_parallel_size must be 1, got {tp}"),
+                );
                 self.batch_problems(training, &mut p);
             }
             (None, None) => {}

@@ -224,6 +224,99 @@ pub struct TrainingConfig {
     /// microbatches of up to `train_mb_tokens` tokens (rows × their longest).
     #[serde(default)]
     pub dynamic_batching: TokenBatching,
+    /// LoRA (NeMo-RL's `lora_cfg`, PEFT's `LoraConfig`): low-rank adapters on the chosen
+    /// linear layers train while the base model stays frozen.
+    #[serde(default, skip_serializing_if = "LoraConfig::is_off")]
+    pub lora: LoraConfig,
+}
+
+/// The linear layers of a decoder layer that LoRA can adapt, by their Hugging Face names.
+pub const LORA_TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// Low-rank adapters: every targeted linear `y = W·x` becomes `y = W·x + s·B·A·dropout(x)`
+/// with A [rank, in] (Kaiming-uniform at the start), B [out, rank] (zeros, so training starts
+/// from the base model) and `s = alpha / rank` (`alpha / √rank` with `use_rslora`). Only A and
+/// B train and sit in the optimiser; the reference policy is the base model itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraConfig {
+    pub enabled: bool,
+    /// The adapters' rank (NeMo-RL's `dim`, PEFT's `r`).
+    #[serde(alias = "dim", alias = "r")]
+    pub rank: i64,
+    /// The scale's numerator (PEFT's `lora_alpha`).
+    #[serde(alias = "lora_alpha")]
+    pub alpha: f64,
+    /// Dropout on the adapters' input while training (PEFT's `lora_dropout`).
+    #[serde(alias = "lora_dropout")]
+    pub dropout: f64,
+    /// Which linear layers get adapters (names from `q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    /// `gate_proj`, `up_proj`, `down_proj`); empty means all of them (NeMo-RL's
+    /// `match_all_linear`).
+    pub target_modules: Vec<String>,
+    /// Rank-stabilised scaling `alpha / √rank` (PEFT's `use_rslora`).
+    pub use_rslora: bool,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self { enabled: false, rank: 8, alpha: 32.0, dropout: 0.0, target_modules: Vec::new(), use_rslora: false }
+    }
+}
+
+impl LoraConfig {
+    pub fn is_off(&self) -> bool {
+        !self.enabled
+    }
+
+    /// The factor `s` of `s·B·A`.
+    pub fn scale(&self) -> f64 {
+        if self.use_rslora { self.alpha / (self.rank as f64).sqrt() } else { self.alpha / self.rank as f64 }
+    }
+
+    /// Whether adapters made with `other` are the same shape and scale as these (dropout,
+    /// which only training uses, may differ).
+    pub fn same_adapters(&self, other: &LoraConfig) -> bool {
+        (self.rank, self.alpha, self.use_rslora, self.targets()) == (other.rank, other.alpha, other.use_rslora, other.targets())
+    }
+
+    /// The targeted module names, in [`LORA_TARGETS`] order (all of them when none are named).
+    pub fn targets(&self) -> Vec<&'static str> {
+        LORA_TARGETS
+            .into_iter()
+            .filter(|t| self.target_modules.is_empty() || self.target_modules.iter().any(|m| m == t))
+            .collect()
+    }
+
+    /// Every problem of an enabled configuration, with its field path under `at`.
+    pub fn problems(&self, at: &str) -> Vec<FieldError> {
+        let mut problems = Vec::new();
+        self.validate(at, &mut problems);
+        problems
+    }
+
+    fn validate(&self, at: &str, problems: &mut Vec<FieldError>) {
+        if !self.enabled {
+            return;
+        }
+        let field = |name: &str| format!("{at}.{name}");
+        check(problems, (1..=4096).contains(&self.rank), &field("rank"), format!("must be 1 to 4096, got {}", self.rank));
+        check(problems, finite_positive(self.alpha), &field("alpha"), format!("must be positive, got {}", self.alpha));
+        check(
+            problems,
+            (0.0..1.0).contains(&self.dropout),
+            &field("dropout"),
+            format!("must be in [0, 1), got {}", self.dropout),
+        );
+        for (i, name) in self.target_modules.iter().enumerate() {
+            check(
+                problems,
+                LORA_TARGETS.contains(&name.as_str()),
+                &field(&format!("target_modules[{i}]")),
+                format!("`{name}` is not a linear layer LoRA can adapt (one of {})", LORA_TARGETS.join(", ")),
+            );
+        }
+    }
 }
 
 /// Microbatches made by a token budget instead of `micro_batch_size` rows.
@@ -496,6 +589,13 @@ impl TrainingConfig {
                 format!("must be at most {}, got {}", crate::limits::MAX_SEQUENCE_LENGTH * 64, b.logprob_mb_tokens),
             );
         }
+        self.lora.validate(&field("lora"), &mut problems);
+        check(
+            &mut problems,
+            !(self.lora.enabled && matches!(self.loss, LossConfig::BradleyTerry)),
+            &field("lora.enabled"),
+            "LoRA trains adapters of the language model; a reward model's value head needs full training",
+        );
         if self.loss.is_pairwise() {
             for (name, n) in [("global_batch_size", global), ("micro_batch_size", micro)] {
                 check(
@@ -561,6 +661,41 @@ mod tests {
         assert!(text.contains("t.micro_batch_size: 3 is larger"), "{text}");
         assert!(text.contains("t.micro_batch_size: dpo pairs"), "{text}");
         assert!(text.contains("t.scheduler.total_steps: is required"), "{text}");
+    }
+
+    #[test]
+    fn lora_follows_nemo_rl_and_peft_names_and_refuses_bad_settings() {
+        let mut c: TrainingConfig = serde_json::from_value(serde_json::json!({
+            "loss": {"type": "nll"}, "global_batch_size": 2, "micro_batch_size": 1,
+            "lora": {"enabled": true, "dim": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+        }))
+        .unwrap();
+        assert!(c.problems("t").is_empty());
+        assert_eq!((c.lora.rank, c.lora.scale(), c.lora.targets()), (16, 2.0, vec!["q_proj", "v_proj"]));
+        c.lora.use_rslora = true;
+        assert_eq!(c.lora.scale(), 8.0);
+        assert_eq!(LoraConfig::default().targets().len(), 7);
+        c.lora = LoraConfig {
+            enabled: true,
+            rank: 0,
+            alpha: -1.0,
+            dropout: 1.0,
+            target_modules: vec!["lm_head".into()],
+            use_rslora: false,
+        };
+        c.loss = LossConfig::BradleyTerry;
+        let text = crate::join_problems(&c.problems("t"));
+        for expected in [
+            "t.lora.rank: must be 1 to 4096, got 0",
+            "t.lora.alpha: must be positive",
+            "t.lora.dropout: must be in [0, 1)",
+            "t.lora.target_modules[0]: `lm_head` is not a linear layer",
+            "t.lora.enabled: LoRA trains adapters",
+        ] {
+            assert!(text.contains(expected), "{expected} in {text}");
+        }
+        let off = serde_json::to_value(config(serde_json::json!({"type": "nll"}))).unwrap();
+        assert!(off.get("lora").is_none(), "a run without LoRA says nothing of it: {off}");
     }
 
     #[test]

@@ -65,10 +65,25 @@ pub fn write_jsonl(path: &Path, seqs: &[Vec<i64>]) {
 
 /// transformers' logprobs of `seqs` (one sequence at a time, f32).
 pub fn reference_logprobs(model_dir: &Path, seqs: &[Vec<i64>], temperature: f64, scratch: &Path) -> Vec<Vec<f64>> {
+    scored(model_dir, None, seqs, temperature, scratch)
+}
+
+/// transformers' logprobs of `seqs` under the base model `model_dir` with the LoRA adapters
+/// of `adapter_dir` loaded by PEFT (`PeftModel.from_pretrained`).
+pub fn peft_logprobs(model_dir: &Path, adapter_dir: &Path, seqs: &[Vec<i64>], scratch: &Path) -> Vec<Vec<f64>> {
+    scored(model_dir, Some(adapter_dir), seqs, 1.0, scratch)
+}
+
+fn scored(model_dir: &Path, adapter: Option<&Path>, seqs: &[Vec<i64>], temperature: f64, scratch: &Path) -> Vec<Vec<f64>> {
     let input = scratch.join("reference-input.jsonl");
     write_jsonl(&input, seqs);
-    let (model, input) = (model_dir.to_string_lossy(), input.to_string_lossy());
-    let out = reference(&["score", &model, &input, "--temperature", &temperature.to_string()]);
+    let (model, input, temperature) = (model_dir.to_string_lossy(), input.to_string_lossy(), temperature.to_string());
+    let mut args = vec!["score", &model, &input, "--temperature", &temperature];
+    let adapter = adapter.map(|a| a.to_string_lossy().into_owned());
+    if let Some(adapter) = &adapter {
+        args.extend(["--adapter", adapter.as_str()]);
+    }
+    let out = reference(&args);
     serde_json::from_value(out["logprobs"].clone()).unwrap_or_else(|e| panic!("reference logprobs: {e}"))
 }
 

@@ -1,6 +1,9 @@
 //! Trainer checkpoints: a directory that transformers and vLLM load as the policy (HF
 //! `config.json`, safetensors, tokenizer files, generation config, chat template) plus what
-//! resuming needs:
+//! resuming needs. A LoRA run's checkpoint holds its adapters in PEFT's layout instead of the
+//! weights (`adapter_config.json`, naming the base model's directory, and
+//! `adapter_model.safetensors`; see [`keel_model::lora`]): `peft` loads it on top of the base,
+//! and Keel loads it as the base with the adapters merged. Beside the weights:
 //!
 //! - `value_head.safetensors`: the reward model's scalar head (`score.weight`, [1, hidden]);
 //! - `optimizer.safetensors`: AdamW moments and, when computing in bf16/f16, the f32 master
@@ -11,8 +14,8 @@
 //!
 //! The directory is written under a hidden temporary name beside its destination and
 //! renamed into place, so it appears complete or not at all; an existing checkpoint is never
-//! overwritten. Training draws no random numbers after load (no dropout), so the seed is the
-//! whole RNG state.
+//! overwritten. Training draws no random numbers after load (unless LoRA's dropout is on), so
+//! the seed is the whole RNG state.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -73,15 +76,27 @@ fn sync(path: &Path) -> Result<()> {
     std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(io_error(path))
 }
 
+/// The policy's part of a checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub enum Weights<'a> {
+    /// Every weight, as a Hugging Face model directory.
+    Whole(&'a CausalLm),
+    /// Only the LoRA adapters of `model`, over the model directory `base`.
+    Adapters { model: &'a CausalLm, base: &'a Path },
+}
+
 fn write_contents(
     dir: &Path,
     source: &Path,
-    policy: &CausalLm,
+    policy: Weights<'_>,
     value_head: Option<&Tensor>,
     optimizer_state: &BTreeMap<String, Tensor>,
     state: &TrainerState,
 ) -> Result<()> {
-    policy.save(dir, SaveOptions::default())?;
+    match policy {
+        Weights::Whole(model) => model.save(dir, SaveOptions::default())?,
+        Weights::Adapters { model, base } => model.save_adapters(dir, base)?,
+    }
     for name in MODEL_SIDE_FILES {
         let from = source.join(name);
         if from.is_file() {
@@ -105,7 +120,7 @@ fn write_contents(
 pub fn save(
     path: &Path,
     source: &Path,
-    policy: &CausalLm,
+    policy: Weights<'_>,
     value_head: Option<&Tensor>,
     optimizer_state: &BTreeMap<String, Tensor>,
     state: &TrainerState,

@@ -27,11 +27,13 @@ use keel_collective::SharedComm;
 use keel_protocol::trainer::{LoadRequest, Scorer, StepMetrics, Timing};
 use keel_protocol::training::{LossConfig, TrainingConfig};
 
-/// The frozen reference policy, optionally parked on the CPU between uses.
+/// The frozen reference policy.
 #[derive(Debug)]
-struct Reference {
-    model: Model,
-    offload: bool,
+enum Reference {
+    /// A model of its own, optionally parked on the CPU between uses.
+    Loaded { model: Model, offload: bool },
+    /// The policy's base model under LoRA: the policy with its adapters off (no second copy).
+    Base,
 }
 
 #[derive(Debug)]
@@ -45,6 +47,8 @@ pub struct Engine {
     optimizer: AdamW,
     device: Device,
     source: PathBuf,
+    /// The model the policy's LoRA adapters sit on (the source otherwise).
+    base: PathBuf,
     reference_path: Option<PathBuf>,
     seed: u64,
 }
@@ -80,6 +84,14 @@ pub struct Trained {
 
 fn load_error(what: &Path) -> impl Fn(keel_model::Error) -> Error + '_ {
     move |e| Error::Load { what: what.display().to_string(), reason: e.to_string() }
+}
+
+/// Whether two paths name the same directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 fn seconds(since: Instant) -> f64 {
@@ -120,24 +132,54 @@ impl Engine {
         };
         tch::manual_seed(request.seed as i64);
         let source = PathBuf::from(&request.policy.path);
-        let mut policy = Model::load(&source, device, Kind::Float, comm.clone()).map_err(load_error(&source))?;
-        policy.make_trainable()?;
         let config = request.training.clone();
+        let lora = config.lora.enabled.then_some(&config.lora);
+        if lora.is_some() && comm.is_some() {
+            return Err(Error::InvalidConfig("LoRA trains on one rank: tensor_parallel_size must be 1".into()));
+        }
+        let saved_state = checkpoint::read_state(&source)?;
+        let saved_lora = saved_state.as_ref().is_some_and(|s| s.training.lora.enabled);
+        // A LoRA run resuming from a LoRA checkpoint goes on training its adapters over their
+        // base; any other start puts new adapters on the source model (an adapter directory
+        // loads as its base with the adapters merged).
+        let resumes_adapters = lora.is_some() && request.resume && saved_lora && keel_model::lora::is_adapter_dir(&source);
+        let (mut policy, base) = if resumes_adapters {
+            let adapters = keel_model::lora::AdapterDir::read(&source).map_err(load_error(&source))?;
+            if !config.lora.same_adapters(&adapters.config) {
+                return Err(Error::InvalidConfig(format!(
+                    "training.lora {:?} differs from the adapters of the checkpoint being resumed ({:?})",
+                    config.lora, adapters.config
+                )));
+            }
+            let model = adapters.load(device, Kind::Float).map_err(load_error(&source))?;
+            (Model::Full(model), adapters.base)
+        } else {
+            let mut model = Model::load(&source, device, Kind::Float, comm.clone()).map_err(load_error(&source))?;
+            if let Some(lora) = lora {
+                model.add_adapters(lora)?;
+            }
+            (model, source.clone())
+        };
+        if lora.is_some() {
+            policy.freeze()?;
+        } else {
+            policy.make_trainable()?;
+        }
 
         // The reference is the one named, else the one a resumed checkpoint was trained
-        // against, else the policy as loaded.
-        let saved_state = checkpoint::read_state(&source)?;
+        // against, else the policy as loaded (under LoRA: the base the adapters sit on).
         let reference_path = match (&request.reference, saved_state.and_then(|s| s.reference)) {
             (Some(explicit), _) => Some(PathBuf::from(&explicit.path)),
             (None, Some(saved)) => Some(PathBuf::from(saved)),
-            (None, None) => config.loss.needs_reference().then(|| source.clone()),
+            (None, None) => config.loss.needs_reference().then(|| base.clone()),
         };
         let reference = match &reference_path {
+            Some(path) if lora.is_some() && same_dir(path, &base) => Some(Reference::Base),
             Some(path) if request.reference.is_some() || config.loss.needs_reference() => {
                 let at = if request.reference_offload { Device::Cpu } else { device };
                 let mut model = Model::load(path, at, kind, comm.clone()).map_err(load_error(path))?;
                 model.freeze()?;
-                Some(Reference { model, offload: request.reference_offload })
+                Some(Reference::Loaded { model, offload: request.reference_offload })
             }
             _ => None,
         };
@@ -154,7 +196,7 @@ impl Engine {
             None
         };
 
-        let mut params = policy.parameters();
+        let mut params = policy.trainable_parameters();
         let masters: BTreeMap<String, Tensor> = if kind == Kind::Float {
             BTreeMap::new()
         } else {
@@ -167,7 +209,9 @@ impl Engine {
             parameter_count += head.numel() as i64;
         }
         let mut optimizer = AdamW::new(config.optimizer.clone(), params, masters)?;
-        if request.resume {
+        // The optimiser's state is restored where it holds the same tensors: LoRA moments
+        // from a LoRA checkpoint, whole-model moments from a whole one.
+        if request.resume && saved_lora == lora.is_some() {
             checkpoint::restore_optimizer(&source, &mut optimizer)?;
         }
         Ok(Self {
@@ -179,6 +223,7 @@ impl Engine {
             optimizer,
             device,
             source,
+            base,
             reference_path,
             seed: request.seed,
         })
@@ -215,56 +260,44 @@ impl Engine {
         let _no_grad = tch::no_grad_guard();
         let micro = self.config.micro_batch_size;
         let device = self.device;
-        let model = match scorer {
-            Scorer::Policy => &mut self.policy,
-            Scorer::Reference => {
-                let reference = self.reference.as_mut().ok_or_else(|| {
-                    Error::InvalidRequest(
-                        "no reference model is loaded (the loss needs none and none was given)".into(),
-                    )
-                })?;
-                if reference.offload {
-                    reference.model.set_device(device)?;
-                }
-                &mut reference.model
-            }
-        };
-        let width = ids.size()[1];
         let budget = self.config.token_budget().map(|(_, logprobs, packed)| (logprobs, packed));
-        let mut rows: Vec<Option<Tensor>> = (0..lengths.len()).map(|_| None).collect();
-        let mut result: Result<()> = Ok(());
-        for bin in microbatches(lengths, micro, budget, false) {
-            let picked: Vec<i64> = bin.iter().map(|&r| lengths[r]).collect();
-            let max = picked.iter().copied().max().unwrap_or(1);
-            let index = Tensor::from_slice(&bin.iter().map(|&r| r as i64).collect::<Vec<_>>());
-            let slice = ids.f_index_select(0, &index)?.f_narrow(1, 0, max)?;
-            let computed = match budget {
-                Some((_, true)) => PackedRow::new(&slice, &picked)
-                    .map_err(Error::from)
-                    .and_then(|row| Ok(model.packed_token_logprobs(&row, temperature)?)),
-                _ => model.token_logprobs(&slice, &picked, temperature).map_err(Error::from),
-            };
-            match computed {
-                Ok(lp) => {
-                    let lp = lp.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?;
-                    for (k, &r) in bin.iter().enumerate() {
-                        rows[r] = Some(lp.f_select(0, k as i64)?);
-                    }
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
+        let score = |model: &Model| -> Result<Tensor> {
+            let width = ids.size()[1];
+            let mut rows: Vec<Option<Tensor>> = (0..lengths.len()).map(|_| None).collect();
+            for bin in microbatches(lengths, micro, budget, false) {
+                let picked: Vec<i64> = bin.iter().map(|&r| lengths[r]).collect();
+                let max = picked.iter().copied().max().unwrap_or(1);
+                let index = Tensor::from_slice(&bin.iter().map(|&r| r as i64).collect::<Vec<_>>());
+                let slice = ids.f_index_select(0, &index)?.f_narrow(1, 0, max)?;
+                let lp = match budget {
+                    Some((_, true)) => model.packed_token_logprobs(&PackedRow::new(&slice, &picked)?, temperature)?,
+                    _ => model.token_logprobs(&slice, &picked, temperature)?,
+                };
+                let lp = lp.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?;
+                for (k, &r) in bin.iter().enumerate() {
+                    rows[r] = Some(lp.f_select(0, k as i64)?);
                 }
             }
+            let rows: Vec<Tensor> = rows.into_iter().flatten().collect();
+            Ok(Tensor::f_stack(&rows, 0)?)
+        };
+        match (scorer, &mut self.reference) {
+            (Scorer::Policy, _) => score(&self.policy),
+            (Scorer::Reference, Some(Reference::Base)) => self.policy.with_base(score),
+            (Scorer::Reference, Some(Reference::Loaded { model, offload })) => {
+                if *offload {
+                    model.set_device(device)?;
+                }
+                let result = score(model);
+                if *offload {
+                    model.set_device(Device::Cpu)?;
+                }
+                result
+            }
+            (Scorer::Reference, None) => Err(Error::InvalidRequest(
+                "no reference model is loaded (the loss needs none and none was given)".into(),
+            )),
         }
-        if let (Scorer::Reference, Some(reference)) = (scorer, self.reference.as_mut())
-            && reference.offload
-        {
-            reference.model.set_device(Device::Cpu)?;
-        }
-        result?;
-        let rows: Vec<Tensor> = rows.into_iter().flatten().collect();
-        Ok(Tensor::f_stack(&rows, 0)?)
     }
 
     /// Per-token logprobs of `sequences` under the policy or the reference at `temperature`.
@@ -372,14 +405,19 @@ impl Engine {
     ) -> Result<Metrics> {
         let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
         let mut metrics = Metrics::default();
-        for rows in self.plan(&global.lengths, micro_batch_size) {
+        // LoRA's dropout is on for these passes only.
+        self.policy.set_adapter_training(true);
+        let passes: Result<()> = self.plan(&global.lengths, micro_batch_size).into_iter().try_for_each(|rows| {
             let micro = global.select(&rows)?;
             let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
             finite(&loss, &rows, "no step was taken")?;
             loss.f_backward()?;
             self.policy.backward(pending)?;
             metrics.merge(part);
-        }
+            Ok(())
+        });
+        self.policy.set_adapter_training(false);
+        passes?;
         metrics.global("global_valid_tokens", counts.tokens);
         Ok(metrics)
     }
@@ -396,7 +434,7 @@ impl Engine {
     pub fn gradients(&self) -> Result<BTreeMap<String, Tensor>> {
         self.policy.reduce_replicated_gradients()?;
         let mut grads = BTreeMap::new();
-        for (name, param, layout) in self.policy.parameters() {
+        for (name, param, layout) in self.policy.trainable_parameters() {
             let grad = param.grad().f_to_kind(Kind::Float)?;
             grads.insert(name, self.policy.gather(&grad, layout)?.copy());
         }
@@ -493,6 +531,9 @@ impl Engine {
     /// The policy's parameters with their gradients (and a reward model's value head).
     fn move_weights(&self, device: Device) -> Result<u64> {
         let mut tensors: Vec<Tensor> = self.policy.parameters().into_iter().map(|(_, p, _)| p).collect();
+        if self.policy.has_adapters() {
+            tensors.extend(self.policy.trainable_parameters().into_iter().map(|(_, p, _)| p));
+        }
         tensors.extend(self.value_head.iter().map(Tensor::shallow_clone));
         let grads: Vec<Tensor> = tensors.iter().map(Tensor::grad).filter(Tensor::defined).collect();
         Ok(keel_model::device::move_in_place(tensors.iter().chain(&grads), device)?)
@@ -500,9 +541,10 @@ impl Engine {
 
     /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
     /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory: buffers, or files
-    /// written in place in `files` (a directory in shared memory). Under tensor parallelism
-    /// every rank calls it (each takes part in the gathers) and rank 0 returns the buckets;
-    /// the others return none.
+    /// written in place in `files` (a directory in shared memory). Under LoRA, only the
+    /// adapters (the generators keep the base). Under tensor parallelism every rank calls it
+    /// (each takes part in the gathers) and rank 0 returns the buckets; the others return
+    /// none.
     pub fn export(
         &self,
         kind: tch::Kind,
@@ -511,7 +553,10 @@ impl Engine {
     ) -> Result<keel_model::packing::Packed> {
         use keel_model::packing::{Packed, pack, pack_to_files};
         let packed = self.policy.with_full(|full| {
-            let mut tensors: Vec<(String, Tensor)> = full.var_store().variables().into_iter().collect();
+            let mut tensors: Vec<(String, Tensor)> = match full.lora() {
+                Some(_) => full.adapter_tensors(),
+                None => full.var_store().variables().into_iter().collect(),
+            };
             tensors.sort_by(|a, b| a.0.cmp(&b.0));
             let _no_grad = tch::no_grad_guard();
             Ok(match files {
@@ -546,8 +591,13 @@ impl Engine {
             }
         }
         let head = self.value_head.as_ref();
-        let files =
-            self.policy.with_full(|full| checkpoint::save(path, &self.source, full, head, &optimizer_state, &state))?;
+        let files = self.policy.with_full(|full| {
+            let weights = match full.lora() {
+                Some(_) => checkpoint::Weights::Adapters { model: full, base: &self.base },
+                None => checkpoint::Weights::Whole(full),
+            };
+            checkpoint::save(path, &self.source, weights, head, &optimizer_state, &state)
+        })?;
         Ok(files.unwrap_or_default())
     }
 }

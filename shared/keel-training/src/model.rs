@@ -88,6 +88,48 @@ impl Model {
         Ok(())
     }
 
+    /// Adds LoRA adapters (the only trainable tensors once [`Model::freeze`] has frozen
+    /// the base); whole models only.
+    pub fn add_adapters(&mut self, lora: &keel_protocol::training::LoraConfig) -> Result<()> {
+        match self {
+            Self::Full(m) => Ok(m.add_adapters(lora)?),
+            Self::Sharded(_) => Err(Error::InvalidConfig(
+                "LoRA trains on one rank: tensor_parallel_size must be 1".into(),
+            )),
+        }
+    }
+
+    /// Whether the model has LoRA adapters.
+    pub fn has_adapters(&self) -> bool {
+        self.whole().is_some_and(|m| m.lora().is_some())
+    }
+
+    /// What the optimiser trains: the LoRA adapters where there are some, else every
+    /// parameter ([`Model::parameters`]).
+    pub fn trainable_parameters(&self) -> Vec<(String, Tensor, Option<Layout>)> {
+        match self {
+            Self::Full(m) if m.lora().is_some() => {
+                m.adapter_tensors().into_iter().map(|(n, t)| (n, t, None)).collect()
+            }
+            _ => self.parameters(),
+        }
+    }
+
+    /// Runs `f` on the base model, the adapters off (itself without adapters).
+    pub fn with_base<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
+        match self {
+            Self::Full(m) => m.with_base(|_| f(self)),
+            Self::Sharded(_) => f(self),
+        }
+    }
+
+    /// Dropout of the adapters on (training passes) or off.
+    pub fn set_adapter_training(&self, training: bool) {
+        if let Self::Full(m) = self {
+            m.set_adapter_training(training);
+        }
+    }
+
     /// Makes every parameter collect gradients (the policy).
     pub fn make_trainable(&self) -> Result<()> {
         if let Self::Sharded(m) = self {

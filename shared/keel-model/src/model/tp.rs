@@ -231,6 +231,10 @@ impl<C: Collective> TpCausalLm<C> {
         if !dir.is_dir() {
             return Err(Error::MissingDirectory(dir.to_path_buf()));
         }
+        if crate::lora::is_adapter_dir(dir) {
+            let full = CausalLm::load(dir, device, kind)?;
+            return Self::shard(&full, comm);
+        }
         let cfg = ModelConfig::load(dir)?;
         let files = SliceReader::open(dir)?;
         Self::build(cfg, comm, device, kind, &files)
@@ -634,6 +638,10 @@ impl<C: Collective> TpCausalLm<C> {
     /// Reads this rank's slices of the weights in `dir` and checks them against the
     /// model's, without touching the model.
     pub fn stage_weights(&self, dir: &std::path::Path) -> Result<StagedWeights> {
+        if crate::lora::is_adapter_dir(dir) {
+            let full = CausalLm::load(dir, self.device, self.kind)?;
+            return self.stage(&self.cfg.clone(), &FromModel(full.var_store().variables()), &dir.display().to_string());
+        }
         let cfg = ModelConfig::load(dir)?;
         let files = SliceReader::open(dir)?;
         self.stage(&cfg, &files, &dir.display().to_string())
@@ -669,6 +677,45 @@ impl<C: Collective> TpCausalLm<C> {
             return Err(Error::Weights(problems));
         }
         Ok(StagedWeights(fresh.params.into_iter().map(|p| p.tensor).collect()))
+    }
+
+    /// Copies of this rank's slices of the weights LoRA `adapters` target (whole tensors by
+    /// `<module>.lora_A.weight` / `lora_B.weight` names): the base a generator keeps to merge
+    /// each new version of the adapters into.
+    pub fn targeted_weights(
+        &self,
+        adapters: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<std::collections::HashMap<String, Tensor>> {
+        let params = self.shards.params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone())).collect();
+        crate::lora::targeted_weights(&params, adapters)
+    }
+
+    /// Stages this rank's slices of `base + s·B·A` for the linears `adapters` target (whole
+    /// A and B; `base` from [`TpCausalLm::targeted_weights`]), every other parameter as it
+    /// is; commit with [`TpCausalLm::commit_weights`].
+    pub fn stage_adapters(
+        &self,
+        base: &std::collections::HashMap<String, Tensor>,
+        adapters: &std::collections::HashMap<String, Tensor>,
+        scale: f64,
+    ) -> Result<StagedWeights> {
+        crate::lora::check_adapters(base, adapters)?;
+        let _no_grad = tch::no_grad_guard();
+        let mut staged = Vec::with_capacity(self.shards.params.len());
+        for param in &self.shards.params {
+            let new = match (param.name.strip_suffix(".weight"), base.get(&param.name)) {
+                (Some(module), Some(local)) => {
+                    let a = &adapters[&format!("{module}.lora_A.weight")];
+                    let b = &adapters[&format!("{module}.lora_B.weight")];
+                    let delta = crate::lora::delta(&a.f_to_device(self.device)?, &b.f_to_device(self.device)?, scale)?;
+                    let delta = param.layout.local(&delta)?;
+                    local.f_to_kind(Kind::Float)?.f_add(&delta)?.f_to_kind(self.kind)?
+                }
+                _ => param.tensor.shallow_clone(),
+            };
+            staged.push(new);
+        }
+        Ok(StagedWeights(staged))
     }
 
     /// Copies weights staged by [`TpCausalLm::stage_weights`] into the model.
@@ -734,7 +781,7 @@ impl Shards {
                     Ok::<_, Error>(keep(bias_name, bias, layout))
                 })
                 .transpose()?;
-            Ok(Linear { weight, bias })
+            Ok(Linear { weight, bias, adapter: None })
         };
         // Input columns start..end of `name`; its bias comes back apart (added after the all-reduce).
         let row = |name: String, outputs: i64, inputs: i64, start: i64, end: i64, bias: bool| {
@@ -748,7 +795,7 @@ impl Shards {
                     Ok::<_, Error>(keep(bias_name, bias, Layout::Replicated))
                 })
                 .transpose()?;
-            Ok::<_, Error>((Linear { weight, bias: None }, bias))
+            Ok::<_, Error>((Linear { weight, bias: None, adapter: None }, bias))
         };
         let vocab = share(cfg.vocab_size, rank, world);
         let vocab_rows = Layout::Split { dim: 0, start: vocab.0, end: vocab.1 };
