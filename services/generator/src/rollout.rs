@@ -400,7 +400,7 @@ async fn new_weights(
             _ => return Err(Error::BucketSource),
         });
     }
-    let (buckets, roots) = (weights.buckets.clone(), roots.clone());
+    let (buckets, roots, lora_scale) = (weights.buckets.clone(), roots.clone(), weights.lora_scale);
     tokio::task::spawn_blocking(move || {
         let mut tensors = std::collections::HashMap::new();
         for (bucket, bytes) in buckets.iter().zip(fetched) {
@@ -419,7 +419,10 @@ async fn new_weights(
                 }
             }
         }
-        Ok(Weights::Tensors(tensors))
+        Ok(match lora_scale {
+            Some(scale) => Weights::Adapters { tensors, scale },
+            None => Weights::Tensors(tensors),
+        })
     })
     .await
     .map_err(|e| Error::Task("unpacking the weights", e))?

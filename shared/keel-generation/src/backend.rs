@@ -21,16 +21,24 @@ pub enum Backend {
         cache: PagedCache,
         graphs: Option<DecodeGraphs>,
         captured: Option<(usize, usize)>,
+        /// The base weights of the linears a LoRA run's adapters target, kept from its first
+        /// adapter refit to merge every later version into.
+        lora_base: Option<LoraBase>,
     },
     Sharded(Sharded),
 }
 
-/// New weights for a refit: a Hugging Face directory, or whole tensors by Hugging Face name
-/// (a weights-only export that came in memory).
+/// Copies of the base weights LoRA adapters are merged into, by Hugging Face name.
+type LoraBase = std::collections::HashMap<String, Tensor>;
+
+/// New weights for a refit: a Hugging Face directory (or a LoRA adapter directory), whole
+/// tensors by Hugging Face name (a weights-only export that came in memory), or a LoRA run's
+/// adapters (`<module>.lora_A.weight`, `….lora_B.weight`, whole) with their scale.
 #[derive(Debug)]
 pub enum Weights {
     Dir(PathBuf),
     Tensors(std::collections::HashMap<String, Tensor>),
+    Adapters { tensors: std::collections::HashMap<String, Tensor>, scale: f64 },
 }
 
 impl Weights {
@@ -38,13 +46,25 @@ impl Weights {
     fn share(&self) -> Self {
         match self {
             Self::Dir(dir) => Self::Dir(dir.clone()),
-            Self::Tensors(map) => Self::Tensors(map.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect()),
+            Self::Tensors(map) => Self::Tensors(shared(map)),
+            Self::Adapters { tensors, scale } => Self::Adapters { tensors: shared(tensors), scale: *scale },
         }
     }
 }
 
-/// One rank: its slices of the model, its pool, and weights staged for a refit.
-type Rank = (TpCausalLm<SharedComm>, PagedCache, Option<StagedWeights>);
+fn shared(map: &std::collections::HashMap<String, Tensor>) -> std::collections::HashMap<String, Tensor> {
+    map.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect()
+}
+
+/// One rank: its slices of the model, its pool, and its refit state.
+type Rank = (TpCausalLm<SharedComm>, PagedCache, RankRefit);
+
+/// A rank's weights staged for a refit, and its slices of the LoRA base weights.
+#[derive(Debug, Default)]
+struct RankRefit {
+    staged: Option<StagedWeights>,
+    lora_base: Option<LoraBase>,
+}
 
 /// The ranks of a tensor-parallel model, whose pools share the scheduler's block tables.
 #[derive(Debug)]
@@ -73,7 +93,7 @@ impl Backend {
     /// One model with a pool of `blocks` blocks.
     pub fn whole(model: CausalLm, blocks: usize) -> Result<Self> {
         let cache = PagedCache::new(model.config(), blocks, model.kind(), model.device())?;
-        Ok(Self::Whole { model, cache, graphs: None, captured: None })
+        Ok(Self::Whole { model, cache, graphs: None, captured: None, lora_base: None })
     }
 
     /// Captures the model's decode step as CUDA graphs for batches of up to
@@ -81,7 +101,7 @@ impl Backend {
     /// Returns the batch sizes captured; on an error the backend stays eager.
     pub fn capture_graphs(&mut self, max_num_seqs: usize, max_model_len: usize) -> Result<Vec<usize>> {
         match self {
-            Self::Whole { model, cache, graphs, captured } => {
+            Self::Whole { model, cache, graphs, captured, .. } => {
                 let made = DecodeGraphs::capture(model, cache, max_num_seqs, max_model_len.div_ceil(BLOCK_SIZE))?;
                 let buckets = made.buckets();
                 *graphs = Some(made);
@@ -102,7 +122,7 @@ impl Backend {
             let device = keel_collective::rank_device(device, rank);
             let model = TpCausalLm::load(&dir, comm, device, kind)?;
             let cache = model.paged_cache(blocks)?;
-            Ok::<_, Error>((model, cache, None))
+            Ok::<_, Error>((model, cache, RankRefit::default()))
         })?;
         Ok(Self::Sharded(Sharded { group, blocks }))
     }
@@ -177,7 +197,7 @@ impl Backend {
     /// (empty), CUDA graphs captured again where they were. Returns the bytes it took back.
     pub fn wake(&mut self) -> Result<u64> {
         match self {
-            Self::Whole { model, cache, graphs, captured } => {
+            Self::Whole { model, cache, graphs, captured, .. } => {
                 let bytes = model.move_weights(model.device())? + cache.restore()?;
                 if let (None, Some((seqs, len))) = (&graphs, *captured) {
                     let max_blocks = len.div_ceil(BLOCK_SIZE);
@@ -197,25 +217,67 @@ impl Backend {
     /// Copies `weights` over the model's. Ranks first read and check their slices; only
     /// when every rank has them does any rank swap, so a refit that fails on one rank
     /// leaves all ranks on the old weights.
+    ///
+    /// LoRA adapters are merged into base weights kept from the first adapter refit after
+    /// the last full load (the weights then serving are the run's base: the orchestrator
+    /// loads the policy's directory before a run's first refit). An adapter directory loads
+    /// its base, then its adapters the same way.
     pub fn reload_weights(&mut self, weights: &Weights) -> Result<()> {
+        if let Weights::Dir(dir) = weights
+            && keel_model::lora::is_adapter_dir(dir)
+        {
+            let adapters = keel_model::lora::AdapterDir::read(dir)?;
+            self.reload_weights(&Weights::Dir(adapters.base.clone()))?;
+            let scale = adapters.config.scale();
+            return self.reload_weights(&Weights::Adapters { tensors: adapters.tensors, scale });
+        }
         match self {
-            Self::Whole { model, .. } => match weights {
-                Weights::Dir(dir) => model.reload_weights(dir),
-                Weights::Tensors(map) => model.replace_weights(map),
+            Self::Whole { model, lora_base, .. } => match weights {
+                Weights::Dir(dir) => {
+                    model.reload_weights(dir)?;
+                    *lora_base = None;
+                    Ok(())
+                }
+                Weights::Tensors(map) => {
+                    model.replace_weights(map)?;
+                    *lora_base = None;
+                    Ok(())
+                }
+                Weights::Adapters { tensors, scale } => {
+                    if lora_base.is_none() {
+                        *lora_base =
+                            Some(keel_model::lora::targeted_weights(&model.var_store().variables(), tensors)?);
+                    }
+                    model.refit_adapters(lora_base.as_ref().expect("kept above"), tensors, *scale)
+                }
             },
             Self::Sharded(s) => {
                 let inputs = (0..s.group.world_size()).map(|_| weights.share()).collect();
-                let staged = first(s.group.run(inputs, |(model, _, staged), weights| {
-                    *staged = Some(match weights {
+                let staged = first(s.group.run(inputs, |(model, _, refit), weights| {
+                    refit.staged = Some(match weights {
                         Weights::Dir(dir) => model.stage_weights(&dir)?,
                         Weights::Tensors(map) => model.stage_weights_from(map)?,
+                        Weights::Adapters { tensors, scale } => {
+                            if refit.lora_base.is_none() {
+                                refit.lora_base = Some(model.targeted_weights(&tensors)?);
+                            }
+                            model.stage_adapters(refit.lora_base.as_ref().expect("kept above"), &tensors, scale)?
+                        }
                     });
                     Ok(())
                 }));
                 let commit = staged.is_ok();
-                let committed = first(s.group.run_all(commit, |(model, _, staged), commit| match staged.take() {
-                    Some(weights) if commit => model.commit_weights(weights),
-                    _ => Ok(()),
+                let full = !matches!(weights, Weights::Adapters { .. });
+                let committed = first(s.group.run_all(commit, move |(model, _, refit), commit| {
+                    match refit.staged.take() {
+                        Some(weights) if commit => {
+                            if full {
+                                refit.lora_base = None;
+                            }
+                            model.commit_weights(weights)
+                        }
+                        _ => Ok(()),
+                    }
                 }));
                 staged.and(committed)
             }
@@ -242,6 +304,65 @@ mod tests {
 
     fn chunk(tokens: &[i64], context: usize, blocks: &[u32]) -> SeqChunk {
         SeqChunk { tokens: tokens.to_vec(), context, blocks: blocks.to_vec(), logits: true }
+    }
+
+    /// LoRA adapters (a LoRA run's refit) merge into the base on one rank and on two, each
+    /// new version into the kept base, and an adapter directory loads base and adapters: the
+    /// logits are those of the trained model with its adapters.
+    #[test]
+    fn backends_refit_from_lora_adapters_like_the_adapted_model() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let base = dir.path().join("base");
+        random_model(&base, 3);
+        let lora = keel_protocol::training::LoraConfig {
+            enabled: true,
+            rank: 4,
+            alpha: 8.0,
+            target_modules: vec!["k_proj".into(), "o_proj".into(), "up_proj".into(), "down_proj".into()],
+            ..Default::default()
+        };
+        let mut trained = CausalLm::load(&base, Device::Cpu, Kind::Float).expect("loaded");
+        trained.add_adapters(&lora).expect("adapters");
+        let version = |seed: i64| {
+            tch::manual_seed(seed);
+            let tensors: std::collections::HashMap<String, Tensor> = trained
+                .adapter_tensors()
+                .into_iter()
+                .map(|(n, t)| (n, t.randn_like() * 0.2))
+                .collect();
+            trained.load_adapter_tensors(&tensors).expect("set");
+            tensors
+        };
+        let prompt = [chunk(&[3, 50, 7, 96, 12], 0, &[1])];
+        let mut whole = Backend::whole(CausalLm::load(&base, Device::Cpu, Kind::Float).expect("loaded"), 4).expect("a backend");
+        let mut sharded = Backend::sharded(&base, 2, Device::Cpu, Kind::Float, 4).expect("two ranks");
+        for seed in [1, 2] {
+            let tensors = version(seed);
+            let mut cache = PagedCache::new(trained.config(), 4, Kind::Float, Device::Cpu).expect("a pool");
+            let want = trained.forward_paged(&prompt, &mut cache).expect("the adapted model's logits");
+            for backend in [&mut whole, &mut sharded] {
+                let adapters = Weights::Adapters { tensors: shared(&tensors), scale: lora.scale() };
+                backend.reload_weights(&adapters).expect("refit from adapters");
+                let diff = (backend.forward(&prompt).expect("logits") - &want).abs().max().double_value(&[]);
+                assert!(diff <= 1e-5, "TP {}: version {seed} differs by {diff:e}", backend.tensor_parallel_size());
+            }
+        }
+        let saved = dir.path().join("adapter");
+        trained.save_adapters(&saved, &base).expect("saved");
+        let mut cache = PagedCache::new(trained.config(), 4, Kind::Float, Device::Cpu).expect("a pool");
+        let want = trained.forward_paged(&prompt, &mut cache).expect("logits");
+        // Adapters that do not fit the base are refused; the last version keeps serving.
+        let mut bad = shared(&trained.adapter_tensors().into_iter().collect());
+        bad.remove("model.layers.0.mlp.up_proj.lora_B.weight");
+        for backend in [&mut whole, &mut sharded] {
+            let err = backend.reload_weights(&Weights::Adapters { tensors: shared(&bad), scale: 2.0 }).unwrap_err();
+            assert!(err.to_string().contains("up_proj.lora_B"), "{err}");
+            let diff = (backend.forward(&prompt).expect("logits") - &want).abs().max().double_value(&[]);
+            assert!(diff <= 1e-5, "after a refused refit: {diff:e}");
+            backend.reload_weights(&Weights::Dir(saved.clone())).expect("an adapter directory");
+            let diff = (backend.forward(&prompt).expect("logits") - &want).abs().max().double_value(&[]);
+            assert!(diff <= 1e-5, "TP {}: from the adapter directory: {diff:e}", backend.tensor_parallel_size());
+        }
     }
 
     /// Prefill, copy on write, decode, block reuse and refit on two ranks give what one
