@@ -2,8 +2,9 @@
 //! training step the trainer exports the policy's weights (in small buckets through the
 //! object store), the generator loads them, and the logprobs it reports for its greedy
 //! samples equal the trainer's for the same tokens to 1e-5 (f32) — at generator TP 1 and 2,
-//! with trainer TP 1 and 2, through the object store and through shared memory. A refit whose buckets cannot all be fetched leaves the old
-//! version serving, and the next one succeeds.
+//! with trainer TP 1 and 2, through the object store and through shared memory, and for a LoRA
+//! run, whose refits carry the adapters only. A refit whose buckets cannot all be fetched
+//! leaves the old version serving, and the next one succeeds.
 
 #![allow(clippy::unwrap_used)]
 
@@ -109,11 +110,20 @@ impl Pair {
 
 /// One training step, an export in 64 KiB buckets (objects, or files in shared memory), a
 /// refit, and the logprobs compared.
-async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize, trainer_tp: usize, shared: bool) {
+async fn refit_matches_the_trainer(
+    model: &std::path::Path,
+    generator_tp: usize,
+    trainer_tp: usize,
+    shared: bool,
+    lora: bool,
+) {
     let pair = Pair::start(model, generator_tp).await;
     let _: Value = pair.call(pair.subjects.trainer_claim(), &json!({"run_id": "r"})).await.unwrap();
-    let training = json!({"loss": {"type": "nll"}, "global_batch_size": 2, "micro_batch_size": 2,
+    let mut training = json!({"loss": {"type": "nll"}, "global_batch_size": 2, "micro_batch_size": 2,
         "optimizer": {"lr": 0.05, "weight_decay": 0.0}});
+    if lora {
+        training["lora"] = json!({"enabled": true, "rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]});
+    }
     let load = json!({"run_id": "r", "policy": {"path": model}, "training": training, "seed": 1,
         "tensor_parallel_size": trainer_tp});
     let _: Value = pair.trainer(TrainerOp::Load, &load).await;
@@ -130,8 +140,21 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
         bucket_bytes: 64 << 10,
         shared_dir: shared_dir.clone(),
     };
+    let mut export = export;
+    if lora {
+        export.bucket_bytes = 8 << 10;
+    }
     let exported: ExportReply = pair.trainer(TrainerOp::Export, &export).await;
-    assert!(exported.weights.buckets.len() > 1, "64 KiB buckets split the model");
+    assert!(exported.weights.buckets.len() > 1, "small buckets split the export");
+    let names: Vec<&str> =
+        exported.weights.buckets.iter().flat_map(|b| b.tensors.iter().map(|t| t.name.as_str())).collect();
+    if lora {
+        assert_eq!(exported.weights.lora_scale, Some(4.0), "alpha / rank");
+        assert!(names.iter().all(|n| n.contains(".lora_A.") || n.contains(".lora_B.")), "adapters only: {names:?}");
+    } else {
+        assert_eq!(exported.weights.lora_scale, None);
+        assert!(names.contains(&"model.embed_tokens.weight"), "{names:?}");
+    }
 
     // A refit whose buckets are not all there is refused; the base weights keep serving.
     let mut broken = exported.weights.clone();
@@ -186,7 +209,12 @@ async fn refit_matches_the_trainer(model: &std::path::Path, generator_tp: usize,
     let trained = &logprobs.logprobs[0][5..];
     assert_eq!(trained.len(), generated.len());
     let diff = trained.iter().zip(&generated).map(|(t, g)| (f64::from(*t) - g).abs()).fold(0.0, f64::max);
-    let through = if shared { "shared memory" } else { "the object store" };
+    let through = match (shared, lora) {
+        (true, false) => "shared memory",
+        (false, false) => "the object store",
+        (true, true) => "shared memory, LoRA adapters",
+        (false, true) => "the object store, LoRA adapters",
+    };
     eprintln!(
         "generator TP {generator_tp}, trainer TP {trainer_tp}, through {through}: {} logprobs, largest difference {diff:e}",
         trained.len()
@@ -207,8 +235,15 @@ async fn after_a_weights_only_refit_the_generator_scores_as_the_trainer() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     keel_model_init(&model);
-    for (generator_tp, trainer_tp, shared) in [(1, 1, false), (2, 1, false), (2, 2, false), (1, 1, true), (2, 2, true)]
-    {
-        refit_matches_the_trainer(&model, generator_tp, trainer_tp, shared).await;
+    for (generator_tp, trainer_tp, shared, lora) in [
+        (1, 1, false, false),
+        (2, 1, false, false),
+        (2, 2, false, false),
+        (1, 1, true, false),
+        (2, 2, true, false),
+        (1, 1, false, true),
+        (2, 1, true, true),
+    ] {
+        refit_matches_the_trainer(&model, generator_tp, trainer_tp, shared, lora).await;
     }
 }
