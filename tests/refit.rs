@@ -149,10 +149,12 @@ async fn refit_matches_the_trainer(
     let names: Vec<&str> =
         exported.weights.buckets.iter().flat_map(|b| b.tensors.iter().map(|t| t.name.as_str())).collect();
     if lora {
-        assert_eq!(exported.weights.lora_scale, Some(4.0), "alpha / rank");
+        let lora = exported.weights.lora.as_ref().expect("a LoRA export says so");
+        assert_eq!(lora.scale, 4.0, "alpha / rank");
+        assert_eq!(std::path::Path::new(&lora.base).canonicalize().unwrap(), model.canonicalize().unwrap());
         assert!(names.iter().all(|n| n.contains(".lora_A.") || n.contains(".lora_B.")), "adapters only: {names:?}");
     } else {
-        assert_eq!(exported.weights.lora_scale, None);
+        assert_eq!(exported.weights.lora, None);
         assert!(names.contains(&"model.embed_tokens.weight"), "{names:?}");
     }
 

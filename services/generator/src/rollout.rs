@@ -400,7 +400,11 @@ async fn new_weights(
             _ => return Err(Error::BucketSource),
         });
     }
-    let (buckets, roots, lora_scale) = (weights.buckets.clone(), roots.clone(), weights.lora_scale);
+    let lora = match &weights.lora {
+        Some(lora) => Some((lora.scale, roots.check("lora.base", &lora.base)?)),
+        None => None,
+    };
+    let (buckets, roots) = (weights.buckets.clone(), roots.clone());
     tokio::task::spawn_blocking(move || {
         let mut tensors = std::collections::HashMap::new();
         for (bucket, bytes) in buckets.iter().zip(fetched) {
@@ -419,8 +423,8 @@ async fn new_weights(
                 }
             }
         }
-        Ok(match lora_scale {
-            Some(scale) => Weights::Adapters { tensors, scale },
+        Ok(match lora {
+            Some((scale, base)) => Weights::Adapters { tensors, scale, base },
             None => Weights::Tensors(tensors),
         })
     })

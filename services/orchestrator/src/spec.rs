@@ -135,9 +135,12 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
     }
     if let Some(path) = spec.model.path.as_ref().filter(|_| !problems.iter().any(|p| p.field == "model.path")) {
         let dir = Path::new(path);
-        if !dir.join("config.json").is_file() {
-            problems
-                .push(FieldError::new("model.path", format!("{path} is not a model directory (no config.json there)")));
+        // A model directory, or LoRA adapters in PEFT's layout (loaded on their base).
+        if !dir.join("config.json").is_file() && !dir.join("adapter_config.json").is_file() {
+            problems.push(FieldError::new(
+                "model.path",
+                format!("{path} is not a model directory (no config.json there, nor LoRA adapters' adapter_config.json)"),
+            ));
         }
     }
     if let Some(id) = spec.model.checkpoint {

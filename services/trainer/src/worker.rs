@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
 
 use keel_model::packing::Packed;
-use keel_protocol::generator::{WeightBucket, WeightBuckets};
+use keel_protocol::generator::{AdapterRefit, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
     ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply,
@@ -509,14 +509,16 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         None => None,
     };
     let files = shared_dir.as_ref().map(|s| s.partial.clone());
-    let (step, kind, packed, lora_scale) = shared
+    let (step, kind, packed, lora) = shared
         .engine
         .call(move |slot| {
             let trainer = loaded(slot)?;
-            let lora = &trainer.config().lora;
-            let lora_scale = lora.enabled.then(|| lora.scale());
+            let lora = trainer.lora_base().map(|base| AdapterRefit {
+                scale: trainer.config().lora.scale(),
+                base: base.display().to_string(),
+            });
             let (step, kind, packed) = trainer.export(kind, bucket_bytes, files)?;
-            Ok((step, kind, packed, lora_scale))
+            Ok((step, kind, packed, lora))
         })
         .instrument(info_span!("export", dtype = ?request.dtype))
         .await?;
@@ -533,7 +535,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
     };
     let timing =
         Timing::from([("export_pack".to_string(), packing), ("export".to_string(), started.elapsed().as_secs_f64())]);
-    let weights = WeightBuckets { dtype: keel_model::weights::dtype_name(kind).to_string(), buckets, lora_scale };
+    let weights = WeightBuckets { dtype: keel_model::weights::dtype_name(kind).to_string(), buckets, lora };
     Ok(ExportReply { step, weights, timing })
 }
 

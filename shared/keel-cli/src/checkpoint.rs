@@ -38,15 +38,25 @@ pub enum CheckpointCommand {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Writes a checkpoint as one tar file.
+    /// Writes a checkpoint as one tar file, or with `--merged` as a Hugging Face model
+    /// directory (a LoRA checkpoint's adapters merged into their base).
     Export {
         #[command(flatten)]
         service: Service,
         /// The checkpoint's id (from `keel checkpoint list` or `keel run show`).
         id: Uuid,
-        /// The tar file to write.
+        /// The tar file to write (with `--merged`: the model directory to create).
         #[arg(long)]
         out: PathBuf,
+        /// Write a model directory that transformers and vLLM load: a LoRA checkpoint's
+        /// adapters merged into their base model (saved in the base's dtype), or a whole
+        /// checkpoint's weights without the trainer's state.
+        #[arg(long)]
+        merged: bool,
+        /// With `--merged`: the base model's directory, when it is not where the
+        /// checkpoint's `adapter_config.json` says (a checkpoint made on another machine).
+        #[arg(long, requires = "merged")]
+        base: Option<PathBuf>,
     },
 }
 
@@ -108,13 +118,42 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
                 service.client().download_dir(id, &out).await?;
                 writeln!(std::io::stdout(), "{}", out.display())?;
             }
-            CheckpointCommand::Export { service, id, out } => {
+            CheckpointCommand::Export { service, id, out, merged: false, .. } => {
                 service.client().export_tar(id, &out).await?;
+                writeln!(std::io::stdout(), "{}", out.display())?;
+            }
+            CheckpointCommand::Export { service, id, out, merged: true, base } => {
+                anyhow::ensure!(!out.exists(), "{} already exists", out.display());
+                let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                let download = parent.join(format!(".checkpoint-{id}.{}", Uuid::new_v4().simple()));
+                service.client().download_dir(id, &download).await?;
+                let to = out.clone();
+                let written = tokio::task::spawn_blocking(move || merge(&download, base.as_deref(), &to).map(|()| download))
+                    .await?;
+                let download = written?;
+                let _ = std::fs::remove_dir_all(&download);
                 writeln!(std::io::stdout(), "{}", out.display())?;
             }
         }
         Ok(())
     })
+}
+
+/// Writes the model the checkpoint directory `dir` stands for at `out` (see
+/// `keel_model::lora::export_merged`).
+#[cfg(feature = "engines")]
+fn merge(dir: &std::path::Path, base: Option<&std::path::Path>, out: &std::path::Path) -> anyhow::Result<()> {
+    let merged = keel_model::lora::export_merged(dir, base, out);
+    if merged.is_err() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    Ok(merged.with_context(|| format!("writing the merged model to {}", out.display()))?)
+}
+
+#[cfg(not(feature = "engines"))]
+fn merge(dir: &std::path::Path, _: Option<&std::path::Path>, _: &std::path::Path) -> anyhow::Result<()> {
+    let _ = std::fs::remove_dir_all(dir);
+    anyhow::bail!("--merged loads the model: this keel was built without the `engines` feature")
 }
 
 /// One checkpoint in a line: id, step, size, and `metrics` (all of them when empty; one

@@ -28,8 +28,9 @@ pub enum Backend {
     Sharded(Sharded),
 }
 
-/// Copies of the base weights LoRA adapters are merged into, by Hugging Face name.
-type LoraBase = std::collections::HashMap<String, Tensor>;
+/// The model directory LoRA adapters sit on, and copies of its weights that they target (by
+/// Hugging Face name; a rank's slices under tensor parallelism).
+type LoraBase = (PathBuf, std::collections::HashMap<String, Tensor>);
 
 /// New weights for a refit: a Hugging Face directory (or a LoRA adapter directory), whole
 /// tensors by Hugging Face name (a weights-only export that came in memory), or a LoRA run's
@@ -38,7 +39,7 @@ type LoraBase = std::collections::HashMap<String, Tensor>;
 pub enum Weights {
     Dir(PathBuf),
     Tensors(std::collections::HashMap<String, Tensor>),
-    Adapters { tensors: std::collections::HashMap<String, Tensor>, scale: f64 },
+    Adapters { tensors: std::collections::HashMap<String, Tensor>, scale: f64, base: PathBuf },
 }
 
 impl Weights {
@@ -47,7 +48,9 @@ impl Weights {
         match self {
             Self::Dir(dir) => Self::Dir(dir.clone()),
             Self::Tensors(map) => Self::Tensors(shared(map)),
-            Self::Adapters { tensors, scale } => Self::Adapters { tensors: shared(tensors), scale: *scale },
+            Self::Adapters { tensors, scale, base } => {
+                Self::Adapters { tensors: shared(tensors), scale: *scale, base: base.clone() }
+            }
         }
     }
 }
@@ -216,39 +219,27 @@ impl Backend {
 
     /// Copies `weights` over the model's. Ranks first read and check their slices; only
     /// when every rank has them does any rank swap, so a refit that fails on one rank
-    /// leaves all ranks on the old weights.
+    /// leaves all ranks on the old weights. (An adapter directory loads as its base with the
+    /// adapters merged.)
     ///
-    /// LoRA adapters are merged into base weights kept from the first adapter refit after
-    /// the last full load (the weights then serving are the run's base: the orchestrator
-    /// loads the policy's directory before a run's first refit). An adapter directory loads
-    /// its base, then its adapters the same way.
+    /// LoRA adapters merge into the weights of the model directory they sit on, read once
+    /// (on a run's first adapter refit) and kept for every later version.
     pub fn reload_weights(&mut self, weights: &Weights) -> Result<()> {
-        if let Weights::Dir(dir) = weights
-            && keel_model::lora::is_adapter_dir(dir)
-        {
-            let adapters = keel_model::lora::AdapterDir::read(dir)?;
-            self.reload_weights(&Weights::Dir(adapters.base.clone()))?;
-            let scale = adapters.config.scale();
-            return self.reload_weights(&Weights::Adapters { tensors: adapters.tensors, scale });
-        }
         match self {
             Self::Whole { model, lora_base, .. } => match weights {
-                Weights::Dir(dir) => {
-                    model.reload_weights(dir)?;
-                    *lora_base = None;
-                    Ok(())
-                }
-                Weights::Tensors(map) => {
-                    model.replace_weights(map)?;
-                    *lora_base = None;
-                    Ok(())
-                }
-                Weights::Adapters { tensors, scale } => {
-                    if lora_base.is_none() {
-                        *lora_base =
-                            Some(keel_model::lora::targeted_weights(&model.var_store().variables(), tensors)?);
-                    }
-                    model.refit_adapters(lora_base.as_ref().expect("kept above"), tensors, *scale)
+                Weights::Dir(dir) => model.reload_weights(dir),
+                Weights::Tensors(map) => model.replace_weights(map),
+                Weights::Adapters { tensors, scale, base } => {
+                    let kept = match lora_base.take() {
+                        Some((dir, weights)) if dir == *base => weights,
+                        _ => {
+                            let full = CausalLm::load(base, model.device(), model.kind())?;
+                            keel_model::lora::targeted_weights(&full.var_store().variables(), tensors)?
+                        }
+                    };
+                    let refit = model.refit_adapters(&kept, tensors, *scale);
+                    *lora_base = Some((base.clone(), kept));
+                    refit
                 }
             },
             Self::Sharded(s) => {
@@ -257,27 +248,26 @@ impl Backend {
                     refit.staged = Some(match weights {
                         Weights::Dir(dir) => model.stage_weights(&dir)?,
                         Weights::Tensors(map) => model.stage_weights_from(map)?,
-                        Weights::Adapters { tensors, scale } => {
-                            if refit.lora_base.is_none() {
-                                refit.lora_base = Some(model.targeted_weights(&tensors)?);
-                            }
-                            model.stage_adapters(refit.lora_base.as_ref().expect("kept above"), &tensors, scale)?
+                        Weights::Adapters { tensors, scale, base } => {
+                            let kept = match refit.lora_base.take() {
+                                Some((dir, weights)) if dir == base => weights,
+                                _ => {
+                                    // The whole base, on the CPU, once per run: each rank cuts its slices.
+                                    let full = CausalLm::load(&base, Device::Cpu, model.kind())?;
+                                    model.targeted_weights(&full.var_store().variables(), &tensors)?
+                                }
+                            };
+                            let staged = model.stage_adapters(&kept, &tensors, scale);
+                            refit.lora_base = Some((base, kept));
+                            staged?
                         }
                     });
                     Ok(())
                 }));
                 let commit = staged.is_ok();
-                let full = !matches!(weights, Weights::Adapters { .. });
-                let committed = first(s.group.run_all(commit, move |(model, _, refit), commit| {
-                    match refit.staged.take() {
-                        Some(weights) if commit => {
-                            if full {
-                                refit.lora_base = None;
-                            }
-                            model.commit_weights(weights)
-                        }
-                        _ => Ok(()),
-                    }
+                let committed = first(s.group.run_all(commit, |(model, _, refit), commit| match refit.staged.take() {
+                    Some(weights) if commit => model.commit_weights(weights),
+                    _ => Ok(()),
                 }));
                 staged.and(committed)
             }
@@ -306,9 +296,10 @@ mod tests {
         SeqChunk { tokens: tokens.to_vec(), context, blocks: blocks.to_vec(), logits: true }
     }
 
-    /// LoRA adapters (a LoRA run's refit) merge into the base on one rank and on two, each
-    /// new version into the kept base, and an adapter directory loads base and adapters: the
-    /// logits are those of the trained model with its adapters.
+    /// LoRA adapters (a LoRA run's refit) merge into their base on one rank and on two, each
+    /// new version into the kept base (the serving weights are not the base any more after
+    /// the first), and an adapter directory loads as base and adapters merged: the logits
+    /// are those of the trained model with its adapters.
     #[test]
     fn backends_refit_from_lora_adapters_like_the_adapted_model() {
         let dir = tempfile::tempdir().expect("a directory");
@@ -341,7 +332,7 @@ mod tests {
             let mut cache = PagedCache::new(trained.config(), 4, Kind::Float, Device::Cpu).expect("a pool");
             let want = trained.forward_paged(&prompt, &mut cache).expect("the adapted model's logits");
             for backend in [&mut whole, &mut sharded] {
-                let adapters = Weights::Adapters { tensors: shared(&tensors), scale: lora.scale() };
+                let adapters = Weights::Adapters { tensors: shared(&tensors), scale: lora.scale(), base: base.clone() };
                 backend.reload_weights(&adapters).expect("refit from adapters");
                 let diff = (backend.forward(&prompt).expect("logits") - &want).abs().max().double_value(&[]);
                 assert!(diff <= 1e-5, "TP {}: version {seed} differs by {diff:e}", backend.tensor_parallel_size());
@@ -355,7 +346,8 @@ mod tests {
         let mut bad = shared(&trained.adapter_tensors().into_iter().collect());
         bad.remove("model.layers.0.mlp.up_proj.lora_B.weight");
         for backend in [&mut whole, &mut sharded] {
-            let err = backend.reload_weights(&Weights::Adapters { tensors: shared(&bad), scale: 2.0 }).unwrap_err();
+            let bad = Weights::Adapters { tensors: shared(&bad), scale: 2.0, base: base.clone() };
+            let err = backend.reload_weights(&bad).unwrap_err();
             assert!(err.to_string().contains("up_proj.lora_B"), "{err}");
             let diff = (backend.forward(&prompt).expect("logits") - &want).abs().max().double_value(&[]);
             assert!(diff <= 1e-5, "after a refused refit: {diff:e}");

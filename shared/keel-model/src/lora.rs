@@ -491,3 +491,42 @@ pub fn targeted_weights(
         })
         .collect()
 }
+
+/// Writes the model an adapter directory (or a whole model directory) stands for as a plain
+/// Hugging Face model directory at `out`: the base (`base`, else the one its
+/// `adapter_config.json` names) with the adapters merged, saved in the base's dtype, with the
+/// tokenizer files of `dir`. `out` appears only when complete and is never overwritten.
+pub fn export_merged(dir: &Path, base: Option<&Path>, out: &Path) -> Result<()> {
+    if out.exists() {
+        return Err(Error::InvalidInput(format!("{} already exists", out.display())));
+    }
+    let (model, base) = if is_adapter_dir(dir) {
+        let mut adapters = AdapterDir::read(dir)?;
+        if let Some(base) = base {
+            adapters.base = base.to_path_buf();
+        }
+        let mut model = adapters.load(Device::Cpu, Kind::Float)?;
+        model.merge_adapters()?;
+        (model, adapters.base)
+    } else {
+        (CausalLm::load(dir, Device::Cpu, Kind::Float)?, dir.to_path_buf())
+    };
+    let dtype = crate::config::ModelConfig::load(&base)
+        .ok()
+        .and_then(|c| c.dtype)
+        .map_or(Ok(Kind::Float), |name| crate::device::parse_kind(&name))?;
+    let mut model = model;
+    model.set_kind(dtype)?;
+    let name = out.file_name().and_then(|n| n.to_str()).unwrap_or("merged");
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let partial = parent.join(format!(".{name}.partial"));
+    let _ = std::fs::remove_dir_all(&partial);
+    let written = model
+        .save(&partial, crate::SaveOptions::default())
+        .and_then(|()| crate::pretrained::copy_side_files(dir, &partial))
+        .and_then(|()| std::fs::rename(&partial, out).map_err(Error::io(out)));
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    written
+}

@@ -11,6 +11,30 @@ use crate::error::{Error, Result};
 use crate::model::{CausalLm, Init};
 use crate::weights::{self, SaveOptions};
 
+/// The files of a model directory besides its config and weights (tokenizer, generation
+/// config, chat template), copied along wherever a model directory is written from another.
+pub const MODEL_SIDE_FILES: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+];
+
+/// Copies the [`MODEL_SIDE_FILES`] that `from` has into `to`.
+pub fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
+    for name in MODEL_SIDE_FILES {
+        let source = from.join(name);
+        if source.is_file() {
+            std::fs::copy(&source, to.join(name)).map_err(Error::io(&source))?;
+        }
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `dir/name` through a temporary file and a rename.
 pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(name));

@@ -186,10 +186,22 @@ pub struct WeightBuckets {
     pub dtype: String,
     pub buckets: Vec<WeightBucket>,
     /// Set when the tensors are a LoRA run's adapters (`<module>.lora_A.weight` and
-    /// `….lora_B.weight`) instead of the weights: the generator serves `base + s·B·A` with
-    /// this `s`, keeping the base it loaded to merge the next version into.
+    /// `….lora_B.weight`) instead of the weights.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lora_scale: Option<f64>,
+    pub lora: Option<AdapterRefit>,
+}
+
+/// What a generator needs to serve a LoRA run's adapters: it serves `W + s·B·A` for every
+/// targeted weight `W` of the base model, keeping the base weights to merge each new version
+/// of the adapters into.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterRefit {
+    /// `s` (`alpha / rank`, or `alpha / √rank` with rsLoRA).
+    pub scale: f64,
+    /// The model directory the adapters sit on, as the trainer loaded it (an adapter
+    /// directory there stands for its base with its own adapters merged).
+    pub base: String,
 }
 
 /// One buffer of packed tensors: an object of the JetStream object store, or a file in

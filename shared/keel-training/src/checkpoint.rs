@@ -34,18 +34,6 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const VALUE_HEAD_FILE: &str = "value_head.safetensors";
 pub const VALUE_HEAD_TENSOR: &str = "score.weight";
 
-/// Files copied from the source model directory when present.
-const MODEL_SIDE_FILES: [&str; 8] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-];
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainerState {
     pub format: String,
@@ -97,12 +85,7 @@ fn write_contents(
         Weights::Whole(model) => model.save(dir, SaveOptions::default())?,
         Weights::Adapters { model, base } => model.save_adapters(dir, base)?,
     }
-    for name in MODEL_SIDE_FILES {
-        let from = source.join(name);
-        if from.is_file() {
-            std::fs::copy(&from, dir.join(name)).map_err(io_error(&from))?;
-        }
-    }
+    keel_model::pretrained::copy_side_files(source, dir)?;
     if let Some(head) = value_head {
         write_tensors(&dir.join(VALUE_HEAD_FILE), &[(VALUE_HEAD_TENSOR.to_string(), head.shallow_clone())])?;
     }

@@ -238,6 +238,11 @@ impl Engine {
         self.parameter_count
     }
 
+    /// The model directory the policy's LoRA adapters sit on (`None` without LoRA).
+    pub fn lora_base(&self) -> Option<&Path> {
+        self.policy.has_adapters().then_some(self.base.as_path())
+    }
+
     pub fn has_reference(&self) -> bool {
         self.reference.is_some()
     }

@@ -170,6 +170,14 @@ impl Trainer {
         }
     }
 
+    /// The model directory a LoRA run's adapters sit on (`None` without LoRA).
+    pub fn lora_base(&self) -> Option<&std::path::Path> {
+        match self {
+            Self::One(engine) => engine.lora_base(),
+            Self::Ranks(_) => None,
+        }
+    }
+
     /// Writes a checkpoint at `path`; returns the optimiser step and the files written.
     pub fn save(&mut self, path: PathBuf, info: serde_json::Value) -> Result<(u64, Vec<String>)> {
         match self {

@@ -679,15 +679,22 @@ impl<C: Collective> TpCausalLm<C> {
         Ok(StagedWeights(fresh.params.into_iter().map(|p| p.tensor).collect()))
     }
 
-    /// Copies of this rank's slices of the weights LoRA `adapters` target (whole tensors by
-    /// `<module>.lora_A.weight` / `lora_B.weight` names): the base a generator keeps to merge
-    /// each new version of the adapters into.
+    /// This rank's slices (copies, in the model's dtype and on its device) of the weights
+    /// LoRA `adapters` target, cut from `full` (whole tensors by HF name, e.g. a model's
+    /// variables): the base a generator keeps to merge each new version of the adapters into.
     pub fn targeted_weights(
         &self,
+        full: &std::collections::HashMap<String, Tensor>,
         adapters: &std::collections::HashMap<String, Tensor>,
     ) -> Result<std::collections::HashMap<String, Tensor>> {
-        let params = self.shards.params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone())).collect();
-        crate::lora::targeted_weights(&params, adapters)
+        let whole = crate::lora::targeted_weights(full, adapters)?;
+        let mut local = std::collections::HashMap::new();
+        for param in self.shards.params.iter().filter(|p| whole.contains_key(&p.name)) {
+            let slice = param.layout.local(&whole[&param.name])?;
+            check_shape(&param.name, &param.tensor.size(), &slice.size())?;
+            local.insert(param.name.clone(), slice.f_to_kind(self.kind)?.f_to_device(self.device)?.copy());
+        }
+        Ok(local)
     }
 
     /// Stages this rank's slices of `base + s·B·A` for the linears `adapters` target (whole
