@@ -3,7 +3,9 @@
 //! checkpoints; the generator and trainer agree on logprobs); DPO's first loss is ln 2 and
 //! falls, on held-out pairs too; a reward model's accuracy rises; an orchestrator killed mid-run is replaced and
 //! the run finishes with every step recorded once; weights refitted in memory or through a
-//! directory, and training and generation colocated or not, give the same run.
+//! directory, and training and generation colocated or not, give the same run; LoRA SFT saves
+//! PEFT adapters that GRPO continues from (refitting adapters only) and that export as a
+//! merged model transformers scores as PEFT does.
 
 #![allow(clippy::unwrap_used)]
 
@@ -232,6 +234,73 @@ async fn grpo_records_the_same_metrics_with_weights_in_memory_or_through_a_direc
             assert!((x - y).abs() <= 1e-6, "train/{name} at step {step}: {x} in memory, {y} through a directory");
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lora_sft_then_lora_grpo_refits_adapters_and_exports_a_merged_model() {
+    let stack = Stack::start();
+    let lora = json!({"enabled": true, "rank": 8, "alpha": 16});
+    let mut sft = sft_spec(&json!({"path": stack.model}), 4, 4);
+    sft["training"]["lora"] = lora.clone();
+    sft["training"]["optimizer"]["lr"] = json!(0.01);
+    let sft = stack.submit(&sft).await;
+    stack.wait_succeeded(&sft, LIMIT).await;
+    let loss = stack.series(&sft, "train/loss").await;
+    assert!(loss[3].1 < loss[0].1, "LoRA SFT loss fell: {loss:?}");
+    let checkpoints = stack.get(&format!("/v1/runs/{sft}/checkpoints")).await;
+    let checkpoint = &checkpoints[0];
+    let files: Vec<&str> = checkpoint["files"].as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
+    assert!(files.contains(&"adapter_model.safetensors") && files.contains(&"adapter_config.json"), "{files:?}");
+    assert!(!files.iter().any(|f| f.starts_with("model")), "adapters only: {files:?}");
+    let adapters = checkpoint["id"].as_str().unwrap().to_string();
+
+    // GRPO puts new adapters on the SFT model (base with the SFT adapters merged), which is also
+    // its reference; each step refits the adapters only. In memory and through a directory of
+    // adapters, the run is the same, and the generator's logprobs are the trainer's.
+    let mut series = Vec::new();
+    for transfer in ["memory", "directory"] {
+        let mut spec = grpo_spec(&json!({"checkpoint": adapters}));
+        spec["training"]["lora"] = lora.clone();
+        spec["training"]["optimizer"]["lr"] = json!(0.005);
+        spec["generation"]["weight_transfer"] = json!(transfer);
+        spec["data"]["validation"] = serde_json::Value::Null;
+        spec["checkpointing"] = json!({"enabled": false});
+        let id = stack.submit(&spec).await;
+        stack.wait_succeeded(&id, LIMIT).await;
+        for (step, error) in stack.series(&id, "train/token_mult_prob_error").await {
+            assert!((0.999..1.001).contains(&error), "{transfer}, step {step}: token_mult_prob_error {error}");
+        }
+        let kl = stack.series(&id, "train/kl_penalty").await;
+        assert!(kl[0].1.abs() < 1e-6, "{transfer}: the first step's policy is its reference: {kl:?}");
+        series.push((stack.series(&id, "train/loss").await, stack.series(&id, "train/reward").await));
+    }
+    let (memory, directory) = (&series[0], &series[1]);
+    assert_eq!(memory.0.len(), 3);
+    for ((a, b), name) in [(&memory.0, &directory.0), (&memory.1, &directory.1)].into_iter().zip(["loss", "reward"]) {
+        for ((step, x), (_, y)) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-6, "train/{name} at step {step}: {x} in memory, {y} through a directory");
+        }
+    }
+
+    // The SFT checkpoint as a merged model scores in transformers as the adapters do in PEFT.
+    let scratch = tempfile::tempdir().unwrap();
+    let (merged, downloaded) = (scratch.path().join("merged"), scratch.path().join("adapters"));
+    let keel = |args: &[&str]| {
+        let output = std::process::Command::new(keel_testkit::binary("keel"))
+            .args(args)
+            .env("KEEL_CHECKPOINT_URL", &stack.checkpoint.url)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "keel {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    };
+    keel(&["checkpoint", "export", &adapters, "--merged", "--out", merged.to_str().unwrap()]);
+    keel(&["checkpoint", "download", &adapters, "--out", downloaded.to_str().unwrap()]);
+    assert!(merged.join("config.json").is_file() && merged.join("tokenizer.json").is_file());
+    let seqs = keel_testkit::sequences(&[17, 9], 200, 4);
+    let merged_logprobs = keel_testkit::reference_logprobs(&merged, &seqs, 1.0, scratch.path());
+    let peft = keel_testkit::peft_logprobs(&stack.model, &downloaded, &seqs, scratch.path());
+    let diff = keel_testkit::max_abs_diff(&merged_logprobs, &peft);
+    assert!(diff <= 1e-5, "merged model vs PEFT adapters: {diff:e}");
 }
 
 /// `keel run` and `keel checkpoint` on a finished GRPO run whose checkpoints are at `steps`:
