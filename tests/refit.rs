@@ -122,7 +122,8 @@ async fn refit_matches_the_trainer(
     let mut training = json!({"loss": {"type": "nll"}, "global_batch_size": 2, "micro_batch_size": 2,
         "optimizer": {"lr": 0.05, "weight_decay": 0.0}});
     if lora {
-        training["lora"] = json!({"enabled": true, "rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]});
+        training["lora"] =
+            json!({"enabled": true, "rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]});
     }
     let load = json!({"run_id": "r", "policy": {"path": model}, "training": training, "seed": 1,
         "tensor_parallel_size": trainer_tp});

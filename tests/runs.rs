@@ -249,7 +249,8 @@ async fn lora_sft_then_lora_grpo_refits_adapters_and_exports_a_merged_model() {
     assert!(loss[3].1 < loss[0].1, "LoRA SFT loss fell: {loss:?}");
     let checkpoints = stack.get(&format!("/v1/runs/{sft}/checkpoints")).await;
     let checkpoint = &checkpoints[0];
-    let files: Vec<&str> = checkpoint["files"].as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
+    let files: Vec<&str> =
+        checkpoint["files"].as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
     assert!(files.contains(&"adapter_model.safetensors") && files.contains(&"adapter_config.json"), "{files:?}");
     assert!(!files.iter().any(|f| f.starts_with("model")), "adapters only: {files:?}");
     let adapters = checkpoint["id"].as_str().unwrap().to_string();

@@ -139,7 +139,9 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         if !dir.join("config.json").is_file() && !dir.join("adapter_config.json").is_file() {
             problems.push(FieldError::new(
                 "model.path",
-                format!("{path} is not a model directory (no config.json there, nor LoRA adapters' adapter_config.json)"),
+                format!(
+                    "{path} is not a model directory (no config.json there, nor LoRA adapters' adapter_config.json)"
+                ),
             ));
         }
     }

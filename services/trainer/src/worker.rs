@@ -513,10 +513,9 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         .engine
         .call(move |slot| {
             let trainer = loaded(slot)?;
-            let lora = trainer.lora_base().map(|base| AdapterRefit {
-                scale: trainer.config().lora.scale(),
-                base: base.display().to_string(),
-            });
+            let lora = trainer
+                .lora_base()
+                .map(|base| AdapterRefit { scale: trainer.config().lora.scale(), base: base.display().to_string() });
             let (step, kind, packed) = trainer.export(kind, bucket_bytes, files)?;
             Ok((step, kind, packed, lora))
         })

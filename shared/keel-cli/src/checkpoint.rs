@@ -1,6 +1,7 @@
 //! `keel checkpoint`: list a run's checkpoints, upload a directory as a checkpoint, download
 //! one as an HF directory (every file verified against its sha256, the directory appearing
-//! only when complete), or export it as a tar file. Talks to the checkpoint service's REST
+//! only when complete), or export it as a tar file or (`--merged`) as a model directory with
+//! a LoRA checkpoint's adapters merged into their base. Talks to the checkpoint service's REST
 //! API (`--url`, default `KEEL_CHECKPOINT_URL` or http://127.0.0.1:8083).
 
 use std::collections::BTreeMap;
@@ -127,11 +128,10 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
                 let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
                 let download = parent.join(format!(".checkpoint-{id}.{}", Uuid::new_v4().simple()));
                 service.client().download_dir(id, &download).await?;
-                let to = out.clone();
-                let written = tokio::task::spawn_blocking(move || merge(&download, base.as_deref(), &to).map(|()| download))
-                    .await?;
-                let download = written?;
+                let (from, to) = (download.clone(), out.clone());
+                let written = tokio::task::spawn_blocking(move || merge(&from, base.as_deref(), &to)).await;
                 let _ = std::fs::remove_dir_all(&download);
+                written??;
                 writeln!(std::io::stdout(), "{}", out.display())?;
             }
         }
@@ -143,16 +143,12 @@ pub fn run(command: CheckpointCommand) -> anyhow::Result<()> {
 /// `keel_model::lora::export_merged`).
 #[cfg(feature = "engines")]
 fn merge(dir: &std::path::Path, base: Option<&std::path::Path>, out: &std::path::Path) -> anyhow::Result<()> {
-    let merged = keel_model::lora::export_merged(dir, base, out);
-    if merged.is_err() {
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    Ok(merged.with_context(|| format!("writing the merged model to {}", out.display()))?)
+    keel_model::lora::export_merged(dir, base, out)
+        .with_context(|| format!("writing the merged model to {}", out.display()))
 }
 
 #[cfg(not(feature = "engines"))]
-fn merge(dir: &std::path::Path, _: Option<&std::path::Path>, _: &std::path::Path) -> anyhow::Result<()> {
-    let _ = std::fs::remove_dir_all(dir);
+fn merge(_: &std::path::Path, _: Option<&std::path::Path>, _: &std::path::Path) -> anyhow::Result<()> {
     anyhow::bail!("--merged loads the model: this keel was built without the `engines` feature")
 }
 

@@ -55,6 +55,13 @@ impl Weights {
     }
 }
 
+/// Moves the kept LoRA base weights to `device` in place (with the model's weights, while a
+/// colocated generator sleeps); returns the bytes moved.
+fn move_base(base: &Option<LoraBase>, device: Device) -> Result<u64> {
+    let tensors = base.iter().flat_map(|(_, weights)| weights.values());
+    keel_model::device::move_in_place(tensors, device)
+}
+
 fn shared(map: &std::collections::HashMap<String, Tensor>) -> std::collections::HashMap<String, Tensor> {
     map.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect()
 }
@@ -181,14 +188,15 @@ impl Backend {
     pub fn sleep(&mut self, offload_weights: bool) -> Result<u64> {
         let host = Device::Cpu;
         match self {
-            Self::Whole { model, cache, graphs, .. } => {
+            Self::Whole { model, cache, graphs, lora_base, .. } => {
                 *graphs = None;
-                let weights = if offload_weights { model.move_weights(host)? } else { 0 };
+                let weights = if offload_weights { model.move_weights(host)? + move_base(lora_base, host)? } else { 0 };
                 Ok(weights + cache.release())
             }
             Self::Sharded(s) => {
-                let freed = s.group.run_all(offload_weights, move |(model, cache, _), offload| {
-                    let weights = if offload { model.move_weights(host)? } else { 0 };
+                let freed = s.group.run_all(offload_weights, move |(model, cache, refit), offload| {
+                    let weights =
+                        if offload { model.move_weights(host)? + move_base(&refit.lora_base, host)? } else { 0 };
                     Ok(weights + cache.release())
                 });
                 Ok(sum(freed)?)
@@ -200,8 +208,9 @@ impl Backend {
     /// (empty), CUDA graphs captured again where they were. Returns the bytes it took back.
     pub fn wake(&mut self) -> Result<u64> {
         match self {
-            Self::Whole { model, cache, graphs, captured, .. } => {
-                let bytes = model.move_weights(model.device())? + cache.restore()?;
+            Self::Whole { model, cache, graphs, captured, lora_base } => {
+                let bytes =
+                    model.move_weights(model.device())? + move_base(lora_base, model.device())? + cache.restore()?;
                 if let (None, Some((seqs, len))) = (&graphs, *captured) {
                     let max_blocks = len.div_ceil(BLOCK_SIZE);
                     *graphs = Some(DecodeGraphs::capture(model, cache, seqs, max_blocks)?);
@@ -209,9 +218,10 @@ impl Backend {
                 Ok(bytes)
             }
             Self::Sharded(s) => {
-                let taken = s
-                    .group
-                    .run_all((), |(model, cache, _), ()| Ok(model.move_weights(model.device())? + cache.restore()?));
+                let taken = s.group.run_all((), |(model, cache, refit), ()| {
+                    let device = model.device();
+                    Ok(model.move_weights(device)? + move_base(&refit.lora_base, device)? + cache.restore()?)
+                });
                 Ok(sum(taken)?)
             }
         }
@@ -316,16 +326,14 @@ mod tests {
         trained.add_adapters(&lora).expect("adapters");
         let version = |seed: i64| {
             tch::manual_seed(seed);
-            let tensors: std::collections::HashMap<String, Tensor> = trained
-                .adapter_tensors()
-                .into_iter()
-                .map(|(n, t)| (n, t.randn_like() * 0.2))
-                .collect();
+            let tensors: std::collections::HashMap<String, Tensor> =
+                trained.adapter_tensors().into_iter().map(|(n, t)| (n, t.randn_like() * 0.2)).collect();
             trained.load_adapter_tensors(&tensors).expect("set");
             tensors
         };
         let prompt = [chunk(&[3, 50, 7, 96, 12], 0, &[1])];
-        let mut whole = Backend::whole(CausalLm::load(&base, Device::Cpu, Kind::Float).expect("loaded"), 4).expect("a backend");
+        let mut whole =
+            Backend::whole(CausalLm::load(&base, Device::Cpu, Kind::Float).expect("loaded"), 4).expect("a backend");
         let mut sharded = Backend::sharded(&base, 2, Device::Cpu, Kind::Float, 4).expect("two ranks");
         for seed in [1, 2] {
             let tensors = version(seed);

@@ -121,10 +121,13 @@ impl CausalLm {
                 let linear = self.linear_mut(layer, target);
                 let (outputs, inputs) = (linear.weight.size()[0], linear.weight.size()[1]);
                 let bound = 1.0 / (inputs as f64).sqrt();
-                let a = Tensor::f_rand([rank, inputs], (Kind::Float, device))?.f_mul_scalar(2.0 * bound)?.f_sub_scalar(bound)?;
+                let a = Tensor::f_rand([rank, inputs], (Kind::Float, device))?
+                    .f_mul_scalar(2.0 * bound)?
+                    .f_sub_scalar(bound)?;
                 let path = module.split('.').fold(vs.root(), |path, part| path / part);
                 let a = (&path / "lora_A").add("weight", a, true);
-                let b = (&path / "lora_B").add("weight", Tensor::f_zeros([outputs, rank], (Kind::Float, device))?, true);
+                let b =
+                    (&path / "lora_B").add("weight", Tensor::f_zeros([outputs, rank], (Kind::Float, device))?, true);
                 let switch = switch.clone();
                 linear.adapter = Some(Adapter { a, b, scale, dropout, switch });
             }
@@ -217,7 +220,9 @@ impl CausalLm {
         let tensors = self
             .adapter_tensors()
             .into_iter()
-            .map(|(name, t)| Ok((format!("{PEFT_PREFIX}{name}"), t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?)))
+            .map(|(name, t)| {
+                Ok((format!("{PEFT_PREFIX}{name}"), t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?))
+            })
             .collect::<Result<Vec<_>>>()?;
         let path = dir.join(ADAPTER_WEIGHTS_FILE);
         Tensor::write_safetensors(&tensors, &path)
@@ -338,8 +343,16 @@ impl AdapterConfig {
             ("bias", self.bias != "none", self.bias.clone()),
             ("fan_in_fan_out", self.fan_in_fan_out, "true".into()),
             ("use_dora", self.use_dora, "true".into()),
-            ("modules_to_save", self.modules_to_save.as_ref().is_some_and(|m| !m.is_empty()), format!("{:?}", self.modules_to_save)),
-            ("layers_to_transform", self.layers_to_transform.as_ref().is_some_and(|v| !v.is_null()), format!("{:?}", self.layers_to_transform)),
+            (
+                "modules_to_save",
+                self.modules_to_save.as_ref().is_some_and(|m| !m.is_empty()),
+                format!("{:?}", self.modules_to_save),
+            ),
+            (
+                "layers_to_transform",
+                self.layers_to_transform.as_ref().is_some_and(|v| !v.is_null()),
+                format!("{:?}", self.layers_to_transform),
+            ),
             ("rank_pattern", !self.rank_pattern.is_empty(), format!("{:?}", self.rank_pattern)),
             ("alpha_pattern", !self.alpha_pattern.is_empty(), format!("{:?}", self.alpha_pattern)),
         ];
@@ -432,13 +445,12 @@ pub fn check_adapters(base: &HashMap<String, Tensor>, adapters: &HashMap<String,
         };
         match adapters.get(&pair) {
             None => problems.push(WeightProblem::Missing { name: pair }),
-            Some(other) if name.ends_with(".lora_A.weight") && other.size().get(1) != tensor.size().first() => {
-                problems.push(WeightProblem::Shape {
+            Some(other) if name.ends_with(".lora_A.weight") && other.size().get(1) != tensor.size().first() => problems
+                .push(WeightProblem::Shape {
                     name: pair,
                     expected: vec![other.size()[0], tensor.size()[0]],
                     found: other.size(),
-                })
-            }
+                }),
             Some(_) => {}
         }
         if name.ends_with(".lora_A.weight") && !base.contains_key(&format!("{module}.weight")) {
@@ -466,7 +478,11 @@ pub fn merged_weights(
         let device = w.device();
         let d = delta(&a.f_to_device(device)?, &b.f_to_device(device)?, scale)?;
         if d.size() != w.size() {
-            return Err(Error::Weights(vec![WeightProblem::Shape { name: weight, expected: w.size(), found: d.size() }]));
+            return Err(Error::Weights(vec![WeightProblem::Shape {
+                name: weight,
+                expected: w.size(),
+                found: d.size(),
+            }]));
         }
         merged.insert(weight, w.f_to_kind(Kind::Float)?.f_add(&d)?);
     }
@@ -486,7 +502,9 @@ pub fn targeted_weights(
             let weight = format!("{module}.weight");
             match params.get(&weight) {
                 Some(w) => Ok((weight, w.f_detach()?.copy())),
-                None => Err(Error::Weights(vec![WeightProblem::Unexpected { name: format!("{module}.lora_A.weight") }])),
+                None => {
+                    Err(Error::Weights(vec![WeightProblem::Unexpected { name: format!("{module}.lora_A.weight") }]))
+                }
             }
         })
         .collect()

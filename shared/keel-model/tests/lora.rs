@@ -123,11 +123,13 @@ fn a_serving_model_refits_from_adapters_in_place_and_refuses_bad_ones() {
     let mut missing = copy();
     missing.remove("model.layers.1.mlp.down_proj.lora_B.weight");
     let mut stray = copy();
-    stray.insert("model.layers.0.self_attn.k_proj.lora_A.weight".into(), Tensor::zeros([4, 64], (Kind::Float, Device::Cpu)));
-    for (bad, expected) in [
-        (missing, "missing tensor `model.layers.1.mlp.down_proj.lora_B.weight`"),
-        (stray, "k_proj.lora_A.weight"),
-    ] {
+    stray.insert(
+        "model.layers.0.self_attn.k_proj.lora_A.weight".into(),
+        Tensor::zeros([4, 64], (Kind::Float, Device::Cpu)),
+    );
+    for (bad, expected) in
+        [(missing, "missing tensor `model.layers.1.mlp.down_proj.lora_B.weight`"), (stray, "k_proj.lora_A.weight")]
+    {
         let err = serving.refit_adapters(&base, &bad, 2.0).unwrap_err().to_string();
         assert!(err.contains(expected), "{err}");
     }

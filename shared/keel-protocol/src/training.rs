@@ -277,7 +277,8 @@ impl LoraConfig {
     /// Whether adapters made with `other` are the same shape and scale as these (dropout,
     /// which only training uses, may differ).
     pub fn same_adapters(&self, other: &LoraConfig) -> bool {
-        (self.rank, self.alpha, self.use_rslora, self.targets()) == (other.rank, other.alpha, other.use_rslora, other.targets())
+        (self.rank, self.alpha, self.use_rslora, self.targets())
+            == (other.rank, other.alpha, other.use_rslora, other.targets())
     }
 
     /// The targeted module names, in [`LORA_TARGETS`] order (all of them when none are named).
@@ -300,7 +301,12 @@ impl LoraConfig {
             return;
         }
         let field = |name: &str| format!("{at}.{name}");
-        check(problems, (1..=4096).contains(&self.rank), &field("rank"), format!("must be 1 to 4096, got {}", self.rank));
+        check(
+            problems,
+            (1..=4096).contains(&self.rank),
+            &field("rank"),
+            format!("must be 1 to 4096, got {}", self.rank),
+        );
         check(problems, finite_positive(self.alpha), &field("alpha"), format!("must be positive, got {}", self.alpha));
         check(
             problems,

@@ -74,7 +74,13 @@ pub fn peft_logprobs(model_dir: &Path, adapter_dir: &Path, seqs: &[Vec<i64>], sc
     scored(model_dir, Some(adapter_dir), seqs, 1.0, scratch)
 }
 
-fn scored(model_dir: &Path, adapter: Option<&Path>, seqs: &[Vec<i64>], temperature: f64, scratch: &Path) -> Vec<Vec<f64>> {
+fn scored(
+    model_dir: &Path,
+    adapter: Option<&Path>,
+    seqs: &[Vec<i64>],
+    temperature: f64,
+    scratch: &Path,
+) -> Vec<Vec<f64>> {
     let input = scratch.join("reference-input.jsonl");
     write_jsonl(&input, seqs);
     let (model, input, temperature) = (model_dir.to_string_lossy(), input.to_string_lossy(), temperature.to_string());

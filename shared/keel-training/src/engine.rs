@@ -31,7 +31,7 @@ use keel_protocol::training::{LossConfig, TrainingConfig};
 #[derive(Debug)]
 enum Reference {
     /// A model of its own, optionally parked on the CPU between uses.
-    Loaded { model: Model, offload: bool },
+    Loaded { model: Box<Model>, offload: bool },
     /// The policy's base model under LoRA: the policy with its adapters off (no second copy).
     Base,
 }
@@ -142,7 +142,8 @@ impl Engine {
         // A LoRA run resuming from a LoRA checkpoint goes on training its adapters over their
         // base; any other start puts new adapters on the source model (an adapter directory
         // loads as its base with the adapters merged).
-        let resumes_adapters = lora.is_some() && request.resume && saved_lora && keel_model::lora::is_adapter_dir(&source);
+        let resumes_adapters =
+            lora.is_some() && request.resume && saved_lora && keel_model::lora::is_adapter_dir(&source);
         let (mut policy, base) = if resumes_adapters {
             let adapters = keel_model::lora::AdapterDir::read(&source).map_err(load_error(&source))?;
             if !config.lora.same_adapters(&adapters.config) {
@@ -179,7 +180,7 @@ impl Engine {
                 let at = if request.reference_offload { Device::Cpu } else { device };
                 let mut model = Model::load(path, at, kind, comm.clone()).map_err(load_error(path))?;
                 model.freeze()?;
-                Some(Reference::Loaded { model, offload: request.reference_offload })
+                Some(Reference::Loaded { model: Box::new(model), offload: request.reference_offload })
             }
             _ => None,
         };

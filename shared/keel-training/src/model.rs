@@ -93,9 +93,9 @@ impl Model {
     pub fn add_adapters(&mut self, lora: &keel_protocol::training::LoraConfig) -> Result<()> {
         match self {
             Self::Full(m) => Ok(m.add_adapters(lora)?),
-            Self::Sharded(_) => Err(Error::InvalidConfig(
-                "LoRA trains on one rank: tensor_parallel_size must be 1".into(),
-            )),
+            Self::Sharded(_) => {
+                Err(Error::InvalidConfig("LoRA trains on one rank: tensor_parallel_size must be 1".into()))
+            }
         }
     }
 
@@ -108,9 +108,7 @@ impl Model {
     /// parameter ([`Model::parameters`]).
     pub fn trainable_parameters(&self) -> Vec<(String, Tensor, Option<Layout>)> {
         match self {
-            Self::Full(m) if m.lora().is_some() => {
-                m.adapter_tensors().into_iter().map(|(n, t)| (n, t, None)).collect()
-            }
+            Self::Full(m) if m.lora().is_some() => m.adapter_tensors().into_iter().map(|(n, t)| (n, t, None)).collect(),
             _ => self.parameters(),
         }
     }

@@ -49,10 +49,16 @@ fn lora_sft_trains_only_the_adapters_and_its_loss_falls() {
     }
     let after = held_out_nll(&mut engine, &held_out);
     let (first, last) = (losses[0], losses[losses.len() - 1]);
-    eprintln!("LoRA SFT: training loss {first:.3} -> {last:.3}, held-out NLL {before:.3} -> {after:.3} after {} steps", engine.step());
+    eprintln!(
+        "LoRA SFT: training loss {first:.3} -> {last:.3}, held-out NLL {before:.3} -> {after:.3} after {} steps",
+        engine.step()
+    );
     // With the embeddings and the head frozen, rank-8 adapters learn counting more slowly
     // than full fine-tuning (which halves the held-out NLL in these steps), but steadily.
-    assert!(last < 0.9 * first && after < 0.9 * before, "training loss {first} -> {last}, held-out {before} -> {after}");
+    assert!(
+        last < 0.9 * first && after < 0.9 * before,
+        "training loss {first} -> {last}, held-out {before} -> {after}"
+    );
 
     let grads = engine.gradients().unwrap();
     assert!(grads.keys().all(|n| n.contains(".lora_A.") || n.contains(".lora_B.")), "{:?}", grads.keys());
@@ -116,14 +122,24 @@ fn a_lora_checkpoint_holds_peft_adapters_and_resumes_exactly() {
     }
     let saved = dir.path().join("step-2");
     let files = first.save(&saved, json!({"consumed_samples": 32})).unwrap();
-    for file in ["adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "optimizer.safetensors", "trainer_state.json"] {
+    for file in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
         assert!(files.contains(&file.to_string()), "{file} missing from {files:?}");
     }
     for file in ["config.json", "model.safetensors"] {
         assert!(!files.contains(&file.to_string()), "{file} in a LoRA checkpoint: {files:?}");
     }
-    let config: Value = serde_json::from_str(&std::fs::read_to_string(saved.join("adapter_config.json")).unwrap()).unwrap();
-    assert_eq!(config["base_model_name_or_path"].as_str(), Some(std::path::absolute(&model).unwrap().to_str().unwrap()));
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(saved.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["base_model_name_or_path"].as_str(),
+        Some(std::path::absolute(&model).unwrap().to_str().unwrap())
+    );
     assert_eq!((config["r"].as_i64(), config["lora_alpha"].as_f64()), (Some(4), Some(8.0)));
 
     let mut resumed = engine(&saved, training.clone());
@@ -138,7 +154,8 @@ fn a_lora_checkpoint_holds_peft_adapters_and_resumes_exactly() {
     first.train(Batch::new(&batch, &first.config().loss).unwrap(), 1.0).unwrap();
     tch::manual_seed(3);
     resumed.train(Batch::new(&batch, &resumed.config().loss).unwrap(), 1.0).unwrap();
-    let (a, b) = (first.policy().whole().unwrap().adapter_tensors(), resumed.policy().whole().unwrap().adapter_tensors());
+    let (a, b) =
+        (first.policy().whole().unwrap().adapter_tensors(), resumed.policy().whole().unwrap().adapter_tensors());
     for ((name, x), (_, y)) in a.iter().zip(&b) {
         let diff = (x - y).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{name} differs by {diff} after the resumed step");
