@@ -96,11 +96,10 @@ fn check_step_tree(trace: &[Span], run: &str, step: u64) {
     let find = |name: &str| trace.iter().filter(move |s| s.name == name).collect::<Vec<_>>();
     let parent_of = |span: &Span| trace.iter().find(|s| s.id == span.parent).unwrap().clone();
     let names_above = |span: &Span| ancestry(trace, span).iter().map(|s| s.name.clone()).collect::<Vec<_>>();
-    // (server span, its service, the phases it may run under: rollouts are also made for
-    // validation, which this run does every step)
+    // (server span, its service, the phases it may run under)
     for (server, service, phases) in [
-        ("generator.generate", "keel-generator", &["rollouts", "validation"][..]),
-        ("reward.env_step", "keel-reward", &["rollouts", "validation"]),
+        ("generator.generate", "keel-generator", &["rollouts"][..]),
+        ("reward.env_step", "keel-reward", &["rollouts"]),
         ("trainer.logprobs", "keel-trainer", &["policy_and_reference_logprobs"]),
         ("trainer.train", "keel-trainer", &["policy_training"]),
         ("trainer.export", "keel-trainer", &["weight_sync"]),
@@ -128,6 +127,24 @@ fn check_step_tree(trace: &[Span], run: &str, step: u64) {
     for span in uploads {
         let above = names_above(span);
         assert!(above.contains(&"checkpoint_upload".to_string()), "{} under checkpoint_upload: {above:?}", span.name);
+    }
+    // Validation (every step here) is one span with its requests' summary, and none of their
+    // own: no client span, and the services they reached made none.
+    let validations = find("validation");
+    assert_eq!(validations.len(), 1, "{summary:?}");
+    let validation = validations[0];
+    let requests: u64 = validation.attributes["requests"].parse().unwrap();
+    assert!(requests >= 2, "a generate and a scoring request at least: {:?}", validation.attributes);
+    assert_eq!(validation.attributes["failed_requests"], "0", "{:?}", validation.attributes);
+    assert!(validation.attributes["request_seconds"].parse::<f64>().unwrap() > 0.0);
+    for span in trace.iter().filter(|s| s.id != validation.id) {
+        let above = names_above(span);
+        assert!(
+            !above.contains(&"validation".to_string()),
+            "{} [{}] under validation: {above:?}",
+            span.name,
+            span.service
+        );
     }
     let step_attr = root.attributes.get("step").cloned();
     assert_eq!(step_attr, Some(step.to_string()));

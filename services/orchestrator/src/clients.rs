@@ -80,36 +80,43 @@ impl Nats {
     ) -> Result<Rep, CallError> {
         let bytes = serde_json::to_vec(body)
             .map_err(|e| CallError::Malformed { subject: subject.clone(), message: format!("cannot encode: {e}") })?;
-        let span = tracing::info_span!(
-            "nats.client",
-            otel.name = %subject,
-            otel.kind = "client",
-            messaging.system = "nats",
-            messaging.destination.name = %subject,
-            messaging.message.body.size = bytes.len(),
-        );
+        // Summarised work (validation) makes no span per request (see keel_telemetry).
+        let span = if keel_telemetry::quiet() {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!(
+                "nats.client",
+                otel.name = %subject,
+                otel.kind = "client",
+                messaging.system = "nats",
+                messaging.destination.name = %subject,
+                messaging.message.body.size = bytes.len(),
+            )
+        };
         let mut headers = span.in_scope(keel_telemetry::nats_headers);
         if let Some(holder) = holder {
             headers.insert(keel_protocol::trainer::HOLDER_HEADER, holder.to_string().as_str());
         }
+        let started = std::time::Instant::now();
         let request = keel_service::nats::request(&self.client, subject.clone(), headers, bytes, timeout);
-        let message = match request.instrument(span).await {
+        let result = match request.instrument(span).await {
             Err(e) if e.kind() == async_nats::RequestErrorKind::TimedOut => {
                 let message = match std::error::Error::source(&e) {
                     // It went silent mid-request (see `keel_service::nats::SILENCE_LIMIT`).
                     Some(why) => why.to_string(),
                     None => format!("no reply within {:.0} s", timeout.as_secs_f64()),
                 };
-                return Err(CallError::NoAnswer { subject, message });
+                Err(CallError::NoAnswer { subject, message })
             }
-            Err(e) => return Err(CallError::Absent { subject, message: e.to_string() }),
-            Ok(message) => message,
+            Err(e) => Err(CallError::Absent { subject, message: e.to_string() }),
+            Ok(message) => match serde_json::from_slice::<Reply<Rep>>(&message.payload) {
+                Ok(Reply::Ok(reply)) => Ok(reply),
+                Ok(Reply::Error(body)) => Err(CallError::Refused { subject, body }),
+                Err(e) => Err(CallError::Malformed { subject, message: format!("unexpected reply: {e}") }),
+            },
         };
-        match serde_json::from_slice::<Reply<Rep>>(&message.payload) {
-            Ok(Reply::Ok(reply)) => Ok(reply),
-            Ok(Reply::Error(body)) => Err(CallError::Refused { subject, body }),
-            Err(e) => Err(CallError::Malformed { subject, message: format!("unexpected reply: {e}") }),
-        }
+        keel_telemetry::count_request(started.elapsed().as_secs_f64(), result.is_err());
+        result
     }
 
     /// [`Nats::call`] to a queue group: a request nobody answered is retried (another

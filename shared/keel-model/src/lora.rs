@@ -186,29 +186,8 @@ impl CausalLm {
     /// Copies adapter tensors (by [`CausalLm::adapter_tensors`] names, any float dtype) into
     /// the adapters; every one must be there with its shape, or nothing changes.
     pub fn load_adapter_tensors(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        let current = self.adapter_tensors();
-        let mut problems = Vec::new();
-        for (name, param) in &current {
-            match tensors.get(name) {
-                None => problems.push(WeightProblem::Missing { name: name.clone() }),
-                Some(t) if t.size() != param.size() => {
-                    problems.push(WeightProblem::Shape { name: name.clone(), expected: param.size(), found: t.size() })
-                }
-                Some(_) => {}
-            }
-        }
-        let known: std::collections::HashSet<&String> = current.iter().map(|(n, _)| n).collect();
-        problems.extend(
-            tensors.keys().filter(|n| !known.contains(n)).map(|n| WeightProblem::Unexpected { name: n.clone() }),
-        );
-        if !problems.is_empty() {
-            return Err(Error::Weights(problems));
-        }
-        let _no_grad = tch::no_grad_guard();
-        for (name, param) in current {
-            param.shallow_clone().f_copy_(&tensors[&name])?;
-        }
-        Ok(())
+        let current = self.adapters.as_ref().map(|a| a.vs.variables()).unwrap_or_default();
+        crate::pretrained::copy_all(&current, tensors)
     }
 
     /// Writes the adapters to `dir` in PEFT's layout, their base being the model directory

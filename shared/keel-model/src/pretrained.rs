@@ -48,6 +48,40 @@ pub(crate) fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> R
     write_atomically(dir, name, text.as_bytes())
 }
 
+/// Copies `new` over `current` (tensors by name) in place, once every name of `current` is
+/// in `new` with its shape and `new` has no other; otherwise nothing is copied and every
+/// problem is listed.
+pub(crate) fn copy_all(
+    current: &std::collections::HashMap<String, Tensor>,
+    new: &std::collections::HashMap<String, Tensor>,
+) -> Result<()> {
+    let mut problems = Vec::new();
+    for (name, param) in current {
+        match new.get(name) {
+            None => problems.push(crate::error::WeightProblem::Missing { name: name.clone() }),
+            Some(t) if t.size() != param.size() => problems.push(crate::error::WeightProblem::Shape {
+                name: name.clone(),
+                expected: param.size(),
+                found: t.size(),
+            }),
+            Some(_) => {}
+        }
+    }
+    problems.extend(
+        new.keys()
+            .filter(|n| !current.contains_key(*n))
+            .map(|n| crate::error::WeightProblem::Unexpected { name: n.clone() }),
+    );
+    if !problems.is_empty() {
+        return Err(Error::Weights(problems));
+    }
+    let _no_grad = tch::no_grad_guard();
+    for (name, param) in current {
+        param.shallow_clone().f_copy_(&new[name])?;
+    }
+    Ok(())
+}
+
 impl CausalLm {
     /// Loads a HF model directory, with parameters in `kind` on `device`. An adapter
     /// directory ([`crate::lora`]) loads as its base model with the adapters merged in.
@@ -80,32 +114,7 @@ impl CausalLm {
     /// device) over the model's parameters in place; with a missing, unexpected or
     /// misshapen tensor nothing is copied.
     pub fn replace_weights(&self, new: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        let current = self.var_store().variables();
-        let mut problems = Vec::new();
-        for (name, param) in &current {
-            match new.get(name) {
-                None => problems.push(crate::error::WeightProblem::Missing { name: name.clone() }),
-                Some(t) if t.size() != param.size() => problems.push(crate::error::WeightProblem::Shape {
-                    name: name.clone(),
-                    expected: param.size(),
-                    found: t.size(),
-                }),
-                Some(_) => {}
-            }
-        }
-        problems.extend(
-            new.keys()
-                .filter(|n| !current.contains_key(*n))
-                .map(|n| crate::error::WeightProblem::Unexpected { name: n.clone() }),
-        );
-        if !problems.is_empty() {
-            return Err(Error::Weights(problems));
-        }
-        let _no_grad = tch::no_grad_guard();
-        for (name, param) in current {
-            param.shallow_clone().f_copy_(&new[&name])?;
-        }
-        Ok(())
+        copy_all(&self.var_store().variables(), new)
     }
 
     /// Saves `config.json` and the weights (in the parameters' dtype) to `dir`, creating it.

@@ -15,6 +15,12 @@
 //! [`http_headers`] and [`inject_http`] for outgoing HTTP requests, [`set_http_parent`] for
 //! incoming ones, [`nats_headers`] for outgoing NATS messages and [`set_nats_parent`] for
 //! incoming ones.
+//!
+//! Work that makes hundreds of alike requests (validation's rollouts) runs [`summarised`]:
+//! its requests get no client spans and pass on their trace context marked not sampled, so
+//! the services they reach make no spans for them either; the caller records the
+//! [`Summary`] (requests, failures, seconds) on its own span instead. `KEEL_TRACE` with
+//! `keel::detail=debug` (e.g. `KEEL_TRACE=info,keel::detail=debug`) keeps every span.
 
 use std::fmt;
 
@@ -193,12 +199,69 @@ impl Extractor for NatsExtractor<'_> {
     }
 }
 
-/// Headers carrying the current span's trace context, for an outgoing NATS message.
+/// Headers carrying the current span's trace context, for an outgoing NATS message
+/// (marked not sampled in [`quiet`] work).
 pub fn nats_headers() -> async_nats::HeaderMap {
     let mut headers = async_nats::HeaderMap::new();
-    let context = Span::current().context();
+    let mut context = Span::current().context();
+    if quiet() {
+        let current = context.span().span_context().clone();
+        let unsampled = opentelemetry::trace::SpanContext::new(
+            current.trace_id(),
+            current.span_id(),
+            opentelemetry::trace::TraceFlags::default(),
+            current.is_remote(),
+            current.trace_state().clone(),
+        );
+        context = Context::new().with_remote_span_context(unsampled);
+    }
     TraceContextPropagator::new().inject_context(&context, &mut NatsInjector(&mut headers));
     headers
+}
+
+// --- Summarised work -------------------------------------------------------------------
+
+/// The `tracing` target whose `debug` level keeps the spans of [`summarised`] work.
+pub const DETAIL_TARGET: &str = "keel::detail";
+
+/// What the requests of [`summarised`] work came to.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub requests: u64,
+    pub failed: u64,
+    /// The requests' seconds, added up.
+    pub seconds: f64,
+}
+
+tokio::task_local! {
+    static SUMMARY: std::sync::Arc<std::sync::Mutex<Summary>>;
+}
+
+/// Runs `work` with its requests summarised (see the crate's documentation): returns its
+/// output and what its requests came to. Requests made from tasks `work` spawns are not
+/// summarised.
+pub async fn summarised<F: std::future::Future>(work: F) -> (F::Output, Summary) {
+    let summary = std::sync::Arc::new(std::sync::Mutex::new(Summary::default()));
+    let output = SUMMARY.scope(summary.clone(), work).await;
+    let summary = *summary.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    (output, summary)
+}
+
+/// Whether this task is in [`summarised`] work whose spans are off (`keel::detail` is not
+/// at `debug` in `KEEL_TRACE`): its requests make no client spans and pass on unsampled
+/// trace context.
+pub fn quiet() -> bool {
+    SUMMARY.try_with(|_| ()).is_ok() && !tracing::enabled!(target: DETAIL_TARGET, tracing::Level::DEBUG)
+}
+
+/// Counts one request of [`summarised`] work (nothing outside it).
+pub fn count_request(seconds: f64, failed: bool) {
+    let _ = SUMMARY.try_with(|summary| {
+        let mut summary = summary.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        summary.requests += 1;
+        summary.failed += u64::from(failed);
+        summary.seconds += seconds;
+    });
 }
 
 /// Makes `span` a child of the trace context an incoming NATS message carries (no change
@@ -284,6 +347,42 @@ mod tests {
             set_nats_parent(&child, Some(&headers));
             assert_eq!(child.in_scope(trace_id), Some(trace));
         });
+    }
+
+    /// Under a `KEEL_TRACE`-like span filter `filter`: whether summarised work was quiet,
+    /// the traceparent outside and inside it, and its summary.
+    fn summarised_under(filter: &str) -> (bool, String, String, Summary) {
+        let provider = SdkTracerProvider::builder().build();
+        opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+        let layer =
+            tracing_opentelemetry::layer().with_tracer(provider.tracer("test")).with_filter(EnvFilter::new(filter));
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
+            let root = tracing::info_span!("root");
+            let _entered = root.enter();
+            let traceparent = || nats_headers().get("traceparent").expect("traceparent").as_str().to_string();
+            let outside = traceparent();
+            assert!(!quiet(), "outside summarised work nothing is quiet");
+            let ((was_quiet, inside), summary) = runtime.block_on(summarised(async {
+                count_request(0.5, false);
+                count_request(0.25, true);
+                (quiet(), traceparent())
+            }));
+            count_request(1.0, false);
+            (was_quiet, outside, inside, summary)
+        })
+    }
+
+    #[test]
+    fn summarised_work_passes_on_unsampled_context_and_counts_its_requests() {
+        let (quiet, outside, inside, summary) = summarised_under("info");
+        assert!(quiet && outside.ends_with("-01") && inside.ends_with("-00"), "{outside} {inside}");
+        assert_eq!(inside[..52], outside[..52], "the same trace and parent: {outside} {inside}");
+        assert_eq!(summary, Summary { requests: 2, failed: 1, seconds: 0.75 });
+        // keel::detail at debug keeps every span.
+        let (quiet, _, inside, summary) = summarised_under("info,keel::detail=debug");
+        assert!(!quiet && inside.ends_with("-01"), "{inside}");
+        assert_eq!(summary.requests, 2, "still counted");
     }
 
     #[test]

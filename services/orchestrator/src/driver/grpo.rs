@@ -226,9 +226,7 @@ pub(super) async fn train_step(
         }
         let weights = run.weights.clone();
         let prompting = &inputs.prompting;
-        rollout::validate_step(ctx, prompting, &inputs.validation, weights, step, &mut metrics.0, &mut samples)
-            .instrument(tracing::info_span!("validation", prompts = inputs.validation.len()))
-            .await?;
+        rollout::validate_step(ctx, prompting, &inputs.validation, weights, step, &mut metrics.0, &mut samples).await?;
     }
     metrics.0.insert("timing/train/total_step_time".into(), seconds(started));
     let metrics = metrics.0;

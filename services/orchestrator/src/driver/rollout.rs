@@ -16,6 +16,7 @@ use keel_protocol::generator::{RolloutReply, RolloutRequest, Sampling};
 use keel_protocol::reward::{EnvConfig, EnvSample, EnvStepRequest, Message};
 use keel_protocol::run::{EnvironmentsSpec, Sample};
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 use super::tokens::Prompting;
 use super::{Result, RunContext, Stop};
@@ -455,7 +456,22 @@ pub async fn validate(
         max_turns: ctx.spec.grpo.max_rollout_turns,
         weights,
     };
-    let (episodes, _) = rollout(ctx, prompting, &chosen, &settings, ctx.spec.seed ^ 0x5eed).await?;
+    // Hundreds of alike requests: one span with their summary, not a span per request
+    // (KEEL_TRACE=info,keel::detail=debug keeps them).
+    let span = tracing::info_span!(
+        "validation",
+        step,
+        prompts = chosen.len(),
+        requests = tracing::field::Empty,
+        failed_requests = tracing::field::Empty,
+        request_seconds = tracing::field::Empty,
+    );
+    let work = rollout(ctx, prompting, &chosen, &settings, ctx.spec.seed ^ 0x5eed);
+    let (rolled, summary) = keel_telemetry::summarised(work).instrument(span.clone()).await;
+    span.record("requests", summary.requests);
+    span.record("failed_requests", summary.failed);
+    span.record("request_seconds", summary.seconds);
+    let (episodes, _) = rolled?;
     let correct = |e: &Episode| e.reward >= 1.0 - 1e-6;
     let mut per_prompt = vec![(v.num_samples, 0usize); chosen.len()];
     for e in episodes.iter().filter(|e| correct(e)) {
