@@ -22,9 +22,11 @@ use stack::otlp::{Span, otlp_receiver};
 const LIMIT: Duration = Duration::from_secs(600);
 const SERVICES: [&str; 5] = ["keel-orchestrator", "keel-generator", "keel-reward", "keel-trainer", "keel-checkpoint"];
 
-/// Two GRPO steps, each validated and checkpointed, recording 8 samples.
-fn observed_spec(model: &Path) -> serde_json::Value {
+/// Two GRPO steps, each validated and checkpointed, recording 8 samples, with TensorBoard
+/// logging into `logs`.
+fn observed_spec(model: &Path, logs: &Path) -> serde_json::Value {
     let mut spec = stack::grpo_spec(&json!({"path": model}));
+    spec["logger"] = json!({"tensorboard_enabled": true, "log_dir": logs});
     spec["name"] = json!("observed-grpo");
     spec["max_num_steps"] = json!(2);
     spec["grpo"]["samples_to_record"] = json!(8);
@@ -192,8 +194,30 @@ fn plot_points(dom: &str, plot: &str) -> u64 {
 async fn a_grpo_run_is_traced_measured_and_shown() {
     let (otlp, spans) = otlp_receiver().await;
     let stack = Stack::start_with(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp), ("OTEL_BSP_SCHEDULE_DELAY", "200")]);
-    let run = stack.submit(&observed_spec(&stack.model)).await;
+    let logs = tempfile::tempdir().unwrap();
+    let run = stack.submit(&observed_spec(&stack.model, logs.path())).await;
     stack.wait_succeeded(&run, LIMIT).await;
+
+    // TensorBoard's own reader finds every recorded metric, at the steps and values recorded.
+    let events = logs.path().join(&run).join("tensorboard");
+    let output = Command::new(keel_testkit::python())
+        .arg(keel_testkit::workspace_root().join("tests/reference/tensorboard_scalars.py"))
+        .arg(&events)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let scalars: BTreeMap<String, Vec<(u64, f64)>> = serde_json::from_slice(&output.stdout).unwrap();
+    for name in ["train/loss", "train/reward", "validation/accuracy", "timing/train/total_step_time"] {
+        let recorded = stack.series(&run, name).await;
+        let logged = scalars.get(name).unwrap_or_else(|| panic!("no {name} in {:?}", scalars.keys()));
+        assert_eq!(logged.len(), recorded.len(), "{name}: {logged:?} vs {recorded:?}");
+        for ((step, value), (recorded_step, recorded_value)) in logged.iter().zip(&recorded) {
+            assert_eq!(step, recorded_step, "{name}");
+            let tolerance = 1e-6 * recorded_value.abs().max(1.0);
+            assert!((value - recorded_value).abs() <= tolerance, "{name} at step {step}: {value} vs {recorded_value}");
+        }
+    }
+    assert_eq!(scalars["validation/accuracy"][0].0, 0, "validation's baseline is step 0");
 
     // Traces: each step is its own tree across the five services.
     let first = step_trace(&spans, &run, 1).await;

@@ -155,8 +155,12 @@ async fn multi_turn_rollouts_and_reward_plugins_reach_the_run() {
     }
 
     // Each call to the plugin is a client span of the reward service, under its server span,
-    // and the plugin's request carries it as the parent.
-    let parent = traceparents.lock().unwrap().first().cloned().expect("the plugin was called");
+    // and the plugin's request carries it as the parent. Validation's calls (summarised in
+    // the orchestrator's trace) carry their context marked not sampled; the training
+    // rollouts' are sampled.
+    let sent = traceparents.lock().unwrap().clone();
+    assert!(sent.iter().any(|t| t.ends_with("-00")), "validation's calls are not sampled: {sent:?}");
+    let parent = sent.iter().find(|t| t.ends_with("-01")).cloned().expect("a sampled call to the plugin");
     let client_id = parent.split('-').nth(2).unwrap().to_string();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let (client, received) = loop {

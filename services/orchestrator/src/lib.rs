@@ -24,6 +24,7 @@ pub mod dashboard;
 pub mod data;
 pub mod db;
 pub mod driver;
+pub mod loggers;
 pub mod scheduler;
 pub mod spec;
 

@@ -27,6 +27,7 @@ use crate::db;
 use crate::driver::store::RunStore;
 use crate::driver::weights::WeightPublisher;
 use crate::driver::{self, RunContext, Stop, StopFlag, Waits};
+use crate::loggers::Loggers;
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -127,7 +128,8 @@ impl Scheduler {
         Ok(Some(RunContext {
             id: run.id,
             owner,
-            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name()),
+            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name())
+                .with_loggers(Loggers::open(&run.spec.logger, &run.id.to_string(), &self.work_dir.join("logs"))),
             spec: run.spec,
             trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),
             nats,

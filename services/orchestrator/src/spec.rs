@@ -128,7 +128,8 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         keel_protocol::run::DatasetSpec::Jsonl { path, .. } => Some((field, path)),
         _ => None,
     });
-    for (field, path) in spec.model.path.iter().map(|p| ("model.path", p)).chain(dataset_paths) {
+    let log_dir = spec.logger.log_dir.iter().map(|p| ("logger.log_dir", p));
+    for (field, path) in spec.model.path.iter().map(|p| ("model.path", p)).chain(dataset_paths).chain(log_dir) {
         if let Err(e) = roots.inside(path) {
             problems.push(FieldError::new(field, e.to_string()));
         }

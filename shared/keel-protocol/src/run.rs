@@ -450,6 +450,26 @@ pub struct RunSpec {
     /// Tensor-parallel ranks the trainer splits the policy and reference over (1: none).
     #[serde(default = "default_tensor_parallel_size")]
     pub tensor_parallel_size: usize,
+    /// Where recorded metrics go besides Keel's own store (NeMo-RL's `logger`).
+    #[serde(default)]
+    pub logger: LoggerSpec,
+}
+
+/// NeMo-RL's `logger` section: every metric the run records (each step's, and validation's
+/// baseline at step 0) also goes to the loggers enabled here.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoggerSpec {
+    /// The loggers' directory on the orchestrator's disk (inside its path roots); each run
+    /// writes under `<log_dir>/<run id>/`. Default: `logs` in the orchestrator's `work_dir`.
+    pub log_dir: Option<String>,
+    /// TensorBoard event files in `<log_dir>/<run id>/tensorboard/` (one scalar per metric
+    /// and step, under the metric's name).
+    pub tensorboard_enabled: bool,
+    /// Not built yet: refused when true.
+    pub mlflow_enabled: bool,
+    /// Not built yet: refused when true.
+    pub wandb_enabled: bool,
 }
 
 fn default_tensor_parallel_size() -> usize {
@@ -490,6 +510,15 @@ impl RunSpec {
         let alg = self.algorithm;
         let tp = self.tensor_parallel_size;
         check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
+        for (field, on, name) in [
+            ("logger.mlflow_enabled", self.logger.mlflow_enabled, "MLflow"),
+            ("logger.wandb_enabled", self.logger.wandb_enabled, "W&B"),
+        ] {
+            check(&mut p, !on, field, format!("{name} logging is not built yet: use logger.tensorboard_enabled"));
+        }
+        if let Some(dir) = &self.logger.log_dir {
+            check(&mut p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
+        }
         match (&self.model.path, &self.model.checkpoint) {
             (Some(path), None) => check(&mut p, !path.trim().is_empty(), "model.path", "must not be empty"),
             (None, Some(_)) => {}
@@ -949,6 +978,28 @@ mod tests {
         spec.grpo.async_grpo.max_trajectory_age_steps = 0;
         let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(fields, ["grpo.async_grpo.enabled", "grpo.async_grpo.max_trajectory_age_steps"]);
+    }
+
+    /// NeMo-RL's logger keys: TensorBoard on, the loggers not built yet refused by name,
+    /// LoRA refused with tensor parallelism.
+    #[test]
+    fn logger_and_lora_settings_are_checked() {
+        let mut spec = grpo();
+        spec.logger = serde_json::from_value(serde_json::json!({
+            "log_dir": "logs", "tensorboard_enabled": true, "mlflow_enabled": false, "wandb_enabled": false,
+        }))
+        .unwrap();
+        assert_eq!(spec.problems(), vec![]);
+        spec.logger.mlflow_enabled = true;
+        spec.logger.wandb_enabled = true;
+        spec.logger.log_dir = Some(" ".into());
+        spec.tensor_parallel_size = 2;
+        spec.training.as_mut().unwrap().lora.enabled = true;
+        let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            ["logger.mlflow_enabled", "logger.wandb_enabled", "logger.log_dir", "training.lora.enabled"]
+        );
     }
 
     /// Validation reports accuracy only where every environment rewards right or wrong.

@@ -1,12 +1,15 @@
 //! The run's rows in Postgres, as one driver sees them: every write is fenced by this claim
 //! of the run (`owner`), and a write the fence refuses stops the driver ([`Stop::Lost`]).
 
+use std::sync::{Arc, Mutex};
+
 use keel_protocol::run::{RunEvent, Sample};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::{Result, Stop};
 use crate::db;
+use crate::loggers::Loggers;
 
 #[derive(Debug, Clone)]
 pub struct RunStore {
@@ -15,11 +18,22 @@ pub struct RunStore {
     owner: Uuid,
     /// The run's algorithm, as the step-phase histogram labels it.
     algorithm: &'static str,
+    /// Where recorded metrics also go (TensorBoard).
+    loggers: Arc<Mutex<Loggers>>,
 }
 
 impl RunStore {
     pub fn new(pool: PgPool, id: Uuid, owner: Uuid, algorithm: &'static str) -> Self {
-        Self { pool, id, owner, algorithm }
+        Self { pool, id, owner, algorithm, loggers: Arc::default() }
+    }
+
+    /// Sends every metric recorded from now on to `loggers` too.
+    pub fn with_loggers(self, loggers: Loggers) -> Self {
+        Self { loggers: Arc::new(Mutex::new(loggers)), ..self }
+    }
+
+    fn log(&self, step: u64, metrics: &std::collections::BTreeMap<String, f64>) {
+        self.loggers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).log(step, metrics);
     }
 
     /// Forgets what was recorded after `step` (a resumed run records those steps again).
@@ -43,6 +57,7 @@ impl RunStore {
             return Err(Stop::Lost);
         }
         tx.commit().await?;
+        self.log(record.step, &record.metrics);
         for (name, seconds) in &record.metrics {
             if let Some(phase) = name.strip_prefix("timing/train/") {
                 keel_service::metrics::observe(
@@ -65,6 +80,7 @@ impl RunStore {
         let mut db = self.pool.acquire().await?;
         db::insert_metrics(&mut db, self.id, 0, metrics).await?;
         db::insert_samples(&mut db, self.id, samples).await?;
+        self.log(0, metrics);
         Ok(())
     }
 
