@@ -10,6 +10,7 @@
 mod stack;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -22,11 +23,14 @@ use stack::otlp::{Span, otlp_receiver};
 const LIMIT: Duration = Duration::from_secs(600);
 const SERVICES: [&str; 5] = ["keel-orchestrator", "keel-generator", "keel-reward", "keel-trainer", "keel-checkpoint"];
 
-/// Two GRPO steps, each validated and checkpointed, recording 8 samples, with TensorBoard
-/// logging into `logs`.
-fn observed_spec(model: &Path, logs: &Path) -> serde_json::Value {
+/// Two GRPO steps, each validated and checkpointed, recording 8 samples, logged to
+/// TensorBoard files in `logs` and to the MLflow server at `mlflow`.
+fn observed_spec(model: &Path, logs: &Path, mlflow: &str) -> serde_json::Value {
     let mut spec = stack::grpo_spec(&json!({"path": model}));
-    spec["logger"] = json!({"tensorboard_enabled": true, "log_dir": logs});
+    spec["logger"] = json!({
+        "tensorboard_enabled": true, "log_dir": logs,
+        "mlflow_enabled": true, "mlflow": {"tracking_uri": mlflow, "experiment_name": "keel-observed"},
+    });
     spec["name"] = json!("observed-grpo");
     spec["max_num_steps"] = json!(2);
     spec["grpo"]["samples_to_record"] = json!(8);
@@ -190,13 +194,128 @@ fn plot_points(dom: &str, plot: &str) -> u64 {
     value.split('"').next().unwrap().parse().unwrap()
 }
 
+/// An MLflow tracking server from `.venv-mlflow` (made by scripts/setup) on a free port, its
+/// store in `dir`; stopped when dropped.
+struct MlflowServer {
+    child: std::process::Child,
+    url: String,
+    http: reqwest::Client,
+}
+
+impl MlflowServer {
+    async fn start(dir: &Path) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mlflow = keel_testkit::workspace_root().join(".venv-mlflow/bin/mlflow");
+        assert!(mlflow.exists(), "{} is missing: run scripts/setup", mlflow.display());
+        let log = std::fs::File::create(dir.join("mlflow-server.log")).unwrap();
+        let store = format!("sqlite:///{}", dir.join("mlflow.db").display());
+        // Its own process group: the server's workers are stopped with it.
+        let child = Command::new(mlflow)
+            .process_group(0)
+            // No background job runner (a dozen worker processes this test does not use).
+            .env("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+            .args(["server", "--host", "127.0.0.1", "--port", &port.to_string(), "--workers", "1"])
+            .args(["--backend-store-uri", &store, "--default-artifact-root"])
+            .arg(dir.join("mlflow-artifacts"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let server = Self { child, url: format!("http://127.0.0.1:{port}"), http: reqwest::Client::new() };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !server.http.get(format!("{}/health", server.url)).send().await.is_ok_and(|r| r.status() == 200) {
+            assert!(
+                Instant::now() < deadline,
+                "MLflow did not come up: see {}",
+                dir.join("mlflow-server.log").display()
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        server
+    }
+
+    async fn api(&self, path: &str, body: Option<serde_json::Value>) -> serde_json::Value {
+        let url = format!("{}/api/2.0/mlflow/{path}", self.url);
+        let request = match body {
+            Some(body) => self.http.post(url).json(&body),
+            None => self.http.get(url),
+        };
+        request.send().await.unwrap().json().await.unwrap()
+    }
+
+    /// The id and status of the MLflow run tagged with Keel's `run`, once it has ended.
+    async fn run_of(&self, run: &str) -> (String, String) {
+        let experiment = self.api("experiments/get-by-name?experiment_name=keel-observed", None).await;
+        let experiment =
+            experiment["experiment"]["experiment_id"].as_str().expect("the experiment was made").to_string();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let filter = format!("tags.keel_run_id = '{run}'");
+            let found = self.api("runs/search", Some(json!({"experiment_ids": [experiment], "filter": filter}))).await;
+            let runs = found["runs"].as_array().cloned().unwrap_or_default();
+            assert!(runs.len() <= 1, "one MLflow run per Keel run: {found}");
+            if let Some(info) = runs.first().map(|r| &r["info"])
+                && info["status"] != "RUNNING"
+            {
+                return (info["run_id"].as_str().unwrap().into(), info["status"].as_str().unwrap().into());
+            }
+            assert!(Instant::now() < deadline, "the MLflow run did not end: {found}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// (step, value) of metric `key` in MLflow run `run`, by step.
+    async fn history(&self, run: &str, key: &str) -> Vec<(u64, f64)> {
+        let reply = self.api(&format!("metrics/get-history?run_id={run}&metric_key={key}"), None).await;
+        let mut points: Vec<(u64, f64)> = reply["metrics"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|m| (m["step"].as_u64().unwrap(), m["value"].as_f64().unwrap()))
+            .collect();
+        points.sort_by_key(|p| p.0);
+        points
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        // The whole group at once: a graceful stop waits for its workers.
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = self.child.wait();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grpo_run_is_traced_measured_and_shown() {
     let (otlp, spans) = otlp_receiver().await;
     let stack = Stack::start_with(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp), ("OTEL_BSP_SCHEDULE_DELAY", "200")]);
     let logs = tempfile::tempdir().unwrap();
-    let run = stack.submit(&observed_spec(&stack.model, logs.path())).await;
+    let mlflow = MlflowServer::start(logs.path()).await;
+    let run = stack.submit(&observed_spec(&stack.model, logs.path(), &mlflow.url)).await;
     stack.wait_succeeded(&run, LIMIT).await;
+
+    // MLflow has the run, finished, with every recorded metric at its steps (`pass@k` as
+    // `pass_at_k`, which MLflow's names allow).
+    let (mlflow_run, status) = mlflow.run_of(&run).await;
+    assert_eq!(status, "FINISHED");
+    for (name, key) in [
+        ("train/loss", "train/loss"),
+        ("validation/accuracy", "validation/accuracy"),
+        ("validation/pass@1", "validation/pass_at_1"),
+        ("timing/train/total_step_time", "timing/train/total_step_time"),
+    ] {
+        let recorded = stack.series(&run, name).await;
+        assert!(!recorded.is_empty(), "{name} was recorded");
+        let logged = mlflow.history(&mlflow_run, key).await;
+        assert_eq!(logged.len(), recorded.len(), "{name}: {logged:?} vs {recorded:?}");
+        for ((step, value), (recorded_step, recorded_value)) in logged.iter().zip(&recorded) {
+            assert_eq!(step, recorded_step, "{name}");
+            assert!((value - recorded_value).abs() <= 1e-9 * recorded_value.abs().max(1.0), "{name} at {step}");
+        }
+    }
 
     // TensorBoard's own reader finds every recorded metric, at the steps and values recorded.
     let events = logs.path().join(&run).join("tensorboard");

@@ -1,29 +1,33 @@
 //! Loggers as in NeMo-RL (`logger.*_enabled`): every metric a run records also goes to
-//! TensorBoard event files. A logger that fails says so in the log and stops; the run goes
-//! on (its metrics are in Keel's own store either way).
+//! TensorBoard event files and to an MLflow tracking server. A logger that fails says so in
+//! the log; the run goes on (its metrics are in Keel's own store either way).
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use keel_protocol::run::LoggerSpec;
-use prost::Message;
+use keel_protocol::run::{LoggerSpec, MlflowSpec, RunStatus};
+use prost::Message as _;
+use serde_json::{Value, json};
 
 /// The run's enabled loggers.
 #[derive(Debug, Default)]
 pub struct Loggers {
     tensorboard: Option<TensorBoard>,
+    mlflow: Option<Mlflow>,
 }
 
 impl Loggers {
-    /// Opens the loggers `spec` enables for run `run_id`, under `<log_dir>/<run_id>/` (the
-    /// default `log_dir` is `default_dir`). One that cannot start is left off, with a warning.
-    pub fn open(spec: &LoggerSpec, run_id: &str, default_dir: &Path) -> Self {
+    /// Opens the loggers `spec` enables for run `run_id` (named `name`), files under
+    /// `<log_dir>/<run_id>/` (the default `log_dir` is `default_dir`). One that cannot start
+    /// is left off, with a warning. Needs a Tokio runtime (MLflow's task).
+    pub fn open(spec: &LoggerSpec, run_id: &str, name: Option<&str>, default_dir: &Path) -> Self {
         let root = spec.log_dir.as_ref().map_or_else(|| default_dir.to_path_buf(), PathBuf::from).join(run_id);
         let tensorboard = spec.tensorboard_enabled.then(|| TensorBoard::create(&root.join("tensorboard")));
         let tensorboard = tensorboard
             .and_then(|opened| opened.map_err(|e| tracing::warn!(run_id, "TensorBoard logging is off: {e}")).ok());
-        Self { tensorboard }
+        let mlflow = spec.mlflow_enabled.then(|| Mlflow::start(&spec.mlflow, run_id, name.unwrap_or(run_id)));
+        Self { tensorboard, mlflow }
     }
 
     /// Logs `metrics` of `step`.
@@ -34,7 +38,223 @@ impl Loggers {
             tracing::warn!("TensorBoard logging stops: {}: {e}", tensorboard.path.display());
             self.tensorboard = None;
         }
+        if let Some(mlflow) = &self.mlflow {
+            mlflow.send(Entry::Metrics { step, metrics: metrics.clone(), at: millis() });
+        }
     }
+
+    /// The run ended with `status`: MLflow's run is marked so (and its task ends).
+    pub fn finish(&mut self, status: RunStatus) {
+        if let Some(mlflow) = self.mlflow.take() {
+            let status = match status {
+                RunStatus::Succeeded => "FINISHED",
+                RunStatus::Cancelled => "KILLED",
+                _ => "FAILED",
+            };
+            mlflow.send(Entry::Finish(status));
+        }
+    }
+}
+
+fn millis() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// An MLflow run fed through the tracking server's REST API by a task of its own, so that
+/// recording a step never waits for MLflow. The experiment is made when missing; the run is
+/// found again by its `keel_run_id` tag (a resumed or retried Keel run goes on logging into
+/// the same MLflow run). A failed call is logged and its metrics dropped; the next entry tries
+/// again.
+#[derive(Debug)]
+pub struct Mlflow {
+    queue: tokio::sync::mpsc::UnboundedSender<Entry>,
+}
+
+#[derive(Debug)]
+enum Entry {
+    Metrics { step: u64, metrics: BTreeMap<String, f64>, at: i64 },
+    Finish(&'static str),
+}
+
+/// The most metrics one `log-batch` call takes.
+const MLFLOW_BATCH: usize = 1000;
+
+/// A metric name MLflow accepts: letters, digits, `_ - . / :` and spaces; `@` reads `_at_`
+/// (`validation/pass@1` is `validation/pass_at_1`), anything else `_`.
+pub fn mlflow_key(name: &str) -> String {
+    let mut key = String::with_capacity(name.len());
+    for c in name.chars() {
+        match c {
+            '@' => key.push_str("_at_"),
+            c if c.is_ascii_alphanumeric() || "_-./: ".contains(c) => key.push(c),
+            _ => key.push('_'),
+        }
+    }
+    key
+}
+
+impl Mlflow {
+    fn start(spec: &MlflowSpec, run_id: &str, name: &str) -> Self {
+        let (queue, entries) = tokio::sync::mpsc::unbounded_channel();
+        let client = MlflowClient {
+            http: reqwest::Client::builder().timeout(std::time::Duration::from_secs(30)).build().unwrap_or_default(),
+            base: spec.tracking_uri.clone().unwrap_or_default().trim_end_matches('/').to_string(),
+            token: std::env::var("MLFLOW_TRACKING_TOKEN").ok().filter(|t| !t.is_empty()),
+            experiment: spec.experiment_name.clone().unwrap_or_else(|| "keel".into()),
+            name: spec.run_name.clone().unwrap_or_else(|| name.to_string()),
+            keel_run: run_id.to_string(),
+        };
+        tokio::spawn(client.serve(entries));
+        Self { queue }
+    }
+
+    fn send(&self, entry: Entry) {
+        // The task ends only after a Finish, which is sent last.
+        let _ = self.queue.send(entry);
+    }
+}
+
+struct MlflowClient {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+    experiment: String,
+    name: String,
+    keel_run: String,
+}
+
+impl MlflowClient {
+    async fn serve(self, mut entries: tokio::sync::mpsc::UnboundedReceiver<Entry>) {
+        let mut run: Option<String> = None;
+        while let Some(entry) = entries.recv().await {
+            if run.is_none() {
+                match self.run().await {
+                    Ok(id) => run = Some(id),
+                    Err(e) => {
+                        let base = &self.base;
+                        tracing::warn!(run_id = %self.keel_run, "MLflow at {base}: {e}; these metrics are not logged there");
+                        continue;
+                    }
+                }
+            }
+            let id = run.as_deref().unwrap_or_default();
+            let (done, sent) = match entry {
+                Entry::Metrics { step, metrics, at } => (false, self.log_batch(id, step, &metrics, at).await),
+                Entry::Finish(status) => {
+                    let body = json!({"run_id": id, "status": status, "end_time": millis()});
+                    (true, self.call("runs/update", Some(body)).await.map(drop))
+                }
+            };
+            if let Err(e) = sent {
+                tracing::warn!(run_id = %self.keel_run, "MLflow at {}: {e}", self.base);
+            }
+            if done {
+                break;
+            }
+        }
+    }
+
+    /// `POST api/2.0/mlflow/<path>` with `body` (a GET, with the query in `path`, without):
+    /// the reply's JSON, or MLflow's error code and message.
+    async fn call(&self, path: &str, body: Option<Value>) -> Result<Value, MlflowError> {
+        let url = format!("{}/api/2.0/mlflow/{path}", self.base);
+        let request = match &body {
+            Some(body) => self.http.post(&url).json(body),
+            None => self.http.get(&url),
+        };
+        let request = match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        };
+        let unreachable = |e: reqwest::Error| MlflowError { code: "UNREACHABLE".into(), message: e.to_string() };
+        let response = request.send().await.map_err(unreachable)?;
+        let status = response.status();
+        let reply: Value = response.json().await.unwrap_or(Value::Null);
+        if status.is_success() {
+            return Ok(reply);
+        }
+        let code = reply["error_code"].as_str().unwrap_or("HTTP_ERROR").to_string();
+        let message = reply["message"].as_str().map_or_else(|| format!("{url}: {status}"), String::from);
+        Err(MlflowError { code, message })
+    }
+
+    async fn experiment(&self) -> Result<String, MlflowError> {
+        let query = format!("experiments/get-by-name?experiment_name={}", urlencode(&self.experiment));
+        match self.call(&query, None).await {
+            Ok(found) => return id_at(&found, "/experiment/experiment_id"),
+            Err(e) if e.code == "RESOURCE_DOES_NOT_EXIST" => {}
+            Err(e) => return Err(e),
+        }
+        match self.call("experiments/create", Some(json!({"name": self.experiment}))).await {
+            Ok(made) => id_at(&made, "/experiment_id"),
+            // Another run made it meanwhile.
+            Err(e) if e.code == "RESOURCE_ALREADY_EXISTS" => {
+                id_at(&self.call(&query, None).await?, "/experiment/experiment_id")
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The MLflow run of this Keel run: found by its tag, else made.
+    async fn run(&self) -> Result<String, MlflowError> {
+        let experiment = self.experiment().await?;
+        let filter = format!("tags.keel_run_id = '{}'", self.keel_run);
+        let search = json!({"experiment_ids": [experiment], "filter": filter, "max_results": 1});
+        if let Ok(id) = id_at(&self.call("runs/search", Some(search)).await?, "/runs/0/info/run_id") {
+            return Ok(id);
+        }
+        let tags = json!([{"key": "keel_run_id", "value": self.keel_run}]);
+        let body = json!({"experiment_id": experiment, "run_name": self.name, "start_time": millis(), "tags": tags});
+        id_at(&self.call("runs/create", Some(body)).await?, "/run/info/run_id")
+    }
+
+    async fn log_batch(
+        &self,
+        run: &str,
+        step: u64,
+        metrics: &BTreeMap<String, f64>,
+        at: i64,
+    ) -> Result<(), MlflowError> {
+        let all: Vec<Value> = metrics
+            .iter()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(name, value)| json!({"key": mlflow_key(name), "value": value, "timestamp": at, "step": step}))
+            .collect();
+        for batch in all.chunks(MLFLOW_BATCH) {
+            self.call("runs/log-batch", Some(json!({"run_id": run, "metrics": batch}))).await?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct MlflowError {
+    code: String,
+    message: String,
+}
+
+impl std::fmt::Display for MlflowError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+fn id_at(reply: &Value, pointer: &str) -> Result<String, MlflowError> {
+    reply
+        .pointer(pointer)
+        .and_then(Value::as_str)
+        .map(String::from)
+        .ok_or_else(|| MlflowError { code: "UNEXPECTED_REPLY".into(), message: format!("no {pointer} in {reply}") })
+}
+
+/// `text` percent-encoded for a query string (unreserved characters kept).
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// A TensorBoard event file: TFRecord framing (length, masked CRC-32C of the length, the
@@ -146,6 +366,14 @@ mod tests {
             at += 16 + n;
         }
         events
+    }
+
+    #[test]
+    fn metric_names_become_keys_mlflow_accepts() {
+        assert_eq!(mlflow_key("validation/pass@1"), "validation/pass_at_1");
+        assert_eq!(mlflow_key("timing/train/total_step_time"), "timing/train/total_step_time");
+        assert_eq!(mlflow_key("rewards/x(y)"), "rewards/x_y_");
+        assert_eq!(urlencode("my exp/1"), "my%20exp%2F1");
     }
 
     #[test]

@@ -128,8 +128,14 @@ impl Scheduler {
         Ok(Some(RunContext {
             id: run.id,
             owner,
-            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name())
-                .with_loggers(Loggers::open(&run.spec.logger, &run.id.to_string(), &self.work_dir.join("logs"))),
+            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name()).with_loggers(
+                Loggers::open(
+                    &run.spec.logger,
+                    &run.id.to_string(),
+                    run.spec.name.as_deref(),
+                    &self.work_dir.join("logs"),
+                ),
+            ),
             spec: run.spec,
             trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),
             nats,
@@ -220,6 +226,7 @@ impl Scheduler {
             if status == RunStatus::Failed {
                 tracing::error!(run_id = %ctx.id, "run failed: {}", reason.as_deref().unwrap_or_default());
             }
+            ctx.store.finish_loggers(status);
             db::finish_run(&mut tx, ctx.id, ctx.owner, status, reason.as_deref()).await?;
         }
         tx.commit().await

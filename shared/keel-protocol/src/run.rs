@@ -466,10 +466,23 @@ pub struct LoggerSpec {
     /// TensorBoard event files in `<log_dir>/<run id>/tensorboard/` (one scalar per metric
     /// and step, under the metric's name).
     pub tensorboard_enabled: bool,
-    /// Not built yet: refused when true.
+    /// An MLflow run (see `mlflow`) with every metric at its step.
     pub mlflow_enabled: bool,
+    pub mlflow: MlflowSpec,
     /// Not built yet: refused when true.
     pub wandb_enabled: bool,
+}
+
+/// NeMo-RL's `logger.mlflow`: where the run's metrics go when `mlflow_enabled`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct MlflowSpec {
+    /// The tracking server's URL (`http://host:5000`); required by `mlflow_enabled`.
+    pub tracking_uri: Option<String>,
+    /// The experiment (made when missing); default `keel`.
+    pub experiment_name: Option<String>,
+    /// The MLflow run's name; default the Keel run's name, else its id.
+    pub run_name: Option<String>,
 }
 
 fn default_tensor_parallel_size() -> usize {
@@ -510,11 +523,20 @@ impl RunSpec {
         let alg = self.algorithm;
         let tp = self.tensor_parallel_size;
         check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
-        for (field, on, name) in [
-            ("logger.mlflow_enabled", self.logger.mlflow_enabled, "MLflow"),
-            ("logger.wandb_enabled", self.logger.wandb_enabled, "W&B"),
-        ] {
-            check(&mut p, !on, field, format!("{name} logging is not built yet: use logger.tensorboard_enabled"));
+        check(
+            &mut p,
+            !self.logger.wandb_enabled,
+            "logger.wandb_enabled",
+            "W&B logging is not built yet: use logger.tensorboard_enabled or logger.mlflow_enabled",
+        );
+        if self.logger.mlflow_enabled {
+            let uri = self.logger.mlflow.tracking_uri.as_deref().unwrap_or_default();
+            check(
+                &mut p,
+                uri.starts_with("http://") || uri.starts_with("https://"),
+                "logger.mlflow.tracking_uri",
+                format!("mlflow_enabled needs the tracking server's http(s) URL, got `{uri}`"),
+            );
         }
         if let Some(dir) = &self.logger.log_dir {
             check(&mut p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
@@ -980,7 +1002,7 @@ mod tests {
         assert_eq!(fields, ["grpo.async_grpo.enabled", "grpo.async_grpo.max_trajectory_age_steps"]);
     }
 
-    /// NeMo-RL's logger keys: TensorBoard on, the loggers not built yet refused by name,
+    /// NeMo-RL's logger keys: TensorBoard and MLflow on, W&B (not built yet) refused,
     /// LoRA refused with tensor parallelism.
     #[test]
     fn logger_and_lora_settings_are_checked() {
@@ -991,6 +1013,9 @@ mod tests {
         .unwrap();
         assert_eq!(spec.problems(), vec![]);
         spec.logger.mlflow_enabled = true;
+        spec.logger.mlflow.tracking_uri = Some("http://127.0.0.1:5000".into());
+        assert_eq!(spec.problems(), vec![]);
+        spec.logger.mlflow.tracking_uri = Some("127.0.0.1:5000".into());
         spec.logger.wandb_enabled = true;
         spec.logger.log_dir = Some(" ".into());
         spec.tensor_parallel_size = 2;
@@ -998,7 +1023,7 @@ mod tests {
         let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(
             fields,
-            ["logger.mlflow_enabled", "logger.wandb_enabled", "logger.log_dir", "training.lora.enabled"]
+            ["logger.wandb_enabled", "logger.mlflow.tracking_uri", "logger.log_dir", "training.lora.enabled"]
         );
     }
 

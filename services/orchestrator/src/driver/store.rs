@@ -36,6 +36,11 @@ impl RunStore {
         self.loggers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).log(step, metrics);
     }
 
+    /// The run ended with `status`: the loggers that keep a run's state say so.
+    pub fn finish_loggers(&self, status: keel_protocol::run::RunStatus) {
+        self.loggers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish(status);
+    }
+
     /// Forgets what was recorded after `step` (a resumed run records those steps again).
     pub async fn rewind(&self, step: u64) -> Result<()> {
         if !db::rewind(&mut *self.pool.acquire().await?, self.id, self.owner, step).await? {
