@@ -142,7 +142,7 @@ impl MlflowClient {
                 Entry::Metrics { step, metrics, at } => (false, self.log_batch(id, step, &metrics, at).await),
                 Entry::Finish(status) => {
                     let body = json!({"run_id": id, "status": status, "end_time": millis()});
-                    (true, self.call("runs/update", Some(body)).await.map(drop))
+                    (true, self.call("runs/update", body).await.map(drop))
                 }
             };
             if let Err(e) = sent {
@@ -154,21 +154,25 @@ impl MlflowClient {
         }
     }
 
-    /// `POST api/2.0/mlflow/<path>` with `body` (a GET, with the query in `path`, without):
-    /// the reply's JSON, or MLflow's error code and message.
-    async fn call(&self, path: &str, body: Option<Value>) -> Result<Value, MlflowError> {
-        let url = format!("{}/api/2.0/mlflow/{path}", self.base);
-        let request = match &body {
-            Some(body) => self.http.post(&url).json(body),
-            None => self.http.get(&url),
-        };
+    /// `POST api/2.0/mlflow/<path>` with the JSON `body`.
+    async fn call(&self, path: &str, body: Value) -> Result<Value, MlflowError> {
+        self.send(self.http.post(format!("{}/api/2.0/mlflow/{path}", self.base)).json(&body)).await
+    }
+
+    /// `GET api/2.0/mlflow/<path>` with `query`.
+    async fn get(&self, path: &str, query: &[(&str, &str)]) -> Result<Value, MlflowError> {
+        self.send(self.http.get(format!("{}/api/2.0/mlflow/{path}", self.base)).query(query)).await
+    }
+
+    /// The reply's JSON, or MLflow's error code and message.
+    async fn send(&self, request: reqwest::RequestBuilder) -> Result<Value, MlflowError> {
         let request = match &self.token {
             Some(token) => request.bearer_auth(token),
             None => request,
         };
         let unreachable = |e: reqwest::Error| MlflowError { code: "UNREACHABLE".into(), message: e.to_string() };
         let response = request.send().await.map_err(unreachable)?;
-        let status = response.status();
+        let (status, url) = (response.status(), response.url().clone());
         let reply: Value = response.json().await.unwrap_or(Value::Null);
         if status.is_success() {
             return Ok(reply);
@@ -179,17 +183,17 @@ impl MlflowClient {
     }
 
     async fn experiment(&self) -> Result<String, MlflowError> {
-        let query = format!("experiments/get-by-name?experiment_name={}", urlencode(&self.experiment));
-        match self.call(&query, None).await {
+        let query = [("experiment_name", self.experiment.as_str())];
+        match self.get("experiments/get-by-name", &query).await {
             Ok(found) => return id_at(&found, "/experiment/experiment_id"),
             Err(e) if e.code == "RESOURCE_DOES_NOT_EXIST" => {}
             Err(e) => return Err(e),
         }
-        match self.call("experiments/create", Some(json!({"name": self.experiment}))).await {
+        match self.call("experiments/create", json!({"name": self.experiment})).await {
             Ok(made) => id_at(&made, "/experiment_id"),
             // Another run made it meanwhile.
             Err(e) if e.code == "RESOURCE_ALREADY_EXISTS" => {
-                id_at(&self.call(&query, None).await?, "/experiment/experiment_id")
+                id_at(&self.get("experiments/get-by-name", &query).await?, "/experiment/experiment_id")
             }
             Err(e) => Err(e),
         }
@@ -200,12 +204,12 @@ impl MlflowClient {
         let experiment = self.experiment().await?;
         let filter = format!("tags.keel_run_id = '{}'", self.keel_run);
         let search = json!({"experiment_ids": [experiment], "filter": filter, "max_results": 1});
-        if let Ok(id) = id_at(&self.call("runs/search", Some(search)).await?, "/runs/0/info/run_id") {
+        if let Ok(id) = id_at(&self.call("runs/search", search).await?, "/runs/0/info/run_id") {
             return Ok(id);
         }
         let tags = json!([{"key": "keel_run_id", "value": self.keel_run}]);
         let body = json!({"experiment_id": experiment, "run_name": self.name, "start_time": millis(), "tags": tags});
-        id_at(&self.call("runs/create", Some(body)).await?, "/run/info/run_id")
+        id_at(&self.call("runs/create", body).await?, "/run/info/run_id")
     }
 
     async fn log_batch(
@@ -221,7 +225,7 @@ impl MlflowClient {
             .map(|(name, value)| json!({"key": mlflow_key(name), "value": value, "timestamp": at, "step": step}))
             .collect();
         for batch in all.chunks(MLFLOW_BATCH) {
-            self.call("runs/log-batch", Some(json!({"run_id": run, "metrics": batch}))).await?;
+            self.call("runs/log-batch", json!({"run_id": run, "metrics": batch})).await?;
         }
         Ok(())
     }
@@ -245,16 +249,6 @@ fn id_at(reply: &Value, pointer: &str) -> Result<String, MlflowError> {
         .and_then(Value::as_str)
         .map(String::from)
         .ok_or_else(|| MlflowError { code: "UNEXPECTED_REPLY".into(), message: format!("no {pointer} in {reply}") })
-}
-
-/// `text` percent-encoded for a query string (unreserved characters kept).
-fn urlencode(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 /// A TensorBoard event file: TFRecord framing (length, masked CRC-32C of the length, the
@@ -373,7 +367,6 @@ mod tests {
         assert_eq!(mlflow_key("validation/pass@1"), "validation/pass_at_1");
         assert_eq!(mlflow_key("timing/train/total_step_time"), "timing/train/total_step_time");
         assert_eq!(mlflow_key("rewards/x(y)"), "rewards/x_y_");
-        assert_eq!(urlencode("my exp/1"), "my%20exp%2F1");
     }
 
     #[test]

@@ -243,8 +243,10 @@ impl Backend {
                     let kept = match lora_base.take() {
                         Some((dir, weights)) if dir == *base => weights,
                         _ => {
-                            let full = CausalLm::load(base, model.device(), model.kind())?;
-                            keel_model::lora::targeted_weights(&full.var_store().variables(), tensors)?
+                            // The whole base read on the CPU, once per run; its targeted weights kept
+                            // on the model's device.
+                            let full = CausalLm::load(base, Device::Cpu, model.kind())?;
+                            keel_model::lora::targeted_weights(&full.var_store().variables(), tensors, model.device())?
                         }
                     };
                     let refit = model.refit_adapters(&kept, tensors, *scale);

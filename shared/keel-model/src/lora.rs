@@ -223,7 +223,7 @@ impl CausalLm {
         adapters: &HashMap<String, Tensor>,
         scale: f64,
     ) -> Result<()> {
-        let merged = merged_weights(base, adapters, scale)?;
+        let merged = merged_weights(base, adapters, scale, |_, delta| Ok(delta))?;
         let params = self.var_store().variables();
         let _no_grad = tch::no_grad_guard();
         for (name, weight) in merged {
@@ -439,13 +439,15 @@ pub fn check_adapters(base: &HashMap<String, Tensor>, adapters: &HashMap<String,
     if problems.is_empty() { Ok(()) } else { Err(Error::Weights(problems)) }
 }
 
-/// For a generator refitting from adapters: the weights `base + s·B·A` of every targeted
-/// linear, by HF weight name, in f32 on the device of `base`; `base` holds the targeted
-/// weights ([`targeted_weights`]).
+/// For a generator refitting from adapters: the weights `base + cut(s·B·A)` of every
+/// targeted linear, by HF weight name, in f32 on the device of `base`; `base` holds the
+/// targeted weights ([`targeted_weights`]), whole or (under tensor parallelism) a rank's
+/// slices, which `cut(name, delta)` cuts the whole delta to.
 pub fn merged_weights(
     base: &HashMap<String, Tensor>,
     adapters: &HashMap<String, Tensor>,
     scale: f64,
+    cut: impl Fn(&str, Tensor) -> Result<Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
     check_adapters(base, adapters)?;
     let _no_grad = tch::no_grad_guard();
@@ -455,7 +457,7 @@ pub fn merged_weights(
         let weight = format!("{module}.weight");
         let (w, b) = (&base[&weight], &adapters[&format!("{module}.lora_B.weight")]);
         let device = w.device();
-        let d = delta(&a.f_to_device(device)?, &b.f_to_device(device)?, scale)?;
+        let d = cut(&weight, delta(&a.f_to_device(device)?, &b.f_to_device(device)?, scale)?)?;
         if d.size() != w.size() {
             return Err(Error::Weights(vec![WeightProblem::Shape {
                 name: weight,
@@ -468,11 +470,12 @@ pub fn merged_weights(
     Ok(merged)
 }
 
-/// The base weights of the linears `adapters` target (copies), by HF weight name: what a
-/// generator keeps to merge each new version of the adapters into.
+/// The base weights of the linears `adapters` target (copies on `device`), by HF weight name:
+/// what a generator keeps to merge each new version of the adapters into.
 pub fn targeted_weights(
     params: &HashMap<String, Tensor>,
     adapters: &HashMap<String, Tensor>,
+    device: Device,
 ) -> Result<HashMap<String, Tensor>> {
     adapters
         .keys()
@@ -480,7 +483,7 @@ pub fn targeted_weights(
         .map(|module| {
             let weight = format!("{module}.weight");
             match params.get(&weight) {
-                Some(w) => Ok((weight, w.f_detach()?.copy())),
+                Some(w) => Ok((weight, w.f_detach()?.f_to_device(device)?.copy())),
                 None => {
                     Err(Error::Weights(vec![WeightProblem::Unexpected { name: format!("{module}.lora_A.weight") }]))
                 }
@@ -508,11 +511,12 @@ pub fn export_merged(dir: &Path, base: Option<&Path>, out: &Path) -> Result<()> 
     } else {
         (CausalLm::load(dir, Device::Cpu, Kind::Float)?, dir.to_path_buf())
     };
+    let mut model = model;
+    // The base's dtype (f32 when it does not say, or is itself an adapter directory).
     let dtype = crate::config::ModelConfig::load(&base)
         .ok()
         .and_then(|c| c.dtype)
         .map_or(Ok(Kind::Float), |name| crate::device::parse_kind(&name))?;
-    let mut model = model;
     model.set_kind(dtype)?;
     let name = out.file_name().and_then(|n| n.to_str()).unwrap_or("merged");
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));

@@ -116,7 +116,7 @@ fn a_serving_model_refits_from_adapters_in_place_and_refuses_bad_ones() {
     let expected = keel_logprobs(&trained, &seqs, 1.0);
 
     let serving = load_f32(&base_dir);
-    let base = targeted_weights(&serving.var_store().variables(), &adapters).unwrap();
+    let base = targeted_weights(&serving.var_store().variables(), &adapters, Device::Cpu).unwrap();
     assert_eq!(base.len(), 2 * serving.config().num_hidden_layers as usize);
     serving.refit_adapters(&base, &adapters, 2.0).unwrap();
     let diff = max_abs_diff(&keel_logprobs(&serving, &seqs, 1.0), &expected);

@@ -676,7 +676,7 @@ impl<C: Collective> TpCausalLm<C> {
         if !problems.is_empty() {
             return Err(Error::Weights(problems));
         }
-        Ok(StagedWeights(fresh.params.into_iter().map(|p| p.tensor).collect()))
+        Ok(StagedWeights(fresh.params.into_iter().map(|p| Some(p.tensor)).collect()))
     }
 
     /// This rank's slices (copies, in the model's dtype and on its device) of the weights
@@ -687,7 +687,7 @@ impl<C: Collective> TpCausalLm<C> {
         full: &std::collections::HashMap<String, Tensor>,
         adapters: &std::collections::HashMap<String, Tensor>,
     ) -> Result<std::collections::HashMap<String, Tensor>> {
-        let whole = crate::lora::targeted_weights(full, adapters)?;
+        let whole = crate::lora::targeted_weights(full, adapters, Device::Cpu)?;
         let mut local = std::collections::HashMap::new();
         for param in self.shards.params.iter().filter(|p| whole.contains_key(&p.name)) {
             let slice = param.layout.local(&whole[&param.name])?;
@@ -698,46 +698,41 @@ impl<C: Collective> TpCausalLm<C> {
     }
 
     /// Stages this rank's slices of `base + s·B·A` for the linears `adapters` target (whole
-    /// A and B; `base` from [`TpCausalLm::targeted_weights`]), every other parameter as it
-    /// is; commit with [`TpCausalLm::commit_weights`].
+    /// A and B; `base` from [`TpCausalLm::targeted_weights`]); the other parameters stay as
+    /// they are. Commit with [`TpCausalLm::commit_weights`].
     pub fn stage_adapters(
         &self,
         base: &std::collections::HashMap<String, Tensor>,
         adapters: &std::collections::HashMap<String, Tensor>,
         scale: f64,
     ) -> Result<StagedWeights> {
-        crate::lora::check_adapters(base, adapters)?;
-        let _no_grad = tch::no_grad_guard();
-        let mut staged = Vec::with_capacity(self.shards.params.len());
-        for param in &self.shards.params {
-            let new = match (param.name.strip_suffix(".weight"), base.get(&param.name)) {
-                (Some(module), Some(local)) => {
-                    let a = &adapters[&format!("{module}.lora_A.weight")];
-                    let b = &adapters[&format!("{module}.lora_B.weight")];
-                    let delta = crate::lora::delta(&a.f_to_device(self.device)?, &b.f_to_device(self.device)?, scale)?;
-                    let delta = param.layout.local(&delta)?;
-                    local.f_to_kind(Kind::Float)?.f_add(&delta)?.f_to_kind(self.kind)?
-                }
-                _ => param.tensor.shallow_clone(),
-            };
-            staged.push(new);
-        }
-        Ok(StagedWeights(staged))
+        let layouts: std::collections::HashMap<&str, Layout> =
+            self.shards.params.iter().map(|p| (p.name.as_str(), p.layout)).collect();
+        let cut = |name: &str, delta: Tensor| match layouts.get(name) {
+            Some(layout) => layout.local(&delta),
+            None => Err(Error::InvalidInput(format!("the model has no `{name}`"))),
+        };
+        let mut merged = crate::lora::merged_weights(base, adapters, scale, cut)?;
+        Ok(StagedWeights(self.shards.params.iter().map(|p| merged.remove(&p.name)).collect()))
     }
 
-    /// Copies weights staged by [`TpCausalLm::stage_weights`] into the model.
+    /// Copies weights staged by [`TpCausalLm::stage_weights`] into the model (only those
+    /// staged: an adapter refit stages the linears it targets).
     pub fn commit_weights(&self, staged: StagedWeights) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         for (new, current) in staged.0.iter().zip(&self.shards.params) {
-            current.tensor.shallow_clone().f_copy_(new)?;
+            if let Some(new) = new {
+                current.tensor.shallow_clone().f_copy_(new)?;
+            }
         }
         Ok(())
     }
 }
 
-/// A rank's slices of new weights, read and checked, not yet in the model.
+/// A rank's slices of new weights, read and checked, not yet in the model (`None`: the
+/// parameter stays as it is).
 #[derive(Debug)]
-pub struct StagedWeights(Vec<Tensor>);
+pub struct StagedWeights(Vec<Option<Tensor>>);
 
 impl Shards {
     fn build(
