@@ -140,11 +140,17 @@ async fn refit_matches_the_trainer(
         dtype: Some("f32".into()),
         bucket_bytes: 64 << 10,
         shared_dir: shared_dir.clone(),
+        cuda_ipc: false,
     };
     let mut export = export;
     if lora {
         export.bucket_bytes = 8 << 10;
     }
+    // CUDA IPC shares GPU memory: a trainer on the CPU says so.
+    let ipc = ExportRequest { cuda_ipc: true, shared_dir: None, ..export.clone() };
+    let refused = pair.call::<ExportReply>(pair.subjects.trainer(&pair.worker, TrainerOp::Export), &ipc).await;
+    let refused = refused.expect_err("a CPU trainer refuses a CUDA IPC export");
+    assert!(refused.to_string().contains("CUDA IPC") && refused.to_string().contains("Cpu"), "{refused}");
     let exported: ExportReply = pair.trainer(TrainerOp::Export, &export).await;
     assert!(exported.weights.buckets.len() > 1, "small buckets split the export");
     let names: Vec<&str> =

@@ -34,7 +34,7 @@ pub enum Error {
     Flush(String),
     #[error("weight bucket `{name}` has {got} bytes, not {expected}")]
     BucketSize { name: String, got: usize, expected: u64 },
-    #[error("a weight bucket names an object or a file, one of them")]
+    #[error("a weight bucket names an object, a file or a CUDA IPC buffer, one of them")]
     BucketSource,
     #[error("`{0}` is in the weight buckets twice")]
     DuplicateTensor(String),

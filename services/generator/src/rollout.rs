@@ -358,16 +358,19 @@ async fn report_refit(
     }
 }
 
-/// A weight bucket's bytes from the object store, or the shared-memory file it is in.
+/// A weight bucket's bytes from the object store, the shared-memory file it is in, or its
+/// copy out of the trainer's GPU memory (CUDA IPC; made on the blocking pool).
 enum Fetched {
     Bytes(Vec<u8>),
     File(String),
+    Device,
 }
 
 /// The weights a refit names: fetched from the object store (all buckets, every tensor
 /// checked) when it carries them in memory, else its directory inside the path roots.
 /// Nothing reaches the model until every bucket is here. Objects are fetched here; making
-/// tensors of them and mapping shared-memory files runs on the blocking pool.
+/// tensors of them, mapping shared-memory files and copying buckets out of the trainer's GPU
+/// memory run on the blocking pool.
 async fn new_weights(
     client: &async_nats::Client,
     roots: &keel_service::paths::PathRoots,
@@ -380,8 +383,8 @@ async fn new_weights(
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
     let mut fetched = Vec::with_capacity(weights.buckets.len());
     for bucket in &weights.buckets {
-        fetched.push(match (&bucket.object, &bucket.file) {
-            (Some(object), None) => {
+        fetched.push(match (&bucket.object, &bucket.file, &bucket.cuda_ipc) {
+            (Some(object), None, None) => {
                 if !stores.contains_key(&object.bucket) {
                     let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
                     stores.insert(object.bucket.clone(), store);
@@ -396,7 +399,8 @@ async fn new_weights(
                 }
                 Fetched::Bytes(bytes)
             }
-            (None, Some(file)) => Fetched::File(file.clone()),
+            (None, Some(file), None) => Fetched::File(file.clone()),
+            (None, None, Some(_)) => Fetched::Device,
             _ => return Err(Error::BucketSource),
         });
     }
@@ -406,10 +410,17 @@ async fn new_weights(
     };
     let (buckets, roots) = (weights.buckets.clone(), roots.clone());
     tokio::task::spawn_blocking(move || {
+        // Every bucket in GPU memory copied at once: each allocation is mapped once.
+        let shared: Vec<_> = buckets.iter().filter_map(|b| b.cuda_ipc.as_ref().map(|ipc| (ipc, b.bytes))).collect();
+        let mut copies = keel_model::cuda::ipc::fetch(&shared)?.into_iter();
         let mut tensors = std::collections::HashMap::new();
         for (bucket, bytes) in buckets.iter().zip(fetched) {
             let unpacked = match bytes {
                 Fetched::Bytes(bytes) => keel_model::packing::unpack(&bytes, &bucket.tensors, kind),
+                Fetched::Device => match copies.next() {
+                    Some(copy) => keel_model::packing::unpack_tensor(&copy, &bucket.tensors, kind),
+                    None => return Err(Error::BucketSource),
+                },
                 // A file in shared memory is mapped, not read: its bytes are copied once,
                 // into the model.
                 Fetched::File(file) => {

@@ -21,7 +21,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
 
-use keel_model::packing::Packed;
+use keel_model::packing::{PackTarget, Packed};
 use keel_protocol::generator::{AdapterRefit, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
@@ -66,6 +66,9 @@ struct Shared {
     /// The shared-memory directories the claiming run exported into, removed when it lets
     /// the worker go (or its lease runs out).
     exports: Mutex<Vec<std::path::PathBuf>>,
+    /// The newest exports in GPU memory (CUDA IPC), newest last, kept while generators may
+    /// still copy them and freed when the run lets the worker go.
+    device_exports: Mutex<std::collections::VecDeque<tch::Tensor>>,
 }
 
 /// A request-level failure: a typed error reply.
@@ -208,8 +211,9 @@ impl Shared {
         }
     }
 
-    /// Removes the run's exports in shared memory (on the blocking pool).
+    /// Removes the run's exports in shared memory (on the blocking pool) and in GPU memory.
     async fn drop_exports(&self) {
+        self.device_exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         let dirs = std::mem::take(&mut *self.exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         let removed = tokio::task::spawn_blocking(move || {
             for dir in dirs {
@@ -490,6 +494,9 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         return Err(refuse(error_types::INVALID_REQUEST, "bucket_bytes must be positive"));
     }
     let bucket_bytes = request.bucket_bytes;
+    if request.cuda_ipc && request.shared_dir.is_some() {
+        return Err(refuse(error_types::INVALID_REQUEST, "cuda_ipc and shared_dir are two transfers: ask for one"));
+    }
     // Shared memory: the buckets are written in place into files of a fresh directory,
     // which is renamed into view once whole.
     let shared_dir = match &request.shared_dir {
@@ -508,21 +515,53 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         }
         None => None,
     };
-    let files = shared_dir.as_ref().map(|s| s.partial.clone());
-    let (step, kind, packed, lora) = shared
+    let to = match (&shared_dir, request.cuda_ipc) {
+        (Some(export), _) => PackTarget::Files(export.partial.clone()),
+        (None, true) => PackTarget::Device,
+        (None, false) => PackTarget::Memory,
+    };
+    let (step, kind, packed, lora, handles) = shared
         .engine
         .call(move |slot| {
             let trainer = loaded(slot)?;
             let lora = trainer
                 .lora_base()
                 .map(|base| AdapterRefit { scale: trainer.config().lora.scale(), base: base.display().to_string() });
-            let (step, kind, packed) = trainer.export(kind, bucket_bytes, files)?;
-            Ok((step, kind, packed, lora))
+            let (step, kind, packed) = trainer.export(kind, bucket_bytes, to)?;
+            // The handles are made where the buffer was, on the engine's thread.
+            let handles = match &packed {
+                Packed::Device(device) => {
+                    let ranges: Vec<(u64, u64)> = device.buckets.iter().map(|(at, size, _)| (*at, *size)).collect();
+                    keel_model::cuda::ipc::share(&device.buffer, &ranges)?
+                }
+                _ => Vec::new(),
+            };
+            Ok((step, kind, packed, lora, handles))
         })
-        .instrument(info_span!("export", dtype = ?request.dtype))
+        .instrument(info_span!("export", dtype = ?request.dtype, cuda_ipc = request.cuda_ipc))
         .await?;
     let packing = started.elapsed().as_secs_f64();
     let buckets = match (shared_dir, packed) {
+        (None, Packed::Device(device)) => {
+            let buckets = device
+                .buckets
+                .into_iter()
+                .zip(handles)
+                .map(|((_, size, entries), handle)| WeightBucket {
+                    object: None,
+                    file: None,
+                    cuda_ipc: Some(handle),
+                    bytes: size,
+                    tensors: entries,
+                })
+                .collect();
+            let mut kept = shared.device_exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            kept.push_back(device.buffer);
+            while kept.len() > KEPT_DEVICE_EXPORTS {
+                kept.pop_front();
+            }
+            buckets
+        }
         (Some(export), Packed::Files(files)) => tokio::task::spawn_blocking(move || export.finish(files))
             .await
             .map_err(|e| refuse(error_types::INTERNAL, e.to_string()))?
@@ -549,6 +588,7 @@ async fn store_objects(
             Ok(object) => buckets.push(WeightBucket {
                 object: Some(object),
                 file: None,
+                cuda_ipc: None,
                 bytes: bucket.bytes.len() as u64,
                 tensors: bucket.entries,
             }),
@@ -566,6 +606,10 @@ async fn store_objects(
 /// Exports in shared memory that stay untouched after a newer one (a generator may still be
 /// loading them).
 const KEPT_EXPORTS: usize = 3;
+
+/// Exports in GPU memory kept (the newest, and the one before for generators still copying
+/// it): each is a copy of the weights in the serving dtype on the trainer's GPU.
+const KEPT_DEVICE_EXPORTS: usize = 2;
 
 /// An export into shared memory under way: the buckets go into a hidden directory that is
 /// renamed `export-<time>` when every bucket is written. The three newest exports are kept
@@ -623,6 +667,7 @@ impl SharedExport {
                 WeightBucket {
                     object: None,
                     file: Some(self.export.join(name).to_string_lossy().into_owned()),
+                    cuda_ipc: None,
                     bytes: f.bytes,
                     tensors: f.entries,
                 }
@@ -666,8 +711,9 @@ impl Worker {
     ) -> std::io::Result<Self> {
         let engine = EngineThread::start()?;
         let claim = Mutex::new(None);
-        let exports = Mutex::default();
-        let shared = Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots, exports };
+        let (exports, device_exports) = (Mutex::default(), Mutex::default());
+        let shared =
+            Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots, exports, device_exports };
         Ok(Self { shared: Arc::new(shared), subjects })
     }
 

@@ -191,13 +191,18 @@ impl Backend {
             Self::Whole { model, cache, graphs, lora_base, .. } => {
                 *graphs = None;
                 let weights = if offload_weights { model.move_weights(host)? + move_base(lora_base, host)? } else { 0 };
-                Ok(weights + cache.release())
+                let freed = weights + cache.release();
+                // Freed for the trainer's process: back to the driver.
+                keel_model::device::return_cached_memory(model.device())?;
+                Ok(freed)
             }
             Self::Sharded(s) => {
                 let freed = s.group.run_all(offload_weights, move |(model, cache, refit), offload| {
                     let weights =
                         if offload { model.move_weights(host)? + move_base(&refit.lora_base, host)? } else { 0 };
-                    Ok(weights + cache.release())
+                    let freed = weights + cache.release();
+                    keel_model::device::return_cached_memory(model.device())?;
+                    Ok(freed)
                 });
                 Ok(sum(freed)?)
             }

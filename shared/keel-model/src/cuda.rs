@@ -16,6 +16,7 @@
 
 pub mod check;
 pub mod graph;
+pub mod ipc;
 pub mod launch;
 
 use std::collections::HashMap;

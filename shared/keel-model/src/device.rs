@@ -56,6 +56,15 @@ pub fn parse_kind(name: &str) -> Result<Kind> {
     }
 }
 
+/// After memory on `device` was freed for another process on the same GPU (a colocated
+/// turn): libtorch's cached blocks go back to the driver. Nothing to do on the CPU.
+pub fn return_cached_memory(device: Device) -> Result<()> {
+    if device.is_cuda() {
+        crate::cuda::graph::empty_cache().map_err(|e| Error::Device(e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// Moves `tensors` (parameters, optimiser state) to `device` in place: each keeps its
 /// identity, so every handle to it (a layer's, the optimiser's) sees the move, and its
 /// storage on the old device is freed once nothing else holds it. For a colocated trainer

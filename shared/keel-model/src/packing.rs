@@ -28,11 +28,33 @@ pub struct FileBucket {
 }
 
 /// Buckets in memory or in files.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Packed {
     Memory(Vec<Bucket>),
     Files(Vec<FileBucket>),
+    Device(DeviceBuckets),
 }
+
+/// Where an export packs its buckets: buffers in host memory, files written in place in a
+/// directory (shared memory), or one buffer on the weights' own device (for CUDA IPC).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PackTarget {
+    #[default]
+    Memory,
+    Files(PathBuf),
+    Device,
+}
+
+/// Buckets as ranges of one flat byte buffer on a device (a GPU's memory, for CUDA IPC).
+#[derive(Debug)]
+pub struct DeviceBuckets {
+    pub buffer: Tensor,
+    /// Per bucket: its offset in `buffer`, its size and the tensors in it.
+    pub buckets: Vec<(u64, u64, Vec<Entry>)>,
+}
+
+/// Where buckets start in a device buffer: at multiples of this, as CUDA allocations do.
+const DEVICE_ALIGN: u64 = 256;
 
 impl Default for Packed {
     fn default() -> Self {
@@ -109,6 +131,32 @@ pub fn pack_to_files(
         .collect()
 }
 
+/// [`pack`] into one flat byte buffer on `device`, bucket after bucket (each starting at a
+/// multiple of 256 bytes): every tensor cast and copied on the device, nothing through host
+/// memory.
+pub fn pack_on_device(tensors: &[(String, Tensor)], kind: Kind, bucket_bytes: u64, device: Device) -> Result<DeviceBuckets> {
+    let laid = layout(tensors, kind, bucket_bytes);
+    let mut starts = Vec::with_capacity(laid.len());
+    let mut total = 0u64;
+    for (size, _) in &laid {
+        starts.push(total);
+        total += size.div_ceil(DEVICE_ALIGN) * DEVICE_ALIGN;
+    }
+    let buffer = Tensor::f_empty([total as i64], (Kind::Uint8, device))?;
+    let elt = kind.elt_size_in_bytes() as i64;
+    let mut buckets = Vec::with_capacity(laid.len());
+    for ((size, placed), start) in laid.into_iter().zip(starts) {
+        for (index, entry) in &placed {
+            let bytes = buffer.f_narrow(0, (start + entry.offset) as i64, entry.bytes as i64)?;
+            let mut slot = bytes.f_view_dtype(kind)?.f_view(entry.shape.as_slice())?;
+            debug_assert_eq!(slot.numel() as i64 * elt, entry.bytes as i64);
+            slot.f_copy_(&tensors[*index].1)?;
+        }
+        buckets.push((start, size, placed.into_iter().map(|(_, e)| e).collect()));
+    }
+    Ok(DeviceBuckets { buffer, buckets })
+}
+
 /// A file's bytes as a flat tensor of `kind` mapped from it (`shared`: writes reach the
 /// file; else the mapping is private and the file only read).
 fn map_file(path: &Path, shared: bool, bytes: u64, kind: Kind) -> Result<Tensor> {
@@ -157,13 +205,31 @@ pub fn unpack_file(path: &Path, bytes: u64, entries: &[Entry], kind: Kind) -> Re
         return Err(Error::InvalidInput(format!("weight bucket {} has {found} bytes, not {bytes}", path.display())));
     }
     let numels = entries.iter().map(|e| check(e, bytes, kind)).collect::<Result<Vec<_>>>()?;
-    let mapped = map_file(path, false, bytes, kind)?;
+    views(&map_file(path, false, bytes, kind)?, entries, numels, kind)
+}
+
+/// The tensors of a bucket held as a flat byte tensor (on any device), as views of it. Errors
+/// as [`unpack`].
+pub fn unpack_tensor(flat: &Tensor, entries: &[Entry], kind: Kind) -> Result<Vec<(String, Tensor)>> {
+    let bytes = flat.numel() as u64;
+    let numels = entries.iter().map(|e| check(e, bytes, kind)).collect::<Result<Vec<_>>>()?;
+    if flat.kind() != Kind::Uint8 || !bytes.is_multiple_of(kind.elt_size_in_bytes() as u64) {
+        return Err(Error::InvalidInput(format!(
+            "a bucket of {bytes} bytes ({:?}) does not hold whole {kind:?} values",
+            flat.kind()
+        )));
+    }
+    views(&flat.f_view_dtype(kind)?, entries, numels, kind)
+}
+
+/// Each entry's tensor as a view of `flat`, a bucket's values as a flat tensor of `kind`.
+fn views(flat: &Tensor, entries: &[Entry], numels: Vec<i64>, kind: Kind) -> Result<Vec<(String, Tensor)>> {
     let elt = kind.elt_size_in_bytes() as i64;
     entries
         .iter()
         .zip(numels)
         .map(|(e, numel)| {
-            let tensor = mapped.f_narrow(0, e.offset as i64 / elt, numel)?.f_view(e.shape.as_slice())?;
+            let tensor = flat.f_narrow(0, e.offset as i64 / elt, numel)?.f_view(e.shape.as_slice())?;
             Ok((e.name.clone(), tensor))
         })
         .collect()
@@ -201,6 +267,38 @@ mod tests {
         entries[1].bytes -= 4;
         entries[4].offset = u64::MAX;
         assert!(unpack(&buckets[0].bytes, &entries, Kind::Float).is_err(), "no overflow past the end");
+    }
+
+    /// Buckets packed into one device buffer hold the bytes in-memory buckets hold, at
+    /// aligned offsets, and come back equal (on the CPU here; the CUDA IPC test in
+    /// `tests/cuda_ipc.rs` does the same on a GPU).
+    #[test]
+    fn device_buffers_hold_what_memory_buckets_hold() {
+        let tensors: Vec<(String, Tensor)> =
+            (0..5).map(|i| (format!("t{i}"), Tensor::randn([3, 4 + i], (Kind::Float, Device::Cpu)))).collect();
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let device = pack_on_device(&tensors, kind, 100, Device::Cpu).unwrap();
+            let memory = pack(&tensors, kind, 100).unwrap();
+            assert_eq!(device.buckets.len(), memory.len());
+            for ((start, size, entries), bucket) in device.buckets.iter().zip(&memory) {
+                assert_eq!(start % DEVICE_ALIGN, 0);
+                assert_eq!(*size, bucket.bytes.len() as u64);
+                assert_eq!(entries, &bucket.entries);
+                let flat = device.buffer.narrow(0, *start as i64, *size as i64);
+                let mut bytes = vec![0u8; *size as usize];
+                flat.copy_data_u8(&mut bytes, *size as usize);
+                assert_eq!(bytes, bucket.bytes);
+                for ((name, got), (_, want)) in unpack_tensor(&flat, entries, kind)
+                    .unwrap()
+                    .iter()
+                    .zip(unpack(&bucket.bytes, &bucket.entries, kind).unwrap().iter())
+                {
+                    assert!(got.equal(want), "{name} at {kind:?}");
+                }
+            }
+            let flat = device.buffer.narrow(0, 0, device.buckets[0].1 as i64 - 1);
+            assert!(unpack_tensor(&flat, &device.buckets[0].2, kind).is_err(), "a short bucket is refused");
+        }
     }
 
     /// Buckets written to files hold the bytes in-memory buckets hold, and come back equal.

@@ -204,8 +204,9 @@ pub struct AdapterRefit {
     pub base: String,
 }
 
-/// One buffer of packed tensors: an object of the JetStream object store, or a file in
-/// shared memory (`/dev/shm`) when trainer and generators are on one host.
+/// One buffer of packed tensors: an object of the JetStream object store, a file in shared
+/// memory (`/dev/shm`) when trainer and generators are on one host, or a range of the
+/// trainer's GPU memory shared through CUDA IPC (generators on the same host's GPUs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightBucket {
@@ -213,9 +214,28 @@ pub struct WeightBucket {
     pub object: Option<crate::ObjectRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_ipc: Option<CudaIpcBuffer>,
     /// Its size in bytes (the sum of its tensors').
     pub bytes: u64,
     pub tensors: Vec<PackedTensor>,
+}
+
+/// A bucket in the GPU memory of the trainer's process, for a process on the same host to
+/// map (CUDA IPC): the allocation's handle, where the bucket starts in it, and on which GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CudaIpcBuffer {
+    /// `cuIpcGetMemHandle`'s handle of the allocation, 64 bytes in hex.
+    pub handle: String,
+    /// The bucket's offset in the allocation.
+    pub offset: u64,
+    /// The UUID of the GPU the allocation is on, in hex.
+    pub device_uuid: String,
+    /// The exporting process: CUDA opens no handle in the process that made it, so that
+    /// process reads the bucket at `address`, its address there.
+    pub pid: u32,
+    pub address: u64,
 }
 
 /// Where a tensor is in its bucket.

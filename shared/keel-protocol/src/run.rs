@@ -214,9 +214,12 @@ pub struct GenerationSpec {
     pub stop: Vec<String>,
     /// How a GRPO step's new weights reach the generators: `memory` (the trainer exports the
     /// weights only, in buckets through the object store), `shared_memory` (the same buckets
-    /// as files in `/dev/shm` on the trainer's host: for generators on the same host) or
-    /// `directory` (the trainer saves a whole checkpoint to the run's directory on the disk
-    /// the generators share, which they load: the fallback, and the way it was done before).
+    /// as files in `/dev/shm` on the trainer's host: for generators on the same host),
+    /// `cuda_ipc` (the buckets stay in the trainer's GPU memory and the generators, on the
+    /// same host's GPUs, copy them from there through CUDA IPC: the transfer for colocated
+    /// runs on a GPU; a CPU trainer refuses it) or `directory` (the trainer saves a whole
+    /// checkpoint to the run's directory on the disk the generators share, which they load:
+    /// the fallback, and the way it was done before).
     pub weight_transfer: WeightTransfer,
     /// Training and generation taking turns on the same GPUs (NeMo-RL's
     /// `generation.colocated`).
@@ -245,6 +248,7 @@ pub enum WeightTransfer {
     #[default]
     Memory,
     SharedMemory,
+    CudaIpc,
     Directory,
 }
 
@@ -753,6 +757,12 @@ impl RunSpec {
             }
             Algorithm::Sft | Algorithm::Eval => {}
         }
+        check(
+            p,
+            !(self.generation.weight_transfer == WeightTransfer::CudaIpc && self.device.as_deref() == Some("cpu")),
+            "generation.weight_transfer",
+            "cuda_ipc shares the trainer's GPU memory, and `device` is cpu: use memory or shared_memory",
+        );
         let asynchronous = &self.grpo.async_grpo;
         if asynchronous.enabled {
             check(
@@ -1000,6 +1010,19 @@ mod tests {
         spec.grpo.async_grpo.max_trajectory_age_steps = 0;
         let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(fields, ["grpo.async_grpo.enabled", "grpo.async_grpo.max_trajectory_age_steps"]);
+    }
+
+    /// CUDA IPC shares GPU memory: a run on the CPU is told to choose another transfer.
+    #[test]
+    fn cuda_ipc_refuses_a_cpu_trainer() {
+        let mut spec = grpo();
+        spec.generation = serde_json::from_value(serde_json::json!({"weight_transfer": "cuda_ipc"})).unwrap();
+        assert_eq!(spec.problems(), vec![]);
+        spec.device = Some("cpu".into());
+        let problems = spec.problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].field, "generation.weight_transfer");
+        assert!(problems[0].message.contains("cuda_ipc"), "{problems:?}");
     }
 
     /// NeMo-RL's logger keys: TensorBoard and MLflow on, W&B (not built yet) refused,

@@ -310,6 +310,12 @@ pub struct ExportRequest {
     /// releases the worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_dir: Option<String>,
+    /// Leave the buckets in the trainer's GPU memory, one buffer shared with the generators
+    /// on the same host through CUDA IPC, instead of the object store: the worker keeps its
+    /// two newest such exports (a generator may still be copying the older) and frees them
+    /// when the run lets it go. Refused on a CPU trainer and together with `shared_dir`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cuda_ipc: bool,
 }
 
 fn default_bucket_bytes() -> u64 {

@@ -526,6 +526,8 @@ impl Engine {
         if weights {
             bytes += self.move_weights(Device::Cpu)?;
         }
+        // What was freed goes back to the driver, for the generators on the same GPU.
+        keel_model::device::return_cached_memory(self.device)?;
         Ok(bytes)
     }
 
@@ -546,8 +548,9 @@ impl Engine {
     }
 
     /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
-    /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory: buffers, or files
-    /// written in place in `files` (a directory in shared memory). Under LoRA, only the
+    /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory: host buffers, files
+    /// written in place in a directory (in shared memory), or one buffer on the policy's
+    /// device (for CUDA IPC), as `to` says. Under LoRA, only the
     /// adapters (the generators keep the base). Under tensor parallelism every rank calls it
     /// (each takes part in the gathers) and rank 0 returns the buckets; the others return
     /// none.
@@ -555,9 +558,16 @@ impl Engine {
         &self,
         kind: tch::Kind,
         bucket_bytes: u64,
-        files: Option<&Path>,
+        to: &keel_model::packing::PackTarget,
     ) -> Result<keel_model::packing::Packed> {
-        use keel_model::packing::{Packed, pack, pack_to_files};
+        use keel_model::packing::{PackTarget, Packed, pack, pack_on_device, pack_to_files};
+        // The training device, even while a colocated trainer's weights are in host memory.
+        let device = self.device;
+        if *to == PackTarget::Device && !device.is_cuda() {
+            return Err(Error::InvalidRequest(format!(
+                "an export for CUDA IPC stays in GPU memory, and this policy trains on {device:?}"
+            )));
+        }
         let packed = self.policy.with_full(|full| {
             let mut tensors: Vec<(String, Tensor)> = match full.lora() {
                 Some(_) => full.adapter_tensors(),
@@ -565,9 +575,10 @@ impl Engine {
             };
             tensors.sort_by(|a, b| a.0.cmp(&b.0));
             let _no_grad = tch::no_grad_guard();
-            Ok(match files {
-                Some(dir) => Packed::Files(pack_to_files(&tensors, kind, bucket_bytes, dir)?),
-                None => Packed::Memory(pack(&tensors, kind, bucket_bytes)?),
+            Ok(match to {
+                PackTarget::Files(dir) => Packed::Files(pack_to_files(&tensors, kind, bucket_bytes, dir)?),
+                PackTarget::Memory => Packed::Memory(pack(&tensors, kind, bucket_bytes)?),
+                PackTarget::Device => Packed::Device(pack_on_device(&tensors, kind, bucket_bytes, device)?),
             })
         })?;
         Ok(packed.unwrap_or_default())

@@ -195,19 +195,18 @@ impl Trainer {
         &mut self,
         kind: Option<tch::Kind>,
         bucket_bytes: u64,
-        files: Option<PathBuf>,
+        to: keel_model::packing::PackTarget,
     ) -> Result<(u64, tch::Kind, keel_model::packing::Packed)> {
         match self {
             Self::One(engine) => {
                 let kind = kind.unwrap_or(engine.policy().kind());
-                Ok((engine.step(), kind, engine.export(kind, bucket_bytes, files.as_deref())?))
+                Ok((engine.step(), kind, engine.export(kind, bucket_bytes, &to)?))
             }
             Self::Ranks(ranks) => {
-                let exported =
-                    first(ranks.group.run_all((kind, bucket_bytes, files), |engine, (kind, bytes, files)| {
-                        let kind = kind.unwrap_or(engine.policy().kind());
-                        Ok((kind, engine.export(kind, bytes, files.as_deref())?))
-                    }))?;
+                let exported = first(ranks.group.run_all((kind, bucket_bytes, to), |engine, (kind, bytes, to)| {
+                    let kind = kind.unwrap_or(engine.policy().kind());
+                    Ok((kind, engine.export(kind, bytes, &to)?))
+                }))?;
                 Ok((ranks.step, exported.0, exported.1))
             }
         }

@@ -322,7 +322,8 @@ async fn logprobs(
 }
 
 /// Weights to the generators: in memory (the trainer exports weights only, in buckets, to
-/// the object store or shared memory) or through a saved directory. The phase ends when a
+/// the object store, shared memory or its GPU's memory for CUDA IPC) or through a saved
+/// directory. The phase ends when a
 /// generator serves the new version (as NeMo-RL's refit does), so that its loading is not
 /// counted as generation. Returns the trainer's export time and the generator's refit time.
 /// An async run does not wait: the generators load the new weights while its next rollouts
@@ -345,8 +346,7 @@ async fn weight_sync(
         run.saved.push(dir.to_path_buf());
         ctx.weights.publish_dir(dir, step).await?
     } else {
-        let shared_memory = transfer == WeightTransfer::SharedMemory;
-        let export = ctx.session()?.export(shared_memory, run.serving_dtype.as_deref()).await?;
+        let export = ctx.session()?.export(transfer, run.serving_dtype.as_deref()).await?;
         if let Some(seconds) = export.timing.get("export") {
             timings.insert("timing/train/trainer_export".into(), *seconds);
         }

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use keel_protocol::run::RunSpec;
+use keel_protocol::run::{RunSpec, WeightTransfer};
 use keel_protocol::trainer::{
     EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, LoadReply, LoadRequest, LogprobsReply, LogprobsRequest,
     MemoryMoved, ModelSource, OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer, Sequences, TrainBatch,
@@ -96,16 +96,19 @@ impl<'a> TrainerSession<'a> {
         Ok(self.trainer.op(&request).await?)
     }
 
-    /// Exports the policy's weights (weights only, in buckets): in the object store, or with
-    /// `shared_memory` as files in `/dev/shm` on the trainer's host. `serving_dtype` (what
-    /// the generators said they serve in) wins over the run's dtype.
-    pub async fn export(&self, shared_memory: bool, serving_dtype: Option<&str>) -> Result<ExportReply> {
-        let shared_dir = shared_memory.then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.run_id));
+    /// Exports the policy's weights (weights only, in buckets) as `transfer` says: in the
+    /// object store, as files in `/dev/shm` on the trainer's host, or in the trainer's GPU
+    /// memory for CUDA IPC. `serving_dtype` (what the generators said they serve in) wins
+    /// over the run's dtype.
+    pub async fn export(&self, transfer: WeightTransfer, serving_dtype: Option<&str>) -> Result<ExportReply> {
+        let shared_dir = (transfer == WeightTransfer::SharedMemory)
+            .then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.run_id));
         let request = ExportRequest {
             run_id: self.run_id(),
             dtype: serving_dtype.map(str::to_string).or_else(|| self.spec.dtype.clone()),
             bucket_bytes: EXPORT_BUCKET_BYTES,
             shared_dir,
+            cuda_ipc: transfer == WeightTransfer::CudaIpc,
         };
         Ok(self.trainer.op(&request).await?)
     }

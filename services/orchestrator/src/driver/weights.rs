@@ -92,7 +92,8 @@ impl WeightPublisher {
     /// Deletes exported weight buckets no generator needs any more (best effort: the object
     /// store expires them after a day anyway).
     pub async fn delete_exported(&self, weights: &WeightBuckets) {
-        // Files in shared memory are the trainer's to delete (it keeps the newest three).
+        // Files in shared memory and buffers in GPU memory are the trainer's to free (it keeps
+        // the newest few).
         for object in weights.buckets.iter().filter_map(|b| b.object.as_ref()) {
             if let Err(e) = self.bulk.delete(object).await {
                 tracing::warn!(run_id = %self.run_id, "cannot delete exported weights: {e}");

@@ -5,6 +5,7 @@
 // C++ exceptions: 0 is success, 1 a failure whose message keel_graph_last_error returns.
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -101,6 +102,12 @@ void* keel_graph_current_stream(int device) {
     void* stream = nullptr;
     guarded([&] { stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(); });
     return stream;
+}
+
+// Gives the memory libtorch's caching allocator holds but no tensor uses back to the driver,
+// for another process on the same GPU (a colocated trainer or generator taking its turn).
+int keel_cuda_empty_cache() {
+    return guarded([&] { c10::cuda::CUDACachingAllocator::emptyCache(); });
 }
 
 }  // extern "C"

@@ -35,6 +35,7 @@ struct Shim {
     end: unsafe extern "C" fn(*mut c_void) -> c_int,
     replay: unsafe extern "C" fn(*mut c_void) -> c_int,
     current_stream: unsafe extern "C" fn(c_int) -> *mut c_void,
+    empty_cache: unsafe extern "C" fn() -> c_int,
 }
 
 static SHIM: OnceLock<Result<Shim, LibraryUnavailable>> = OnceLock::new();
@@ -78,6 +79,7 @@ fn load() -> Result<Shim, LibraryUnavailable> {
             end: symbol!(b"keel_graph_end\0"),
             replay: symbol!(b"keel_graph_replay\0"),
             current_stream: symbol!(b"keel_graph_current_stream\0"),
+            empty_cache: symbol!(b"keel_cuda_empty_cache\0"),
         };
         std::mem::forget(library);
         Ok(shim)
@@ -121,6 +123,16 @@ pub(crate) fn current_stream(ordinal: usize) -> Option<*mut c_void> {
     #[allow(unsafe_code)]
     let stream = unsafe { (shim.current_stream)(ordinal as c_int) };
     (!stream.is_null()).then_some(stream)
+}
+
+/// Hands the GPU memory libtorch's caching allocator keeps for reuse back to the driver
+/// (`torch.cuda.empty_cache()`), so that another process on the same GPU can have it.
+pub fn empty_cache() -> Result<()> {
+    let shim = shim()?;
+    // SAFETY: takes nothing; failures are reported through the status.
+    #[allow(unsafe_code)]
+    let status = unsafe { (shim.empty_cache)() };
+    shim.check(status, "empty_cache")
 }
 
 /// A memory pool the graphs of one model share (they never replay at the same time).
