@@ -299,8 +299,9 @@ impl Kernels {
         }
         let x = if x.stride()[3] == 1 { x.shallow_clone() } else { x.f_contiguous()? };
         let (cos, sin) = (cos.f_contiguous()?, sin.f_contiguous()?);
-        same("cos", &cos, &x)?;
-        same("sin", &sin, &x)?;
+        // cos and sin are shared by the heads ([B, 1, S, D], checked above).
+        same_kind("cos", &cos, &x)?;
+        same_kind("sin", &sin, &x)?;
         let out = Tensor::f_empty([b, h, s, d], (x.kind(), x.device()))?;
         let pairs = b * h * s * (d / 2);
         let (stride, cs) = (x.stride(), cos.stride());
@@ -432,6 +433,20 @@ impl Kernels {
         }
         Ok(out)
     }
+}
+
+/// `t` has the dtype and device of `like` (any shape).
+fn same_kind(what: &str, t: &Tensor, like: &Tensor) -> Result<()> {
+    if t.kind() != like.kind() || t.device() != like.device() {
+        return Err(KernelError::Shape(format!(
+            "{what} is {:?} on {:?}, expected {:?} on {:?}",
+            t.kind(),
+            t.device(),
+            like.kind(),
+            like.device()
+        )));
+    }
+    Ok(())
 }
 
 /// `t` has the shape, dtype and device of `like`.

@@ -65,7 +65,9 @@ fn another_process_copies_the_exported_buckets() {
             .unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(output.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-        let line = stdout.lines().find_map(|l| l.strip_prefix("FINGERPRINTS ")).unwrap_or_else(|| panic!("{stdout}"));
+        // The harness prints the test's name on the same line, before it.
+        let line =
+            stdout.lines().find_map(|l| l.split_once("FINGERPRINTS ")).map(|(_, json)| json).unwrap_or_else(|| panic!("{stdout}"));
         let got: Vec<(String, Vec<i64>)> = serde_json::from_str(line).unwrap();
         assert_eq!(got, want, "{kind:?}, another process");
         eprintln!("{kind:?}: {} buckets copied by another process, bit for bit", shared.len());
