@@ -24,12 +24,13 @@ const LIMIT: Duration = Duration::from_secs(600);
 const SERVICES: [&str; 5] = ["keel-orchestrator", "keel-generator", "keel-reward", "keel-trainer", "keel-checkpoint"];
 
 /// Two GRPO steps, each validated and checkpointed, recording 8 samples, logged to
-/// TensorBoard files in `logs` and to the MLflow server at `mlflow`.
+/// TensorBoard and W&B offline files in `logs` and to the MLflow server at `mlflow`.
 fn observed_spec(model: &Path, logs: &Path, mlflow: &str) -> serde_json::Value {
     let mut spec = stack::grpo_spec(&json!({"path": model}));
     spec["logger"] = json!({
         "tensorboard_enabled": true, "log_dir": logs,
         "mlflow_enabled": true, "mlflow": {"tracking_uri": mlflow, "experiment_name": "keel-observed"},
+        "wandb_enabled": true, "wandb": {"project": "keel-observed", "tags": ["observed"]},
     });
     spec["name"] = json!("observed-grpo");
     spec["max_num_steps"] = json!(2);
@@ -337,6 +338,52 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
         }
     }
     assert_eq!(scalars["validation/accuracy"][0].0, 0, "validation's baseline is step 0");
+
+    // W&B's offline files, each record parsed with W&B's own protobuf definitions (the
+    // framing's reader is first checked on a real offline run that wandb makes): the run
+    // with its spec as config, a row per step holding every recorded metric, the exit.
+    let offline = std::fs::read_dir(logs.path().join(&run).join("wandb"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("offline-run-"))
+        .expect("an offline-run directory");
+    let file = std::fs::read_dir(&offline)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "wandb"))
+        .expect("a run-<id>.wandb file");
+    let real = tempfile::tempdir().unwrap();
+    let wandb_python = keel_testkit::workspace_root().join(".venv-wandb/bin/python");
+    assert!(wandb_python.exists(), "{} is missing: run scripts/setup", wandb_python.display());
+    let output = Command::new(wandb_python)
+        .arg(keel_testkit::workspace_root().join("tests/reference/wandb_records.py"))
+        .arg(&file)
+        .arg("--real")
+        .arg(real.path())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let read: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(read["exit_code"], 0, "{read}");
+    assert_eq!(read["run"]["project"], "keel-observed");
+    assert_eq!(read["run"]["display_name"], "observed-grpo");
+    assert_eq!(read["run"]["tags"], json!(["observed"]));
+    assert_eq!(read["run"]["config"]["algorithm"]["value"], "grpo");
+    let rows = read["history"].as_array().unwrap();
+    let steps: Vec<u64> = rows.iter().map(|r| r[0].as_u64().unwrap()).collect();
+    assert_eq!(steps, [0, 1, 2], "one row per step, validation's baseline first");
+    for name in ["train/loss", "train/reward", "validation/accuracy", "validation/pass@1", "timing/train/total_step_time"] {
+        let recorded = stack.series(&run, name).await;
+        let logged: Vec<(u64, f64)> = rows
+            .iter()
+            .filter_map(|r| r[1][name].as_f64().map(|v| (r[0].as_u64().unwrap(), v)))
+            .collect();
+        assert_eq!(logged.len(), recorded.len(), "{name}: {logged:?} vs {recorded:?}");
+        for ((step, value), (recorded_step, recorded_value)) in logged.iter().zip(&recorded) {
+            assert_eq!(step, recorded_step, "{name}");
+            assert!((value - recorded_value).abs() <= 1e-12 * recorded_value.abs().max(1.0), "{name} at {step}");
+        }
+    }
 
     // Traces: each step is its own tree across the five services.
     let first = step_trace(&spans, &run, 1).await;

@@ -129,12 +129,7 @@ impl Scheduler {
             id: run.id,
             owner,
             store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name()).with_loggers(
-                Loggers::open(
-                    &run.spec.logger,
-                    &run.id.to_string(),
-                    run.spec.name.as_deref(),
-                    &self.work_dir.join("logs"),
-                ),
+                Loggers::open(&run.spec, &run.id.to_string(), &self.work_dir.join("logs")),
             ),
             spec: run.spec,
             trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),

@@ -473,8 +473,23 @@ pub struct LoggerSpec {
     /// An MLflow run (see `mlflow`) with every metric at its step.
     pub mlflow_enabled: bool,
     pub mlflow: MlflowSpec,
-    /// Not built yet: refused when true.
+    /// W&B's offline run files in `<log_dir>/<run id>/wandb/offline-run-<time>-<id>/` (see
+    /// `wandb`), as `wandb offline` writes them: `wandb sync <that directory>` uploads them.
     pub wandb_enabled: bool,
+    pub wandb: WandbSpec,
+}
+
+/// NeMo-RL's `logger.wandb`: the W&B run the offline files make when `wandb_enabled`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct WandbSpec {
+    /// Default `keel`.
+    pub project: Option<String>,
+    /// The W&B run's name; default the Keel run's name, else its id.
+    pub name: Option<String>,
+    /// The team or user (default: the one `wandb sync` logs in as).
+    pub entity: Option<String>,
+    pub tags: Vec<String>,
 }
 
 /// NeMo-RL's `logger.mlflow`: where the run's metrics go when `mlflow_enabled`.
@@ -527,12 +542,9 @@ impl RunSpec {
         let alg = self.algorithm;
         let tp = self.tensor_parallel_size;
         check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
-        check(
-            &mut p,
-            !self.logger.wandb_enabled,
-            "logger.wandb_enabled",
-            "W&B logging is not built yet: use logger.tensorboard_enabled or logger.mlflow_enabled",
-        );
+        if let Some(project) = &self.logger.wandb.project {
+            check(&mut p, !project.trim().is_empty(), "logger.wandb.project", "must not be empty (leave it out for `keel`)");
+        }
         if self.logger.mlflow_enabled {
             let uri = self.logger.mlflow.tracking_uri.as_deref().unwrap_or_default();
             check(
@@ -1025,13 +1037,14 @@ mod tests {
         assert!(problems[0].message.contains("cuda_ipc"), "{problems:?}");
     }
 
-    /// NeMo-RL's logger keys: TensorBoard and MLflow on, W&B (not built yet) refused,
-    /// LoRA refused with tensor parallelism.
+    /// NeMo-RL's logger keys: TensorBoard, MLflow and W&B on, a bad MLflow URL or W&B
+    /// project refused, LoRA refused with tensor parallelism.
     #[test]
     fn logger_and_lora_settings_are_checked() {
         let mut spec = grpo();
         spec.logger = serde_json::from_value(serde_json::json!({
-            "log_dir": "logs", "tensorboard_enabled": true, "mlflow_enabled": false, "wandb_enabled": false,
+            "log_dir": "logs", "tensorboard_enabled": true, "mlflow_enabled": false, "wandb_enabled": true,
+            "wandb": {"project": "arithmetic", "name": "first", "tags": ["grpo"]},
         }))
         .unwrap();
         assert_eq!(spec.problems(), vec![]);
@@ -1039,14 +1052,14 @@ mod tests {
         spec.logger.mlflow.tracking_uri = Some("http://127.0.0.1:5000".into());
         assert_eq!(spec.problems(), vec![]);
         spec.logger.mlflow.tracking_uri = Some("127.0.0.1:5000".into());
-        spec.logger.wandb_enabled = true;
+        spec.logger.wandb.project = Some(" ".into());
         spec.logger.log_dir = Some(" ".into());
         spec.tensor_parallel_size = 2;
         spec.training.as_mut().unwrap().lora.enabled = true;
         let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(
             fields,
-            ["logger.wandb_enabled", "logger.mlflow.tracking_uri", "logger.log_dir", "training.lora.enabled"]
+            ["logger.wandb.project", "logger.mlflow.tracking_uri", "logger.log_dir", "training.lora.enabled"]
         );
     }
 
