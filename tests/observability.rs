@@ -372,12 +372,12 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     let rows = read["history"].as_array().unwrap();
     let steps: Vec<u64> = rows.iter().map(|r| r[0].as_u64().unwrap()).collect();
     assert_eq!(steps, [0, 1, 2], "one row per step, validation's baseline first");
-    for name in ["train/loss", "train/reward", "validation/accuracy", "validation/pass@1", "timing/train/total_step_time"] {
+    for name in
+        ["train/loss", "train/reward", "validation/accuracy", "validation/pass@1", "timing/train/total_step_time"]
+    {
         let recorded = stack.series(&run, name).await;
-        let logged: Vec<(u64, f64)> = rows
-            .iter()
-            .filter_map(|r| r[1][name].as_f64().map(|v| (r[0].as_u64().unwrap(), v)))
-            .collect();
+        let logged: Vec<(u64, f64)> =
+            rows.iter().filter_map(|r| r[1][name].as_f64().map(|v| (r[0].as_u64().unwrap(), v))).collect();
         assert_eq!(logged.len(), recorded.len(), "{name}: {logged:?} vs {recorded:?}");
         for ((step, value), (recorded_step, recorded_value)) in logged.iter().zip(&recorded) {
             assert_eq!(step, recorded_step, "{name}");

@@ -541,8 +541,10 @@ impl Wandb {
             pending: None,
             summary: BTreeMap::new(),
         };
-        let version = WandbVersion { producer: format!("keel {}", env!("CARGO_PKG_VERSION")), min_consumer: String::new() };
-        writer.append(WandbRecord { header: Some(WandbHeader { version_info: Some(version) }), ..Default::default() })?;
+        let version =
+            WandbVersion { producer: format!("keel {}", env!("CARGO_PKG_VERSION")), min_consumer: String::new() };
+        writer
+            .append(WandbRecord { header: Some(WandbHeader { version_info: Some(version) }), ..Default::default() })?;
         let config = match config {
             Value::Object(fields) => fields
                 .iter()
@@ -598,10 +600,8 @@ impl Wandb {
     /// The last row and the exit record: code 0 when the run succeeded, 1 otherwise.
     pub fn finish(&mut self, succeeded: bool) -> std::io::Result<()> {
         self.flush_row()?;
-        let exit = WandbExit {
-            exit_code: if succeeded { 0 } else { 1 },
-            runtime: self.started.elapsed().as_secs() as i32,
-        };
+        let exit =
+            WandbExit { exit_code: if succeeded { 0 } else { 1 }, runtime: self.started.elapsed().as_secs() as i32 };
         self.append(WandbRecord { exit: Some(exit), ..Default::default() })
     }
 
@@ -736,7 +736,10 @@ mod tests {
         assert!(records.iter().all(|r| r.info.as_ref().unwrap().stream_id == "0a1b2c3d"));
         assert!(records[0].header.is_some());
         let run = records[1].run.as_ref().unwrap();
-        assert_eq!((run.run_id.as_str(), run.project.as_str(), run.display_name.as_str()), ("0a1b2c3d", "p", "run-name"));
+        assert_eq!(
+            (run.run_id.as_str(), run.project.as_str(), run.display_name.as_str()),
+            ("0a1b2c3d", "p", "run-name")
+        );
         assert_eq!(run.tags, ["grpo"]);
         let notes = run.config.as_ref().unwrap().update.iter().find(|i| i.key == "notes").unwrap();
         assert_eq!(serde_json::from_str::<Value>(&notes.value_json).unwrap()["value"].as_str().unwrap().len(), 70_000);

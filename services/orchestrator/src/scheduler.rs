@@ -128,9 +128,8 @@ impl Scheduler {
         Ok(Some(RunContext {
             id: run.id,
             owner,
-            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name()).with_loggers(
-                Loggers::open(&run.spec, &run.id.to_string(), &self.work_dir.join("logs")),
-            ),
+            store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name())
+                .with_loggers(Loggers::open(&run.spec, &run.id.to_string(), &self.work_dir.join("logs"))),
             spec: run.spec,
             trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),
             nats,

@@ -134,7 +134,12 @@ pub fn pack_to_files(
 /// [`pack`] into one flat byte buffer on `device`, bucket after bucket (each starting at a
 /// multiple of 256 bytes): every tensor cast and copied on the device, nothing through host
 /// memory.
-pub fn pack_on_device(tensors: &[(String, Tensor)], kind: Kind, bucket_bytes: u64, device: Device) -> Result<DeviceBuckets> {
+pub fn pack_on_device(
+    tensors: &[(String, Tensor)],
+    kind: Kind,
+    bucket_bytes: u64,
+    device: Device,
+) -> Result<DeviceBuckets> {
     let laid = layout(tensors, kind, bucket_bytes);
     let mut starts = Vec::with_capacity(laid.len());
     let mut total = 0u64;

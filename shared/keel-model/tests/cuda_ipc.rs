@@ -39,17 +39,19 @@ fn cuda() -> Option<Device> {
 fn another_process_copies_the_exported_buckets() {
     let Some(device) = cuda() else { return };
     tch::manual_seed(3);
-    let tensors: Vec<(String, Tensor)> = (0..6)
-        .map(|i| (format!("layer.{i}.weight"), Tensor::randn([64 + i, 48], (Kind::Float, device))))
-        .collect();
+    let tensors: Vec<(String, Tensor)> =
+        (0..6).map(|i| (format!("layer.{i}.weight"), Tensor::randn([64 + i, 48], (Kind::Float, device)))).collect();
     for kind in [Kind::BFloat16, Kind::Float] {
         // 16 KiB buckets: several per export, all in one allocation (one handle).
         let packed = pack_on_device(&tensors, kind, 16 << 10, device).unwrap();
         assert!(packed.buckets.len() > 2, "{} buckets", packed.buckets.len());
         let ranges: Vec<(u64, u64)> = packed.buckets.iter().map(|(at, size, _)| (*at, *size)).collect();
         let handles = ipc::share(&packed.buffer, &ranges).unwrap();
-        let shared: Shared =
-            handles.into_iter().zip(&packed.buckets).map(|(h, (_, size, entries))| (h, *size, entries.clone())).collect();
+        let shared: Shared = handles
+            .into_iter()
+            .zip(&packed.buckets)
+            .map(|(h, (_, size, entries))| (h, *size, entries.clone()))
+            .collect();
         let want: Vec<(String, Vec<i64>)> =
             tensors.iter().map(|(name, t)| (name.clone(), fingerprint(&t.to_kind(kind)))).collect();
 
@@ -66,14 +68,18 @@ fn another_process_copies_the_exported_buckets() {
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(output.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
         // The harness prints the test's name on the same line, before it.
-        let line =
-            stdout.lines().find_map(|l| l.split_once("FINGERPRINTS ")).map(|(_, json)| json).unwrap_or_else(|| panic!("{stdout}"));
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once("FINGERPRINTS "))
+            .map(|(_, json)| json)
+            .unwrap_or_else(|| panic!("{stdout}"));
         let got: Vec<(String, Vec<i64>)> = serde_json::from_str(line).unwrap();
         assert_eq!(got, want, "{kind:?}, another process");
         eprintln!("{kind:?}: {} buckets copied by another process, bit for bit", shared.len());
     }
     // A handle that is not one is refused by name.
-    let bad = CudaIpcBuffer { handle: "00".into(), offset: 0, device_uuid: ipc::device_uuid(0).unwrap(), pid: 1, address: 0 };
+    let bad =
+        CudaIpcBuffer { handle: "00".into(), offset: 0, device_uuid: ipc::device_uuid(0).unwrap(), pid: 1, address: 0 };
     let error = ipc::fetch(&[(&bad, 4)]).unwrap_err().to_string();
     assert!(error.contains("64 bytes in hex"), "{error}");
 }

@@ -543,7 +543,12 @@ impl RunSpec {
         let tp = self.tensor_parallel_size;
         check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
         if let Some(project) = &self.logger.wandb.project {
-            check(&mut p, !project.trim().is_empty(), "logger.wandb.project", "must not be empty (leave it out for `keel`)");
+            check(
+                &mut p,
+                !project.trim().is_empty(),
+                "logger.wandb.project",
+                "must not be empty (leave it out for `keel`)",
+            );
         }
         if self.logger.mlflow_enabled {
             let uri = self.logger.mlflow.tracking_uri.as_deref().unwrap_or_default();

@@ -76,7 +76,11 @@ fn lora_sft_trains_only_the_adapters_and_its_loss_falls() {
     assert_eq!(base, policy);
 
     // A refit exports the adapters only.
-    let Packed::Memory(buckets) = engine.export(Kind::Float, 1 << 20, &keel_model::packing::PackTarget::Memory).unwrap() else { panic!("memory") };
+    let Packed::Memory(buckets) =
+        engine.export(Kind::Float, 1 << 20, &keel_model::packing::PackTarget::Memory).unwrap()
+    else {
+        panic!("memory")
+    };
     let names: Vec<String> = buckets.iter().flat_map(|b| b.entries.iter().map(|t| t.name.clone())).collect();
     assert_eq!(names.len(), 2 * 7 * layers);
     assert!(names.iter().all(|n| n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight")), "{names:?}");

@@ -75,7 +75,9 @@ pub fn share(buffer: &Tensor, ranges: &[(u64, u64)]) -> Result<Vec<CudaIpcBuffer
     // calls only write the out-parameters given.
     #[allow(unsafe_code)]
     unsafe {
-        sys::cuMemGetAddressRange_v2(&mut base, &mut size, address).result().map_err(driver("finding the allocation"))?;
+        sys::cuMemGetAddressRange_v2(&mut base, &mut size, address)
+            .result()
+            .map_err(driver("finding the allocation"))?;
         sys::cuIpcGetMemHandle(&mut handle, base).result().map_err(driver("making a handle"))?;
     }
     let handle_hex: String = handle.reserved.iter().map(|b| format!("{:02x}", *b as u8)).collect();
