@@ -170,6 +170,8 @@ fn chromium() -> PathBuf {
     found.expect("Debian's chromium is not installed: run scripts/setup")
 }
 
+/// Headless Chromium rendering a page for 15 s of virtual time (timers run at once; time
+/// stands still while a request, an event stream included, is pending).
 fn headless(profile: &Path) -> Command {
     let mut command = Command::new(chromium());
     command.args([
@@ -185,14 +187,22 @@ fn headless(profile: &Path) -> Command {
     command
 }
 
-/// The value of `attribute` on the element whose `data-plot` is `plot`.
+/// The points drawn in the plot whose `data-plot` is `plot`.
 fn plot_points(dom: &str, plot: &str) -> u64 {
+    plot_attribute(dom, plot, "data-points").parse().unwrap()
+}
+
+/// The value of `attribute` on the element whose `data-plot` is `plot`.
+fn plot_attribute(dom: &str, plot: &str, attribute: &str) -> String {
     let at = dom.find(&format!("data-plot=\"{plot}\"")).unwrap_or_else(|| panic!("no plot `{plot}` in the page"));
     let tag_start = dom[..at].rfind('<').unwrap();
     let tag_end = at + dom[at..].find('>').unwrap();
     let tag = &dom[tag_start..tag_end];
-    let value = tag.split("data-points=\"").nth(1).unwrap_or_else(|| panic!("plot `{plot}` has no data-points: {tag}"));
-    value.split('"').next().unwrap().parse().unwrap()
+    let value = tag
+        .split(&format!("{attribute}=\""))
+        .nth(1)
+        .unwrap_or_else(|| panic!("plot `{plot}` has no {attribute}: {tag}"));
+    value.split('"').next().unwrap().to_string()
 }
 
 /// An MLflow tracking server from `.venv-mlflow` (made by scripts/setup) on a free port, its
@@ -463,6 +473,76 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     let runs_page = headless(profile.path()).arg("--dump-dom").arg(format!("{api}/dashboard")).output().unwrap();
     let runs_dom = String::from_utf8_lossy(&runs_page.stdout);
     assert!(runs_dom.contains(&format!("data-run-id=\"{run}\"")), "the runs list shows the run: {runs_dom}");
+    assert!(runs_dom.contains("class=\"pick\""), "each run can be picked for comparison: {runs_dom}");
+    assert!(runs_dom.contains("data-score=\"validation/accuracy\""), "the list shows validation accuracy: {runs_dom}");
+
+    // The run page: its spec, duration, KL coefficient, and its checkpoints with a download
+    // link that serves the checkpoint's files as a tar archive.
+    assert!(dom.contains("data-spec=") && dom.contains("\"algorithm\": \"grpo\""), "the spec is shown");
+    assert!(dom.contains("data-duration=\""), "the header has the run's duration");
+    assert_eq!(plot_attribute(&dom, "kl", "data-kl"), "on", "β = 0.01");
+    assert!(dom.contains("β = 0.01"), "the KL card says β");
+    let download = dom
+        .split("data-download=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no checkpoint download link: {dom}"))
+        .replace("&amp;", "&");
+    assert!(dom.matches("class=\"checkpoint-row\"").count() >= 1, "checkpoints are listed");
+    let archive = stack.http.get(format!("{api}{download}")).send().await.unwrap();
+    assert_eq!(archive.status(), 200, "{download}");
+    assert_eq!(archive.headers()["content-type"], "application/x-tar");
+    assert!(archive.headers()["content-disposition"].to_str().unwrap().contains("observed-grpo-step"));
+    let tar = archive.bytes().await.unwrap();
+    assert!(tar.len() > 1024 && &tar[257..262] == b"ustar", "the download is a tar archive");
+    let unknown = stack.http.get(format!("{api}/v1/runs/{run}/checkpoints/{}/archive", uuid::Uuid::new_v4())).send();
+    assert_eq!(unknown.await.unwrap().status(), 404, "a checkpoint of no run is not found");
+
+    // Plot settings from the address: wall time on x, smoothing (raw points still counted),
+    // log scale; tokens on x.
+    let shaped = format!("{api}/dashboard#/runs/{run}?x=time&smooth=0.6&log=1");
+    let output = headless(profile.path()).arg("--dump-dom").arg(&shaped).output().unwrap();
+    let shaped_dom = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(shaped_dom.contains("data-ready=\"true\"") && !shaped_dom.contains("data-error="), "{shaped_dom}");
+    for plot in ["reward", "loss", "validation"] {
+        assert_eq!(plot_attribute(&shaped_dom, plot, "data-x"), "time", "{plot}");
+        assert_eq!(plot_attribute(&shaped_dom, plot, "data-smoothing"), "0.6", "{plot}");
+        assert_eq!(plot_attribute(&shaped_dom, plot, "data-log"), "true", "{plot}");
+    }
+    assert_eq!(plot_attribute(&shaped_dom, "step_time", "data-log"), "false", "stacked plots stay linear");
+    assert!(plot_points(&shaped_dom, "loss") >= 2, "the raw points are drawn under the smoothed line");
+    let tokens = format!("{api}/dashboard#/runs/{run}?x=tokens");
+    let output = headless(profile.path()).arg("--dump-dom").arg(&tokens).output().unwrap();
+    assert_eq!(plot_attribute(&String::from_utf8_lossy(&output.stdout), "reward", "data-x"), "tokens");
+
+    // A second run without a KL penalty, followed live over its event stream, then both
+    // runs overlaid.
+    let mut plain = stack::grpo_spec(&json!({"path": stack.model}));
+    plain["name"] = json!("kl-off");
+    plain["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
+    plain["max_num_steps"] = json!(4);
+    let second = stack.submit(&plain).await;
+    let live =
+        headless(profile.path()).arg("--dump-dom").arg(format!("{api}/dashboard#/runs/{second}")).output().unwrap();
+    let live_dom = String::from_utf8_lossy(&live.stdout).to_string();
+    stack.wait_succeeded(&second, LIMIT).await;
+    assert!(live_dom.contains("data-sse-opened=\"true\""), "the live run's page follows its event stream: {live_dom}");
+    let heard = live_dom.split("data-sse-events=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or("0");
+    assert!(heard.parse::<u64>().unwrap() >= 1, "step events were drawn as they came: {live_dom}");
+    let output =
+        headless(profile.path()).arg("--dump-dom").arg(format!("{api}/dashboard#/runs/{second}")).output().unwrap();
+    let off_dom = String::from_utf8_lossy(&output.stdout).to_string();
+    assert_eq!(plot_attribute(&off_dom, "kl", "data-kl"), "off", "β = 0");
+    assert!(off_dom.contains("KL penalty off"), "the KL card says the penalty is off");
+    let compare = format!("{api}/dashboard#/compare/{run},{second}?smooth=0.5");
+    let output = headless(profile.path()).arg("--dump-dom").arg(&compare).output().unwrap();
+    let compare_dom = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(compare_dom.contains("data-ready=\"true\"") && !compare_dom.contains("data-error="), "{compare_dom}");
+    for plot in ["reward", "loss", "validation"] {
+        assert_eq!(plot_attribute(&compare_dom, plot, "data-runs"), "2", "{plot} overlays both runs");
+    }
+    let rewards = stack.series(&run, "train/reward").await.len() + stack.series(&second, "train/reward").await.len();
+    assert_eq!(plot_points(&compare_dom, "reward") as usize, rewards, "both runs' rewards are drawn");
 
     let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
     std::fs::create_dir_all(&shots).unwrap();
@@ -477,4 +557,19 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     let png = std::fs::read(&shot).unwrap();
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot {} is not a page", shot.display());
     println!("dashboard screenshot: {}", shot.display());
+    // Screenshots of the new views: smoothing and the overlay change what is drawn.
+    for (name, url) in [("smoothed", &shaped), ("compare", &compare)] {
+        let other = shots.join(format!("{name}-{run}.png"));
+        let status = headless(profile.path())
+            .arg(format!("--screenshot={}", other.display()))
+            .arg("--window-size=1400,2000")
+            .arg(url)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let drawn = std::fs::read(&other).unwrap();
+        assert!(drawn.starts_with(b"\x89PNG") && drawn.len() > 10_000, "screenshot {} is not a page", other.display());
+        assert_ne!(drawn, png, "the {name} view draws something else than the plain run page");
+        println!("dashboard screenshot: {}", other.display());
+    }
 }

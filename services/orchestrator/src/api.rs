@@ -106,6 +106,7 @@ pub fn routes(state: AppState) -> Router {
         .route("/v1/runs/{id}/events", get(events))
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/checkpoints", get(checkpoints))
+        .route("/v1/runs/{id}/checkpoints/{checkpoint_id}/archive", get(checkpoint_archive))
         // Run counts and names are the API's data too: with a token, Prometheus sends it
         // (`authorization` / `bearer_token` in its scrape configuration).
         .route("/metrics", get(prometheus))
@@ -319,13 +320,43 @@ pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) 
     Ok(Json(list))
 }
 
+/// One of the run's checkpoints as a tar archive (the files of a Hugging Face model
+/// directory, with the trainer's state), streamed from the checkpoint store: the dashboard's
+/// download link.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}/checkpoints/{checkpoint_id}/archive",
+    params(("id" = Uuid, Path, description = "The run's id"), ("checkpoint_id" = Uuid, Path, description = "The checkpoint's id")),
+    responses((status = 200, content_type = "application/x-tar", description = "the checkpoint's files as a tar archive"), (status = 404))
+)]
+pub async fn checkpoint_archive(
+    State(state): State<AppState>,
+    Path((id, checkpoint_id)): Path<(String, String)>,
+) -> Answer<Response> {
+    let run = find(&state.pool, parse_id(&id)?).await?;
+    let checkpoint_id = Uuid::parse_str(&checkpoint_id)
+        .map_err(|_| Failure::NotFound(format!("no checkpoint `{checkpoint_id}` (checkpoint ids are UUIDs)")))?;
+    let list = state.checkpoints.list(&run.id.to_string()).await.map_err(|e| Failure::Upstream(e.to_string()))?;
+    let Some(checkpoint) = list.into_iter().find(|c| c.id == checkpoint_id) else {
+        return Err(Failure::NotFound(format!("run {} has no checkpoint {checkpoint_id}", run.id)));
+    };
+    let archive = state.checkpoints.archive(checkpoint_id).await.map_err(|e| Failure::Upstream(e.to_string()))?;
+    let name = format!("{}-step{}.tar", run.name.as_deref().unwrap_or("run"), checkpoint.step);
+    let name: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    let disposition = format!("attachment; filename=\"{name}\"");
+    let body = axum::body::Body::from_stream(archive.bytes_stream());
+    Ok(([(header::CONTENT_TYPE, "application/x-tar".to_string()), (header::CONTENT_DISPOSITION, disposition)], body)
+        .into_response())
+}
+
 #[derive(Debug, OpenApi)]
 #[openapi(
     info(
         title = "Keel",
         description = "Keel's run API: submit post-training runs (GRPO, SFT, DPO, reward model, eval), follow their metrics, samples and checkpoints. Bearer-token auth when the orchestrator has a token."
     ),
-    paths(submit, list, show, metrics, samples, events, cancel, checkpoints, prometheus),
+    paths(submit, list, show, metrics, samples, events, cancel, checkpoints, checkpoint_archive, prometheus),
     components(schemas(keel_protocol::run::RunEventRecord)),
     modifiers(&ErrorResponses, &TaggedVariants)
 )]

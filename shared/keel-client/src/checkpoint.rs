@@ -256,8 +256,8 @@ impl CheckpointClient {
         Ok(())
     }
 
-    /// Writes checkpoint `id` as one tar file at `out` (written beside it, then renamed).
-    pub async fn export_tar(&self, id: Uuid, out: &Path) -> Result<()> {
+    /// Checkpoint `id` as one tar stream (the store's `archive`), its status checked.
+    pub async fn archive(&self, id: Uuid) -> Result<reqwest::Response> {
         let response = self
             .http
             .get(format!("{}/v1/checkpoints/{id}/archive", self.url))
@@ -265,7 +265,12 @@ impl CheckpointClient {
             .send()
             .await
             .map_err(unreachable("export"))?;
-        let mut body = checked(response, "export").await?.bytes_stream();
+        checked(response, "export").await
+    }
+
+    /// Writes checkpoint `id` as one tar file at `out` (written beside it, then renamed).
+    pub async fn export_tar(&self, id: Uuid, out: &Path) -> Result<()> {
+        let mut body = self.archive(id).await?.bytes_stream();
         let partial = out.with_extension("tar.partial");
         let created = tokio::fs::File::create(&partial).await.map_err(io(partial.display()))?;
         let mut writer = tokio::io::BufWriter::with_capacity(1 << 20, created);
