@@ -187,6 +187,20 @@ fn headless(profile: &Path) -> Command {
     command
 }
 
+/// The dashboard at `url` rendered in headless Chromium, once every fetch of its view has
+/// been drawn without an error: its DOM.
+fn dashboard_dom(profile: &Path, url: &str) -> String {
+    let output = headless(profile).arg("--dump-dom").arg(url).output().unwrap();
+    let dom = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(
+        dom.contains("data-ready=\"true\""),
+        "the dashboard did not finish loading {url}: {}\n{dom}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!dom.contains("data-error="), "the dashboard shows an error at {url}: {dom}");
+    dom
+}
+
 /// The points drawn in the plot whose `data-plot` is `plot`.
 fn plot_points(dom: &str, plot: &str) -> u64 {
     plot_attribute(dom, plot, "data-points").parse().unwrap()
@@ -456,22 +470,14 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     // The dashboard, in headless Chromium: the run's plots have points, samples are listed.
     let page = format!("{api}/dashboard#/runs/{run}");
     let profile = tempfile::tempdir().unwrap();
-    let output = headless(profile.path()).arg("--dump-dom").arg(&page).output().unwrap();
-    let dom = String::from_utf8_lossy(&output.stdout).to_string();
-    assert!(
-        dom.contains("data-ready=\"true\""),
-        "the dashboard did not finish loading: {}\n{dom}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(!dom.contains("data-error="), "the dashboard shows an error: {dom}");
+    let dom = dashboard_dom(profile.path(), &page);
     for (plot, least) in [("reward", 2), ("loss", 2), ("validation", 3), ("step_time", 2)] {
         let points = plot_points(&dom, plot);
         assert!(points >= least, "plot `{plot}` has {points} points, wanted at least {least}");
     }
     let rows = dom.matches("class=\"sample-row\"").count();
     assert!(rows >= 8, "the sample browser shows {rows} rows");
-    let runs_page = headless(profile.path()).arg("--dump-dom").arg(format!("{api}/dashboard")).output().unwrap();
-    let runs_dom = String::from_utf8_lossy(&runs_page.stdout);
+    let runs_dom = dashboard_dom(profile.path(), &format!("{api}/dashboard"));
     assert!(runs_dom.contains(&format!("data-run-id=\"{run}\"")), "the runs list shows the run: {runs_dom}");
     assert!(runs_dom.contains("class=\"pick\""), "each run can be picked for comparison: {runs_dom}");
     assert!(runs_dom.contains("data-score=\"validation/accuracy\""), "the list shows validation accuracy: {runs_dom}");
@@ -501,9 +507,7 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     // Plot settings from the address: wall time on x, smoothing (raw points still counted),
     // log scale; tokens on x.
     let shaped = format!("{api}/dashboard#/runs/{run}?x=time&smooth=0.6&log=1");
-    let output = headless(profile.path()).arg("--dump-dom").arg(&shaped).output().unwrap();
-    let shaped_dom = String::from_utf8_lossy(&output.stdout).to_string();
-    assert!(shaped_dom.contains("data-ready=\"true\"") && !shaped_dom.contains("data-error="), "{shaped_dom}");
+    let shaped_dom = dashboard_dom(profile.path(), &shaped);
     for plot in ["reward", "loss", "validation"] {
         assert_eq!(plot_attribute(&shaped_dom, plot, "data-x"), "time", "{plot}");
         assert_eq!(plot_attribute(&shaped_dom, plot, "data-smoothing"), "0.6", "{plot}");
@@ -512,8 +516,7 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     assert_eq!(plot_attribute(&shaped_dom, "step_time", "data-log"), "false", "stacked plots stay linear");
     assert!(plot_points(&shaped_dom, "loss") >= 2, "the raw points are drawn under the smoothed line");
     let tokens = format!("{api}/dashboard#/runs/{run}?x=tokens");
-    let output = headless(profile.path()).arg("--dump-dom").arg(&tokens).output().unwrap();
-    assert_eq!(plot_attribute(&String::from_utf8_lossy(&output.stdout), "reward", "data-x"), "tokens");
+    assert_eq!(plot_attribute(&dashboard_dom(profile.path(), &tokens), "reward", "data-x"), "tokens");
 
     // A second run without a KL penalty, followed live over its event stream, then both
     // runs overlaid.
@@ -529,15 +532,11 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     assert!(live_dom.contains("data-sse-opened=\"true\""), "the live run's page follows its event stream: {live_dom}");
     let heard = live_dom.split("data-sse-events=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or("0");
     assert!(heard.parse::<u64>().unwrap() >= 1, "step events were drawn as they came: {live_dom}");
-    let output =
-        headless(profile.path()).arg("--dump-dom").arg(format!("{api}/dashboard#/runs/{second}")).output().unwrap();
-    let off_dom = String::from_utf8_lossy(&output.stdout).to_string();
+    let off_dom = dashboard_dom(profile.path(), &format!("{api}/dashboard#/runs/{second}"));
     assert_eq!(plot_attribute(&off_dom, "kl", "data-kl"), "off", "β = 0");
     assert!(off_dom.contains("KL penalty off"), "the KL card says the penalty is off");
     let compare = format!("{api}/dashboard#/compare/{run},{second}?smooth=0.5");
-    let output = headless(profile.path()).arg("--dump-dom").arg(&compare).output().unwrap();
-    let compare_dom = String::from_utf8_lossy(&output.stdout).to_string();
-    assert!(compare_dom.contains("data-ready=\"true\"") && !compare_dom.contains("data-error="), "{compare_dom}");
+    let compare_dom = dashboard_dom(profile.path(), &compare);
     for plot in ["reward", "loss", "validation"] {
         assert_eq!(plot_attribute(&compare_dom, plot, "data-runs"), "2", "{plot} overlays both runs");
     }

@@ -488,21 +488,9 @@ struct WandbExit {
 const WANDB_BLOCK: u64 = 32 << 10;
 const WANDB_CHUNK_HEADER: u64 = 7;
 
-/// `YYYYMMDD_HHMMSS` in UTC for `seconds` since the Unix epoch, as W&B names run folders
-/// (the civil date from the day count by Howard Hinnant's algorithm).
+/// `YYYYMMDD_HHMMSS` in UTC for `seconds` since the Unix epoch, as W&B names run folders.
 fn utc_stamp(seconds: u64) -> String {
-    let (days, of_day) = ((seconds / 86_400) as i64, seconds % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let (hour, minute, second) = (of_day / 3_600, of_day / 60 % 60, of_day % 60);
-    format!("{year:04}{month:02}{day:02}_{hour:02}{minute:02}{second:02}")
+    keel_tokenizer::chat::format_utc(seconds as i64, "%Y%m%d_%H%M%S")
 }
 
 /// A metric's value as JSON (non-finite values as W&B's own `NaN` / `Infinity`).

@@ -65,8 +65,9 @@ fn strftime_now(format: String) -> String {
     format_utc(secs, &format)
 }
 
-/// `strftime` for the codes chat templates use (%d %m %Y %y %b %B %H %M %S %%), in UTC.
-fn format_utc(secs: i64, format: &str) -> String {
+/// `strftime` for the codes chat templates use (%d %m %Y %y %b %B %H %M %S %%), in UTC, of
+/// `secs` since the Unix epoch.
+pub fn format_utc(secs: i64, format: &str) -> String {
     const MONTHS: [&str; 12] = [
         "January",
         "February",
