@@ -36,10 +36,7 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
     let records = match spec {
         DatasetSpec::Jsonl { path, keys } => read_jsonl(Path::new(path), keys, field)?,
         DatasetSpec::Arithmetic { size, max_operand, operations, seed, split } => {
-            let max = i64::from(*max_operand);
-            let any = (0..=max)
-                .flat_map(|a| (0..=max).flat_map(move |b| operations.chars().map(move |op| (a, op, b))))
-                .any(|(a, op, b)| held_out(a, op, b) == (*split == ArithmeticSplit::HeldOut));
+            let any = problems(i64::from(*max_operand), operations).any(|(a, op, b)| in_split(a, op, b, *split));
             if !any {
                 return Err(FieldError::new(
                     format!("{field}.split"),
@@ -131,31 +128,61 @@ fn read_jsonl(path: &Path, keys: &DataKeys, field: &str) -> Result<Vec<Record>, 
 }
 
 /// Whether problem (a, op, b) is in the held-out tenth of the problem space.
-fn held_out(a: i64, op: char, b: i64) -> bool {
-    // splitmix64 of the problem: a fixed, well-mixed partition.
+/// The split problem (a, op, b) falls in: a quarter each `validation` and `test`, half
+/// `train`, by the splitmix64 of the problem (a fixed, well-mixed partition).
+fn split_of(a: i64, op: char, b: i64) -> ArithmeticSplit {
     let mut z = (a as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (b as u64).rotate_left(29) ^ u64::from(op);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)).is_multiple_of(10)
+    match (z ^ (z >> 31)) % 4 {
+        0 => ArithmeticSplit::Validation,
+        1 => ArithmeticSplit::Test,
+        _ => ArithmeticSplit::Train,
+    }
 }
 
-/// `What is A op B?` with its exact answer, from the requested split of the problem space;
-/// the response SFT learns is `\boxed{answer}`, and the rejected answer of a preference pair
-/// is off by 1 to 3.
+/// Whether problem (a, op, b) is in `split` (`held_out`: validation or test).
+fn in_split(a: i64, op: char, b: i64, split: ArithmeticSplit) -> bool {
+    match (split, split_of(a, op, b)) {
+        (ArithmeticSplit::HeldOut, found) => found != ArithmeticSplit::Train,
+        (wanted, found) => wanted == found,
+    }
+}
+
+/// Every problem of the space: operands 0..=max, each operation.
+fn problems(max: i64, operations: &str) -> impl Iterator<Item = (i64, char, i64)> + '_ {
+    (0..=max).flat_map(move |a| (0..=max).flat_map(move |b| operations.chars().map(move |op| (a, op, b))))
+}
+
+/// `What is A op B?` with its exact answer, from the requested split of the problem space:
+/// `size` drawn with replacement, or with `size` 0 every problem of the split once in a
+/// seeded order. The response SFT learns is `\boxed{answer}`, and the rejected answer of a
+/// preference pair is off by 1 to 3.
 pub fn arithmetic(size: usize, max_operand: u32, operations: &str, seed: u64, split: ArithmeticSplit) -> Vec<Record> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let ops: Vec<char> = operations.chars().collect();
-    let want_held_out = split == ArithmeticSplit::HeldOut;
-    (0..size)
-        .map(|_| {
-            let (a, op, b) = loop {
-                let a = i64::from(rng.random_range(0..=max_operand));
-                let b = i64::from(rng.random_range(0..=max_operand));
-                let op = ops[rng.random_range(0..ops.len())];
-                if held_out(a, op, b) == want_held_out {
-                    break (a, op, b);
+    let picked: Vec<(i64, char, i64)> = if size == 0 {
+        let mut all: Vec<_> =
+            problems(i64::from(max_operand), operations).filter(|&(a, op, b)| in_split(a, op, b, split)).collect();
+        all.shuffle(&mut rng);
+        all
+    } else {
+        (0..size)
+            .map(|_| {
+                loop {
+                    let a = i64::from(rng.random_range(0..=max_operand));
+                    let b = i64::from(rng.random_range(0..=max_operand));
+                    let op = ops[rng.random_range(0..ops.len())];
+                    if in_split(a, op, b, split) {
+                        break (a, op, b);
+                    }
                 }
-            };
+            })
+            .collect()
+    };
+    picked
+        .into_iter()
+        .map(|(a, op, b)| {
             let value = match op {
                 '+' => a + b,
                 '-' => a - b,
@@ -270,6 +297,35 @@ mod tests {
         epoch0.sort_unstable();
         assert_eq!(epoch0, (0..6).collect::<Vec<_>>());
         assert_ne!(seen[..4], loader.epoch_order(0)[..4], "epoch 1 is shuffled differently");
+    }
+
+    /// The splits never share a problem; `size: 0` lists each problem of its split once;
+    /// validation and test are each about a quarter of the space.
+    #[test]
+    fn arithmetic_splits_are_disjoint_and_listed_whole() {
+        let prompts = |split| -> Vec<String> {
+            arithmetic(0, 20, "+-", 7, split).into_iter().map(|r| r.prompt.unwrap()).collect()
+        };
+        let (train, validation, test) =
+            (prompts(ArithmeticSplit::Train), prompts(ArithmeticSplit::Validation), prompts(ArithmeticSplit::Test));
+        let held_out = prompts(ArithmeticSplit::HeldOut);
+        assert_eq!(train.len() + validation.len() + test.len(), 21 * 21 * 2, "every problem in one split");
+        assert_eq!(held_out.len(), validation.len() + test.len());
+        for (name, split) in [("validation", &validation), ("test", &test)] {
+            assert!((180..=260).contains(&split.len()), "{name} has {} problems", split.len());
+            let distinct: std::collections::HashSet<_> = split.iter().collect();
+            assert_eq!(distinct.len(), split.len(), "{name} lists each problem once");
+            assert!(split.iter().all(|p| !train.contains(p)), "{name} shares nothing with train");
+        }
+        assert!(validation.iter().all(|p| !test.contains(p)), "validation and test are disjoint");
+        assert_ne!(
+            prompts(ArithmeticSplit::Test),
+            arithmetic(0, 20, "+-", 8, ArithmeticSplit::Test)
+                .into_iter()
+                .map(|r| r.prompt.unwrap())
+                .collect::<Vec<_>>(),
+            "the order follows the seed"
+        );
     }
 
     #[test]

@@ -110,6 +110,9 @@ pub enum DatasetSpec {
     /// `What is A + B?` problems with exact answers, drawn from `seed`. Preference records
     /// (chosen = the right answer, rejected = an off-by-some one) are made too.
     Arithmetic {
+        /// Problems drawn (with replacement) from the split; 0: every problem of the split
+        /// once, in an order shuffled by `seed` (for validation and test sets, where each
+        /// problem should count once).
         #[serde(default = "default_arithmetic_size")]
         size: usize,
         /// Operands are drawn from 0..=max_operand.
@@ -120,8 +123,10 @@ pub enum DatasetSpec {
         operations: String,
         #[serde(default)]
         seed: u64,
-        /// Which part of the problem space: a fixed tenth of all (a, op, b) problems is
-        /// `held_out` and never appears in `train`, whatever the seeds.
+        /// Which part of the problem space: every (a, op, b) problem falls, by a fixed hash,
+        /// in `validation` (a quarter), `test` (a quarter) or `train` (the other half);
+        /// `held_out` is validation and test together. No problem of one is in another,
+        /// whatever the seeds.
         #[serde(default)]
         split: ArithmeticSplit,
     },
@@ -133,7 +138,12 @@ pub enum ArithmeticSplit {
     #[default]
     Train,
     HeldOut,
+    Validation,
+    Test,
 }
+
+/// The most problems `size: 0` enumerates (operand pairs times operations).
+pub const MAX_ARITHMETIC_ENUMERATED: u64 = 1_000_000;
 
 /// The most records the arithmetic generator makes (they are held in memory).
 pub const MAX_ARITHMETIC_SIZE: usize = 10_000_000;
@@ -734,9 +744,19 @@ impl RunSpec {
                     );
                     check(
                         &mut p,
-                        (1..=MAX_ARITHMETIC_SIZE).contains(size),
+                        *size <= MAX_ARITHMETIC_SIZE,
                         &format!("{field}.size"),
-                        format!("must be 1 to {MAX_ARITHMETIC_SIZE}, got {size}"),
+                        format!("must be 0 (every problem of the split) to {MAX_ARITHMETIC_SIZE}, got {size}"),
+                    );
+                    let problems = (u64::from(*max_operand) + 1).pow(2) * operations.len().max(1) as u64;
+                    check(
+                        &mut p,
+                        *size > 0 || problems <= MAX_ARITHMETIC_ENUMERATED,
+                        &format!("{field}.size"),
+                        format!(
+                            "0 lists every problem, and max_operand {max_operand} makes {problems} (at most \
+                             {MAX_ARITHMETIC_ENUMERATED}): give a size"
+                        ),
                     );
                     check(
                         &mut p,
