@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import struct
+import time
 import zlib
 
 BLOCK = 32768
@@ -72,9 +73,19 @@ def check_on_a_real_run(directory):
     for step in (1, 2):
         run.log({"loss": 1.0 / step}, step=step)
     run.finish()
-    (path,) = glob.glob(os.path.join(directory, "wandb", "offline-run-*", "run-*.wandb"))
-    read = list(records(path))
-    kinds = [r.WhichOneof("record_type") for r in read]
+    # wandb's core process writes the file; on a busy machine it may still be writing when
+    # finish() returns: wait (up to a minute) for the exit record.
+    wandb.teardown()
+    deadline = time.time() + 60
+    while True:
+        found = glob.glob(os.path.join(directory, "wandb", "offline-run-*", "run-*.wandb"))
+        kinds = []
+        if len(found) == 1:
+            read = list(records(found[0]))
+            kinds = [r.WhichOneof("record_type") for r in read]
+        if (kinds and kinds[-1] == "exit") or time.time() > deadline:
+            break
+        time.sleep(0.5)
     assert "run" in kinds and kinds[-1] == "exit", kinds
     losses = [(r.history.step.num, json.loads(i.value_json)) for r in read if r.WhichOneof("record_type") == "history"
               for i in r.history.item if key(i) == "loss"]
