@@ -531,8 +531,8 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
             // The handles are made where the buffer was, on the engine's thread.
             let handles = match &packed {
                 Packed::Device(device) => {
-                    let ranges: Vec<(u64, u64)> = device.buckets.iter().map(|(at, size, _)| (*at, *size)).collect();
-                    keel_model::cuda::ipc::share(&device.buffer, &ranges)?
+                    let offsets: Vec<u64> = device.buckets.iter().map(|(at, _, _)| *at).collect();
+                    keel_model::cuda::ipc::share(&device.buffer, &offsets)?
                 }
                 _ => Vec::new(),
             };

@@ -45,8 +45,8 @@ fn another_process_copies_the_exported_buckets() {
         // 16 KiB buckets: several per export, all in one allocation (one handle).
         let packed = pack_on_device(&tensors, kind, 16 << 10, device).unwrap();
         assert!(packed.buckets.len() > 2, "{} buckets", packed.buckets.len());
-        let ranges: Vec<(u64, u64)> = packed.buckets.iter().map(|(at, size, _)| (*at, *size)).collect();
-        let handles = ipc::share(&packed.buffer, &ranges).unwrap();
+        let offsets: Vec<u64> = packed.buckets.iter().map(|(at, _, _)| *at).collect();
+        let handles = ipc::share(&packed.buffer, &offsets).unwrap();
         let shared: Shared = handles
             .into_iter()
             .zip(&packed.buckets)

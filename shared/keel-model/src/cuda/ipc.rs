@@ -29,8 +29,9 @@ fn driver_present() -> Result<()> {
     if present { Ok(()) } else { Err(Error::Device("CUDA IPC needs the CUDA driver (libcuda.so), not found".into())) }
 }
 
-fn uuid_hex(uuid: &sys::CUuuid) -> String {
-    uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect()
+/// Driver bytes (`c_char`) as lowercase hex.
+fn hex(bytes: &[std::ffi::c_char]) -> String {
+    bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect()
 }
 
 /// The UUID of CUDA device `ordinal` of this process, as hex.
@@ -38,7 +39,7 @@ pub fn device_uuid(ordinal: usize) -> Result<String> {
     driver_present()?;
     result::init().map_err(driver("initialising the driver"))?;
     let device = result::device::get(ordinal as i32).map_err(driver("finding the device"))?;
-    Ok(uuid_hex(&result::device::get_uuid(device).map_err(driver("reading the device's UUID"))?))
+    Ok(hex(&result::device::get_uuid(device).map_err(driver("reading the device's UUID"))?.bytes))
 }
 
 /// The ordinal, in this process, of the GPU whose UUID is `uuid`.
@@ -57,16 +58,16 @@ fn ordinal_of(uuid: &str) -> Result<usize> {
     )))
 }
 
-/// `(bucket offset, bucket bytes)` ranges of `buffer`, a flat byte tensor on a CUDA device,
-/// described for another process: the handle of the allocation `buffer` lies in and each
-/// range's offset in it. `buffer` must outlive every reader's copy.
-pub fn share(buffer: &Tensor, ranges: &[(u64, u64)]) -> Result<Vec<CudaIpcBuffer>> {
+/// Buckets starting at `offsets` in `buffer`, a flat byte tensor on a CUDA device, described
+/// for another process: the handle of the allocation `buffer` lies in and each bucket's
+/// offset in it. `buffer` must outlive every reader's copy.
+pub fn share(buffer: &Tensor, offsets: &[u64]) -> Result<Vec<CudaIpcBuffer>> {
     let Device::Cuda(ordinal) = buffer.device() else {
         return Err(Error::Device(format!("CUDA IPC shares GPU memory; the export is on {:?}", buffer.device())));
     };
     driver_present()?;
+    // Retains the device's primary context (libtorch's) and makes it current on this thread.
     let context = CudaContext::new(ordinal).map_err(driver("binding the device"))?;
-    context.bind_to_thread().map_err(driver("binding the device"))?;
     let address = buffer.data_ptr() as sys::CUdeviceptr;
     let mut base: sys::CUdeviceptr = 0;
     let mut size: usize = 0;
@@ -80,12 +81,12 @@ pub fn share(buffer: &Tensor, ranges: &[(u64, u64)]) -> Result<Vec<CudaIpcBuffer
             .map_err(driver("finding the allocation"))?;
         sys::cuIpcGetMemHandle(&mut handle, base).result().map_err(driver("making a handle"))?;
     }
-    let handle_hex: String = handle.reserved.iter().map(|b| format!("{:02x}", *b as u8)).collect();
-    let device_uuid = uuid_hex(&context.uuid().map_err(driver("reading the device's UUID"))?);
+    let handle_hex = hex(&handle.reserved);
+    let device_uuid = hex(&context.uuid().map_err(driver("reading the device's UUID"))?.bytes);
     let start = address - base;
-    Ok(ranges
+    Ok(offsets
         .iter()
-        .map(|&(offset, _)| CudaIpcBuffer {
+        .map(|&offset| CudaIpcBuffer {
             handle: handle_hex.clone(),
             offset: start + offset,
             device_uuid: device_uuid.clone(),
@@ -137,8 +138,8 @@ pub fn fetch(buckets: &[(&CudaIpcBuffer, u64)]) -> Result<Vec<Tensor>> {
     }
     let ordinal = ordinal_of(&first.device_uuid)?;
     crate::device::parse_device(&format!("cuda:{ordinal}"))?;
-    let context = CudaContext::new(ordinal).map_err(driver("binding the device"))?;
-    context.bind_to_thread().map_err(driver("binding the device"))?;
+    // Retains the device's primary context (libtorch's) and makes it current on this thread.
+    let _context = CudaContext::new(ordinal).map_err(driver("binding the device"))?;
     let own = std::process::id();
     let mut mapped: HashMap<&str, Mapped> = HashMap::new();
     let mut copies = Vec::with_capacity(buckets.len());
