@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tch::Tensor;
 
-use crate::{Collective, Error, ReduceOp, Result};
+use crate::{Collective, Error, ReduceOp, Result, reduce, scatter_chunk};
 
 /// How long a rank waits for the others by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -179,17 +179,6 @@ impl CpuCollective {
     }
 }
 
-fn reduce(tensors: &[Tensor], op: ReduceOp) -> Tensor {
-    let mut acc = tensors[0].copy();
-    for t in &tensors[1..] {
-        match op {
-            ReduceOp::Sum => acc += t,
-            ReduceOp::Max => acc = acc.maximum(t),
-        }
-    }
-    acc
-}
-
 impl Collective for CpuCollective {
     fn rank(&self) -> usize {
         self.rank
@@ -255,22 +244,9 @@ impl Collective for CpuCollective {
     fn reduce_scatter(&self, tensor: &Tensor, dim: i64, op: ReduceOp) -> Result<Tensor> {
         let tensors = self.exchange("reduce_scatter", tensor)?;
         self.same_shapes("reduce_scatter", &tensors)?;
-        let world = self.shared.world_size as i64;
-        let ndim = tensor.dim() as i64;
         // Every rank sees the same shape, so every rank takes the same branch.
-        let length = (-ndim..ndim).contains(&dim).then(|| tensor.size()[dim.rem_euclid(ndim) as usize]);
-        let result = match length {
-            Some(length) if length % world == 0 => {
-                let part = length / world;
-                reduce(&tensors, op).f_narrow(dim, self.rank as i64 * part, part).map(|c| c.contiguous()).map_err(|e| {
-                    Error::Mismatch { rank: self.rank, message: format!("reduce_scatter along {dim}: {e}") }
-                })
-            }
-            _ => Err(Error::Mismatch {
-                rank: self.rank,
-                message: format!("reduce_scatter: dimension {dim} of {:?} does not split into {world}", tensor.size()),
-            }),
-        };
+        let result = scatter_chunk(&reduce(&tensors, op), dim, self.rank, self.shared.world_size)
+            .map_err(|message| Error::Mismatch { rank: self.rank, message });
         drop(tensors);
         self.done("reduce_scatter")?;
         result

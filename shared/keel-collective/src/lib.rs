@@ -5,6 +5,9 @@
 //! Backends:
 //! - [`cpu::CpuGroup`]: ranks are threads of one process exchanging tensors through shared
 //!   memory. For tests, CPU runs and the reference the GPU backend is checked against.
+//! - [`tcp::TcpCollective`]: ranks in separate processes or machines on the CPU, over TCP
+//!   through rank 0, found over NATS like NCCL's ranks. For CPU runs whose ranks are
+//!   processes (data parallelism across trainer processes) and their tests.
 //! - [`nccl`]: NCCL communicators on CUDA tensors, one per GPU, in one process
 //!   ([`nccl::NcclGroup`]) or across processes ([`nccl::NcclCollective::join`] with a unique
 //!   id that [`bootstrap`] carries over NATS).
@@ -21,6 +24,7 @@ pub mod bootstrap;
 pub mod cpu;
 pub mod group;
 pub mod nccl;
+pub mod tcp;
 
 pub use group::{RankGroup, is_consequence, rank_zero};
 
@@ -52,6 +56,40 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The element-wise reduction of `tensors` in rank order (the same bits on every rank).
+pub(crate) fn reduce(tensors: &[Tensor], op: ReduceOp) -> Tensor {
+    let mut acc = tensors[0].copy();
+    for t in &tensors[1..] {
+        match op {
+            ReduceOp::Sum => acc += t,
+            ReduceOp::Max => acc = acc.maximum(t),
+        }
+    }
+    acc
+}
+
+/// Chunk `rank` of `world_size` equal chunks of `tensor` along `dim`: what a reduce-scatter
+/// gives that rank.
+pub(crate) fn scatter_chunk(
+    tensor: &Tensor,
+    dim: i64,
+    rank: usize,
+    world_size: usize,
+) -> std::result::Result<Tensor, String> {
+    let (ndim, world) = (tensor.dim() as i64, world_size as i64);
+    let length = (-ndim..ndim).contains(&dim).then(|| tensor.size()[dim.rem_euclid(ndim) as usize]);
+    match length {
+        Some(length) if length % world == 0 => {
+            let part = length / world;
+            tensor
+                .f_narrow(dim, rank as i64 * part, part)
+                .map(|c| c.contiguous())
+                .map_err(|e| format!("reduce_scatter along {dim}: {e}"))
+        }
+        _ => Err(format!("reduce_scatter: dimension {dim} of {:?} does not split into {world}", tensor.size())),
+    }
+}
 
 /// A shared library (NCCL, libtorch's CUDA library, a shim) that cannot be used on this
 /// machine, and why. It is `Clone` so that a failed load can be kept for the life of the
@@ -169,13 +207,32 @@ pub fn rank_device(device: tch::Device, rank: usize) -> tch::Device {
 /// threads over shared memory for the CPU; for CUDA, one NCCL communicator per GPU from
 /// `cuda:N` on (rank r on `cuda:N+r`).
 pub fn new_group(world_size: usize, device: tch::Device) -> Result<Vec<SharedComm>> {
+    let devices: Vec<tch::Device> = (0..world_size).map(|rank| rank_device(device, rank)).collect();
+    if world_size == 0 {
+        return Err(Error::Invalid("a group needs at least one rank".into()));
+    }
+    new_group_on(&devices)
+}
+
+/// The communicators of a new group whose rank r's tensors live on `devices[r]`: threads
+/// over shared memory when they are all the CPU, one NCCL communicator per GPU when they
+/// are all CUDA devices.
+pub fn new_group_on(devices: &[tch::Device]) -> Result<Vec<SharedComm>> {
+    let world_size = devices.len();
+    let device = *devices.first().ok_or_else(|| Error::Invalid("a group needs at least one rank".into()))?;
     match device {
         tch::Device::Cpu => {
             Ok(cpu::CpuGroup::new(world_size)?.into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect())
         }
-        tch::Device::Cuda(first) => {
-            let devices: Vec<usize> = (first..first + world_size).collect();
-            Ok(nccl::NcclGroup::new(&devices)?.into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect())
+        tch::Device::Cuda(_) => {
+            let indices = devices
+                .iter()
+                .map(|d| match d {
+                    tch::Device::Cuda(index) => Ok(*index),
+                    other => Err(Error::Invalid(format!("a group mixes CUDA and {other:?}"))),
+                })
+                .collect::<Result<Vec<usize>>>()?;
+            Ok(nccl::NcclGroup::new(&indices)?.into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect())
         }
         other => Err(Error::Invalid(format!("no collective backend for device {other:?}"))),
     }
