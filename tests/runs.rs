@@ -73,9 +73,11 @@ async fn sft_then_grpo_records_metrics_samples_and_checkpoints() {
     cli_reads_the_run(&stack, &grpo, &steps);
 
     // The REINFORCE++ estimator, from the base model, without validation, with the trainer
-    // splitting the policy and reference over two tensor-parallel ranks.
+    // splitting the policy and reference over two tensor-parallel ranks in each of two
+    // data-parallel replicas.
     grpo_spec["grpo"]["advantage_estimator"] = json!("reinforce_plus_plus");
     grpo_spec["tensor_parallel_size"] = json!(2);
+    grpo_spec["data_parallel_size"] = json!(2);
     grpo_spec["model"] = json!({"path": stack.model});
     grpo_spec["max_num_steps"] = json!(1);
     grpo_spec["data"]["validation"] = serde_json::Value::Null;

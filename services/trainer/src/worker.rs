@@ -365,7 +365,8 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
             let engine = Trainer::load(&request, &device)?;
             let summary = (engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head());
             let tensor_parallel_size = engine.tensor_parallel_size();
-            info!(parameters = summary.0, step = summary.1, tensor_parallel_size, "models loaded");
+            let data_parallel_size = engine.data_parallel_size();
+            info!(parameters = summary.0, step = summary.1, tensor_parallel_size, data_parallel_size, "models loaded");
             *slot = Some(engine);
             Ok((summary, tensor_parallel_size))
         })

@@ -3,6 +3,9 @@
 //! `bench/hf_train_throughput.py` measures a PyTorch eager loop, so
 //! `bench/train-throughput` can print them side by side. With mixed lengths (`--min-len`)
 //! it compares padded, packed and dynamic microbatches; tokens/s counts real tokens only.
+//! With `--data-parallel N` it runs N processes of itself, data-parallel ranks over the TCP
+//! collective on loopback, each training on its share of the same global batch; rank 0
+//! prints the line (tokens/s of the whole global batch).
 
 use std::time::Instant;
 
@@ -55,6 +58,50 @@ pub struct TrainBenchArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Data-parallel ranks, each a process of its own (this command starts them).
+    #[arg(long, default_value_t = 1)]
+    data_parallel: usize,
+    /// Set by the process that starts the ranks: this process's data-parallel rank.
+    #[arg(long, hide = true)]
+    dp_rank: Option<usize>,
+    /// Set by the process that starts the ranks: rank 0's address.
+    #[arg(long, hide = true)]
+    dp_hub: Option<std::net::SocketAddr>,
+}
+
+/// How long a data-parallel rank waits for the others.
+const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Starts `--data-parallel` processes of this command, each told its rank and rank 0's
+/// address, and passes rank 0's output on.
+fn launch_ranks(world: usize) -> anyhow::Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let exe = std::env::current_exe()?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let children = (0..world)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(&args)
+                .args(["--dp-rank", &rank.to_string(), "--dp-hub", &format!("127.0.0.1:{port}")])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .with_context(|| format!("starting data-parallel rank {rank}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut failed = Vec::new();
+    for (rank, child) in children.into_iter().enumerate() {
+        let output = child.wait_with_output()?;
+        if !output.status.success() {
+            failed.push(format!("rank {rank}: {}", output.status));
+        }
+        if rank == 0 {
+            print!("{}", String::from_utf8_lossy(&output.stdout));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("data-parallel ranks failed: {}", failed.join(", "));
+    }
+    Ok(())
 }
 
 pub fn run(command: TrainCommand) -> anyhow::Result<()> {
@@ -64,6 +111,12 @@ pub fn run(command: TrainCommand) -> anyhow::Result<()> {
 }
 
 fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
+    if args.data_parallel == 0 {
+        bail!("--data-parallel must be at least 1");
+    }
+    if args.data_parallel > 1 && args.dp_rank.is_none() {
+        return launch_ranks(args.data_parallel);
+    }
     let micro = args.micro_batch.unwrap_or(args.batch);
     if args.batch < 1 || args.seq_len < 2 || args.repeats < 1 || micro < 1 || micro > args.batch {
         bail!("--batch ≥ 1, 1 ≤ --micro-batch ≤ --batch, --seq-len ≥ 2 and --repeats ≥ 1 are required");
@@ -95,7 +148,20 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
     if !problems.is_empty() {
         bail!("{}", keel_protocol::join_problems(&problems));
     }
-    let mut engine = Engine::load(&request, &args.device).context("loading the model")?;
+    let data = match (args.dp_rank, args.dp_hub) {
+        (Some(rank), Some(hub)) => {
+            use keel_collective::tcp::TcpCollective;
+            let comm = if rank == 0 {
+                let listener = std::net::TcpListener::bind(hub).with_context(|| format!("listening on {hub}"))?;
+                TcpCollective::accept(&listener, args.data_parallel, "keel-train-bench", RANK_TIMEOUT)?
+            } else {
+                TcpCollective::connect(hub, rank, args.data_parallel, "keel-train-bench", RANK_TIMEOUT)?
+            };
+            Some(std::sync::Arc::new(comm) as keel_collective::SharedComm)
+        }
+        _ => None,
+    };
+    let mut engine = Engine::load_group(&request, &args.device, None, data).context("loading the model")?;
     let vocab = engine.policy().config().vocab_size;
     // A fixed xorshift stream: the same lengths on every run and machine.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -138,12 +204,15 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
     };
     step()?;
     let median = crate::bench::median((0..args.repeats).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?);
+    if args.dp_rank.is_some_and(|rank| rank != 0) {
+        return Ok(());
+    }
     println!(
         "{}",
         json!({
             "engine": "keel", "batch": args.batch, "micro_batch": micro, "seq_len": args.seq_len,
             "min_len": min_len, "batching": args.batching, "tokens": tokens, "computed_tokens": computed,
-            "dtype": args.dtype, "threads": tch::get_num_threads(),
+            "dtype": args.dtype, "threads": tch::get_num_threads(), "data_parallel": args.data_parallel,
             "step_seconds": median, "tokens_per_s": tokens as f64 / median,
         })
     );

@@ -462,8 +462,14 @@ pub struct RunSpec {
     #[serde(default)]
     pub dtype: Option<String>,
     /// Tensor-parallel ranks the trainer splits the policy and reference over (1: none).
-    #[serde(default = "default_tensor_parallel_size")]
+    #[serde(default = "default_parallel_size")]
     pub tensor_parallel_size: usize,
+    /// Data-parallel replicas of the trainer (1: none): each trains on its share of every
+    /// global batch's rows, gradients are summed over them and the optimiser's state is
+    /// sharded over them (ZeRO stage 1). The trainer runs `data_parallel_size ×
+    /// tensor_parallel_size` ranks (on CUDA, one GPU each from `device` on).
+    #[serde(default = "default_parallel_size")]
+    pub data_parallel_size: usize,
     /// Where recorded metrics go besides Keel's own store (NeMo-RL's `logger`).
     #[serde(default)]
     pub logger: LoggerSpec,
@@ -514,7 +520,7 @@ pub struct MlflowSpec {
     pub run_name: Option<String>,
 }
 
-fn default_tensor_parallel_size() -> usize {
+fn default_parallel_size() -> usize {
     1
 }
 
@@ -552,6 +558,13 @@ impl RunSpec {
         let alg = self.algorithm;
         let tp = self.tensor_parallel_size;
         check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
+        let dp = self.data_parallel_size;
+        check(
+            &mut p,
+            (1..=64).contains(&dp) && dp * tp <= 64,
+            "data_parallel_size",
+            format!("must be 1 to 64, with data_parallel_size × tensor_parallel_size at most 64; got {dp} × {tp}"),
+        );
         if let Some(project) = &self.logger.wandb.project {
             check(
                 &mut p,

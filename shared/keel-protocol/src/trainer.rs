@@ -105,11 +105,16 @@ pub struct LoadRequest {
     pub seed: u64,
     /// Tensor-parallel ranks the models are split over (1: no split). On the CPU the ranks
     /// are threads; on CUDA rank r uses the r-th GPU from `device`, over NCCL.
-    #[serde(default = "default_tensor_parallel_size")]
+    #[serde(default = "default_parallel_size")]
     pub tensor_parallel_size: usize,
+    /// Data-parallel replicas (1: none), each of `tensor_parallel_size` ranks: the trainer
+    /// runs the grid's ranks as threads (on CUDA, rank d·TP + t on the (d·TP + t)-th GPU from
+    /// `device`); each replica trains on its share of every global batch.
+    #[serde(default = "default_parallel_size")]
+    pub data_parallel_size: usize,
 }
 
-fn default_tensor_parallel_size() -> usize {
+fn default_parallel_size() -> usize {
     1
 }
 
@@ -129,7 +134,7 @@ pub struct LoadReply {
     pub has_reference: bool,
     pub has_value_head: bool,
     /// Ranks the models are split over.
-    #[serde(default = "default_tensor_parallel_size")]
+    #[serde(default = "default_parallel_size")]
     pub tensor_parallel_size: usize,
     pub timing: Timing,
     pub memory: Memory,

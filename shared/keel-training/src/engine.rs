@@ -7,6 +7,11 @@
 //! gradients accumulate. Every microbatch loss divides by the counts of its whole global
 //! batch, so loss and gradients do not depend on the split. Compute may be bf16/f16 while
 //! the optimiser keeps f32 master weights.
+//!
+//! Under data parallelism ([`Engine::load_group`] with a data-parallel group) every rank gets
+//! the whole batch and trains on its share of each global batch's rows ([`crate::dp`]);
+//! gradients and metrics are summed over the group before the step, and the optimiser's
+//! state is sharded over it. Logprobs and evaluation run whole on every rank.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -51,6 +56,8 @@ pub struct Engine {
     base: PathBuf,
     reference_path: Option<PathBuf>,
     seed: u64,
+    /// The data-parallel group this rank belongs to (`None`: no data parallelism).
+    data: Option<SharedComm>,
 }
 
 /// Refuses a non-finite microbatch loss (of `rows`).
@@ -108,9 +115,26 @@ impl Engine {
     /// rank of the group calls it, each on its own thread); on CUDA, rank r uses the r-th
     /// device from the one named ([`keel_collective::rank_device`]).
     pub fn load_rank(request: &LoadRequest, default_device: &str, comm: Option<SharedComm>) -> Result<Self> {
+        Self::load_group(request, default_device, comm, None)
+    }
+
+    /// Loads one rank of a data-parallel × tensor-parallel grid: `comm` is its
+    /// tensor-parallel group (`None`: TP 1), `data` its data-parallel group (the ranks with
+    /// the same tensor-parallel rank; `None`: DP 1). On CUDA the rank with data-parallel rank
+    /// d and tensor-parallel rank t of a TP-T grid uses the (d·T + t)-th device from the one
+    /// named.
+    pub fn load_group(
+        request: &LoadRequest,
+        default_device: &str,
+        comm: Option<SharedComm>,
+        data: Option<SharedComm>,
+    ) -> Result<Self> {
         let device_name = request.device.as_deref().unwrap_or(default_device);
         let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
-        let device = comm.as_ref().map_or(device, |comm| keel_collective::rank_device(device, comm.rank()));
+        let (tp_rank, tp_world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
+        let index = data.as_ref().map_or(0, |d| d.rank()) * tp_world + tp_rank;
+        let device =
+            if comm.is_some() || data.is_some() { keel_collective::rank_device(device, index) } else { device };
         if comm.is_some() {
             if request.reference_offload {
                 return Err(Error::InvalidConfig(
@@ -210,11 +234,17 @@ impl Engine {
             parameter_count += head.numel() as i64;
         }
         let mut optimizer = AdamW::new(config.optimizer.clone(), params, masters)?;
+        if let Some(data) = &data {
+            optimizer.shard(data.clone())?;
+        }
         // The optimiser's state is restored where it holds the same tensors: LoRA moments
         // from a LoRA checkpoint, whole-model moments from a whole one.
         if request.resume && saved_lora == lora.is_some() {
             checkpoint::restore_optimizer(&source, &mut optimizer)?;
         }
+        // Data-parallel replicas start from the same values (new LoRA adapters and value
+        // heads are random; a restored master copy is its owner's).
+        optimizer.broadcast_parameters()?;
         Ok(Self {
             config,
             policy,
@@ -227,6 +257,7 @@ impl Engine {
             base,
             reference_path,
             seed: request.seed,
+            data,
         })
     }
 
@@ -403,6 +434,10 @@ impl Engine {
 
     /// Forward and backward over `global`'s microbatches of `micro_batch_size` rows,
     /// accumulating gradients (no optimiser step). Returns the summed metrics.
+    ///
+    /// Under data parallelism every rank passes the whole global batch and runs its share of
+    /// the rows; the gradients and metrics returned are the group's sums (every rank of the
+    /// group calls it, and when one fails they all fail).
     pub fn accumulate_gradients(
         &mut self,
         global: &Batch,
@@ -410,22 +445,65 @@ impl Engine {
         temperature: f64,
     ) -> Result<Metrics> {
         let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
+        let shard = match &self.data {
+            Some(data) => {
+                let rows: Vec<usize> = crate::dp::shard(global.len(), data.rank(), data.world_size()).collect();
+                Some((global.select(&rows)?, rows))
+            }
+            None => None,
+        };
+        // This rank's rows, numbered as in the global batch (for error messages).
+        let (mine, numbers) = match &shard {
+            Some((batch, rows)) => (batch, rows.clone()),
+            None => (global, (0..global.len()).collect()),
+        };
         let mut metrics = Metrics::default();
         // LoRA's dropout is on for these passes only.
         self.policy.set_adapter_training(true);
-        let passes: Result<()> = self.plan(&global.lengths, micro_batch_size).into_iter().try_for_each(|rows| {
-            let micro = global.select(&rows)?;
+        let plan = if mine.len() == 0 { Vec::new() } else { self.plan(&mine.lengths, micro_batch_size) };
+        let passes: Result<()> = plan.into_iter().try_for_each(|rows| {
+            let micro = mine.select(&rows)?;
             let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
-            finite(&loss, &rows, "no step was taken")?;
+            let numbered: Vec<usize> = rows.iter().map(|&r| numbers[r]).collect();
+            finite(&loss, &numbered, "no step was taken")?;
             loss.f_backward()?;
             self.policy.backward(pending)?;
             metrics.merge(part);
             Ok(())
         });
         self.policy.set_adapter_training(false);
+        if let Some(data) = self.data.clone() {
+            if !crate::dp::all_succeeded(passes.is_ok(), data.as_ref(), self.device)? {
+                passes?;
+                return Err(Error::Collective(keel_collective::Error::Aborted {
+                    rank: data.rank(),
+                    operation: "accumulate_gradients",
+                    reason: "another data-parallel rank failed this step".into(),
+                }));
+            }
+            let grads = self.defined_gradients()?;
+            crate::dp::all_reduce_gradients(&grads, data.as_ref())?;
+            metrics = crate::dp::combine_metrics(metrics, data.as_ref(), self.device)?;
+        }
         passes?;
         metrics.global("global_valid_tokens", counts.tokens);
         Ok(metrics)
+    }
+
+    /// The gradient of every trainable tensor, zeros where none was computed (a
+    /// data-parallel rank with no rows this step), so that every rank has the same list.
+    fn defined_gradients(&self) -> Result<Vec<Tensor>> {
+        let mut params: Vec<Tensor> = self.policy.trainable_parameters().into_iter().map(|(_, p, _)| p).collect();
+        params.extend(self.value_head.iter().map(Tensor::shallow_clone));
+        let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
+        if !missing.is_empty() {
+            let mut zero = Tensor::f_zeros([], (Kind::Float, self.device))?;
+            for p in missing {
+                zero = zero.f_add(&p.f_sum(Kind::Float)?.f_mul_scalar(0.0)?)?;
+            }
+            zero.f_backward()?;
+        }
+        Ok(params.iter().map(Tensor::grad).collect())
     }
 
     /// The microbatches of a global batch with `lengths`: `micro_batch_size` rows at a time,
@@ -568,6 +646,10 @@ impl Engine {
                 "an export for CUDA IPC stays in GPU memory, and this policy trains on {device:?}"
             )));
         }
+        // Every data-parallel replica holds the same weights: the first one exports them.
+        if self.data.as_ref().is_some_and(|d| d.rank() != 0) {
+            return Ok(Packed::default());
+        }
         let packed = self.policy.with_full(|full| {
             let mut tensors: Vec<(String, Tensor)> = match full.lora() {
                 Some(_) => full.adapter_tensors(),
@@ -599,9 +681,15 @@ impl Engine {
         };
         // Under TP every rank takes part in each gather; rank 0 keeps the whole tensors, on
         // the CPU, for the file.
+        // Under data parallelism the owners send their optimiser state to every rank, and
+        // the first replica writes the checkpoint.
+        let state_tensors = self.optimizer.gathered_state()?;
+        if self.data.as_ref().is_some_and(|d| d.rank() != 0) {
+            return Ok(Vec::new());
+        }
         let keep = self.policy.rank() == 0;
         let mut optimizer_state = BTreeMap::new();
-        for (key, tensor, layout) in self.optimizer.state() {
+        for (key, tensor, layout) in state_tensors {
             let whole = self.policy.gather(&tensor, layout)?;
             if keep {
                 optimizer_state.insert(key, whole.f_to_device(Device::Cpu)?);

@@ -13,11 +13,13 @@
 //!   and decay.
 //! - [`checkpoint`]: the checkpoint directory (HF weights + optimiser and trainer state).
 //! - [`metrics`]: metrics accumulated over microbatches.
+//! - [`dp`]: data parallelism: row shards, gradient buckets and metrics summed over the ranks.
 //! - [`error`]: one error type, each variant with the stable `type` code of a reply.
 
 pub mod actor;
 pub mod batch;
 pub mod checkpoint;
+pub mod dp;
 pub mod engine;
 pub mod error;
 pub mod loss;

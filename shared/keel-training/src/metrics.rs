@@ -72,6 +72,40 @@ impl Metrics {
     pub fn into_map(self) -> BTreeMap<String, f64> {
         self.0.into_iter().map(|(k, v)| (k, v.value())).collect()
     }
+
+    /// The metrics as bytes that [`Metrics::from_bytes`] reads back exactly (to combine the
+    /// data-parallel ranks' metrics): one `kind name value-bits` line per metric.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = String::new();
+        for (name, stat) in &self.0 {
+            let kind = match stat {
+                Stat::Sum(_) => 's',
+                Stat::Min(_) => 'n',
+                Stat::Max(_) => 'x',
+                Stat::Global(_) => 'g',
+            };
+            out.push_str(&format!("{kind} {name} {:x}\n", stat.value().to_bits()));
+        }
+        out.into_bytes()
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        let mut metrics = Self::default();
+        for line in std::str::from_utf8(bytes).ok()?.lines() {
+            let mut parts = line.splitn(3, ' ');
+            let (kind, name, bits) = (parts.next()?, parts.next()?, parts.next()?);
+            let value = f64::from_bits(u64::from_str_radix(bits, 16).ok()?);
+            let stat = match kind {
+                "s" => Stat::Sum(value),
+                "n" => Stat::Min(value),
+                "x" => Stat::Max(value),
+                "g" => Stat::Global(value),
+                _ => return None,
+            };
+            metrics.0.insert(name.to_string(), stat);
+        }
+        Some(metrics)
+    }
 }
 
 #[cfg(test)]
@@ -93,5 +127,16 @@ mod tests {
         a.merge(b);
         let m = a.into_map();
         assert_eq!((m["loss"], m["ratio_min"], m["ratio_max"], m["num_valid_samples"]), (0.75, 0.8, 1.1, 4.0));
+    }
+
+    #[test]
+    fn metrics_survive_bytes_exactly() {
+        let mut a = Metrics::default();
+        a.sum("loss", 0.1 + 0.2);
+        a.min("ratio_min", -0.0);
+        a.max("ratio_max", f64::INFINITY);
+        a.global("global_valid_tokens", 17.0);
+        assert_eq!(Metrics::from_bytes(&a.to_bytes()), Some(a));
+        assert_eq!(Metrics::from_bytes(b"q loss 0"), None);
     }
 }

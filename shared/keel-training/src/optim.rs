@@ -6,10 +6,14 @@
 //! Under tensor parallelism each rank's optimiser holds that rank's slices (AdamW is
 //! element-wise, so slices step exactly as the whole tensor would); the gradient norm adds
 //! up the squared slices over the ranks and counts replicated tensors once.
+//!
+//! Under data parallelism the state is sharded (ZeRO stage 1, [`AdamW::shard`]): every rank
+//! has the whole summed gradient, but each parameter is stepped by one rank, its owner, which
+//! alone keeps its moments (and master copy) and then sends the new values to the others.
 
 use std::collections::BTreeMap;
 
-use keel_collective::{Collective, ReduceOp};
+use keel_collective::{Collective, ReduceOp, SharedComm};
 use keel_model::model::tp::Layout;
 use tch::{Kind, Tensor};
 
@@ -36,6 +40,14 @@ pub struct AdamW {
     slots: Vec<Slot>,
     /// Optimiser steps taken.
     step: u64,
+    /// Under data parallelism: the group, and the rank that owns each slot.
+    shard: Option<Shard>,
+}
+
+#[derive(Debug)]
+struct Shard {
+    comm: SharedComm,
+    owner: Vec<usize>,
 }
 
 impl AdamW {
@@ -59,7 +71,42 @@ impl AdamW {
                 Ok(Slot { decay: param.dim() > 1, exp_avg, exp_avg_sq, name, param, master, layout })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { config, slots, step: 0 })
+        Ok(Self { config, slots, step: 0, shard: None })
+    }
+
+    /// Shards the state over the data-parallel group `comm` (ZeRO stage 1): from now on this
+    /// rank keeps moments and master copies only of the parameters it owns
+    /// ([`crate::dp::owners`]) and steps only those; [`AdamW::step`] then sends every
+    /// parameter's new value from its owner to the others. Every rank of the group calls it.
+    pub fn shard(&mut self, comm: SharedComm) -> Result<()> {
+        let sizes: Vec<i64> = self.slots.iter().map(|s| s.param.numel() as i64).collect();
+        let owner = crate::dp::owners(&sizes, comm.world_size());
+        for (slot, &owner) in self.slots.iter_mut().zip(&owner) {
+            if owner != comm.rank() {
+                let empty = || Tensor::f_zeros([0], (Kind::Float, slot.param.device()));
+                slot.exp_avg = empty()?;
+                slot.exp_avg_sq = empty()?;
+                slot.master = None;
+            }
+        }
+        self.shard = Some(Shard { comm, owner });
+        Ok(())
+    }
+
+    /// Whether this rank steps slot `index` (every slot without data parallelism).
+    fn owns(&self, index: usize) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.owner[index] == s.comm.rank())
+    }
+
+    /// Under data parallelism, every parameter's value from its owner on every rank.
+    pub fn broadcast_parameters(&self) -> Result<()> {
+        let Some(shard) = &self.shard else { return Ok(()) };
+        let _guard = tch::no_grad_guard();
+        for (slot, &owner) in self.slots.iter().zip(&shard.owner) {
+            let mut value = slot.param.shallow_clone();
+            shard.comm.broadcast(&mut value, owner)?;
+        }
+        Ok(())
     }
 
     pub fn step_count(&self) -> u64 {
@@ -126,7 +173,11 @@ impl AdamW {
         let [beta1, beta2] = self.config.betas;
         let bias1 = 1.0 - beta1.powi(self.step as i32);
         let bias2_sqrt = (1.0 - beta2.powi(self.step as i32)).sqrt();
-        for slot in &mut self.slots {
+        for index in 0..self.slots.len() {
+            if !self.owns(index) {
+                continue;
+            }
+            let slot = &mut self.slots[index];
             let grad = slot.param.grad();
             if !grad.defined() {
                 continue;
@@ -145,7 +196,7 @@ impl AdamW {
                 slot.param.f_copy_(&value)?;
             }
         }
-        Ok(())
+        self.broadcast_parameters()
     }
 
     /// Optimiser state as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`,
@@ -167,11 +218,45 @@ impl AdamW {
         tensors
     }
 
+    /// [`AdamW::state`] of every parameter under data parallelism too: each owner sends its
+    /// parameters' state to every rank (every rank of the group calls it), for a checkpoint.
+    pub fn gathered_state(&self) -> Result<Vec<(String, Tensor, Option<Layout>)>> {
+        let Some(shard) = &self.shard else { return Ok(self.state()) };
+        let mut tensors = Vec::new();
+        for (index, slot) in self.slots.iter().enumerate() {
+            let owner = shard.owner[index];
+            let has_master = slot.param.kind() != Kind::Float;
+            let own = [
+                ("exp_avg", Some(&slot.exp_avg)),
+                ("exp_avg_sq", Some(&slot.exp_avg_sq)),
+                ("master", slot.master.as_ref()),
+            ];
+            for (prefix, mine) in own {
+                if prefix == "master" && !has_master {
+                    continue;
+                }
+                let mut tensor = match mine {
+                    Some(t) if owner == shard.comm.rank() => t.copy(),
+                    _ => Tensor::f_zeros(slot.param.size(), (Kind::Float, slot.param.device()))?,
+                };
+                shard.comm.broadcast(&mut tensor, owner)?;
+                tensors.push((format!("{prefix}.{}", slot.name), tensor, slot.layout));
+            }
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(tensors)
+    }
+
     /// Restores [`AdamW::state`] from whole tensors (a tensor-parallel rank takes its slice
     /// of each); every parameter's moments must be present with its shape.
     pub fn restore(&mut self, tensors: &BTreeMap<String, Tensor>, step: u64) -> Result<()> {
         let _guard = tch::no_grad_guard();
-        for slot in &mut self.slots {
+        let owned: Vec<bool> = (0..self.slots.len()).map(|i| self.owns(i)).collect();
+        for (slot, owned) in self.slots.iter_mut().zip(owned) {
+            // Under data parallelism a rank keeps the state of its own parameters only.
+            if !owned {
+                continue;
+            }
             let targets = [
                 ("exp_avg", Some(&mut slot.exp_avg)),
                 ("exp_avg_sq", Some(&mut slot.exp_avg_sq)),

@@ -1,9 +1,11 @@
-//! [`Trainer`]: what the worker drives. With `tensor_parallel_size` 1 it is one [`Engine`];
-//! with N it is N engines, one per rank thread of a [`RankGroup`], each holding its slices
-//! of the models and optimiser, and every call runs on all of them at once (the ranks meet
-//! in their collectives). Rank 0's answer is returned; any rank's error fails the call.
+//! [`Trainer`]: what the worker drives. With `tensor_parallel_size` and `data_parallel_size`
+//! 1 it is one [`Engine`]; otherwise it is DP × TP engines, one per rank thread of a
+//! [`RankGroup`] (rank d·TP + t is tensor-parallel rank t of data-parallel replica d), each
+//! holding its slices of the models and optimiser, and every call runs on all of them at
+//! once (the ranks meet in their collectives). Rank 0's answer is returned; any rank's error
+//! fails the call.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use keel_collective::{RankGroup, SharedComm, rank_zero};
 use keel_protocol::trainer::{LoadRequest, Scorer, TrainBatch};
@@ -26,16 +28,41 @@ pub enum Trainer {
 #[derive(Debug)]
 pub struct Ranks {
     group: RankGroup<Engine>,
+    tensor_parallel_size: usize,
     config: TrainingConfig,
     parameters: i64,
     step: u64,
     has_reference: bool,
+    has_value_head: bool,
+    lora_base: Option<PathBuf>,
 }
 
-/// The communicators of `world` ranks on `device`: threads over shared memory on the CPU,
-/// NCCL on CUDA.
-pub fn communicators(world: usize, device: Device) -> Result<Vec<SharedComm>> {
-    keel_collective::new_group(world, device).map_err(|e| Error::InvalidConfig(format!("tensor parallelism: {e}")))
+/// The communicators of a DP × TP grid on `device`, in rank order (d·TP + t): each rank's
+/// tensor-parallel group (the ranks of its replica; `None` at TP 1) and data-parallel group
+/// (the ranks with its tensor-parallel rank; `None` at DP 1).
+type GridComms = (Option<SharedComm>, Option<SharedComm>);
+
+fn grid(dp: usize, tp: usize, device: Device) -> Result<Vec<GridComms>> {
+    let on = |ranks: Vec<usize>| -> Result<Vec<SharedComm>> {
+        let devices: Vec<Device> = ranks.iter().map(|&r| keel_collective::rank_device(device, r)).collect();
+        keel_collective::new_group_on(&devices).map_err(|e| Error::InvalidConfig(format!("parallel ranks: {e}")))
+    };
+    let mut comms: Vec<GridComms> = (0..dp * tp).map(|_| (None, None)).collect();
+    if tp > 1 {
+        for d in 0..dp {
+            for (t, comm) in on((0..tp).map(|t| d * tp + t).collect())?.into_iter().enumerate() {
+                comms[d * tp + t].0 = Some(comm);
+            }
+        }
+    }
+    if dp > 1 {
+        for t in 0..tp {
+            for (d, comm) in on((0..dp).map(|d| d * tp + t).collect())?.into_iter().enumerate() {
+                comms[d * tp + t].1 = Some(comm);
+            }
+        }
+    }
+    Ok(comms)
 }
 
 /// Rank 0's value, or the error that started a failure (not a peer's timeout after it).
@@ -47,35 +74,59 @@ fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
 }
 
 impl Trainer {
-    /// Loads the models for `request`, split over `request.tensor_parallel_size` ranks.
+    /// Loads the models for `request`, split over `request.tensor_parallel_size` ranks in
+    /// each of `request.data_parallel_size` replicas.
     pub fn load(request: &LoadRequest, default_device: &str) -> Result<Self> {
-        let world = request.tensor_parallel_size;
-        if !(1..=MAX_TENSOR_PARALLEL).contains(&world) {
+        let (tp, dp) = (request.tensor_parallel_size, request.data_parallel_size);
+        if !(1..=MAX_TENSOR_PARALLEL).contains(&tp) {
             return Err(Error::InvalidConfig(format!(
-                "tensor_parallel_size must be 1 to {MAX_TENSOR_PARALLEL}, got {world}"
+                "tensor_parallel_size must be 1 to {MAX_TENSOR_PARALLEL}, got {tp}"
             )));
         }
-        if world == 1 {
+        if !(1..=MAX_TENSOR_PARALLEL).contains(&dp) || dp * tp > MAX_TENSOR_PARALLEL {
+            return Err(Error::InvalidConfig(format!(
+                "data_parallel_size × tensor_parallel_size must be at most {MAX_TENSOR_PARALLEL}, got {dp} × {tp}"
+            )));
+        }
+        if tp == 1 && dp == 1 {
             return Ok(Self::One(Box::new(Engine::load(request, default_device)?)));
         }
         let device_name = request.device.as_deref().unwrap_or(default_device);
         let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
-        let comms = communicators(world, device)?;
+        let comms = grid(dp, tp, device)?;
+        let config = request.training.clone();
         let (request, default_device) = (request.clone(), default_device.to_string());
-        let group = RankGroup::spawn("keel-trainer", comms, move |_, comm| {
-            Engine::load_rank(&request, &default_device, Some(comm))
+        let group = RankGroup::spawn("keel-trainer", comms, move |_, (tensor, data)| {
+            Engine::load_group(&request, &default_device, tensor, data)
         })?;
         let summary = first(group.run_all((), |engine, ()| {
-            Ok((engine.parameters(), engine.step(), engine.has_reference(), engine.config().clone()))
+            let lora_base = engine.lora_base().map(Path::to_path_buf);
+            Ok((engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head(), lora_base))
         }))?;
-        let (parameters, step, has_reference, config) = summary;
-        Ok(Self::Ranks(Box::new(Ranks { group, config, parameters, step, has_reference })))
+        let (parameters, step, has_reference, has_value_head, lora_base) = summary;
+        Ok(Self::Ranks(Box::new(Ranks {
+            group,
+            tensor_parallel_size: tp,
+            config,
+            parameters,
+            step,
+            has_reference,
+            has_value_head,
+            lora_base,
+        })))
     }
 
     pub fn tensor_parallel_size(&self) -> usize {
         match self {
             Self::One(_) => 1,
-            Self::Ranks(ranks) => ranks.group.world_size(),
+            Self::Ranks(ranks) => ranks.tensor_parallel_size,
+        }
+    }
+
+    pub fn data_parallel_size(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Ranks(ranks) => ranks.group.world_size() / ranks.tensor_parallel_size,
         }
     }
 
@@ -103,7 +154,7 @@ impl Trainer {
     pub fn has_value_head(&self) -> bool {
         match self {
             Self::One(engine) => engine.has_value_head(),
-            Self::Ranks(_) => false,
+            Self::Ranks(ranks) => ranks.has_value_head,
         }
     }
 
@@ -126,12 +177,13 @@ impl Trainer {
         }
     }
 
-    /// Reward-model scores (one engine only: value heads are refused at load under TP).
+    /// Reward-model scores (value heads are refused at load under TP; every data-parallel
+    /// replica holds the whole model and scores alike).
     pub fn scores(&self, sequences: &[Vec<i64>]) -> Result<Vec<f32>> {
         match self {
             Self::One(engine) => engine.scores(sequences),
-            Self::Ranks(_) => {
-                Err(Error::InvalidRequest("this model has no value head (tensor-parallel training has none)".into()))
+            Self::Ranks(ranks) => {
+                first(ranks.group.run_all(sequences.to_vec(), |engine, sequences| engine.scores(&sequences)))
             }
         }
     }
@@ -174,7 +226,7 @@ impl Trainer {
     pub fn lora_base(&self) -> Option<&std::path::Path> {
         match self {
             Self::One(engine) => engine.lora_base(),
-            Self::Ranks(_) => None,
+            Self::Ranks(ranks) => ranks.lora_base.as_deref(),
         }
     }
 

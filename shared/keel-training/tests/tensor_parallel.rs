@@ -1,7 +1,8 @@
-//! Training under tensor parallelism on the CPU collective, against the same training at
-//! TP = 1 on a tiny Qwen3 (4 heads, 2 KV heads: split at TP = 2, replicated at TP = 4):
-//! gradients, five AdamW steps with clipping, the checkpoint (loaded at TP = 1 and in
-//! transformers), and resuming from it at either size.
+//! Training under tensor and data parallelism on the CPU collectives, against the same
+//! training on one rank on a tiny Qwen3 (4 heads, 2 KV heads: split at TP = 2, replicated at
+//! TP = 4): gradients, five AdamW steps with clipping, the checkpoint (loaded at TP = 1 and in
+//! transformers), and resuming from it at either size; data parallelism (DP = 2, 3 and
+//! DP = 2 × TP = 2, on the thread backend and on the TCP backend) with its sharded optimiser.
 
 #![allow(clippy::unwrap_used)]
 
@@ -19,8 +20,13 @@ use serde_json::{Value, json};
 use tch::{Device, Kind, Tensor};
 
 fn trainer(model: &Path, training: Value, tp: usize) -> Trainer {
+    grid_trainer(model, training, 1, tp)
+}
+
+fn grid_trainer(model: &Path, training: Value, dp: usize, tp: usize) -> Trainer {
     let mut request = load_request(model, training);
     request.tensor_parallel_size = tp;
+    request.data_parallel_size = dp;
     Trainer::load(&request, "cpu").unwrap()
 }
 
@@ -205,4 +211,151 @@ fn what_tensor_parallelism_cannot_do_is_refused() {
     assert!(error.contains("tensor_parallel_size"), "{error}");
     let error = load(training(), 0);
     assert!(error.contains("tensor_parallel_size"), "{error}");
+}
+
+/// Five steps (loss, gradient norm), the weights and optimiser state after them, and the
+/// checkpoint's directory, at DP × TP.
+fn five_steps(model: &Path, dir: &Path, dp: usize, tp: usize) -> (Vec<(f64, f64)>, std::path::PathBuf) {
+    let mut trainer = grid_trainer(model, training(), dp, tp);
+    assert_eq!((trainer.data_parallel_size(), trainer.tensor_parallel_size()), (dp, tp));
+    let trained = trainer.train(rows(), 1.0).unwrap();
+    assert_eq!(trainer.step(), 5);
+    let path = dir.join(format!("dp{dp}-tp{tp}"));
+    let (_, files) = trainer.save(path.clone(), json!({})).unwrap();
+    assert!(files.iter().any(|f| f.ends_with(".safetensors")), "DP={dp} TP={tp}: {files:?}");
+    (trained.steps.iter().map(|s| (s.metrics["loss"], s.metrics["grad_norm"])).collect(), path)
+}
+
+fn assert_same_run(label: &str, run: &[(f64, f64)], one: &[(f64, f64)], path: &Path, reference: &Path) {
+    for ((loss, norm), (loss1, norm1)) in run.iter().zip(one) {
+        assert!(
+            (loss - loss1).abs() <= 1e-5 && (norm - norm1).abs() <= 1e-5 * norm1.max(1.0),
+            "{label}: {run:?} vs {one:?}"
+        );
+    }
+    let (diff, name) = max_diff(&weights(path), &weights(reference));
+    eprintln!("{label}: five steps, max weight difference from one rank {diff:e} (`{name}`)");
+    assert!(diff <= 1e-5, "{label}: weight `{name}` differs by {diff:e} after five steps");
+    let optimizer = |p: &Path| tensors(&p.join("optimizer.safetensors"));
+    let (diff, name) = max_diff(&optimizer(path), &optimizer(reference));
+    assert!(diff <= 1e-5, "{label}: optimiser state `{name}` differs by {diff:e}");
+}
+
+#[test]
+fn five_steps_at_dp_2_3_and_dp_2_by_tp_2_equal_one_rank_and_resume_anywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (one, reference) = five_steps(&model, dir.path(), 1, 1);
+    // Clipping was active, so the global norm over the summed gradients had to be right.
+    assert!(one.iter().any(|(_, norm)| *norm > 0.5), "{one:?}");
+    let mut grid = None;
+    for (dp, tp) in [(2, 1), (3, 1), (2, 2)] {
+        let (run, path) = five_steps(&model, dir.path(), dp, tp);
+        assert_same_run(&format!("DP={dp} TP={tp}"), &run, &one, &path, &reference);
+        grid = Some(path);
+    }
+    // The DP = 2 × TP = 2 checkpoint resumes at DP = 1 × TP = 1 and at DP = 2: one more step
+    // each, the same weights.
+    let grid = grid.unwrap();
+    let more: TrainBatch = TrainBatch {
+        input_ids: rows().input_ids[..4].to_vec(),
+        token_mask: rows().token_mask[..4].to_vec(),
+        ..Default::default()
+    };
+    let mut resumed = Vec::new();
+    for (dp, tp) in [(1, 1), (2, 1)] {
+        let mut trainer = grid_trainer(&grid, training(), dp, tp);
+        assert_eq!(trainer.step(), 5, "DP={dp} TP={tp} resumes at step 5");
+        trainer.train(more.clone(), 1.0).unwrap();
+        let path = dir.path().join(format!("resumed-dp{dp}-tp{tp}"));
+        trainer.save(path.clone(), json!({})).unwrap();
+        resumed.push(path);
+    }
+    let (diff, name) = max_diff(&weights(&resumed[1]), &weights(&resumed[0]));
+    assert!(diff <= 1e-5, "resumed at DP=2 vs DP=1: `{name}` differs by {diff:e}");
+}
+
+/// A global batch smaller than the group leaves a rank without rows; it still takes part
+/// (zero gradients), and the step is the single rank's. Metrics combine by kind.
+#[test]
+fn a_data_parallel_rank_without_rows_still_steps_with_the_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let five: TrainBatch = TrainBatch {
+        input_ids: rows().input_ids[..5].to_vec(),
+        token_mask: rows().token_mask[..5].to_vec(),
+        ..Default::default()
+    };
+    let mut results = Vec::new();
+    for dp in [1, 2] {
+        let mut trainer = grid_trainer(&model, training(), dp, 1);
+        // Two steps: 4 rows, then 1 row (DP rank 0 has none of it).
+        let trained = trainer.train(five.clone(), 1.0).unwrap();
+        let path = dir.path().join(format!("five-dp{dp}"));
+        trainer.save(path.clone(), json!({})).unwrap();
+        results.push((trained.steps, weights(&path)));
+    }
+    let (one, two) = (&results[0], &results[1]);
+    assert_eq!(one.0.len(), 2);
+    for (a, b) in one.0.iter().zip(&two.0) {
+        assert_eq!(a.metrics.keys().collect::<Vec<_>>(), b.metrics.keys().collect::<Vec<_>>());
+        for (name, value) in &a.metrics {
+            let other = b.metrics[name];
+            assert!((value - other).abs() <= 1e-5 * value.abs().max(1.0), "step {}: {name} {value} vs {other}", a.step);
+        }
+    }
+    let (diff, name) = max_diff(&two.1, &one.1);
+    assert!(diff <= 1e-5, "DP=2 with an empty shard: `{name}` differs by {diff:e}");
+}
+
+/// Data parallelism over the TCP backend (the ranks could be processes on several hosts;
+/// here they are threads on loopback): the same five steps as one rank.
+#[test]
+fn data_parallel_ranks_over_tcp_step_as_one_rank() {
+    use keel_collective::tcp::TcpCollective;
+    use keel_training::Engine;
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (one, reference) = five_steps(&model, dir.path(), 1, 1);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hub = listener.local_addr().unwrap();
+    let timeout = std::time::Duration::from_secs(60);
+    let out = dir.path().join("tcp");
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let listener = listener.try_clone().unwrap();
+            let (model, out) = (model.clone(), out.clone());
+            std::thread::spawn(move || {
+                let comm = if rank == 0 {
+                    TcpCollective::accept(&listener, 2, "dp-test", timeout).unwrap()
+                } else {
+                    TcpCollective::connect(hub, rank, 2, "dp-test", timeout).unwrap()
+                };
+                let request = load_request(&model, training());
+                let mut engine = Engine::load_group(&request, "cpu", None, Some(Arc::new(comm))).unwrap();
+                let batch = Batch::new(&rows(), &engine.config().loss).unwrap();
+                let trained = engine.train(batch, 1.0).unwrap();
+                let files = engine.save(&out, json!({})).unwrap();
+                assert_eq!(files.is_empty(), rank != 0, "the first replica writes the checkpoint");
+                trained.steps.iter().map(|s| (s.metrics["loss"], s.metrics["grad_norm"])).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let runs: Vec<Vec<(f64, f64)>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(runs[0], runs[1], "both ranks report the group's metrics");
+    assert_same_run("DP=2 over TCP", &runs[0], &one, &out, &reference);
+}
+
+#[test]
+fn what_data_parallelism_cannot_do_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    for (dp, tp) in [(0, 1), (33, 2)] {
+        let mut request = load_request(&model, training());
+        request.data_parallel_size = dp;
+        request.tensor_parallel_size = tp;
+        let error = Trainer::load(&request, "cpu").map(|_| ()).unwrap_err().to_string();
+        assert!(error.contains("data_parallel_size"), "DP={dp} TP={tp}: {error}");
+    }
 }

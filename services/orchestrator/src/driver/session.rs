@@ -48,6 +48,7 @@ impl<'a> TrainerSession<'a> {
             resume: start.resumed,
             seed: self.spec.seed,
             tensor_parallel_size: self.spec.tensor_parallel_size,
+            data_parallel_size: self.spec.data_parallel_size,
         };
         Ok(self.trainer.op(&request).await?)
     }
