@@ -6,7 +6,12 @@
 //! waits for what it needs, and the gpu profile reserves the NVIDIA GPUs. And the repository
 //! stands alone: no tracked file points at documents outside it.
 //!
-//! No Docker engine is needed: nothing is built or started.
+//! The Kubernetes manifests (deploy/kubernetes, rendered by `kubectl kustomize`) pass a
+//! schema validator (kubernetes-validate from PyPI, in .venv-kube), run the same commands on
+//! the same ports with the same probes, and each service's own configuration loader accepts
+//! the environment they give it (`keel-<service> --check-config`).
+//!
+//! No Docker engine or cluster is needed: nothing is built or started.
 
 #![allow(clippy::unwrap_used)]
 
@@ -352,4 +357,380 @@ fn no_library_depends_on_a_service() {
         }
     }
     assert!(found.is_empty(), "libraries that depend on a service:\n{}", found.join("\n"));
+}
+
+// --- Kubernetes (deploy/kubernetes) --------------------------------------------------------
+
+/// The Kubernetes version the manifests are validated against.
+const KUBERNETES_VERSION: &str = "1.32.0";
+
+/// `kubectl kustomize deploy/kubernetes/<dir>`: the rendered manifests as one YAML stream.
+fn kustomize(dir: &str) -> String {
+    let out = Command::new("kubectl")
+        .args(["kustomize", &format!("deploy/kubernetes/{dir}")])
+        .current_dir(root())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run kubectl ({e}): the Kubernetes tests render the manifests with `kubectl kustomize` (kubectl 1.21 or newer)")
+        });
+    assert!(
+        out.status.success(),
+        "kubectl kustomize deploy/kubernetes/{dir}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn documents(stream: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_yaml::Deserializer::from_str(stream).map(|d| Value::deserialize(d).unwrap()).collect()
+}
+
+/// Runs kubernetes-validate (PyPI; its JSON schemas are bundled, nothing is fetched) in
+/// strict mode, which also refuses fields a kind does not have. `Err` holds its output.
+fn kubernetes_validate(stream: &str) -> Result<(), String> {
+    let validator = root().join(".venv-kube/bin/kubernetes-validate");
+    assert!(
+        validator.exists(),
+        "{} is not installed: run scripts/setup (it installs kubernetes-validate from PyPI into .venv-kube)",
+        validator.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("manifests.yaml");
+    std::fs::write(&file, stream).unwrap();
+    let out = Command::new(validator)
+        .args(["--strict", "--quiet", "-k", KUBERNETES_VERSION])
+        .arg(&file)
+        .output()
+        .expect("run kubernetes-validate");
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"].as_str() == Some(kind) && d["metadata"]["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("the manifests have no {kind} {name}"))
+}
+
+/// The Deployment or StatefulSet `name` and its container of the same role.
+fn workload<'a>(docs: &'a [Value], name: &str) -> (&'a Value, &'a Value) {
+    let workload = docs
+        .iter()
+        .find(|d| {
+            matches!(d["kind"].as_str(), Some("Deployment" | "StatefulSet"))
+                && d["metadata"]["name"].as_str() == Some(name)
+        })
+        .unwrap_or_else(|| panic!("the manifests have no Deployment or StatefulSet {name}"));
+    let containers = workload["spec"]["template"]["spec"]["containers"].as_sequence().unwrap();
+    assert_eq!(containers.len(), 1, "{name}: one container");
+    (workload, &containers[0])
+}
+
+/// A container's environment as the kubelet gives it: `envFrom` ConfigMaps, then `env` in
+/// order with `secretKeyRef`, `configMapKeyRef` and `fieldRef: metadata.name` resolved (the
+/// pod is `<workload>-0`) and `$(VAR)` expanded from the variables before it.
+fn container_env(docs: &[Value], workload_name: &str, container: &Value) -> BTreeMap<String, String> {
+    let data = |kind: &str, name: &str| -> BTreeMap<String, String> {
+        let object = docs
+            .iter()
+            .find(|d| {
+                d["kind"].as_str() == Some(kind)
+                    && d["metadata"]["name"].as_str().is_some_and(|n| n == name || n.starts_with(&format!("{name}-")))
+            })
+            .unwrap_or_else(|| panic!("{workload_name} refers to {kind} {name}, which the manifests lack"));
+        let field = if kind == "Secret" { "stringData" } else { "data" };
+        object[field].as_mapping().unwrap().iter().map(|(k, v)| (scalar(k), scalar(v))).collect()
+    };
+    let mut env = BTreeMap::new();
+    for source in container["envFrom"].as_sequence().into_iter().flatten() {
+        let name = source["configMapRef"]["name"].as_str().expect("envFrom configMapRef");
+        env.extend(data("ConfigMap", name));
+    }
+    for var in container["env"].as_sequence().into_iter().flatten() {
+        let name = scalar(&var["name"]);
+        let value = if let Some(value) = var.get("value") {
+            let mut value = scalar(value);
+            while let Some(start) = value.find("$(") {
+                let end = start + value[start..].find(')').expect("closed $(");
+                let referenced = &value[start + 2..end];
+                let replacement = env
+                    .get(referenced)
+                    .unwrap_or_else(|| panic!("{workload_name}: {name} uses $({referenced}) before it is set"));
+                value.replace_range(start..=end, replacement);
+            }
+            value
+        } else if let Some(secret) = var["valueFrom"].get("secretKeyRef") {
+            let (secret, key) = (scalar(&secret["name"]), scalar(&secret["key"]));
+            data("Secret", &secret)
+                .get(&key)
+                .cloned()
+                .unwrap_or_else(|| panic!("{workload_name}: secret {secret} has no {key}"))
+        } else if let Some(map) = var["valueFrom"].get("configMapKeyRef") {
+            let (map, key) = (scalar(&map["name"]), scalar(&map["key"]));
+            data("ConfigMap", &map).get(&key).cloned().unwrap_or_else(|| panic!("{workload_name}: {map} has no {key}"))
+        } else if var["valueFrom"]["fieldRef"]["fieldPath"].as_str() == Some("metadata.name") {
+            format!("{workload_name}-0")
+        } else {
+            panic!("{workload_name}: {name}: a value this test cannot resolve: {var:?}")
+        };
+        env.insert(name, value);
+    }
+    env
+}
+
+/// A container's volume mounts as (claim name, mount path): pod volumes backed by a claim and
+/// the StatefulSet's own claim templates.
+fn claim_mounts(workload: &Value, container: &Value) -> Vec<(String, String)> {
+    let pod = &workload["spec"]["template"]["spec"];
+    let templates: Vec<String> = workload["spec"]["volumeClaimTemplates"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .map(|t| scalar(&t["metadata"]["name"]))
+        .collect();
+    container["volumeMounts"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(|mount| {
+            let volume = scalar(&mount["name"]);
+            let path = scalar(&mount["mountPath"]);
+            if templates.contains(&volume) {
+                return Some((format!("template:{volume}"), path));
+            }
+            let claim = pod["volumes"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .find(|v| scalar(&v["name"]) == volume)?
+                .get("persistentVolumeClaim")?
+                .get("claimName")
+                .map(scalar)?;
+            Some((claim, path))
+        })
+        .collect()
+}
+
+#[test]
+fn kubernetes_manifests_render_and_pass_the_schema_validator() {
+    for dir in ["base", "overlays/gpu"] {
+        let stream = kustomize(dir);
+        if let Err(output) = kubernetes_validate(&stream) {
+            panic!("deploy/kubernetes/{dir} fails validation against Kubernetes {KUBERNETES_VERSION}:\n{output}");
+        }
+    }
+    // The validator does refuse what Kubernetes would: a misspelt field, a wrong type.
+    let base = kustomize("base");
+    for (wrong, from, to) in [
+        (
+            "a misspelt field",
+            "  replicas: 1\n  selector:\n    matchLabels:\n      app.kubernetes.io/name: keel-orchestrator",
+            "  replica: 1\n  selector:\n    matchLabels:\n      app.kubernetes.io/name: keel-orchestrator",
+        ),
+        ("a port that is not a number", "containerPort: 8080", "containerPort: http-8080"),
+    ] {
+        assert!(base.contains(from), "the rendered base has `{from}`");
+        let broken = base.replacen(from, to, 1);
+        assert!(kubernetes_validate(&broken).is_err(), "kubernetes-validate accepts {wrong}");
+    }
+}
+
+#[test]
+fn kubernetes_services_are_the_launchers_with_probes_services_and_volumes() {
+    let docs = documents(&kustomize("base"));
+    let commands = launcher("commands");
+    let ports: BTreeMap<String, String> = launcher("ports").into_iter().collect();
+    let env_lines = launcher("env");
+    let config = find(&docs, "ConfigMap", "keel-config");
+    let otlp = scalar(&config["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"]);
+    assert_eq!(otlp, "http://keel-jaeger:4318", "keel-config's OTLP endpoint is the Jaeger of jaeger.yaml");
+    let jaeger = find(&docs, "Service", "keel-jaeger");
+    assert!(jaeger["spec"]["ports"].as_sequence().unwrap().iter().any(|p| scalar(&p["port"]) == "4318"));
+
+    for (service, line) in &commands {
+        let name = format!("keel-{service}");
+        let (workload, container) = workload(&docs, &name);
+        let expected: Vec<String> = line.split_whitespace().map(str::to_string).collect();
+        let actual: Vec<String> = container["command"].as_sequence().unwrap().iter().map(scalar).collect();
+        assert_eq!(actual, expected, "{name}'s command is not scripts/stack.sh's");
+        assert_eq!(scalar(&container["image"]), "keel:latest", "{name} runs the image the kustomization names");
+        let env = container_env(&docs, &name, container);
+        assert_eq!(env.get("OTEL_EXPORTER_OTLP_ENDPOINT"), Some(&otlp), "{name} exports traces");
+        for (_, assignment) in env_lines.iter().filter(|(n, _)| n == service) {
+            let (var, value) = assignment.split_once('=').unwrap();
+            assert_eq!(env.get(var).map(String::as_str), Some(value), "{name} lacks {assignment} (stack.sh sets it)");
+        }
+
+        // It listens on its port, which the probes ask on /healthz and its Service exposes.
+        let port = &ports[service];
+        let listen = format!("KEEL_{}__LISTEN", service.to_uppercase());
+        assert_eq!(env.get(&listen), Some(&format!("0.0.0.0:{port}")), "{name}: {listen}");
+        let declared = container["ports"].as_sequence().unwrap();
+        assert!(
+            declared.iter().any(|p| scalar(&p["name"]) == "http" && scalar(&p["containerPort"]) == *port),
+            "{name} declares port http = {port}"
+        );
+        for probe in ["readinessProbe", "livenessProbe"] {
+            let get = &container[probe]["httpGet"];
+            assert_eq!(get["path"].as_str(), Some("/healthz"), "{name}: {probe}");
+            assert_eq!(scalar(&get["port"]), "http", "{name}: {probe}");
+        }
+        let labels = workload["spec"]["template"]["metadata"]["labels"].as_mapping().unwrap();
+        let selector = workload["spec"]["selector"]["matchLabels"].as_mapping().unwrap();
+        assert!(selector.iter().all(|(k, v)| labels.get(k) == Some(v)), "{name}: the selector matches its pods");
+        let svc = find(&docs, "Service", &name);
+        let svc_selector = svc["spec"]["selector"].as_mapping().unwrap();
+        assert!(svc_selector.iter().all(|(k, v)| labels.get(k) == Some(v)), "Service {name} selects {name}'s pods");
+        assert!(
+            svc["spec"]["ports"].as_sequence().unwrap().iter().any(|p| scalar(&p["port"]) == *port),
+            "Service {name} exposes {port}"
+        );
+    }
+
+    // Trainers: a StatefulSet whose pods' stable names are their worker ids.
+    let (trainer, container) = workload(&docs, "keel-trainer");
+    assert_eq!(trainer["kind"].as_str(), Some("StatefulSet"));
+    assert_eq!(scalar(&trainer["spec"]["serviceName"]), "keel-trainer");
+    assert_eq!(container_env(&docs, "keel-trainer", container)["KEEL_TRAINER__WORKER_ID"], "keel-trainer-0");
+    assert_eq!(scalar(&find(&docs, "Service", "keel-trainer")["spec"]["clusterIP"]), "None", "a headless Service");
+
+    // The work_dir and the models are the same claims at the same paths in the orchestrator,
+    // the trainers and the generators; the generator serves a model from that claim.
+    let (orchestrator, container) = workload(&docs, "keel-orchestrator");
+    let work_dir = container_env(&docs, "keel-orchestrator", container)["KEEL_ORCHESTRATOR__WORK_DIR"].clone();
+    let shared = claim_mounts(orchestrator, container);
+    assert!(
+        shared.contains(&("keel-work".into(), work_dir.clone())),
+        "the orchestrator's work_dir {work_dir} is keel-work"
+    );
+    assert!(shared.iter().any(|(claim, _)| claim == "keel-models"), "the orchestrator mounts keel-models");
+    for name in ["keel-trainer", "keel-generator"] {
+        let (workload, container) = workload(&docs, name);
+        let mounts = claim_mounts(workload, container);
+        for mount in &shared {
+            assert!(mounts.contains(mount), "{name} mounts {mount:?} as the orchestrator does");
+        }
+    }
+    for claim in ["keel-work", "keel-models"] {
+        let modes = &find(&docs, "PersistentVolumeClaim", claim)["spec"]["accessModes"];
+        assert_eq!(modes.as_sequence().unwrap()[0].as_str(), Some("ReadWriteMany"), "{claim} is shared by pods");
+    }
+    let (generator, container) = workload(&docs, "keel-generator");
+    let model = container_env(&docs, "keel-generator", container)["KEEL_GENERATOR__MODEL"].clone();
+    let models_path = &shared.iter().find(|(c, _)| c == "keel-models").unwrap().1;
+    assert!(model.starts_with(&format!("{models_path}/")), "the generator's model {model} is on keel-models");
+    let waits = generator["spec"]["template"]["spec"]["initContainers"][0]["command"].as_sequence().unwrap();
+    assert!(
+        scalar(waits.last().unwrap()).contains(&format!("{model}/config.json")),
+        "the generator waits for its model"
+    );
+    let init = find(&docs, "Job", "keel-model-init");
+    let init_command: Vec<String> = init["spec"]["template"]["spec"]["containers"][0]["command"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(scalar)
+        .collect();
+    assert!(init_command.join(" ").contains(&format!("--out {model}.tmp")), "keel-model-init makes {model}");
+
+    // The checkpoint store keeps its files on its own claim.
+    let (checkpoint, container) = workload(&docs, "keel-checkpoint");
+    let store = container_env(&docs, "keel-checkpoint", container)["KEEL_CHECKPOINT__STORAGE__ROOT"].clone();
+    assert!(
+        claim_mounts(checkpoint, container)
+            .iter()
+            .any(|(claim, path)| claim.starts_with("template:") && *path == store),
+        "the checkpoint store's root {store} is a volume claim of its StatefulSet"
+    );
+
+    // NATS runs with docker/nats.conf itself, and JetStream on.
+    let nats_conf = std::fs::read_to_string(root().join("docker/nats.conf")).unwrap();
+    let config_map = docs
+        .iter()
+        .find(|d| {
+            d["kind"].as_str() == Some("ConfigMap") && scalar(&d["metadata"]["name"]).starts_with("keel-nats-config")
+        })
+        .expect("the NATS ConfigMap");
+    assert_eq!(scalar(&config_map["data"]["keel.conf"]), nats_conf, "keel-nats-config is docker/nats.conf");
+    let (nats, container) = workload(&docs, "keel-nats");
+    let args: Vec<String> = container["args"].as_sequence().unwrap().iter().map(scalar).collect();
+    assert!(args.windows(2).any(|w| w == ["-c", "/etc/nats/keel.conf"]) && args.contains(&"-js".into()), "{args:?}");
+    let volume = &nats["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"];
+    assert_eq!(volume, &config_map["metadata"]["name"], "keel-nats mounts keel-nats-config");
+}
+
+/// Each Keel container's environment, as the kubelet would give it, is accepted by that
+/// service's own configuration loader (`--check-config`: every `KEEL_<SERVICE>__*` must be a
+/// field, every value valid); a misspelt field is refused.
+#[test]
+fn kubernetes_environment_is_accepted_by_each_service() {
+    for dir in ["base", "overlays/gpu"] {
+        let docs = documents(&kustomize(dir));
+        for service in SERVICES {
+            let name = format!("keel-{service}");
+            let (_, container) = workload(&docs, &name);
+            let env = container_env(&docs, &name, container);
+            let check = |extra: &[(&str, &str)]| {
+                let mut command = Command::new(keel_testkit::binary(&name));
+                command.arg("--check-config").env_clear().envs(&env).envs(extra.iter().copied());
+                if let Ok(path) = std::env::var("LD_LIBRARY_PATH") {
+                    command.env("LD_LIBRARY_PATH", path);
+                }
+                command.output().unwrap()
+            };
+            let out = check(&[]);
+            assert!(
+                out.status.success(),
+                "{dir}: {name} refuses its environment: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let misspelt = format!("KEEL_{}__NO_SUCH_FIELD", service.to_uppercase());
+            let out = check(&[(misspelt.as_str(), "1")]);
+            assert_eq!(out.status.code(), Some(2), "{name} --check-config accepts {misspelt}");
+            assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_field"), "{name} names the field");
+        }
+    }
+}
+
+#[test]
+fn kubernetes_gpu_overlay_puts_the_trainer_and_generator_on_gpus() {
+    let base = documents(&kustomize("base"));
+    let gpu = documents(&kustomize("overlays/gpu"));
+    for service in SERVICES {
+        let name = format!("keel-{service}");
+        let (workload, container) = workload(&gpu, &name);
+        let gpus = &container["resources"]["limits"]["nvidia.com/gpu"];
+        let device =
+            container_env(&gpu, &name, container).get(&format!("KEEL_{}__DEVICE", service.to_uppercase())).cloned();
+        if matches!(service, "trainer" | "generator") {
+            assert_eq!(scalar(gpus), "1", "{name} asks for a GPU");
+            assert_eq!(device.as_deref(), Some("cuda"), "{name} runs on CUDA");
+            let pod = &workload["spec"]["template"]["spec"];
+            assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"].as_str(), Some("true"), "{name}: GPU nodes");
+            assert!(
+                pod["tolerations"]
+                    .as_sequence()
+                    .is_some_and(|t| t.iter().any(|t| t["key"].as_str() == Some("nvidia.com/gpu"))),
+                "{name} tolerates the GPU nodes' taint"
+            );
+            // The patch adds to the base's container; it drops nothing.
+            let (_, plain) = self::workload(&base, &name);
+            for var in plain["env"].as_sequence().unwrap() {
+                assert!(container["env"].as_sequence().unwrap().contains(var), "{name} keeps {var:?}");
+            }
+        } else {
+            assert!(gpus.is_null(), "{name} asks for no GPU");
+            assert!(device.is_none(), "{name} has no device");
+        }
+    }
+    // On the CPU (the base) nothing asks for a GPU.
+    for service in SERVICES {
+        let (_, container) = workload(&base, &format!("keel-{service}"));
+        assert!(container["resources"]["limits"]["nvidia.com/gpu"].is_null(), "keel-{service} on the CPU");
+    }
 }
