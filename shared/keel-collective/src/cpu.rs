@@ -273,12 +273,12 @@ impl Collective for CpuCollective {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tch::{Device, Kind};
 
     /// Runs `f(rank collective)` on `world` threads and returns their results in rank order.
-    fn on_ranks<T: Send + 'static>(
+    pub(crate) fn on_ranks<T: Send + 'static>(
         world: usize,
         f: impl Fn(CpuCollective) -> T + Send + Sync + Clone + 'static,
     ) -> Vec<T> {

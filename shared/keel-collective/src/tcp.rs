@@ -645,7 +645,6 @@ impl Collective for TcpCollective {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::CpuGroup;
     use tch::Device;
 
     const TIMEOUT: Duration = Duration::from_secs(20);
@@ -673,22 +672,6 @@ mod tests {
         let mut results: Vec<T> = handles.into_iter().map(|h| h.join().unwrap()).collect();
         results.reverse();
         results
-    }
-
-    /// The same on the thread backend, for comparison.
-    fn on_threads<T: Send + 'static>(
-        world: usize,
-        f: impl Fn(Box<dyn Collective>) -> T + Send + Sync + Clone + 'static,
-    ) -> Vec<T> {
-        let handles: Vec<_> = CpuGroup::new(world)
-            .unwrap()
-            .into_iter()
-            .map(|c| {
-                let f = f.clone();
-                std::thread::spawn(move || f(Box::new(c)))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
     }
 
     /// Every operation, on tensors whose sums round differently in another order.
@@ -721,7 +704,7 @@ mod tests {
     fn every_operation_gives_the_thread_backends_bits() {
         for world in [1, 2, 3, 4] {
             let tcp = on_ranks(world, |c| workload(&c));
-            let threads = on_threads(world, |c| workload(c.as_ref()));
+            let threads = crate::cpu::tests::on_ranks(world, |c| workload(&c));
             assert_eq!(tcp, threads, "world {world}");
         }
     }
