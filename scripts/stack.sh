@@ -2,8 +2,9 @@
 # binaries, checks that NATS and PostgreSQL are reachable, starts the five services on their
 # default ports under one subject prefix with logs in $KEEL_STATE/logs/, and stops them.
 #
-#   stack_build release|debug     runs scripts/setup (unless KEEL_SKIP_SETUP=1), builds, sets
-#                                 KEEL_BIN and LD_LIBRARY_PATH
+#   stack_build release|debug     runs scripts/setup (unless KEEL_SKIP_SETUP=1), builds (unless
+#                                 KEEL_BIN names binaries already built), sets KEEL_BIN and
+#                                 LD_LIBRARY_PATH
 #   stack_check_infra             NATS (when KEEL_NATS_URL is given) and PostgreSQL reachable
 #                                 (the user's own, scripts/local-postgres, started when
 #                                 scripts/setup made one and KEEL_DATABASE_URL is unset)
@@ -57,20 +58,30 @@ stack_build() {
   if [ "${KEEL_SKIP_SETUP:-0}" != 1 ]; then
     scripts/setup
   fi
-  local torch_lib
-  torch_lib=$(.venv/bin/python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  # PYTHON: one with torch (default: .venv's, else python3), whose libraries the binaries load.
+  local torch_lib python=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+  torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
   export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # NCCL for tensor parallelism on GPUs, from torch's CUDA wheel where it has one.
   if [ -d "$torch_lib/../../nvidia/nccl/lib" ]; then
     LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(cd "$torch_lib/../../nvidia/nccl/lib" && pwd)"
   fi
-  stack_say "build ($1)"
-  if [ "$1" = release ]; then
-    cargo build --release --bins
-    KEEL_BIN=$PWD/target/release
+  if [ -n "${KEEL_BIN:-}" ]; then
+    # Binaries built elsewhere (or earlier): used as they are.
+    local name
+    for name in keel keel-orchestrator keel-generator keel-reward keel-checkpoint keel-trainer; do
+      [ -x "$KEEL_BIN/$name" ] || { stack_say "KEEL_BIN=$KEEL_BIN has no $name"; return 1; }
+    done
+    KEEL_BIN=$(cd "$KEEL_BIN" && pwd)
   else
-    cargo build --bins
-    KEEL_BIN=$PWD/target/debug
+    stack_say "build ($1)"
+    if [ "$1" = release ]; then
+      cargo build --release --bins
+      KEEL_BIN=$PWD/target/release
+    else
+      cargo build --bins
+      KEEL_BIN=$PWD/target/debug
+    fi
   fi
   export KEEL_BIN
 }
