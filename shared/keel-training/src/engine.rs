@@ -460,7 +460,7 @@ impl Engine {
         let mut metrics = Metrics::default();
         // LoRA's dropout is on for these passes only.
         self.policy.set_adapter_training(true);
-        let plan = if mine.len() == 0 { Vec::new() } else { self.plan(&mine.lengths, micro_batch_size) };
+        let plan = if mine.is_empty() { Vec::new() } else { self.plan(&mine.lengths, micro_batch_size) };
         let passes: Result<()> = plan.into_iter().try_for_each(|rows| {
             let micro = mine.select(&rows)?;
             let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
