@@ -5,7 +5,8 @@
 //! ranks' gradients is the gradient of the whole global batch. Gradients are summed over the
 //! group in buckets of flattened tensors, metrics combined by kind (sums add, minima and
 //! maxima combine), and the optimiser's state is sharded (ZeRO stage 1, in [`crate::optim`]):
-//! each rank steps the parameters it owns and sends their new values to the others.
+//! each rank steps the parameters it owns and sends their new values to the others. Logprobs
+//! are split the same way: each rank scores its share of the rows ([`all_gather_rows`]).
 //!
 //! The backward pass is not overlapped with the reduction: tch exposes no gradient hooks, so
 //! the buckets are reduced after the last microbatch's backward pass.
@@ -59,6 +60,20 @@ pub fn all_reduce_gradients(grads: &[Tensor], comm: &dyn Collective) -> Result<(
         bytes += size;
     }
     flush(&mut bucket)
+}
+
+/// Every rank's [`shard`] of a `len`-row result, gathered in row order on every rank: `mine`
+/// holds this rank's rows (CPU); the exchange runs on `device` (NCCL reduces GPU tensors
+/// only) and the whole comes back on the CPU.
+pub fn all_gather_rows(mine: &Tensor, len: usize, comm: &dyn Collective, device: Device) -> Result<Tensor> {
+    let world = comm.world_size();
+    let most = len.div_ceil(world) as i64;
+    let padded = mine.f_constant_pad_nd([0, 0, 0, most - mine.size()[0]])?.f_to_device(device)?;
+    let gathered = comm.all_gather(&padded, 0)?.f_to_device(Device::Cpu)?;
+    let parts = (0..world)
+        .map(|rank| gathered.f_narrow(0, rank as i64 * most, shard(len, rank, world).len() as i64))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&parts, 0)?)
 }
 
 /// The ranks' bytes, in rank order (each rank passes its own; lengths may differ).

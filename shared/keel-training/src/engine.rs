@@ -11,7 +11,8 @@
 //! Under data parallelism ([`Engine::load_group`] with a data-parallel group) every rank gets
 //! the whole batch and trains on its share of each global batch's rows ([`crate::dp`]);
 //! gradients and metrics are summed over the group before the step, and the optimiser's
-//! state is sharded over it. Logprobs and evaluation run whole on every rank.
+//! state is sharded over it. Each replica scores its share of the rows for logprobs, and the
+//! shares are gathered; evaluation runs whole on every rank.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -293,7 +294,24 @@ impl Engine {
 
     /// Padded [B, S] logprobs (CPU, f32) without gradients, computed `micro_batch_size` rows
     /// at a time, or by the token budget of sequence packing or dynamic batching.
+    /// Under data parallelism each replica scores its share of the rows and the shares are
+    /// gathered, so every replica returns the whole.
     fn padded_logprobs(&mut self, scorer: Scorer, ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
+        let Some(data) = self.data.clone() else {
+            return self.local_logprobs(scorer, ids, lengths, temperature);
+        };
+        let rows = crate::dp::shard(lengths.len(), data.rank(), data.world_size());
+        let mine = if rows.is_empty() {
+            Tensor::f_zeros([0, ids.size()[1]], (Kind::Float, Device::Cpu))?
+        } else {
+            let index = Tensor::from_slice(&rows.clone().map(|r| r as i64).collect::<Vec<_>>());
+            self.local_logprobs(scorer, &ids.f_index_select(0, &index)?, &lengths[rows], temperature)?
+        };
+        crate::dp::all_gather_rows(&mine, lengths.len(), data.as_ref(), self.device)
+    }
+
+    /// [`Engine::padded_logprobs`] of this rank alone.
+    fn local_logprobs(&mut self, scorer: Scorer, ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
         let micro = self.config.micro_batch_size;
         let device = self.device;

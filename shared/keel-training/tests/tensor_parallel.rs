@@ -347,6 +347,26 @@ fn data_parallel_ranks_over_tcp_step_as_one_rank() {
     assert_same_run("DP=2 over TCP", &runs[0], &one, &out, &reference);
 }
 
+/// Each replica scores its share of the rows (one of them none when there are fewer rows
+/// than replicas); every replica returns the whole, as one rank computes it.
+#[test]
+fn data_parallel_replicas_split_the_logprobs_and_return_the_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let sequences: Vec<Vec<i64>> = rows().input_ids[..5].to_vec();
+    let one = grid_trainer(&model, training(), 1, 1).logprobs(Default::default(), sequences.clone(), 1.0).unwrap();
+    for (dp, tp, n) in [(2, 1, 5), (3, 1, 5), (3, 1, 2), (2, 2, 5)] {
+        let mut trainer = grid_trainer(&model, training(), dp, tp);
+        let got = trainer.logprobs(Default::default(), sequences[..n].to_vec(), 1.0).unwrap();
+        assert_eq!(got.len(), n, "DP={dp} TP={tp}: {n} rows");
+        for (row, (a, b)) in got.iter().zip(&one).enumerate() {
+            assert_eq!(a.len(), b.len(), "DP={dp} TP={tp}: row {row}'s length");
+            let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-5, "DP={dp} TP={tp}: row {row} differs by {diff:e}");
+        }
+    }
+}
+
 #[test]
 fn what_data_parallelism_cannot_do_is_refused() {
     let dir = tempfile::tempdir().unwrap();
