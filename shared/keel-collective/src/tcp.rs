@@ -238,11 +238,6 @@ pub fn local_ip_towards(remote: &str) -> Result<IpAddr> {
 }
 
 impl TcpCollective {
-    /// A group of one (no connections).
-    pub fn single(timeout: Duration) -> Self {
-        Self { rank: 0, world_size: 1, timeout, link: Mutex::new(Link::Hub(Vec::new())) }
-    }
-
     /// Rank 0's side: waits on `listener` for ranks `1..world_size` to say hello with the
     /// group's `token`, each once; gives up after `timeout`.
     pub fn accept(listener: &TcpListener, world_size: usize, token: &str, timeout: Duration) -> Result<Self> {

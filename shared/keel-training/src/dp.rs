@@ -44,7 +44,9 @@ pub fn all_reduce_gradients(grads: &[Tensor], comm: &dyn Collective) -> Result<(
         let mut at = 0;
         for grad in bucket.drain(..) {
             let n = grad.numel() as i64;
-            grad.f_view(-1).or_else(|_| grad.f_reshape([-1]))?.f_copy_(&joined.f_narrow(0, at, n)?)?;
+            // Into the gradient itself, whatever its layout (a reshaped copy would not write back).
+            let mut target = grad.shallow_clone();
+            target.f_copy_(&joined.f_narrow(0, at, n)?.f_view(grad.size().as_slice())?)?;
             at += n;
         }
         Ok(())
@@ -159,8 +161,15 @@ mod tests {
                     let big = Tensor::ones([(BUCKET_BYTES / 4 + 3)], (Kind::Float, Device::Cpu)) * rank;
                     let small = Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]) + rank;
                     let half = Tensor::full([4], rank, (Kind::BFloat16, Device::Cpu));
-                    all_reduce_gradients(&[big.shallow_clone(), small.shallow_clone(), half.shallow_clone()], &c)
-                        .unwrap();
+                    // A transposed (non-contiguous) one is summed in place too.
+                    let strided = (Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]) + rank).transpose(0, 1);
+                    let grads =
+                        [big.shallow_clone(), small.shallow_clone(), half.shallow_clone(), strided.shallow_clone()];
+                    all_reduce_gradients(&grads, &c).unwrap();
+                    assert_eq!(
+                        Vec::<f32>::try_from(strided.contiguous().view(-1)).unwrap(),
+                        [3.0, 12.0, 6.0, 15.0, 9.0, 18.0]
+                    );
                     let mut metrics = Metrics::default();
                     if c.rank() != 1 {
                         metrics.sum("loss", rank + 1.0);
