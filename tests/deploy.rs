@@ -474,6 +474,10 @@ fn container_env(docs: &[Value], workload_name: &str, container: &Value) -> BTre
             data("ConfigMap", &map).get(&key).cloned().unwrap_or_else(|| panic!("{workload_name}: {map} has no {key}"))
         } else if var["valueFrom"]["fieldRef"]["fieldPath"].as_str() == Some("metadata.name") {
             format!("{workload_name}-0")
+        } else if var["valueFrom"]["fieldRef"]["fieldPath"].as_str()
+            == Some("metadata.labels['apps.kubernetes.io/pod-index']")
+        {
+            "0".to_string()
         } else {
             panic!("{workload_name}: {name}: a value this test cannot resolve: {var:?}")
         };
@@ -517,7 +521,7 @@ fn claim_mounts(workload: &Value, container: &Value) -> Vec<(String, String)> {
 
 #[test]
 fn kubernetes_manifests_render_and_pass_the_schema_validator() {
-    for dir in ["base", "overlays/gpu"] {
+    for dir in ["base", "overlays/gpu", "overlays/trainer-group"] {
         let stream = kustomize(dir);
         if let Err(output) = kubernetes_validate(&stream) {
             panic!("deploy/kubernetes/{dir} fails validation against Kubernetes {KUBERNETES_VERSION}:\n{output}");
@@ -733,4 +737,26 @@ fn kubernetes_gpu_overlay_puts_the_trainer_and_generator_on_gpus() {
         let (_, container) = workload(&base, &format!("keel-{service}"));
         assert!(container["resources"]["limits"]["nvidia.com/gpu"].is_null(), "keel-{service} on the CPU");
     }
+}
+
+#[test]
+fn kubernetes_trainer_group_overlay_makes_the_trainer_pods_one_group_of_ranks() {
+    let gpu = documents(&kustomize("overlays/gpu"));
+    let group = documents(&kustomize("overlays/trainer-group"));
+    let (trainer, container) = workload(&group, "keel-trainer");
+    let replicas = scalar(&trainer["spec"]["replicas"]);
+    let env = container_env(&group, "keel-trainer", container);
+    assert_eq!(env["KEEL_TRAINER__GROUP__SIZE"], replicas, "one rank per pod");
+    assert!(replicas.parse::<usize>().unwrap() > 1, "a group of several ranks");
+    assert_eq!(env["KEEL_TRAINER__GROUP__NAME"], "keel-trainer");
+    assert_eq!(env["KEEL_TRAINER__GROUP__RANK"], "0", "the pod's ordinal: keel-trainer-0 leads");
+    assert_eq!(env["KEEL_TRAINER__DEVICE"], "cuda");
+    assert_eq!(scalar(&container["resources"]["limits"]["nvidia.com/gpu"]), "1", "a GPU per rank");
+    assert_eq!(scalar(&trainer["spec"]["podManagementPolicy"]), "Parallel", "the ranks start together");
+    // Everything else is the gpu overlay's.
+    let (_, plain) = workload(&gpu, "keel-trainer");
+    for var in plain["env"].as_sequence().unwrap() {
+        assert!(container["env"].as_sequence().unwrap().contains(var), "keeps {var:?}");
+    }
+    assert_eq!(group.len(), gpu.len(), "the same objects as the gpu overlay");
 }

@@ -10,73 +10,27 @@
 mod stack;
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
+use keel_testkit::NatsServer;
 use serde_json::json;
 use stack::{Servers, Stack, grpo_spec};
 
 const SERVICES: [&str; 5] = ["orchestrator", "trainer", "generator", "reward", "checkpoint"];
 
-/// A nats-server of the test's own, killed when dropped.
-struct NatsServer {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl NatsServer {
-    fn start(prefix: &str, passwords: &BTreeMap<&str, String>) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let template = std::fs::read_to_string(keel_testkit::workspace_root().join("docker/nats.conf")).unwrap();
-        let config = dir.path().join("nats.conf");
-        std::fs::write(&config, template.replace("keel.v1.", &format!("{prefix}."))).unwrap();
-        let server = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists())
-            .expect("nats-server is installed (scripts/setup)");
-        let log = dir.path().join("nats-server.log");
-        // A free port can be taken by another test before the server binds it: try again.
-        for _ in 0..3 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let mut command = Command::new(server);
-            command
-                .args(["-c", config.to_str().unwrap(), "-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-                .arg(dir.path().join("store"))
-                .args(["-l", log.to_str().unwrap()])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null());
-            for (service, password) in passwords {
-                command.env(format!("KEEL_NATS_{}_PASSWORD", service.to_uppercase()), password);
-            }
-            let mut child = command.spawn().unwrap();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    return Self { child, port, _dir: dir };
-                }
-                if child.try_wait().unwrap().is_some() || Instant::now() > deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-        panic!("nats-server did not start; its log:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
-    }
-
-    fn url(&self, user: &str, password: &str) -> String {
-        format!("nats://{user}:{password}@127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A nats-server of the test's own with Keel's authorization: `docker/nats.conf` with its
+/// subjects moved to `prefix`, and each service's password.
+fn start_nats(prefix: &str, passwords: &BTreeMap<&str, String>) -> (NatsServer, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let template = std::fs::read_to_string(keel_testkit::workspace_root().join("docker/nats.conf")).unwrap();
+    let config = dir.path().join("nats.conf");
+    std::fs::write(&config, template.replace("keel.v1.", &format!("{prefix}."))).unwrap();
+    let env: Vec<(String, String)> = passwords
+        .iter()
+        .map(|(service, password)| (format!("KEEL_NATS_{}_PASSWORD", service.to_uppercase()), password.clone()))
+        .collect();
+    (NatsServer::start("127.0.0.1", Some(&config), &env), dir)
 }
 
 /// Whether a message published by `sender` on `subject` reaches `listener` (subscribed
@@ -102,16 +56,16 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     let passwords: BTreeMap<&str, String> =
         // Passwords start with a letter: nats-server reads one that starts with a digit as a number.
         SERVICES.iter().map(|s| (*s, format!("k{}", uuid::Uuid::new_v4().simple()))).collect();
-    let nats = NatsServer::start(&prefix, &passwords);
+    let (nats, _config) = start_nats(&prefix, &passwords);
     let connect = |user: &str| {
-        let url = nats.url(user, &passwords[user]);
+        let url = nats.url_as(user, &passwords[user]);
         async move { keel_service::nats::connect(&url).await }
     };
 
     // No password, or a wrong one: no connection, and the error shows no password.
     let anonymous = keel_service::nats::connect(&format!("nats://127.0.0.1:{}", nats.port)).await;
     assert!(anonymous.is_err(), "an anonymous client connected");
-    let wrong = keel_service::nats::connect(&nats.url("trainer", "guess")).await.unwrap_err().to_string();
+    let wrong = keel_service::nats::connect(&nats.url_as("trainer", "guess")).await.unwrap_err().to_string();
     assert!(wrong.contains("trainer:***@") && !wrong.contains("guess"), "{wrong}");
 
     // Large bodies: the orchestrator puts a batch in the object store, the trainer reads it.
@@ -129,7 +83,7 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     // Each check has fresh connections: a refusal must not be what makes another one fail.
     let subjects = keel_protocol::Subjects::new(&prefix).unwrap();
     let check = |listener: &'static str, sender: &'static str, subject: String, expected: bool| {
-        let (listener, sender) = (nats.url(listener, &passwords[listener]), nats.url(sender, &passwords[sender]));
+        let (listener, sender) = (nats.url_as(listener, &passwords[listener]), nats.url_as(sender, &passwords[sender]));
         async move {
             let listener = keel_service::nats::connect(&listener).await.unwrap();
             let sender = keel_service::nats::connect(&sender).await.unwrap();
@@ -160,7 +114,7 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
 
     // And a run goes through with every service on its own user.
     let servers = Servers {
-        nats_urls: SERVICES.iter().map(|s| (*s, nats.url(s, &passwords[s]))).collect(),
+        nats_urls: SERVICES.iter().map(|s| (*s, nats.url_as(s, &passwords[s]))).collect(),
         ..Servers::default()
     };
     let stack = Stack::start_on_prefix(&prefix, &[], &servers);

@@ -6,12 +6,16 @@
 //! library; this crate is its process:
 //! - [`worker`]: NATS subjects, claims and leases, request handling (typed error replies),
 //!   weight exports to the generators.
+//! - [`group`]: a run's ranks as trainer processes of their own (one per GPU, on one machine
+//!   or several), led by the group's rank 0.
 //! - this file: configuration, the HTTP health and metrics routes, lifecycle.
 //!
 //! The service also serves `GET /healthz` on its HTTP address (default 127.0.0.1:8084).
 
+pub mod group;
 pub mod worker;
 
+use keel_collective::process::GroupConfig;
 use keel_protocol::FieldError;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -48,6 +52,10 @@ pub struct Config {
     /// When set, `/metrics` wants `Authorization: Bearer <api_token>` (`/healthz` stays
     /// open). Default: `KEEL_TRAINER_TOKEN` when set.
     pub api_token: Option<String>,
+    /// This process as one rank of a group of trainer processes (`{name, rank, size}`; see
+    /// [`group`]). Unset: the worker runs a run's ranks as threads of its own.
+    #[serde(default)]
+    pub group: Option<GroupConfig>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -57,6 +65,9 @@ impl keel_service::ServiceConfig for Config {
             && !is_subject_token(id)
         {
             return Err(FieldError::new("worker_id", format!("`{id}` must be letters, digits, `-` and `_`")));
+        }
+        if self.worker_id.as_deref() == Some("group") {
+            return Err(FieldError::new("worker_id", "`group` is reserved (the subjects of trainer groups)"));
         }
         let device_ok = self.device == "cpu"
             || self.device == "cuda"
@@ -76,6 +87,9 @@ impl keel_service::ServiceConfig for Config {
         if self.api_token.as_deref() == Some("") {
             return Err(FieldError::new("api_token", "must not be empty (leave it unset for no auth)"));
         }
+        if let Some((field, message)) = self.group.as_ref().and_then(GroupConfig::problem) {
+            return Err(FieldError::new(field, message));
+        }
         Ok(())
     }
 }
@@ -91,6 +105,7 @@ pub fn default_config() -> Config {
         max_lease_seconds: 3600.0,
         path_roots: keel_service::paths::default_roots(),
         api_token: std::env::var("KEEL_TRAINER_TOKEN").ok().filter(|t| !t.is_empty()),
+        group: None,
     }
 }
 
@@ -101,8 +116,17 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let subjects = Subjects::new(&config.subject_prefix)?;
     let worker_id = config.worker_id.clone().unwrap_or_else(|| format!("w{}", uuid::Uuid::new_v4().simple()));
     let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_TRAINER__PATH_ROOTS")?;
-    let (device, max_lease) = (config.device.clone(), config.max_lease_seconds);
-    let worker = worker::Worker::new(client, subjects, worker_id, device, max_lease, bulk, roots)
+    let meeting = match &config.group {
+        Some(group) => Some(
+            group::Meeting::new(client.clone(), subjects.prefix(), group.clone(), &config.nats_url)
+                .map_err(|e| keel_service::Error::start("find this rank's address", e))?,
+        ),
+        None => None,
+    };
+    if let Some(meeting) = meeting.clone().filter(|m| m.config.rank > 0) {
+        return follow(config, meeting, shutdown).await;
+    }
+    let worker = worker::Worker::new(client, subjects, worker_id, &config, bulk, roots, meeting)
         .map_err(|e| keel_service::Error::start("start the engine thread", e))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_stop = {
@@ -153,4 +177,39 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let served = served.map_err(|e| keel_service::Error::Part { part: "worker", reason: e.to_string() })?;
     http.await.map_err(|e| keel_service::Error::Part { part: "http", reason: e.to_string() })??;
     served
+}
+
+/// A follower rank of a trainer group: no requests of its own, only the leader's commands
+/// (see [`group`]), and HTTP health until `shutdown` completes.
+async fn follow(
+    config: Config,
+    meeting: group::Meeting,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> keel_service::Result<()> {
+    let engine = keel_training::actor::EngineThread::start()
+        .map_err(|e| keel_service::Error::start("start the engine thread", e))?;
+    tracing::info!(group = %meeting.config.name, rank = meeting.config.rank, "trainer group follower ready");
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let http_stop = async move {
+        let _ = stop_rx.wait_for(|stop| *stop).await;
+    };
+    let metrics = keel_service::require_bearer(
+        axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(|| async {
+                let mut out = String::new();
+                keel_service::metrics::render_shared(&mut out);
+                keel_service::metrics::response(out)
+            }),
+        ),
+        config.api_token.clone(),
+    );
+    let app = metrics.merge(keel_service::health_routes(SERVICE));
+    let http = tokio::spawn(keel_service::run_http(SERVICE, config.listen, app, http_stop));
+    let following = tokio::spawn(group::follow(meeting, engine, config.device.clone()));
+    shutdown.await;
+    following.abort();
+    let _ = stop_tx.send(true);
+    http.await.map_err(|e| keel_service::Error::Part { part: "http", reason: e.to_string() })??;
+    Ok(())
 }

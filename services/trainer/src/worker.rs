@@ -36,6 +36,8 @@ use keel_training::Trainer;
 use keel_training::actor::EngineThread;
 use keel_training::{Error, Result};
 
+use crate::group::{self, Command, Leader, Meeting};
+
 /// How often an expired lease is looked for.
 const LEASE_CHECK: Duration = Duration::from_millis(200);
 
@@ -69,6 +71,9 @@ struct Shared {
     /// The newest exports in GPU memory (CUDA IPC), newest last, kept while generators may
     /// still copy them and freed when the run lets the worker go.
     device_exports: Mutex<std::collections::VecDeque<tch::Tensor>>,
+    /// When this worker leads a group of trainer processes: the group, and where its ranks
+    /// meet.
+    group: Option<(Arc<Leader>, Meeting)>,
 }
 
 /// A request-level failure: a typed error reply.
@@ -116,12 +121,53 @@ impl Shared {
         self.lock().is_some()
     }
 
+    /// Whether the worker can take a run: it is no group's leader, or its group is whole.
+    fn is_ready(&self) -> bool {
+        self.group.as_ref().is_none_or(|(leader, _)| leader.is_whole())
+    }
+
+    /// `make()` encoded for the other ranks of this worker's group (`None`: no group, and
+    /// `make` is not called).
+    fn command(&self, make: impl FnOnce() -> Command) -> Answer<Option<Vec<u8>>> {
+        match &self.group {
+            Some(_) => Ok(Some(make().encode()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Runs `work` on the engine thread; in a group, every other rank runs `command` (made
+    /// by [`Shared::command`]) alongside it and the leader answers for all of them.
+    async fn on_ranks<R: Send + 'static>(
+        &self,
+        command: Option<Vec<u8>>,
+        work: impl FnOnce(&mut Option<Trainer>) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        match (&self.group, command) {
+            (Some((leader, _)), Some(command)) => {
+                let _turn = leader.turn.lock().await;
+                let control = leader.control()?;
+                let lead = leader.clone();
+                self.engine.call(move |slot| lead.lead(&control, &command, || group::run_rank(slot, work))).await
+            }
+            _ => self.engine.call(work).await,
+        }
+    }
+
     fn claim(&self, request: ClaimRequest) -> Answer<ClaimReply> {
         let seconds = request.lease_seconds;
         if !(seconds.is_finite() && seconds > 0.0 && seconds <= self.max_lease) {
             return Err(refuse(
                 error_types::INVALID_REQUEST,
                 format!("lease_seconds must be in (0, {}], got {seconds}", self.max_lease),
+            ));
+        }
+        if let Some((leader, _)) = self.group.as_ref().filter(|(leader, _)| !leader.is_whole()) {
+            return Err(refuse(
+                error_types::BUSY,
+                format!(
+                    "worker {} leads trainer group `{}`, which is waiting for its {} ranks",
+                    self.worker_id, leader.config.name, leader.config.size
+                ),
             ));
         }
         let lease = Duration::from_secs_f64(seconds);
@@ -229,15 +275,19 @@ impl Shared {
         }
     }
 
+    /// Drops the run's models (on every rank of a group that is whole).
     async fn drop_models(&self) {
-        if let Err(e) = self
-            .engine
-            .call(|engine| {
-                *engine = None;
-                Ok(())
-            })
-            .await
-        {
+        let drop_here = |engine: &mut Option<Trainer>| {
+            *engine = None;
+            Ok(())
+        };
+        let whole = self.group.as_ref().is_some_and(|(leader, _)| leader.is_whole());
+        let command = if whole { self.command(|| Command::Drop).ok().flatten() } else { None };
+        let dropped = match command {
+            Some(command) => self.on_ranks(Some(command), drop_here).await,
+            None => self.engine.call(drop_here).await,
+        };
+        if let Err(e) = dropped {
             warn!("could not drop the models: {e}");
         }
     }
@@ -358,20 +408,31 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
     let device = shared.device.clone();
     let run_id = request.run_id.clone();
     let span = info_span!("load", run_id = %request.run_id, policy = %request.policy.path);
-    let loaded = shared
-        .engine
-        .call(move |slot| {
-            *slot = None;
-            let engine = Trainer::load(&request, &device)?;
-            let summary = (engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head());
-            let tensor_parallel_size = engine.tensor_parallel_size();
-            let data_parallel_size = engine.data_parallel_size();
-            info!(parameters = summary.0, step = summary.1, tensor_parallel_size, data_parallel_size, "models loaded");
-            *slot = Some(engine);
-            Ok((summary, tensor_parallel_size))
-        })
-        .instrument(span)
-        .await;
+    let summary = |engine: &Trainer| {
+        let summary = (engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head());
+        let tensor_parallel_size = engine.tensor_parallel_size();
+        let data_parallel_size = engine.data_parallel_size();
+        info!(parameters = summary.0, step = summary.1, tensor_parallel_size, data_parallel_size, "models loaded");
+        (summary, tensor_parallel_size)
+    };
+    let loaded = match &shared.group {
+        Some((leader, meeting)) => {
+            group::lead_load(leader, meeting, &shared.engine, request, &device, summary).instrument(span).await
+        }
+        None => {
+            shared
+                .engine
+                .call(move |slot| {
+                    *slot = None;
+                    let engine = Trainer::load(&request, &device)?;
+                    let read = summary(&engine);
+                    *slot = Some(engine);
+                    Ok(read)
+                })
+                .instrument(span)
+                .await
+        }
+    };
     // A failed load leaves no models (the old ones were dropped first).
     shared.set_loaded(&run_id, loaded.is_ok());
     let ((parameters, step, has_reference, has_value_head), tensor_parallel_size) = loaded?;
@@ -391,9 +452,10 @@ async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<Logpr
     let started = Instant::now();
     let sequences = fetch(&shared, request.batch).await?;
     let (scorer, temperature) = (request.model, request.temperature);
+    let command =
+        shared.command(|| Command::Logprobs { scorer, sequences: sequences.input_ids.clone(), temperature })?;
     let rows = shared
-        .engine
-        .call(move |slot| loaded(slot)?.logprobs(scorer, sequences.input_ids, temperature))
+        .on_ranks(command, move |slot| loaded(slot)?.logprobs(scorer, sequences.input_ids, temperature))
         .instrument(info_span!("logprobs", run_id = %request.run_id))
         .await?;
     let logprobs = shared.bulk.wrap(Logprobs { logprobs: rows }).await.map_err(|e| refuse(error_types::PAYLOAD, e))?;
@@ -413,9 +475,9 @@ fn positive_temperature(temperature: f64) -> Answer<f64> {
 async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply> {
     let batch = fetch(&shared, request.batch).await?;
     let temperature = positive_temperature(request.temperature)?;
+    let command = shared.command(|| Command::Train { batch: batch.clone(), temperature })?;
     let trained = shared
-        .engine
-        .call(move |slot| loaded(slot)?.train(batch, temperature))
+        .on_ranks(command, move |slot| loaded(slot)?.train(batch, temperature))
         .instrument(info_span!("train", run_id = %request.run_id))
         .await?;
     Ok(TrainReply { steps: trained.steps, tokens: trained.tokens, timing: trained.timing, memory: memory() })
@@ -424,9 +486,9 @@ async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply>
 async fn evaluate(shared: Arc<Shared>, request: EvaluateRequest) -> Answer<EvaluateReply> {
     let batch = fetch(&shared, request.batch).await?;
     let temperature = positive_temperature(request.temperature)?;
+    let command = shared.command(|| Command::Evaluate { batch: batch.clone(), temperature })?;
     let evaluated = shared
-        .engine
-        .call(move |slot| loaded(slot)?.evaluate(batch, temperature))
+        .on_ranks(command, move |slot| loaded(slot)?.evaluate(batch, temperature))
         .instrument(info_span!("evaluate", run_id = %request.run_id))
         .await?;
     Ok(EvaluateReply {
@@ -440,9 +502,9 @@ async fn evaluate(shared: Arc<Shared>, request: EvaluateRequest) -> Answer<Evalu
 async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<ScoreReply> {
     let started = Instant::now();
     let sequences = fetch(&shared, request.batch).await?;
+    let command = shared.command(|| Command::Scores { sequences: sequences.input_ids.clone() })?;
     let scores = shared
-        .engine
-        .call(move |slot| loaded(slot)?.scores(&sequences.input_ids))
+        .on_ranks(command, move |slot| loaded(slot)?.scores(&sequences.input_ids))
         .instrument(info_span!("score", run_id = %request.run_id))
         .await?;
     let timing = Timing::from([("score".to_string(), started.elapsed().as_secs_f64())]);
@@ -453,9 +515,9 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
     shared.roots.check("path", &request.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
     let started = Instant::now();
     let path = request.path.clone();
+    let command = shared.command(|| Command::Save { path: request.path.clone(), info: request.info.clone() })?;
     let (step, files) = shared
-        .engine
-        .call(move |slot| loaded(slot)?.save(std::path::PathBuf::from(&request.path), request.info))
+        .on_ranks(command, move |slot| loaded(slot)?.save(std::path::PathBuf::from(&request.path), request.info))
         .instrument(info_span!("save", path = %path))
         .await?;
     let timing = Timing::from([("save".to_string(), started.elapsed().as_secs_f64())]);
@@ -466,9 +528,9 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
 async fn offload(shared: Arc<Shared>, request: OffloadRequest) -> Answer<MemoryMoved> {
     let started = Instant::now();
     let weights = request.weights;
+    let command = shared.command(|| Command::Offload { weights })?;
     let bytes = shared
-        .engine
-        .call(move |slot| loaded(slot)?.offload(weights))
+        .on_ranks(command, move |slot| loaded(slot)?.offload(weights))
         .instrument(info_span!("offload", weights))
         .await?;
     Ok(MemoryMoved { bytes, seconds: started.elapsed().as_secs_f64() })
@@ -477,7 +539,8 @@ async fn offload(shared: Arc<Shared>, request: OffloadRequest) -> Answer<MemoryM
 /// What `offload` moved, back on the training device.
 async fn onload(shared: Arc<Shared>, _request: OnloadRequest) -> Answer<MemoryMoved> {
     let started = Instant::now();
-    let bytes = shared.engine.call(|slot| loaded(slot)?.onload()).instrument(info_span!("onload")).await?;
+    let command = shared.command(|| Command::Onload)?;
+    let bytes = shared.on_ranks(command, |slot| loaded(slot)?.onload()).instrument(info_span!("onload")).await?;
     Ok(MemoryMoved { bytes, seconds: started.elapsed().as_secs_f64() })
 }
 
@@ -521,9 +584,9 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         (None, true) => PackTarget::Device,
         (None, false) => PackTarget::Memory,
     };
+    let command = shared.command(|| Command::Export { dtype: request.dtype.clone(), bucket_bytes })?;
     let (step, kind, packed, lora, handles) = shared
-        .engine
-        .call(move |slot| {
+        .on_ranks(command, move |slot| {
             let trainer = loaded(slot)?;
             let lora = trainer
                 .lora_base()
@@ -705,16 +768,18 @@ impl Worker {
         client: Client,
         subjects: Subjects,
         worker_id: String,
-        device: String,
-        max_lease: f64,
+        config: &crate::Config,
         bulk: Bulk,
         roots: PathRoots,
+        group: Option<Meeting>,
     ) -> std::io::Result<Self> {
+        let (device, max_lease) = (config.device.clone(), config.max_lease_seconds);
         let engine = EngineThread::start()?;
         let claim = Mutex::new(None);
         let (exports, device_exports) = (Mutex::default(), Mutex::default());
+        let group = group.map(|meeting| (Arc::new(Leader::new(meeting.config.clone())), meeting));
         let shared =
-            Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots, exports, device_exports };
+            Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots, exports, device_exports, group };
         Ok(Self { shared: Arc::new(shared), subjects })
     }
 
@@ -772,7 +837,15 @@ impl Worker {
             |subject: String| move |e: async_nats::SubscribeError| Error::Subscribe { subject, reason: e.to_string() };
         let own_subjects = self.subjects.trainer_all(self.id());
         let mut own = client.subscribe(own_subjects.clone()).await.map_err(subscribe_failed(own_subjects))?;
-        let mut group = Some(self.join_group().await.map_err(subscribe_failed(self.subjects.trainer_claim()))?);
+        // A group's leader takes claims once its group is whole (its keeper forms it).
+        let keeper = self.shared.group.as_ref().map(|(leader, meeting)| {
+            tokio::spawn(group::keep(leader.clone(), meeting.clone(), self.shared.engine.clone()))
+        });
+        let mut group = if self.shared.is_ready() {
+            Some(self.join_group().await.map_err(subscribe_failed(self.subjects.trainer_claim()))?)
+        } else {
+            None
+        };
         client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
         info!(worker_id = %self.id(), claim = %self.subjects.trainer_claim(), "trainer worker ready");
         let mut tick = tokio::time::interval(LEASE_CHECK);
@@ -801,8 +874,9 @@ impl Worker {
                 }
                 _ = tick.tick() => self.shared.expire().await,
             }
-            // Free workers are in the claim group; held ones are not.
-            match (self.shared.is_claimed(), group.is_some()) {
+            // Free workers are in the claim group; held ones, and leaders of a group that is
+            // not whole, are not.
+            match (self.shared.is_claimed() || !self.shared.is_ready(), group.is_some()) {
                 (true, true) => {
                     if let Some(mut sub) = group.take() {
                         let _ = sub.unsubscribe().await;
@@ -814,6 +888,9 @@ impl Worker {
                 },
                 _ => {}
             }
+        }
+        if let Some(keeper) = keeper {
+            keeper.abort();
         }
         info!("trainer worker stopping");
         Ok(())

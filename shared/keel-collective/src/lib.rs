@@ -13,6 +13,7 @@
 //!   id that [`bootstrap`] carries over NATS).
 //!
 //! [`RankGroup`] runs one thread per rank, each owning its state, and drives them in lockstep.
+//! [`process`] drives ranks that are processes of their own, from the group's leader.
 //!
 //! On the CPU backend, a rank that stops calling (it failed, or its thread ended) makes the
 //! others' next operation fail with [`Error::Timeout`] or [`Error::Aborted`] instead of
@@ -24,6 +25,7 @@ pub mod bootstrap;
 pub mod cpu;
 pub mod group;
 pub mod nccl;
+pub mod process;
 pub mod tcp;
 
 pub use group::{RankGroup, is_consequence, rank_zero};
@@ -234,6 +236,31 @@ pub fn new_group_on(devices: &[tch::Device]) -> Result<Vec<SharedComm>> {
                 .collect::<Result<Vec<usize>>>()?;
             Ok(nccl::NcclGroup::new(&indices)?.into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect())
         }
+        other => Err(Error::Invalid(format!("no collective backend for device {other:?}"))),
+    }
+}
+
+/// This process's communicator in a group whose ranks are separate processes (on one
+/// machine or several) that find each other over NATS on `subject` (unique to the group):
+/// NCCL on GPU `ordinal` for `cuda:ordinal` (rank 0 makes the group's id and shares it on
+/// `subject`), TCP through rank 0 on the CPU (rank 0 listens on `ip`, an address the others
+/// reach). Every rank calls it; it returns once all have joined, or fails after `timeout`.
+pub async fn join_process_group(
+    client: &async_nats::Client,
+    subject: &str,
+    rank: usize,
+    world_size: usize,
+    device: tch::Device,
+    ip: std::net::IpAddr,
+    timeout: std::time::Duration,
+) -> Result<SharedComm> {
+    match device {
+        tch::Device::Cpu => {
+            Ok(Arc::new(tcp::TcpCollective::join(client, subject, rank, world_size, ip, timeout).await?))
+        }
+        tch::Device::Cuda(ordinal) => Ok(Arc::new(
+            nccl::NcclCollective::join_over_nats(client, subject, rank, world_size, ordinal, timeout).await?,
+        )),
         other => Err(Error::Invalid(format!("no collective backend for device {other:?}"))),
     }
 }

@@ -39,6 +39,8 @@ enum Op {
     Barrier,
     /// [`TcpCollective::broadcast_bytes`] from a root.
     Bytes(usize),
+    /// [`TcpCollective::all_gather_bytes`].
+    GatherBytes,
 }
 
 impl Op {
@@ -50,6 +52,7 @@ impl Op {
             Op::Broadcast(_) => "broadcast",
             Op::Barrier => "barrier",
             Op::Bytes(_) => "broadcast_bytes",
+            Op::GatherBytes => "all_gather_bytes",
         }
     }
 
@@ -65,6 +68,7 @@ impl Op {
             Op::Broadcast(root) => (4, 0, root as i64),
             Op::Barrier => (5, 0, 0),
             Op::Bytes(root) => (6, 0, root as i64),
+            Op::GatherBytes => (7, 0, 0),
         };
         let mut out = [0u8; 10];
         out[0] = code;
@@ -87,6 +91,7 @@ impl Op {
             4 => Op::Broadcast(usize::try_from(arg).ok()?),
             5 => Op::Barrier,
             6 => Op::Bytes(usize::try_from(arg).ok()?),
+            7 => Op::GatherBytes,
             _ => return None,
         })
     }
@@ -354,6 +359,14 @@ impl TcpCollective {
         Ok(self.run(Op::Bytes(root), mine)?.data)
     }
 
+    /// Every rank's bytes, in rank order, on every rank: how the ranks of a group tell their
+    /// leader how an operation went.
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let gathered = self.run(Op::GatherBytes, Payload::bytes(bytes.to_vec()))?.data;
+        split_gathered(&gathered, self.world_size)
+            .ok_or_else(|| Error::Invalid(format!("rank {}: all_gather_bytes: a malformed answer", self.rank)))
+    }
+
     fn check_root(&self, root: usize, operation: &str) -> Result<()> {
         if root >= self.world_size {
             return Err(Error::Invalid(format!("{operation} from rank {root} in a group of {}", self.world_size)));
@@ -440,6 +453,27 @@ impl TcpCollective {
         let own = own.unwrap_or_else(|| Err("no result for rank 0".into()));
         Ok(own.map_err(|message| Error::Mismatch { rank: 0, message }))
     }
+}
+
+/// The ranks' byte strings, each after its length (u64, little-endian).
+fn join_gathered(parts: &[(Op, Payload)]) -> Payload {
+    let mut out = Vec::with_capacity(parts.iter().map(|(_, p)| 8 + p.data.len()).sum());
+    for (_, part) in parts {
+        out.extend_from_slice(&(part.data.len() as u64).to_le_bytes());
+        out.extend_from_slice(&part.data);
+    }
+    Payload::bytes(out)
+}
+
+/// [`join_gathered`] undone: `world_size` byte strings, or `None` when `bytes` is not that.
+fn split_gathered(mut bytes: &[u8], world_size: usize) -> Option<Vec<Vec<u8>>> {
+    let mut parts = Vec::with_capacity(world_size);
+    for _ in 0..world_size {
+        let length = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+        parts.push(bytes.get(8..8 + length)?.to_vec());
+        bytes = &bytes[8 + length..];
+    }
+    bytes.is_empty().then_some(parts)
 }
 
 fn text(payload: &Payload) -> String {
@@ -561,6 +595,7 @@ fn combine(parts: &[(Op, Payload)], world_size: usize) -> Vec<std::result::Resul
         match op {
             Op::Barrier => Ok(vec![Payload::bytes(Vec::new()); world_size]),
             Op::Bytes(root) => Ok(vec![parts[root].1.clone(); world_size]),
+            Op::GatherBytes => Ok(vec![join_gathered(parts); world_size]),
             Op::Broadcast(root) => {
                 same_shapes()?;
                 Ok(vec![parts[root].1.clone(); world_size])
@@ -638,7 +673,7 @@ impl Collective for TcpCollective {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tch::Device;
 
@@ -646,7 +681,7 @@ mod tests {
 
     /// A group of `world` ranks over loopback TCP, each on its own thread running `f`;
     /// their results in rank order.
-    fn on_ranks<T: Send + 'static>(
+    pub(crate) fn on_ranks<T: Send + 'static>(
         world: usize,
         f: impl Fn(TcpCollective) -> T + Send + Sync + Clone + 'static,
     ) -> Vec<T> {
@@ -716,6 +751,16 @@ mod tests {
             assert_eq!(first, b"from rank 1");
             assert_eq!(second, b"rank 0 says hello");
         }
+    }
+
+    #[test]
+    fn every_ranks_bytes_reach_every_rank_in_rank_order() {
+        let results = on_ranks(3, |c| c.all_gather_bytes(&vec![c.rank() as u8; c.rank() * 2]).unwrap());
+        for gathered in results {
+            assert_eq!(gathered, vec![vec![], vec![1, 1], vec![2, 2, 2, 2]]);
+        }
+        assert_eq!(split_gathered(&[1, 0, 0, 0, 0, 0, 0, 0], 1), None, "a length past the end");
+        assert_eq!(split_gathered(&[0; 9], 1), None, "bytes left over");
     }
 
     #[test]

@@ -8,13 +8,16 @@
 //!   [`keel_model_init`]: a tiny model made with the `keel` binary.
 //! - [`TestDatabase`]: a database of the test's own, dropped afterwards.
 //! - [`Proxy`]: a TCP proxy a test cuts to take NATS or Postgres away from the services.
+//! - [`NatsServer`]: a nats-server of a test's own.
 //! - [`undeclared_path_parameters`]: what an OpenAPI document's operations leave undeclared.
 
 mod database;
+mod nats;
 mod process;
 mod proxy;
 
 pub use database::{TestDatabase, postgres_addr, postgres_url};
+pub use nats::NatsServer;
 pub use process::{ServiceProcess, binary, keel_model_init};
 pub use proxy::Proxy;
 

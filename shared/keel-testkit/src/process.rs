@@ -43,7 +43,23 @@ pub struct ServiceProcess {
 impl ServiceProcess {
     /// Starts `keel-<service>` on a free port with extra environment variables.
     pub fn start(service: &str, env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(binary(&format!("keel-{service}")))
+        Self::start_in(&[], service, env)
+    }
+
+    /// [`ServiceProcess::start`] through `wrapper`, a command that runs the binary (its path
+    /// is appended) in the same process, e.g. `ip netns exec NAME` to run it in a network
+    /// namespace. Its URL is then the namespace's.
+    pub fn start_in(wrapper: &[&str], service: &str, env: &[(&str, &str)]) -> Self {
+        let binary = binary(&format!("keel-{service}"));
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(&binary);
+                command
+            }
+            None => Command::new(&binary),
+        };
+        let mut child = command
             .env(format!("KEEL_{}__LISTEN", service.to_uppercase()), "127.0.0.1:0")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())

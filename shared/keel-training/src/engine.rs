@@ -136,6 +136,17 @@ impl Engine {
         let index = data.as_ref().map_or(0, |d| d.rank()) * tp_world + tp_rank;
         let device =
             if comm.is_some() || data.is_some() { keel_collective::rank_device(device, index) } else { device };
+        Self::load_on(request, device, comm, data)
+    }
+
+    /// Loads one rank of a data-parallel × tensor-parallel grid on `device`, this rank's
+    /// own: what a rank in a process of its own (one GPU per process) loads with.
+    pub fn load_on(
+        request: &LoadRequest,
+        device: Device,
+        comm: Option<SharedComm>,
+        data: Option<SharedComm>,
+    ) -> Result<Self> {
         if comm.is_some() {
             if request.reference_offload {
                 return Err(Error::InvalidConfig(
@@ -260,6 +271,11 @@ impl Engine {
             seed: request.seed,
             data,
         })
+    }
+
+    /// The data-parallel replicas this engine is one of (1 without data parallelism).
+    pub fn data_parallel_size(&self) -> usize {
+        self.data.as_ref().map_or(1, |d| d.world_size())
     }
 
     pub fn step(&self) -> u64 {

@@ -3,7 +3,9 @@
 //! [`RankGroup`] (rank d·TP + t is tensor-parallel rank t of data-parallel replica d), each
 //! holding its slices of the models and optimiser, and every call runs on all of them at
 //! once (the ranks meet in their collectives). Rank 0's answer is returned; any rank's error
-//! fails the call.
+//! fails the call. A rank whose process is one of a group of processes (one per GPU, on one
+//! machine or several) is one engine too, [`Trainer::One`] over communicators that cross
+//! processes ([`Engine::load_on`]); its process keeps it in step with the others.
 
 use std::path::{Path, PathBuf};
 
@@ -67,10 +69,7 @@ fn grid(dp: usize, tp: usize, device: Device) -> Result<Vec<GridComms>> {
 
 /// Rank 0's value, or the error that started a failure (not a peer's timeout after it).
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
-    rank_zero(results, |e| match e {
-        Error::Collective(c) | Error::Model(keel_model::Error::Collective(c)) => keel_collective::is_consequence(c),
-        _ => false,
-    })
+    rank_zero(results, Error::is_consequence)
 }
 
 impl Trainer {
@@ -118,14 +117,14 @@ impl Trainer {
 
     pub fn tensor_parallel_size(&self) -> usize {
         match self {
-            Self::One(_) => 1,
+            Self::One(engine) => engine.policy().world_size(),
             Self::Ranks(ranks) => ranks.tensor_parallel_size,
         }
     }
 
     pub fn data_parallel_size(&self) -> usize {
         match self {
-            Self::One(_) => 1,
+            Self::One(engine) => engine.data_parallel_size(),
             Self::Ranks(ranks) => ranks.group.world_size() / ranks.tensor_parallel_size,
         }
     }
