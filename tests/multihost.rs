@@ -50,7 +50,7 @@ impl Hosts {
     }
 
     fn is_local(&self) -> bool {
-        self.namespaces.is_empty()
+        self.tag.is_empty()
     }
 
     fn create(count: usize) -> Result<Self, String> {
@@ -135,17 +135,15 @@ async fn a_dp2_tp2_grpo_run_across_four_hosts_survives_a_killed_rank() {
             Hosts::local()
         }
     };
-    for host in (0..RANKS).filter(|_| !hosts.is_local()) {
-        let reach = Command::new("ip")
-            .args(["netns", "exec", &hosts.namespaces[host], "ping", "-c", "1", "-W", "5", &hosts.gateway()])
-            .output();
-        if let Ok(output) = reach
-            && !output.status.success()
-        {
-            panic!("host {host} cannot reach the bridge: {}", String::from_utf8_lossy(&output.stdout));
-        }
-    }
     let nats = NatsServer::start(&hosts.gateway(), None, &[]);
+    // Every host reaches NATS on the bridge.
+    for host in (0..RANKS).filter(|_| !hosts.is_local()) {
+        let connect = format!("exec 3<>/dev/tcp/{}/{}", nats.host, nats.port);
+        let reach =
+            Command::new("ip").args(["netns", "exec", &hosts.namespaces[host], "bash", "-c", &connect]).output();
+        let reach = reach.unwrap();
+        assert!(reach.status.success(), "host {host} cannot reach NATS: {}", String::from_utf8_lossy(&reach.stderr));
+    }
     let servers = Servers { nats_url: Some(nats.url()), ..Servers::default() };
     let mut stack = Stack::start_on(&[("KEEL_ORCHESTRATOR__MAX_ATTEMPTS", "5")], &servers);
     // The stack's own trainer would take the run: this one trains on the group only.
