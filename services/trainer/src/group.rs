@@ -359,8 +359,8 @@ fn execute(command: Command, slot: &mut Option<Trainer>) -> Result<()> {
     }
 }
 
-/// Drops the models on the engine thread.
-async fn drop_models(engine: &EngineThread) {
+/// Drops the models on this rank's engine thread.
+pub async fn drop_models(engine: &EngineThread) {
     let dropped = engine
         .call(|slot| {
             *slot = None;

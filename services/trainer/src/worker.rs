@@ -277,18 +277,23 @@ impl Shared {
 
     /// Drops the run's models (on every rank of a group that is whole).
     async fn drop_models(&self) {
-        let drop_here = |engine: &mut Option<Trainer>| {
-            *engine = None;
-            Ok(())
-        };
         let whole = self.group.as_ref().is_some_and(|(leader, _)| leader.is_whole());
-        let command = if whole { self.command(|| Command::Drop).ok().flatten() } else { None };
-        let dropped = match command {
-            Some(command) => self.on_ranks(Some(command), drop_here).await,
-            None => self.engine.call(drop_here).await,
+        if !whole {
+            return group::drop_models(&self.engine).await;
+        }
+        let dropped = match Command::Drop.encode() {
+            Ok(command) => {
+                self.on_ranks(Some(command), |engine| {
+                    *engine = None;
+                    Ok(())
+                })
+                .await
+            }
+            Err(e) => Err(e),
         };
         if let Err(e) = dropped {
-            warn!("could not drop the models: {e}");
+            warn!("could not drop the models on every rank: {e}");
+            group::drop_models(&self.engine).await;
         }
     }
 
