@@ -521,7 +521,7 @@ fn claim_mounts(workload: &Value, container: &Value) -> Vec<(String, String)> {
 
 #[test]
 fn kubernetes_manifests_render_and_pass_the_schema_validator() {
-    for dir in ["base", "overlays/gpu", "overlays/trainer-group"] {
+    for dir in ["base", "overlays/gpu", "overlays/trainer-group", "overlays/generator-group"] {
         let stream = kustomize(dir);
         if let Err(output) = kubernetes_validate(&stream) {
             panic!("deploy/kubernetes/{dir} fails validation against Kubernetes {KUBERNETES_VERSION}:\n{output}");
@@ -758,5 +758,32 @@ fn kubernetes_trainer_group_overlay_makes_the_trainer_pods_one_group_of_ranks() 
     for var in plain["env"].as_sequence().unwrap() {
         assert!(container["env"].as_sequence().unwrap().contains(var), "keeps {var:?}");
     }
+    assert_eq!(group.len(), gpu.len(), "the same objects as the gpu overlay");
+}
+
+#[test]
+fn kubernetes_generator_group_overlay_makes_the_generator_pods_one_group_behind_its_leader() {
+    let gpu = documents(&kustomize("overlays/gpu"));
+    let group = documents(&kustomize("overlays/generator-group"));
+    let (generator, container) = workload(&group, "keel-generator");
+    assert_eq!(scalar(&generator["kind"]), "StatefulSet", "each pod's ordinal is its rank");
+    assert_eq!(scalar(&generator["spec"]["podManagementPolicy"]), "Parallel", "the ranks start together");
+    let replicas = scalar(&generator["spec"]["replicas"]);
+    assert!(replicas.parse::<usize>().unwrap() > 1, "a group of several ranks");
+    let env = container_env(&group, "keel-generator", container);
+    assert_eq!(env["KEEL_GENERATOR__GROUP__SIZE"], replicas, "one rank per pod");
+    assert_eq!(env["KEEL_GENERATOR__GROUP__NAME"], "keel-generator");
+    assert_eq!(env["KEEL_GENERATOR__GROUP__RANK"], "0", "the pod's ordinal: keel-generator-0 leads");
+    assert_eq!(env["KEEL_GENERATOR__DEVICE"], "cuda");
+    assert_eq!(scalar(&container["resources"]["limits"]["nvidia.com/gpu"]), "1", "a GPU per rank");
+    // Requests reach the leader only.
+    let service = find(&group, "Service", "keel-generator");
+    assert_eq!(scalar(&service["spec"]["selector"]["apps.kubernetes.io/pod-index"]), "0");
+    // Everything else is the gpu overlay's.
+    let (_, plain) = workload(&gpu, "keel-generator");
+    for var in plain["env"].as_sequence().unwrap() {
+        assert!(container["env"].as_sequence().unwrap().contains(var), "keeps {var:?}");
+    }
+    assert_eq!(plain["startupProbe"], container["startupProbe"], "the same probes");
     assert_eq!(group.len(), gpu.len(), "the same objects as the gpu overlay");
 }

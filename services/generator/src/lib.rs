@@ -8,6 +8,8 @@
 //!   the OpenAPI document (`ApiDoc`).
 //! - [`rollout`]: NATS rollout requests (queue group `generator`), weights-updated refits,
 //!   colocated sleep and wake.
+//! - [`group`]: the tensor-parallel ranks as generator processes of their own (one per GPU,
+//!   on one machine or several), led by the group's rank 0.
 //! - [`error`]: what start-up and the NATS side can fail with.
 //! - this file: configuration, loading the model into an engine (KV cache size, CUDA kernels
 //!   and graphs), lifecycle.
@@ -15,6 +17,7 @@
 //! Without a `model` configured the service starts and answers `/healthz` only.
 
 pub mod error;
+pub mod group;
 pub mod openai;
 pub mod rollout;
 pub mod wire;
@@ -30,6 +33,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use keel_collective::process::GroupConfig;
 use serde::{Deserialize, Serialize};
 
 pub const SERVICE: &str = "generator";
@@ -75,8 +79,14 @@ pub struct Config {
     /// `drain` (no sample mixes weight versions) or `pause` (swap at the next token).
     pub refit_mode: engine::RefitMode,
     /// Ranks the model is split over (tensor parallelism; 1: none). On the CPU the ranks
-    /// are threads; on CUDA rank r uses `cuda:N+r` from `device`, over NCCL.
+    /// are threads; on CUDA rank r uses `cuda:N+r` from `device`, over NCCL. In a `group`
+    /// the ranks are the group's processes: leave it at 1 or set it to `group.size`.
     pub tensor_parallel_size: usize,
+    /// This process as one tensor-parallel rank of a group of generator processes
+    /// (`{name, rank, size}`; see [`group`]): rank 0 serves, the others follow it and need
+    /// no `model`. Unset: the ranks are threads of this process.
+    #[serde(default)]
+    pub group: Option<GroupConfig>,
     /// When set, the OpenAI API wants `Authorization: Bearer <api_key>` (vLLM's `--api-key`);
     /// `/healthz` stays open. Default: `KEEL_GENERATOR_API_KEY` when set.
     pub api_key: Option<String>,
@@ -114,6 +124,27 @@ impl keel_service::ServiceConfig for Config {
                 format!("must be 1 to 64, got {}", self.tensor_parallel_size),
             ));
         }
+        if let Some(group) = &self.group {
+            if let Some((field, why)) = group.problem() {
+                return Err(FieldError::new(field, why));
+            }
+            if self.tensor_parallel_size != 1 && self.tensor_parallel_size != group.size {
+                return Err(FieldError::new(
+                    "tensor_parallel_size",
+                    format!(
+                        "a group's ranks are its tensor-parallel ranks: leave it at 1 or set it to group.size ({}), \
+                         got {}",
+                        group.size, self.tensor_parallel_size
+                    ),
+                ));
+            }
+            if self.nats_url.is_empty() {
+                return Err(FieldError::new("nats_url", "a group's ranks meet over NATS: it must be set"));
+            }
+            if group.rank == 0 && self.model.is_none() {
+                return Err(FieldError::new("model", "the leader of a group (group.rank 0) needs a model"));
+            }
+        }
         if self.max_model_len.is_some_and(|l| l < 2) {
             return Err(FieldError::new("max_model_len", "must be at least 2"));
         }
@@ -147,11 +178,21 @@ pub fn default_config() -> Config {
         tensor_parallel_size: 1,
         api_key: std::env::var("KEEL_GENERATOR_API_KEY").ok().filter(|k| !k.is_empty()),
         path_roots: keel_service::paths::default_roots(),
+        group: None,
     }
 }
 
-/// Loads the model and starts the engine; the handlers' state.
-pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppState> {
+impl Config {
+    /// The ranks the model is split over: the group's size in a group, else
+    /// `tensor_parallel_size`.
+    pub fn world_size(&self) -> usize {
+        self.group.as_ref().map_or(self.tensor_parallel_size, |g| g.size)
+    }
+}
+
+/// Loads the model and starts the engine; the handlers' state. `leading`: this process
+/// leads a group of generator processes, which load their shares with it.
+pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group::Leading>) -> Result<openai::AppState> {
     let device = keel_model::device::parse_device(&config.device)?;
     let kind = match &config.dtype {
         Some(name) => keel_model::device::parse_kind(name)?,
@@ -166,7 +207,7 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
         return Err(Error::ContextTooShort { max_model_len, context });
     }
     let vocab_size = model_config.vocab_size;
-    let world = config.tensor_parallel_size;
+    let world = config.world_size();
     let blocks = kv_cache_blocks(config, &model_config, device, kind)?;
     let dir = model_dir.to_path_buf();
     // Kernels on and off, and CUDA graph buckets captured, for /metrics.
@@ -176,6 +217,9 @@ pub fn load(config: &Config, model_dir: &std::path::Path) -> Result<openai::AppS
     let (max_num_seqs, max_len) = (config.max_num_seqs, max_model_len as usize);
     let loaded_counts = counts.clone();
     let backend = move || {
+        if let Some(leading) = leading {
+            return leading.backend(&dir, device, kind, blocks);
+        }
         if world > 1 {
             return backend::Backend::sharded(&dir, world, device, kind, blocks);
         }
@@ -241,7 +285,7 @@ fn kv_cache_blocks(
     device: tch::Device,
     kind: tch::Kind,
 ) -> Result<usize> {
-    let world = config.tensor_parallel_size as i64;
+    let world = config.world_size() as i64;
     let kv_heads = (cfg.num_key_value_heads / world).max(1);
     let bytes = match (config.kv_cache_memory_bytes, device) {
         (Some(bytes), _) => bytes,
@@ -309,33 +353,87 @@ pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
 /// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
 /// NATS rollout and refit subjects too.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    if let Some(group) = config.group.clone().filter(|g| g.rank > 0) {
+        return follow(config, group, shutdown).await;
+    }
     let Some(dir) = config.model.clone() else {
         let app = keel_service::health_routes(SERVICE);
         return Ok(keel_service::run_http(SERVICE, config.listen, app, shutdown)
             .await
             .map_err(keel_service::Error::Http)?);
     };
+    let mut parts = keel_service::parts::Parts::default();
+    let client = match config.nats_url.as_str() {
+        "" => None,
+        url => Some(keel_service::nats::connect(url).await?),
+    };
+    let leading = match (&config.group, &client) {
+        (Some(group), Some(client)) => {
+            let meeting =
+                group::Meeting::new(client.clone(), &config.subject_prefix, SERVICE, group.clone(), &config.nats_url)
+                    .map_err(keel_model::Error::from)?;
+            let control = meeting.form().await;
+            // When the group breaks, the service stops with why: its supervisor starts it
+            // again, and it loads once every rank is back.
+            let (lost, mut told) = tokio::sync::watch::channel(None);
+            let stopped = parts.stopped();
+            parts.spawn("group", async move {
+                let why = tokio::select! {
+                    biased;
+                    () = stopped => None,
+                    why = told.wait_for(Option::is_some) => why.ok().and_then(|why| why.clone()),
+                };
+                match why {
+                    Some(why) => Err(format!("{why}; this leader stops, to be started again once every rank is back")),
+                    None => Ok(()),
+                }
+            });
+            Some(group::Leading { meeting, control, handle: tokio::runtime::Handle::current(), lost })
+        }
+        _ => None,
+    };
     let loaded = {
         let config = config.clone();
-        tokio::task::spawn_blocking(move || load(&config, &dir)).await.map_err(|e| Error::Task("loading", e))??
+        tokio::task::spawn_blocking(move || load(&config, &dir, leading))
+            .await
+            .map_err(|e| Error::Task("loading", e))??
     };
     tracing::info!(
         model = %loaded.model_name,
         max_num_seqs = config.max_num_seqs,
         kv_blocks = loaded.engine.stats.blocks_total.load(Ordering::Relaxed),
+        tensor_parallel_size = config.world_size(),
         "model loaded"
     );
-    let mut parts = keel_service::parts::Parts::default();
-    if config.nats_url.is_empty() {
-        tracing::info!("no nats_url: serving HTTP only (no rollouts or refits over NATS)");
-    } else {
-        let client = keel_service::nats::connect(&config.nats_url).await?;
+    if let Some(client) = client {
         let subjects = keel_protocol::Subjects::new(&config.subject_prefix).map_err(keel_service::Error::from)?;
         let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_GENERATOR__PATH_ROOTS")?;
         parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), roots, parts.stopped()));
+    } else {
+        tracing::info!("no nats_url: serving HTTP only (no rollouts or refits over NATS)");
     }
     let app = app(loaded, config.api_key.clone());
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", http);
     Ok(parts.run_until(shutdown).await?)
+}
+
+/// A rank of a group other than the leader: `/healthz`, and the leader's commands on a
+/// thread of its own until the process stops.
+async fn follow(config: Config, group: GroupConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let device = keel_model::device::parse_device(&config.device)?;
+    let client = keel_service::nats::connect(&config.nats_url).await?;
+    let meeting = group::Meeting::new(client, &config.subject_prefix, SERVICE, group, &config.nats_url)
+        .map_err(keel_model::Error::from)?;
+    let handle = tokio::runtime::Handle::current();
+    let threads = tch::get_num_threads();
+    std::thread::Builder::new()
+        .name("keel-generator-rank".into())
+        .spawn(move || {
+            tch::set_num_threads(threads);
+            group::follow(meeting, handle, device)
+        })
+        .map_err(|e| Error::Model(keel_model::Error::Device(format!("cannot start the rank's thread: {e}"))))?;
+    let app = keel_service::health_routes(SERVICE);
+    Ok(keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(keel_service::Error::Http)?)
 }

@@ -43,7 +43,7 @@ fn serve_config() -> Config {
 async fn serve(model: &Path, tune: impl FnOnce(&mut Config)) -> Server {
     let mut config = serve_config();
     tune(&mut config);
-    let state = load(&config, model).unwrap();
+    let state = load(&config, model, None).unwrap();
     let app = keel_generator::app(state, config.api_key.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -149,7 +149,7 @@ async fn greedy_output_at_tensor_parallel_2_and_4_equals_tp_1() {
     for (tp, tokens) in &outputs[1..] {
         assert_eq!(tokens, &outputs[0].1, "greedy output at TP={tp} differs from TP=1");
     }
-    let error = match load(&Config { tensor_parallel_size: 3, ..serve_config() }, &model) {
+    let error = match load(&Config { tensor_parallel_size: 3, ..serve_config() }, &model, None) {
         Ok(_) => panic!("4 heads do not split over 3 ranks"),
         Err(e) => e.to_string(),
     };
@@ -164,7 +164,7 @@ fn a_cache_too_small_and_inconsistent_limits_are_start_up_errors() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let tight = Config { kv_cache_memory_bytes: Some(64 * 1024), ..serve_config() };
-    let error = match load(&tight, &model) {
+    let error = match load(&tight, &model, None) {
         Ok(_) => panic!("64 KiB cannot hold a 256-token sequence"),
         Err(e) => e.to_string(),
     };
@@ -173,6 +173,31 @@ fn a_cache_too_small_and_inconsistent_limits_are_start_up_errors() {
     assert!(error.starts_with("max_num_batched_tokens:"), "{error}");
     let error = Config { gpu_memory_utilization: 1.5, ..serve_config() }.validate().unwrap_err().to_string();
     assert!(error.starts_with("gpu_memory_utilization:"), "{error}");
+    // A group's settings that do not fit together name the one to change.
+    let group = keel_collective::process::GroupConfig {
+        name: "g".into(),
+        rank: 0,
+        size: 2,
+        timeout_seconds: 30.0,
+        address: None,
+    };
+    let grouped = |rank: usize, edit: fn(&mut Config)| {
+        let mut config = Config {
+            group: Some(keel_collective::process::GroupConfig { rank, ..group.clone() }),
+            model: Some("/models/m".into()),
+            ..serve_config()
+        };
+        edit(&mut config);
+        config.validate().map_err(|e| e.to_string())
+    };
+    assert!(grouped(0, |_| {}).is_ok());
+    assert!(grouped(1, |c| c.model = None).is_ok(), "a follower needs no model");
+    assert_eq!(grouped(0, |c| c.tensor_parallel_size = 2).map(|()| 2), Ok(2));
+    let error = grouped(0, |c| c.tensor_parallel_size = 4).unwrap_err();
+    assert!(error.starts_with("tensor_parallel_size:") && error.contains("group.size (2)"), "{error}");
+    assert!(grouped(0, |c| c.model = None).unwrap_err().starts_with("model:"));
+    assert!(grouped(0, |c| c.nats_url.clear()).unwrap_err().starts_with("nats_url:"));
+    assert!(grouped(2, |_| {}).unwrap_err().starts_with("group.rank:"));
 }
 
 /// Mean of exp(|generator logprob − scorer logprob|) over a sample's tokens.

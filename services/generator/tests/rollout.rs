@@ -47,7 +47,7 @@ impl Serving {
         let mut config = default_config();
         config.max_num_seqs = 4;
         config.max_model_len = Some(max_model_len);
-        let state = load(&config, dir).unwrap();
+        let state = load(&config, dir, None).unwrap();
         let stats = state.engine.stats.clone();
         let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
         let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();

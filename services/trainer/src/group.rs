@@ -20,10 +20,10 @@
 //!   its latest checkpoint once the leader takes claims again. Followers whose leader is
 //!   gone drop their models and wait for the group likewise.
 
-use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub use keel_collective::process::Meeting;
 use keel_collective::process::{self, GroupConfig};
 use keel_collective::tcp::TcpCollective;
 use keel_protocol::trainer::{LoadRequest, Scorer, TrainBatch};
@@ -35,11 +35,6 @@ use tracing::warn;
 
 /// How often an idle leader checks that every rank is still there.
 pub const PING: Duration = Duration::from_secs(5);
-
-/// The subject of `part` of group `config` under `prefix`.
-fn subject(prefix: &str, config: &GroupConfig, part: &str) -> String {
-    format!("{prefix}.trainer.group.{}.{part}", config.name)
-}
 
 /// What the leader has every rank do, in the order it sends them.
 #[derive(Debug, Serialize, Deserialize)]
@@ -174,59 +169,39 @@ impl Leader {
 /// A rank's tensor-parallel and data-parallel communicators (`None`: a size of 1).
 type Comms = Result<(Option<keel_collective::SharedComm>, Option<keel_collective::SharedComm>)>;
 
-/// Where the ranks of a group are found: the NATS client, the subject prefix and the
-/// address this rank listens on.
-#[derive(Debug, Clone)]
-pub struct Meeting {
-    pub client: async_nats::Client,
-    pub prefix: String,
-    pub config: GroupConfig,
-    pub ip: IpAddr,
+/// This rank's device for `request` and its communicators for the load (session
+/// `session`); the device's error when it has none.
+async fn join_for(
+    meeting: &Meeting,
+    request: &LoadRequest,
+    session: &str,
+    own_device: &str,
+) -> (Result<tch::Device>, Comms) {
+    let run_device = request.device.clone().unwrap_or_else(|| own_device.to_string());
+    match rank_device(&run_device, own_device) {
+        Ok(device) => (Ok(device), join_run(meeting, request, session, device).await),
+        Err(e) => (Err(e), Ok((None, None))),
+    }
 }
 
-impl Meeting {
-    pub fn new(client: async_nats::Client, prefix: &str, config: GroupConfig, nats_url: &str) -> Result<Self> {
-        let ip = config.ip(nats_url).map_err(|e| Error::Group(e.to_string()))?;
-        Ok(Self { client, prefix: prefix.to_string(), config, ip })
+/// This rank's tensor- and data-parallel communicators for a load of `request` (session
+/// `session`), on `device`.
+async fn join_run(meeting: &Meeting, request: &LoadRequest, session: &str, device: tch::Device) -> Comms {
+    let (tp, dp) = (request.tensor_parallel_size, request.data_parallel_size);
+    if tp * dp != meeting.config.size {
+        return Err(Error::InvalidConfig(format!(
+            "this trainer is a group of {} processes: a run it takes has data_parallel_size × \
+             tensor_parallel_size equal to that, not {dp} × {tp}",
+            meeting.config.size
+        )));
     }
-
-    /// Forms the control channel, waiting as long as it takes for every rank.
-    pub async fn form(&self) -> Arc<TcpCollective> {
-        process::form(&self.client, &subject(&self.prefix, &self.config, "control"), &self.config, self.ip).await
-    }
-
-    /// This rank's device for `request` and its communicators for the load (session
-    /// `session`); the device's error when it has none.
-    async fn join_for(&self, request: &LoadRequest, session: &str, own_device: &str) -> (Result<tch::Device>, Comms) {
-        let run_device = request.device.clone().unwrap_or_else(|| own_device.to_string());
-        match rank_device(&run_device, own_device) {
-            Ok(device) => (Ok(device), self.join_run(request, session, device).await),
-            Err(e) => (Err(e), Ok((None, None))),
-        }
-    }
-
-    /// This rank's tensor- and data-parallel communicators for a load of `request` (session
-    /// `session`), on `device`.
-    async fn join_run(&self, request: &LoadRequest, session: &str, device: tch::Device) -> Comms {
-        let (tp, dp) = (request.tensor_parallel_size, request.data_parallel_size);
-        if tp * dp != self.config.size {
-            return Err(Error::InvalidConfig(format!(
-                "this trainer is a group of {} processes: a run it takes has data_parallel_size × \
-                 tensor_parallel_size equal to that, not {dp} × {tp}",
-                self.config.size
-            )));
-        }
-        let rank = self.config.rank;
-        let (replica, tp_rank) = (rank / tp, rank % tp);
-        let timeout = self.config.timeout();
-        let join = |part: String, rank: usize, size: usize| async move {
-            let subject = subject(&self.prefix, &self.config, &format!("{session}.{part}"));
-            keel_collective::join_process_group(&self.client, &subject, rank, size, device, self.ip, timeout).await
-        };
-        let tensor = if tp > 1 { Some(join(format!("tp{replica}"), tp_rank, tp).await?) } else { None };
-        let data = if dp > 1 { Some(join(format!("dp{tp_rank}"), replica, dp).await?) } else { None };
-        Ok((tensor, data))
-    }
+    let rank = meeting.config.rank;
+    let (replica, tp_rank) = (rank / tp, rank % tp);
+    let tensor =
+        if tp > 1 { Some(meeting.join(&format!("{session}.tp{replica}"), tp_rank, tp, device).await?) } else { None };
+    let data =
+        if dp > 1 { Some(meeting.join(&format!("{session}.dp{tp_rank}"), replica, dp, device).await?) } else { None };
+    Ok((tensor, data))
 }
 
 /// This rank's device for a run on `run_device`: the process's own GPU (`own`, its
@@ -278,7 +253,7 @@ pub async fn lead_load<S: Send + 'static>(
         leader.lose(&e.to_string());
         return Err(e);
     }
-    let (device, comms) = meeting.join_for(&request, &session, own_device).await;
+    let (device, comms) = join_for(meeting, &request, &session, own_device).await;
     let outcome = engine
         .call(move |slot| {
             let mine = device.and_then(|device| load_rank(&request, device, comms)).map(|trainer| {
@@ -404,7 +379,7 @@ async fn follow_commands(
             Ok(Command::Ping) => continue,
             Ok(Command::Load { request, session }) => {
                 drop_models(engine).await;
-                let (device, comms) = meeting.join_for(&request, &session, own_device).await;
+                let (device, comms) = join_for(meeting, &request, &session, own_device).await;
                 engine
                     .call(move |slot| {
                         let mine = device.and_then(|device| load_rank(&request, device, comms));

@@ -118,7 +118,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_TRAINER__PATH_ROOTS")?;
     let meeting = match &config.group {
         Some(group) => Some(
-            group::Meeting::new(client.clone(), subjects.prefix(), group.clone(), &config.nats_url)
+            group::Meeting::new(client.clone(), subjects.prefix(), SERVICE, group.clone(), &config.nats_url)
                 .map_err(|e| keel_service::Error::start("find this rank's address", e))?,
         ),
         None => None,

@@ -3,8 +3,8 @@
 //!
 //! - [`GroupConfig`]: the group's name and size and this process's rank, as a service's
 //!   configuration says them.
-//! - [`form`]: the group's control channel, a [`TcpCollective`] whose hub is the leader,
-//!   found over NATS.
+//! - [`Meeting`]: where the ranks find each other over NATS; [`form`]: the group's control
+//!   channel, a [`TcpCollective`] whose hub is the leader.
 //! - The lockstep protocol on it: the leader sends each command's bytes
 //!   ([`TcpCollective::broadcast_bytes`]), every rank runs it, and every rank reports how it
 //!   went ([`report`], an all-gather of [`status`]es); [`lead`] is the leader's whole turn and
@@ -113,6 +113,44 @@ pub async fn form(client: &async_nats::Client, subject: &str, config: &GroupConf
     }
 }
 
+/// Where the ranks of a group meet: the NATS client, the subject every subject of the group
+/// is under (`<prefix>.<service>.group.<name>`), this rank's configuration and the address
+/// it listens on.
+#[derive(Debug, Clone)]
+pub struct Meeting {
+    pub client: async_nats::Client,
+    pub subject: String,
+    pub config: GroupConfig,
+    pub ip: IpAddr,
+}
+
+impl Meeting {
+    /// The meeting of `service`'s group `config` under the subject prefix `prefix`, on the
+    /// NATS server of `nats_url`.
+    pub fn new(
+        client: async_nats::Client,
+        prefix: &str,
+        service: &str,
+        config: GroupConfig,
+        nats_url: &str,
+    ) -> Result<Self> {
+        let ip = config.ip(nats_url)?;
+        Ok(Self { client, subject: format!("{prefix}.{service}.group.{}", config.name), config, ip })
+    }
+
+    /// Forms the group's control channel, waiting as long as it takes for every rank.
+    pub async fn form(&self) -> Arc<TcpCollective> {
+        form(&self.client, &format!("{}.control", self.subject), &self.config, self.ip).await
+    }
+
+    /// Joins the communicator of `size` ranks on `device` found on the group's subject
+    /// `part` (a session of its own, so that two never meet), as its rank `rank`.
+    pub async fn join(&self, part: &str, rank: usize, size: usize, device: tch::Device) -> Result<crate::SharedComm> {
+        let subject = format!("{}.{part}", self.subject);
+        crate::join_process_group(&self.client, &subject, rank, size, device, self.ip, self.config.timeout()).await
+    }
+}
+
 /// An error a rank can report to its leader and the leader can stand for.
 pub trait RankError: Sized + From<Error> + std::fmt::Display {
     /// A stable name of the error's kind, carried to the leader.
@@ -152,6 +190,11 @@ fn reported<E: RankError>(rank: usize, bytes: &[u8]) -> std::result::Result<(), 
         }
         Some(code) => Err(E::reported(rank, &code, status.message)),
     }
+}
+
+/// Whether every rank's reported status (as [`report`] gathers them) says it succeeded.
+pub fn all_succeeded(statuses: &[Vec<u8>]) -> bool {
+    statuses.iter().all(|bytes| serde_json::from_slice::<Status>(bytes).is_ok_and(|status| status.code.is_none()))
 }
 
 /// The leader's answer to a command every rank ran: its own value `mine`, or the error that
@@ -246,6 +289,9 @@ mod tests {
         assert_eq!(e, Failed("rank 2: non_finite: non_finite".into(), false));
         let own = settle::<(), _>(Err(Failed("mine".into(), false)), &[ok.clone(), cause]).unwrap_err();
         assert_eq!(own.0, "mine", "the leader's own cause comes first");
+        assert!(all_succeeded(&[ok.clone(), ok.clone()]));
+        assert!(!all_succeeded(&[ok.clone(), consequence.clone()]));
+        assert!(!all_succeeded(&[ok.clone(), b"{".to_vec()]));
         let e = settle::<i32, Failed>(Ok(7), &[ok, consequence]).unwrap_err();
         assert!(e.1, "only consequences: one of them");
         let bad = settle::<i32, Failed>(Ok(1), &[vec![], b"{".to_vec()]).unwrap_err();

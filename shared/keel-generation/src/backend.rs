@@ -6,6 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use keel_collective::{RankGroup, SharedComm, rank_zero};
+
+use crate::group::Grouped;
 use keel_model::model::tp::{StagedWeights, TpCausalLm};
 use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Error, ModelConfig, PagedCache, Result, SeqChunk};
 use tch::{Device, Kind, Tensor};
@@ -26,6 +28,8 @@ pub enum Backend {
         lora_base: Option<LoraBase>,
     },
     Sharded(Sharded),
+    /// The leader of ranks that are processes of their own (see [`crate::group`]).
+    Group(Grouped),
 }
 
 /// The model directory LoRA adapters sit on, and copies of its weights that they target (by
@@ -66,14 +70,109 @@ fn shared(map: &std::collections::HashMap<String, Tensor>) -> std::collections::
     map.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect()
 }
 
-/// One rank: its slices of the model, its pool, and its refit state.
-type Rank = (TpCausalLm<SharedComm>, PagedCache, RankRefit);
+/// One tensor-parallel rank: its slices of the model, its pool of its KV heads, and its
+/// refit state. A thread of a [`Sharded`] backend or a process of a generator group.
+#[derive(Debug)]
+pub struct Rank {
+    model: TpCausalLm<SharedComm>,
+    cache: PagedCache,
+    refit: RankRefit,
+}
 
 /// A rank's weights staged for a refit, and its slices of the LoRA base weights.
 #[derive(Debug, Default)]
 struct RankRefit {
     staged: Option<StagedWeights>,
     lora_base: Option<LoraBase>,
+}
+
+impl Rank {
+    /// This rank's slices of `dir` (talking to the other ranks over `comm`) on `device`, and
+    /// a pool of `blocks` blocks of its KV heads.
+    pub fn load(dir: &Path, comm: SharedComm, device: Device, kind: Kind, blocks: usize) -> Result<Self> {
+        let model = TpCausalLm::load(dir, comm, device, kind)?;
+        let cache = model.paged_cache(blocks)?;
+        Ok(Self { model, cache, refit: RankRefit::default() })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.model.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.model.world_size()
+    }
+
+    pub fn device(&self) -> Device {
+        self.model.device()
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.model.kind()
+    }
+
+    /// The rank's tensor-parallel communicator.
+    pub fn comm(&self) -> &SharedComm {
+        self.model.comm()
+    }
+
+    /// The logits of the pass (every rank has the same).
+    pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Tensor> {
+        self.model.forward_paged(chunks, &mut self.cache)
+    }
+
+    pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
+        self.cache.copy_block(from, to)
+    }
+
+    /// Frees the pool (and, with `offload`, moves the weights to host memory); the bytes freed.
+    pub fn sleep(&mut self, offload: bool) -> Result<u64> {
+        let host = Device::Cpu;
+        let weights =
+            if offload { self.model.move_weights(host)? + move_base(&self.refit.lora_base, host)? } else { 0 };
+        let freed = weights + self.cache.release();
+        keel_model::device::return_cached_memory(self.model.device())?;
+        Ok(freed)
+    }
+
+    /// Weights back on the device and the pool allocated again; the bytes taken back.
+    pub fn wake(&mut self) -> Result<u64> {
+        let device = self.model.device();
+        Ok(self.model.move_weights(device)? + move_base(&self.refit.lora_base, device)? + self.cache.restore()?)
+    }
+
+    /// Reads and checks this rank's slices of `weights`, keeping them for [`Rank::commit`].
+    pub fn stage(&mut self, weights: Weights) -> Result<()> {
+        let model = &self.model;
+        let refit = &mut self.refit;
+        refit.staged = None;
+        refit.staged = Some(match weights {
+            Weights::Dir(dir) => model.stage_weights(&dir)?,
+            Weights::Tensors(map) => model.stage_weights_from(map)?,
+            Weights::Adapters { tensors, scale, base } => {
+                let kept = match refit.lora_base.take() {
+                    Some((dir, weights)) if dir == base => weights,
+                    _ => {
+                        // The whole base, on the CPU, once per run: each rank cuts its slices.
+                        let full = CausalLm::load(&base, Device::Cpu, model.kind())?;
+                        model.targeted_weights(&full.var_store().variables(), &tensors)?
+                    }
+                };
+                let staged = model.stage_adapters(&kept, &tensors, scale);
+                refit.lora_base = Some((base, kept));
+                staged?
+            }
+        });
+        Ok(())
+    }
+
+    /// Swaps in the staged weights when `commit` (every rank staged its own), else drops them.
+    pub fn commit(&mut self, commit: bool) -> Result<()> {
+        match self.refit.staged.take() {
+            Some(weights) if commit => self.model.commit_weights(weights),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The ranks of a tensor-parallel model, whose pools share the scheduler's block tables.
@@ -118,7 +217,9 @@ impl Backend {
                 *captured = Some((max_num_seqs, max_model_len));
                 Ok(buckets)
             }
-            Self::Sharded(_) => Err(Error::Device("CUDA graphs are not captured under tensor parallelism".into())),
+            Self::Sharded(_) | Self::Group(_) => {
+                Err(Error::Device("CUDA graphs are not captured under tensor parallelism".into()))
+            }
         }
     }
 
@@ -129,10 +230,7 @@ impl Backend {
             keel_collective::new_group(world, device).map_err(|e| Error::Device(format!("tensor parallelism: {e}")))?;
         let dir = dir.to_path_buf();
         let group = RankGroup::spawn("keel-generator", comms, move |rank, comm: SharedComm| {
-            let device = keel_collective::rank_device(device, rank);
-            let model = TpCausalLm::load(&dir, comm, device, kind)?;
-            let cache = model.paged_cache(blocks)?;
-            Ok::<_, Error>((model, cache, RankRefit::default()))
+            Rank::load(&dir, comm, keel_collective::rank_device(device, rank), kind, blocks)
         })?;
         Ok(Self::Sharded(Sharded { group, blocks }))
     }
@@ -141,6 +239,7 @@ impl Backend {
         match self {
             Self::Whole { .. } => 1,
             Self::Sharded(s) => s.group.world_size(),
+            Self::Group(g) => g.world_size(),
         }
     }
 
@@ -149,6 +248,7 @@ impl Backend {
         match self {
             Self::Whole { cache, .. } => cache.blocks(),
             Self::Sharded(s) => s.blocks,
+            Self::Group(g) => g.blocks(),
         }
     }
 
@@ -161,13 +261,14 @@ impl Backend {
             }
             Self::Whole { model, cache, .. } => model.forward_paged(chunks, cache),
             Self::Sharded(s) => {
-                let logits = first(s.group.run_all(chunks.to_vec(), |(model, cache, _), chunks| {
-                    let logits = model.forward_paged(&chunks, cache)?;
+                let logits = first(s.group.run_all(chunks.to_vec(), |rank, chunks| {
+                    let logits = rank.forward(&chunks)?;
                     // Every rank has the same logits; only rank 0's travel back.
-                    Ok((model.rank() == 0).then_some(logits))
+                    Ok((rank.rank() == 0).then_some(logits))
                 }))?;
                 logits.ok_or_else(|| Error::InvalidInput("rank 0 returned no logits".into()))
             }
+            Self::Group(g) => g.forward(chunks),
         }
     }
 
@@ -175,9 +276,8 @@ impl Backend {
     pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
         match self {
             Self::Whole { cache, .. } => cache.copy_block(from, to),
-            Self::Sharded(s) => {
-                first(s.group.run_all((from, to), |(_, cache, _), (from, to)| cache.copy_block(from, to)))
-            }
+            Self::Sharded(s) => first(s.group.run_all((from, to), |rank, (from, to)| rank.copy_block(from, to))),
+            Self::Group(g) => g.copy_block(from, to),
         }
     }
 
@@ -196,16 +296,8 @@ impl Backend {
                 keel_model::device::return_cached_memory(model.device())?;
                 Ok(freed)
             }
-            Self::Sharded(s) => {
-                let freed = s.group.run_all(offload_weights, move |(model, cache, refit), offload| {
-                    let weights =
-                        if offload { model.move_weights(host)? + move_base(&refit.lora_base, host)? } else { 0 };
-                    let freed = weights + cache.release();
-                    keel_model::device::return_cached_memory(model.device())?;
-                    Ok(freed)
-                });
-                Ok(sum(freed)?)
-            }
+            Self::Sharded(s) => Ok(sum(s.group.run_all(offload_weights, |rank, offload| rank.sleep(offload)))?),
+            Self::Group(g) => g.sleep(offload_weights),
         }
     }
 
@@ -222,13 +314,8 @@ impl Backend {
                 }
                 Ok(bytes)
             }
-            Self::Sharded(s) => {
-                let taken = s.group.run_all((), |(model, cache, refit), ()| {
-                    let device = model.device();
-                    Ok(model.move_weights(device)? + move_base(&refit.lora_base, device)? + cache.restore()?)
-                });
-                Ok(sum(taken)?)
-            }
+            Self::Sharded(s) => Ok(sum(s.group.run_all((), |rank, ()| rank.wake()))?),
+            Self::Group(g) => g.wake(),
         }
     }
 
@@ -261,43 +348,30 @@ impl Backend {
             },
             Self::Sharded(s) => {
                 let inputs = (0..s.group.world_size()).map(|_| weights.share()).collect();
-                let staged = first(s.group.run(inputs, |(model, _, refit), weights| {
-                    refit.staged = Some(match weights {
-                        Weights::Dir(dir) => model.stage_weights(&dir)?,
-                        Weights::Tensors(map) => model.stage_weights_from(map)?,
-                        Weights::Adapters { tensors, scale, base } => {
-                            let kept = match refit.lora_base.take() {
-                                Some((dir, weights)) if dir == base => weights,
-                                _ => {
-                                    // The whole base, on the CPU, once per run: each rank cuts its slices.
-                                    let full = CausalLm::load(&base, Device::Cpu, model.kind())?;
-                                    model.targeted_weights(&full.var_store().variables(), &tensors)?
-                                }
-                            };
-                            let staged = model.stage_adapters(&kept, &tensors, scale);
-                            refit.lora_base = Some((base, kept));
-                            staged?
-                        }
-                    });
-                    Ok(())
-                }));
+                let staged = first(s.group.run(inputs, |rank, weights| rank.stage(weights)));
                 let commit = staged.is_ok();
-                let committed = first(s.group.run_all(commit, |(model, _, refit), commit| match refit.staged.take() {
-                    Some(weights) if commit => model.commit_weights(weights),
-                    _ => Ok(()),
-                }));
+                let committed = first(s.group.run_all(commit, |rank, commit| rank.commit(commit)));
                 staged.and(committed)
             }
+            Self::Group(g) => g.reload(weights),
+        }
+    }
+
+    /// Called while the engine is idle: a group's leader checks now and then that every
+    /// rank is still there.
+    pub fn keep_alive(&mut self) {
+        if let Self::Group(g) = self {
+            g.keep_alive();
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use keel_model::{Init, SaveOptions};
 
-    fn random_model(dir: &Path, seed: i64) {
+    pub(crate) fn random_model(dir: &Path, seed: i64) {
         let cfg = ModelConfig::from_json(serde_json::json!({
             "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -309,7 +383,7 @@ mod tests {
         model.save(dir, SaveOptions::default()).expect("saved");
     }
 
-    fn chunk(tokens: &[i64], context: usize, blocks: &[u32]) -> SeqChunk {
+    pub(crate) fn chunk(tokens: &[i64], context: usize, blocks: &[u32]) -> SeqChunk {
         SeqChunk { tokens: tokens.to_vec(), context, blocks: blocks.to_vec(), logits: true }
     }
 

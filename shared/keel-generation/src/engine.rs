@@ -334,9 +334,10 @@ impl Scheduler {
         loop {
             let idle = self.asleep || (self.running.is_empty() && self.waiting.is_empty());
             if idle && self.refit.is_none() && self.memory.is_none() {
-                match intake.recv() {
+                match intake.recv_timeout(crate::group::PING) {
                     Ok(command) => self.take(command),
-                    Err(_) => return,
+                    Err(mpsc::RecvTimeoutError::Timeout) => self.model.keep_alive(),
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             }
             while let Ok(command) = intake.try_recv() {

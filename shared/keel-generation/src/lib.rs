@@ -9,6 +9,7 @@
 //!   per-sample seeded sampling on the device, stops, refits and sleep/wake.
 //! - [`blocks`]: the block manager (reference counts, prefix cache, LRU eviction).
 //! - [`backend`]: the model (or tensor-parallel ranks) and its block pools.
+//! - [`group`]: tensor-parallel ranks as processes of their own, led by rank 0.
 //! - [`request`]: the validated request and the events the engine sends back.
 //! - [`text`]: stop strings and what a stream may show.
 //! - [`error`]: what the engine's calls can fail with.
@@ -17,6 +18,7 @@ pub mod backend;
 pub mod blocks;
 pub mod engine;
 pub mod error;
+pub mod group;
 pub mod request;
 pub mod text;
 

@@ -331,8 +331,9 @@ impl PagedCache {
 
 /// One sequence's share of a paged forward pass: `tokens` continue the `context` tokens
 /// already in its blocks, and `blocks` (its block table) holds positions
-/// `0..context + tokens.len()`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `0..context + tokens.len()`. (Serialisable: a generator group's leader sends each pass's
+/// chunks to its other ranks.)
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SeqChunk {
     pub tokens: Vec<i64>,
     pub context: usize,

@@ -77,6 +77,13 @@ pub enum Error {
     /// A CUDA kernel could not run.
     #[error("{0}")]
     Kernel(Box<KernelError>),
+    /// What another rank of a group of processes reported (see [`keel_collective::process`]).
+    #[error("rank {rank}: {message}")]
+    Rank { rank: usize, message: String },
+    /// The group of processes this rank belongs to broke (a rank left): nothing runs on it
+    /// any more.
+    #[error("the group of ranks broke: {0}")]
+    GroupLost(String),
 }
 
 impl From<KernelError> for Error {
@@ -128,6 +135,22 @@ impl From<keel_tokenizer::Error> for Error {
 impl From<keel_collective::Error> for Error {
     fn from(e: keel_collective::Error) -> Self {
         Self::Collective(e)
+    }
+}
+
+/// A rank of a group of processes (a generator's tensor-parallel ranks) reports its errors to
+/// the leader by message.
+impl keel_collective::process::RankError for Error {
+    fn code(&self) -> &str {
+        "failed"
+    }
+
+    fn is_consequence(&self) -> bool {
+        matches!(self, Self::Collective(c) if keel_collective::is_consequence(c))
+    }
+
+    fn reported(rank: usize, _code: &str, message: String) -> Self {
+        Self::Rank { rank, message }
     }
 }
 

@@ -102,6 +102,18 @@ impl ServiceProcess {
         assert!(sent.success(), "kill -{signal} {pid} failed");
     }
 
+    /// The exit status once the process has exited by itself, if it does within `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                _ => return None,
+            }
+        }
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(mut self) -> ExitStatus {
         let pid = self.child.id().to_string();
