@@ -188,7 +188,9 @@ async fn rollout(
     };
     let samples = match collected {
         Ok(samples) => samples,
-        Err(e) => return Reply::error(error_types::INVALID_REQUEST, e.to_string()),
+        // The request was checked before it ran: a failure now is the engine's (a step that
+        // failed, a generator group that broke), and another replica or a later try may serve it.
+        Err(e) => return Reply::error(error_types::UNAVAILABLE, format!("generation failed: {e}")),
     };
     let weight_version = samples.iter().map(|s| s.version).max().unwrap_or(serving);
     let samples = samples
