@@ -209,10 +209,14 @@ fn receive(rank: &Rank, incoming: &Incoming) -> Result<Ordered> {
 /// a load joins the communicator over NATS). A failure to receive broadcast weights is a
 /// [`Error::GroupLost`]: that rank is out of step with the others and must leave.
 pub fn execute(command: Command, slot: &mut Option<Rank>) -> Result<()> {
-    let rank = slot.as_mut().ok_or_else(|| Error::InvalidInput("this rank has no model loaded".into()))?;
+    let rank = slot.as_mut().ok_or_else(|| Error::GroupLost("this rank has no model loaded, the leader has".into()))?;
     match command {
         Command::Ping | Command::Load(_) => Ok(()),
-        Command::Forward { chunks } => rank.forward(&chunks).map(drop),
+        // A pass that failed here alone leaves the other ranks in its collectives.
+        Command::Forward { chunks } => rank.forward(&chunks).map(drop).map_err(|e| match e {
+            e if must_leave(&e) => e,
+            e => Error::GroupLost(format!("a pass failed on this rank: {e}")),
+        }),
         Command::CopyBlock { from, to } => rank.copy_block(from, to),
         Command::Sleep { offload_weights } => rank.sleep(offload_weights).map(drop),
         Command::Wake => rank.wake().map(drop),
@@ -264,6 +268,11 @@ pub fn follow(
             Ok(command) => execute(command, slot),
             Err(e) => Err(e),
         };
+        // A rank that must leave drops its share first: its communicator closes, and the
+        // other ranks waiting in a collective with it learn it at once.
+        if outcome.as_ref().is_err_and(must_leave) {
+            *slot = None;
+        }
         if let Err(e) = process::report(control, &outcome) {
             return e.to_string();
         }
