@@ -212,11 +212,7 @@ pub fn execute(command: Command, slot: &mut Option<Rank>) -> Result<()> {
     let rank = slot.as_mut().ok_or_else(|| Error::GroupLost("this rank has no model loaded, the leader has".into()))?;
     match command {
         Command::Ping | Command::Load(_) => Ok(()),
-        // A pass that failed here alone leaves the other ranks in its collectives.
-        Command::Forward { chunks } => rank.forward(&chunks).map(drop).map_err(|e| match e {
-            e if must_leave(&e) => e,
-            e => Error::GroupLost(format!("a pass failed on this rank: {e}")),
-        }),
+        Command::Forward { chunks } => rank.forward(&chunks).map(drop),
         Command::CopyBlock { from, to } => rank.copy_block(from, to),
         Command::Sleep { offload_weights } => rank.sleep(offload_weights).map(drop),
         Command::Wake => rank.wake().map(drop),
