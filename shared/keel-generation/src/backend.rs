@@ -5,12 +5,13 @@
 
 use std::path::{Path, PathBuf};
 
+use keel_collective::process::RankError;
 use keel_collective::{RankGroup, SharedComm, rank_zero};
-
-use crate::group::Grouped;
 use keel_model::model::tp::{StagedWeights, TpCausalLm};
 use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Error, ModelConfig, PagedCache, Result, SeqChunk};
 use tch::{Device, Kind, Tensor};
+
+use crate::group::Grouped;
 
 // One per generator, made once and never moved on a hot path: its size does not matter.
 #[allow(clippy::large_enum_variant)]
@@ -107,10 +108,6 @@ impl Rank {
         self.model.device()
     }
 
-    pub fn kind(&self) -> Kind {
-        self.model.kind()
-    }
-
     /// The rank's tensor-parallel communicator.
     pub fn comm(&self) -> &SharedComm {
         self.model.comm()
@@ -145,6 +142,7 @@ impl Rank {
     pub fn stage(&mut self, weights: Weights) -> Result<()> {
         let model = &self.model;
         let refit = &mut self.refit;
+        // Whatever an earlier, unfinished refit staged goes first, so a failure leaves none.
         refit.staged = None;
         refit.staged = Some(match weights {
             Weights::Dir(dir) => model.stage_weights(&dir)?,
@@ -184,7 +182,7 @@ pub struct Sharded {
 
 /// Rank 0's value, or the error that started a failure (not a peer's timeout after it).
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
-    rank_zero(results, |e| matches!(e, Error::Collective(c) if keel_collective::is_consequence(c)))
+    rank_zero(results, Error::is_consequence)
 }
 
 /// The sum over every rank, or the error that started a failure.
