@@ -2,7 +2,8 @@
 //! that file (its subjects moved to the test's prefix), each service connecting as its own
 //! user. A GRPO run goes through end to end, large bodies pass through the object store
 //! between the users that share them, and what the report's attacker did is refused: no
-//! password, no connection; the generator's user cannot claim a trainer, the reward
+//! password, no connection; the generator's user cannot claim a trainer (it may only ask one
+//! for an export kept for the collective transfer, which the run uses), the reward
 //! service's cannot publish weights, and neither can listen on subjects that are not theirs.
 
 #![allow(clippy::unwrap_used)]
@@ -108,6 +109,15 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     let memory = subjects.generator_memory();
     assert!(allowed("generator", "orchestrator", memory.clone()).await, "the orchestrator puts generators to sleep");
     assert!(!reaches("generator", "reward", memory).await, "the reward service's user put generators to sleep");
+    // A generator asks a trainer for an export kept for the collective transfer, and meets it
+    // to receive it; it cannot ask for an export itself.
+    let send = subjects.trainer_send_weights("w1");
+    assert!(allowed("trainer", "generator", send.clone()).await, "a generator asks a trainer for weights");
+    assert!(!reaches("trainer", "reward", send).await, "the reward service's user asked a trainer for weights");
+    let meeting = format!("{}.s1", subjects.trainer_weights_meeting("w1"));
+    assert!(allowed("trainer", "generator", meeting).await, "a generator meets a trainer to receive weights");
+    let export = subjects.trainer("w1", keel_protocol::subjects::TrainerOp::Export);
+    assert!(!reaches("trainer", "generator", export).await, "the generator's user asked a trainer to export");
     // Listening on another service's subjects is refused too.
     assert!(!reaches("generator", "orchestrator", claim).await, "the generator's user listened to trainer claims");
     assert!(!reaches("reward", "orchestrator", subjects.generate()).await, "the reward user listened to rollouts");
@@ -118,8 +128,13 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
         ..Servers::default()
     };
     let stack = Stack::start_on_prefix(&prefix, &[], &servers);
-    let id = stack.submit(&grpo_spec(&json!({"path": stack.model}))).await;
+    // Its weights travel by the collective transfer: a generator asks the trainer on its user.
+    let mut spec = grpo_spec(&json!({"path": stack.model}));
+    spec["generation"]["weight_transfer"] = json!("collective");
+    let id = stack.submit(&spec).await;
     let run = stack.wait_succeeded(&id, Duration::from_secs(300)).await;
     assert_eq!(run["step"], 3);
     assert_eq!(stack.series(&id, "train/loss").await.len(), 3);
+    let refit = stack.series(&id, "timing/train/generator_refit").await;
+    assert!(!refit.is_empty(), "the generators reported the weights they received");
 }

@@ -2,9 +2,10 @@
 //! training step the trainer exports the policy's weights (in small buckets through the
 //! object store), the generator loads them, and the logprobs it reports for its greedy
 //! samples equal the trainer's for the same tokens to 1e-5 (f32) — at generator TP 1 and 2,
-//! with trainer TP 1 and 2, through the object store and through shared memory, and for a LoRA
-//! run, whose refits carry the adapters only. A refit whose buckets cannot all be fetched
-//! leaves the old version serving, and the next one succeeds.
+//! with trainer TP 1 and 2, through the object store, through shared memory and sent by the
+//! trainer over a communicator (the collective transfer, TCP between the two processes on
+//! the CPU), and for a LoRA run, whose refits carry the adapters only. A refit whose buckets
+//! cannot all be fetched leaves the old version serving, and the next one succeeds.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,7 +14,8 @@ use std::time::{Duration, Instant};
 use keel_protocol::generator::{WeightsLoaded, WeightsUpdated};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{
-    ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, Sequences, TrainBatch, TrainRequest,
+    ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, SendWeights, Sequences, TrainBatch,
+    TrainRequest, WeightsSent,
 };
 use keel_protocol::{Payload, Reply, Subjects};
 use keel_testkit::{ServiceProcess, keel_model_init};
@@ -108,13 +110,21 @@ impl Pair {
     }
 }
 
-/// One training step, an export in 64 KiB buckets (objects, or files in shared memory), a
-/// refit, and the logprobs compared.
+/// How an export reaches the generator.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Through {
+    Objects,
+    SharedMemory,
+    Collective,
+}
+
+/// One training step, an export in 64 KiB buckets (objects, files in shared memory, or a
+/// buffer the trainer sends), a refit, and the logprobs compared.
 async fn refit_matches_the_trainer(
     model: &std::path::Path,
     generator_tp: usize,
     trainer_tp: usize,
-    shared: bool,
+    through: Through,
     lora: bool,
 ) {
     let pair = Pair::start(model, generator_tp).await;
@@ -133,21 +143,22 @@ async fn refit_matches_the_trainer(
     let batch = TrainBatch { input_ids, token_mask, ..Default::default() };
     let train = TrainRequest { run_id: "r".into(), batch: Payload::Inline(batch), temperature: 1.0 };
     let _: Value = pair.trainer(TrainerOp::Train, &train).await;
-    let shared_dir =
-        shared.then(|| format!("{}/test-{}", keel_service::paths::SHARED_WEIGHTS_DIR, uuid::Uuid::new_v4().simple()));
+    let shared_dir = (through == Through::SharedMemory)
+        .then(|| format!("{}/test-{}", keel_service::paths::SHARED_WEIGHTS_DIR, uuid::Uuid::new_v4().simple()));
     let export = ExportRequest {
         run_id: "r".into(),
         dtype: Some("f32".into()),
         bucket_bytes: 64 << 10,
         shared_dir: shared_dir.clone(),
         cuda_ipc: false,
+        collective: through == Through::Collective,
     };
     let mut export = export;
     if lora {
         export.bucket_bytes = 8 << 10;
     }
     // CUDA IPC shares GPU memory: a trainer on the CPU says so.
-    let ipc = ExportRequest { cuda_ipc: true, shared_dir: None, ..export.clone() };
+    let ipc = ExportRequest { cuda_ipc: true, shared_dir: None, collective: false, ..export.clone() };
     let refused = pair.call::<ExportReply>(pair.subjects.trainer(&pair.worker, TrainerOp::Export), &ipc).await;
     let refused = refused.expect_err("a CPU trainer refuses a CUDA IPC export");
     assert!(refused.to_string().contains("CUDA IPC") && refused.to_string().contains("Cpu"), "{refused}");
@@ -165,13 +176,24 @@ async fn refit_matches_the_trainer(
         assert!(names.contains(&"model.embed_tokens.weight"), "{names:?}");
     }
 
+    if through == Through::Collective {
+        refuses_what_it_cannot_send(&pair, &exported).await;
+    }
+
     // A refit whose buckets are not all there is refused; the base weights keep serving.
     let mut broken = exported.weights.clone();
-    let second = &mut broken.buckets[1];
-    match (&mut second.object, &mut second.file) {
-        (Some(object), _) => object.name = "gone".into(),
-        (_, Some(file)) => file.push_str(".gone"),
-        _ => panic!("a bucket is an object or a file"),
+    if through == Through::Collective {
+        // An export the trainer does not keep: it refuses to send it.
+        for bucket in &mut broken.buckets {
+            bucket.collective.as_mut().expect("a bucket of a collective export").export = "gone".into();
+        }
+    } else {
+        let second = &mut broken.buckets[1];
+        match (&mut second.object, &mut second.file) {
+            (Some(object), _) => object.name = "gone".into(),
+            (_, Some(file)) => file.push_str(".gone"),
+            _ => panic!("a bucket is an object or a file"),
+        }
     }
     let report = pair
         .publish(&WeightsUpdated {
@@ -182,7 +204,10 @@ async fn refit_matches_the_trainer(
             refit_mode: None,
         })
         .await;
-    assert!(report.error.is_some(), "the generator reports the failed refit: {report:?}");
+    let failure = report.error.clone().unwrap_or_else(|| panic!("the generator reports the failed refit: {report:?}"));
+    if through == Through::Collective {
+        assert!(failure.contains("export gone is not kept"), "{failure}");
+    }
     let (base_tokens, _) = pair.rollout(0).await;
     let reply = loop {
         let request = json!({"run_id": "r", "prompt_token_ids": [5, 88], "max_tokens": 2, "min_weight_version": 1});
@@ -196,6 +221,7 @@ async fn refit_matches_the_trainer(
     let (still, _) = pair.rollout(0).await;
     assert_eq!(still, base_tokens, "the old version serves after a failed refit");
 
+    let collective = exported.weights.buckets[0].collective.clone();
     let event = WeightsUpdated {
         run_id: "r".into(),
         version: 2,
@@ -218,12 +244,12 @@ async fn refit_matches_the_trainer(
     let trained = &logprobs.logprobs[0][5..];
     assert_eq!(trained.len(), generated.len());
     let diff = trained.iter().zip(&generated).map(|(t, g)| (f64::from(*t) - g).abs()).fold(0.0, f64::max);
-    let through = match (shared, lora) {
-        (true, false) => "shared memory",
-        (false, false) => "the object store",
-        (true, true) => "shared memory, LoRA adapters",
-        (false, true) => "the object store, LoRA adapters",
+    let through = match through {
+        Through::SharedMemory => "shared memory",
+        Through::Objects => "the object store",
+        Through::Collective => "a communicator (TCP)",
     };
+    let through = if lora { format!("{through}, LoRA adapters") } else { through.to_string() };
     eprintln!(
         "generator TP {generator_tp}, trainer TP {trainer_tp}, through {through}: {} logprobs, largest difference {diff:e}",
         trained.len()
@@ -232,8 +258,15 @@ async fn refit_matches_the_trainer(
         diff <= 1e-5,
         "generator TP {generator_tp}, trainer TP {trainer_tp}, through {through}: logprobs differ by {diff:e}\n{trained:?}\n{generated:?}"
     );
-    // Letting the worker go removes the run's exports in shared memory.
+    // Letting the worker go removes the run's exports in shared memory, and frees those it
+    // kept to send.
     let _: Value = pair.trainer(TrainerOp::Release, &json!({"run_id": "r"})).await;
+    if let Some(first) = collective {
+        let request = SendWeights { export: first.export, session: "s2".into(), device: "cpu".into(), ranges: vec![] };
+        let subject = pair.subjects.trainer_send_weights(&pair.worker);
+        let refused = pair.call::<WeightsSent>(subject, &request).await.expect_err("the export is freed");
+        assert!(refused["message"].as_str().unwrap().contains("is not kept"), "{refused}");
+    }
     if let Some(dir) = shared_dir {
         assert!(!std::path::Path::new(&dir).exists(), "{dir} is removed when the run releases the worker");
     }
@@ -244,15 +277,45 @@ async fn after_a_weights_only_refit_the_generator_scores_as_the_trainer() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     keel_model_init(&model);
-    for (generator_tp, trainer_tp, shared, lora) in [
-        (1, 1, false, false),
-        (2, 1, false, false),
-        (2, 2, false, false),
-        (1, 1, true, false),
-        (2, 2, true, false),
-        (1, 1, false, true),
-        (2, 1, true, true),
+    for (generator_tp, trainer_tp, through, lora) in [
+        (1, 1, Through::Objects, false),
+        (2, 1, Through::Objects, false),
+        (2, 2, Through::Objects, false),
+        (1, 1, Through::SharedMemory, false),
+        (2, 2, Through::SharedMemory, false),
+        (1, 1, Through::Collective, false),
+        (2, 1, Through::Collective, false),
+        (2, 2, Through::Collective, false),
+        (1, 1, Through::Objects, true),
+        (2, 1, Through::SharedMemory, true),
+        (1, 1, Through::Collective, true),
     ] {
-        refit_matches_the_trainer(&model, generator_tp, trainer_tp, shared, lora).await;
+        refit_matches_the_trainer(&model, generator_tp, trainer_tp, through, lora).await;
+    }
+}
+
+/// The trainer's refusals of a request to send an export, each naming what is wrong: a
+/// generator on another kind of device, a range outside the export, a session that is not a
+/// subject token.
+async fn refuses_what_it_cannot_send(pair: &Pair, exported: &ExportReply) {
+    let first = exported.weights.buckets[0].collective.clone().expect("a bucket of a collective export");
+    assert_eq!(first.device, "cpu");
+    let subject = pair.subjects.trainer_send_weights(&pair.worker);
+    assert_eq!(first.subject, subject);
+    let request = SendWeights {
+        export: first.export.clone(),
+        session: "s1".into(),
+        device: "cuda".into(),
+        ranges: vec![(first.offset, exported.weights.buckets[0].bytes)],
+    };
+    let refusals = [
+        (request.clone(), "the export is in cpu memory and the generator receives on `cuda`"),
+        (SendWeights { device: "cpu".into(), ranges: vec![(0, 1 << 40)], ..request.clone() }, "is not inside"),
+        (SendWeights { device: "cpu".into(), session: "a.b".into(), ..request.clone() }, "session `a.b`"),
+    ];
+    for (request, expected) in refusals {
+        let refused = pair.call::<WeightsSent>(subject.clone(), &request).await.expect_err("refused");
+        assert_eq!(refused["type"], "invalid_request", "{refused}");
+        assert!(refused["message"].as_str().unwrap().contains(expected), "{refused}");
     }
 }

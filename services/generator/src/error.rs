@@ -34,8 +34,10 @@ pub enum Error {
     Flush(String),
     #[error("weight bucket `{name}` has {got} bytes, not {expected}")]
     BucketSize { name: String, got: usize, expected: u64 },
-    #[error("a weight bucket names an object, a file or a CUDA IPC buffer, one of them")]
+    #[error("a weight bucket names an object, a file, a CUDA IPC buffer or a collective buffer, one of them")]
     BucketSource,
+    #[error("receiving the weights from the trainer: {0}")]
+    Receive(String),
     #[error("`{0}` is in the weight buckets twice")]
     DuplicateTensor(String),
     /// A task of the service (loading, unpacking, the HTTP server) panicked or was cancelled.

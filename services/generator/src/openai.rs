@@ -38,6 +38,9 @@ pub struct AppState {
     pub model_name: String,
     /// The dtype it serves in (`f32`, `bf16`, `f16`): what refits are best exported in.
     pub dtype: &'static str,
+    /// Where it serves (rank 0's device under tensor parallelism): where weights sent over
+    /// a communicator are received.
+    pub device: tch::Device,
     pub limits: Limits,
     /// Requests in the system (running or queued); a request that finds none free gets 429.
     pub admission: Arc<Semaphore>,

@@ -12,6 +12,7 @@ use keel_protocol::generator::{
     WeightsUpdated, error_types,
 };
 use keel_protocol::subjects::{GENERATOR_QUEUE_GROUP, QueueCall};
+use keel_protocol::trainer::{SendWeights, WeightsSent};
 use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -268,11 +269,11 @@ pub async fn serve(
                             (state.engine.clone(), serving_run.clone(), refused.clone());
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
-                        let (client, roots, dtype) = (client.clone(), roots.clone(), state.dtype);
+                        let (client, roots, dtype, device) = (client.clone(), roots.clone(), state.dtype, state.device);
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
                             let refit = async {
-                                let weights = new_weights(&client, &roots, &update).await?;
+                                let weights = new_weights(&client, &roots, &update, device).await?;
                                 Ok(engine.refit(weights, update.version, update.refit_mode).await?)
                             }
                             .await;
@@ -360,33 +361,121 @@ async fn report_refit(
     }
 }
 
-/// A weight bucket's bytes from the object store, the shared-memory file it is in, or its
-/// copy out of the trainer's GPU memory (CUDA IPC; made on the blocking pool).
+/// How long a collective transfer may take, from the request to the last bucket (the
+/// trainer waits as long for this generator to join).
+const RECEIVE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The buckets of `buckets` the trainer keeps for the collective transfer, in their order,
+/// received on `device` (none when no bucket is one): one [`SendWeights`] for them all, then
+/// the two-rank communicator the generator (rank 1) and the trainer (rank 0) form for it,
+/// over which the trainer broadcasts each bucket. A refusal from the trainer ends the wait
+/// at once.
+async fn receive(
+    client: &async_nats::Client,
+    buckets: &[keel_protocol::generator::WeightBucket],
+    device: tch::Device,
+) -> crate::Result<Vec<tch::Tensor>> {
+    let sent: Vec<_> = buckets.iter().filter_map(|b| b.collective.as_ref().map(|c| (c, b.bytes))).collect();
+    let Some(&(first, _)) = sent.first() else { return Ok(Vec::new()) };
+    if sent.iter().any(|(c, _)| (&c.export, &c.subject, &c.meeting) != (&first.export, &first.subject, &first.meeting))
+    {
+        return Err(Error::Receive("the buckets name more than one export".into()));
+    }
+    let failed = |e: &dyn std::fmt::Display| Error::Receive(e.to_string());
+    if let (tch::Device::Cuda(ordinal), Some(trainer)) = (device, &first.gpu_uuid)
+        && keel_model::cuda::ipc::device_uuid(ordinal).is_ok_and(|mine| mine == *trainer)
+    {
+        return Err(Error::Receive(format!(
+            "the export is on this generator's own GPU (cuda:{ordinal}), and NCCL joins processes on different \
+             GPUs only: use the cuda_ipc transfer"
+        )));
+    }
+    let session = format!("{:032x}", rand::random::<u128>());
+    let request = SendWeights {
+        export: first.export.clone(),
+        session: session.clone(),
+        device: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
+        ranges: sent.iter().map(|(c, bytes)| (c.offset, *bytes)).collect(),
+    };
+    let body = serde_json::to_vec(&request).map_err(|e| failed(&e))?;
+    let asked = async {
+        let ask = async_nats::Request::new().payload(body.into()).timeout(Some(RECEIVE_WAIT));
+        let answer = client.send_request(first.subject.clone(), ask).await.map_err(|e| failed(&e))?;
+        match serde_json::from_slice::<Reply<WeightsSent>>(&answer.payload) {
+            Ok(Reply::Ok(sent)) => Ok(sent),
+            Ok(Reply::Error(e)) => Err(Error::Receive(format!("the trainer refused: {e}"))),
+            Err(e) => Err(Error::Receive(format!("a malformed answer from the trainer: {e}"))),
+        }
+    };
+    let sizes: Vec<u64> = sent.iter().map(|(_, bytes)| *bytes).collect();
+    let meeting = format!("{}.{session}", first.meeting);
+    let transfer = async {
+        let unused = std::net::IpAddr::from([0, 0, 0, 0]);
+        let comm = keel_collective::join_process_group(client, &meeting, 1, 2, device, unused, RECEIVE_WAIT)
+            .await
+            .map_err(|e| failed(&e))?;
+        let received = tokio::task::spawn_blocking(move || {
+            let mut received = Vec::with_capacity(sizes.len());
+            for bytes in sizes {
+                let mut bucket =
+                    tch::Tensor::f_empty([bytes as i64], (tch::Kind::Uint8, device)).map_err(|e| e.to_string())?;
+                comm.broadcast(&mut bucket, 0).map_err(|e| e.to_string())?;
+                received.push(bucket);
+            }
+            if let tch::Device::Cuda(ordinal) = device {
+                tch::Cuda::synchronize(ordinal as i64);
+            }
+            Ok::<_, String>(received)
+        });
+        received.await.map_err(|e| Error::Task("receiving the weights", e))?.map_err(Error::Receive)
+    };
+    tokio::pin!(asked, transfer);
+    tokio::select! {
+        // The trainer answers once it has sent everything, or at once when it refuses.
+        answer = &mut asked => {
+            answer?;
+            transfer.await
+        }
+        received = &mut transfer => {
+            let received = received?;
+            asked.await?;
+            Ok(received)
+        }
+    }
+}
+
+/// A weight bucket's bytes from the object store, the shared-memory file it is in, its
+/// copy out of the trainer's GPU memory (CUDA IPC; made on the blocking pool), or what the
+/// trainer sent over a communicator.
 enum Fetched {
     Bytes(Vec<u8>),
     File(String),
     Device,
+    Received(tch::Tensor),
 }
 
 /// The weights a refit names: fetched from the object store (all buckets, every tensor
 /// checked) when it carries them in memory, else its directory inside the path roots.
 /// Nothing reaches the model until every bucket is here. Objects are fetched here; making
 /// tensors of them, mapping shared-memory files and copying buckets out of the trainer's GPU
-/// memory run on the blocking pool.
+/// memory run on the blocking pool. Buckets the trainer sends over a communicator arrive on
+/// `device`, all of them before any other is fetched.
 async fn new_weights(
     client: &async_nats::Client,
     roots: &keel_service::paths::PathRoots,
     update: &WeightsUpdated,
+    device: tch::Device,
 ) -> crate::Result<Weights> {
     let Some(weights) = &update.weights else {
         return Ok(Weights::Dir(roots.check("path", &update.path)?));
     };
     let kind = keel_model::device::parse_kind(&weights.dtype)?;
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
+    let mut received = receive(client, &weights.buckets, device).await?.into_iter();
     let mut fetched = Vec::with_capacity(weights.buckets.len());
     for bucket in &weights.buckets {
-        fetched.push(match (&bucket.object, &bucket.file, &bucket.cuda_ipc) {
-            (Some(object), None, None) => {
+        fetched.push(match (&bucket.object, &bucket.file, &bucket.cuda_ipc, &bucket.collective) {
+            (Some(object), None, None, None) => {
                 if !stores.contains_key(&object.bucket) {
                     let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
                     stores.insert(object.bucket.clone(), store);
@@ -401,8 +490,9 @@ async fn new_weights(
                 }
                 Fetched::Bytes(bytes)
             }
-            (None, Some(file), None) => Fetched::File(file.clone()),
-            (None, None, Some(_)) => Fetched::Device,
+            (None, Some(file), None, None) => Fetched::File(file.clone()),
+            (None, None, Some(_), None) => Fetched::Device,
+            (None, None, None, Some(_)) => Fetched::Received(received.next().ok_or(Error::BucketSource)?),
             _ => return Err(Error::BucketSource),
         });
     }
@@ -419,6 +509,7 @@ async fn new_weights(
         for (bucket, bytes) in buckets.iter().zip(fetched) {
             let unpacked = match bytes {
                 Fetched::Bytes(bytes) => keel_model::packing::unpack(&bytes, &bucket.tensors, kind),
+                Fetched::Received(flat) => keel_model::packing::unpack_tensor(&flat, &bucket.tensors, kind),
                 Fetched::Device => match copies.next() {
                     Some(copy) => keel_model::packing::unpack_tensor(&copy, &bucket.tensors, kind),
                     None => return Err(Error::BucketSource),

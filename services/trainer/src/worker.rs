@@ -22,13 +22,13 @@ use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
 
 use keel_model::packing::{PackTarget, Packed};
-use keel_protocol::generator::{AdapterRefit, WeightBucket, WeightBuckets};
+use keel_protocol::generator::{AdapterRefit, CollectiveBuffer, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
     ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply,
     HeartbeatRequest, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved,
-    OffloadRequest, OnloadRequest, ReleaseRequest, Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest, Timing,
-    TrainReply, TrainRequest, TrainerCall, error_types,
+    OffloadRequest, OnloadRequest, ReleaseRequest, Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest,
+    SendWeights, Timing, TrainReply, TrainRequest, TrainerCall, WeightsSent, error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -68,9 +68,16 @@ struct Shared {
     /// The shared-memory directories the claiming run exported into, removed when it lets
     /// the worker go (or its lease runs out).
     exports: Mutex<Vec<std::path::PathBuf>>,
-    /// The newest exports in GPU memory (CUDA IPC), newest last, kept while generators may
+    /// The newest exports kept in one buffer (in GPU memory for CUDA IPC; on the training
+    /// device for the collective transfer), by id, newest last, kept while generators may
     /// still copy them and freed when the run lets the worker go.
-    device_exports: Mutex<std::collections::VecDeque<tch::Tensor>>,
+    device_exports: Mutex<std::collections::VecDeque<(String, tch::Tensor)>>,
+    /// Where a generator receiving an export over TCP reaches this worker (or why no address
+    /// towards NATS was found: the collective transfer on the CPU is then refused with it).
+    send_ip: std::result::Result<std::net::IpAddr, String>,
+    /// This worker's subjects for the collective transfer: where generators ask, and the
+    /// prefix the two sides meet under.
+    send_subjects: (String, String),
     /// When this worker leads a group of trainer processes: the group, and where its ranks
     /// meet.
     group: Option<(Arc<Leader>, Meeting)>,
@@ -563,8 +570,12 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         return Err(refuse(error_types::INVALID_REQUEST, "bucket_bytes must be positive"));
     }
     let bucket_bytes = request.bucket_bytes;
-    if request.cuda_ipc && request.shared_dir.is_some() {
-        return Err(refuse(error_types::INVALID_REQUEST, "cuda_ipc and shared_dir are two transfers: ask for one"));
+    let transfers = [request.cuda_ipc, request.collective, request.shared_dir.is_some()];
+    if transfers.iter().filter(|t| **t).count() > 1 {
+        return Err(refuse(
+            error_types::INVALID_REQUEST,
+            "cuda_ipc, collective and shared_dir are three transfers: ask for one",
+        ));
     }
     // Shared memory: the buckets are written in place into files of a fresh directory,
     // which is renamed into view once whole.
@@ -584,11 +595,13 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         }
         None => None,
     };
-    let to = match (&shared_dir, request.cuda_ipc) {
-        (Some(export), _) => PackTarget::Files(export.partial.clone()),
-        (None, true) => PackTarget::Device,
-        (None, false) => PackTarget::Memory,
+    let to = match (&shared_dir, request.cuda_ipc, request.collective) {
+        (Some(export), _, _) => PackTarget::Files(export.partial.clone()),
+        (None, true, _) => PackTarget::Device,
+        (None, false, true) => PackTarget::Buffer,
+        (None, false, false) => PackTarget::Memory,
     };
+    let cuda_ipc = request.cuda_ipc;
     let command = shared.command(|| Command::Export { dtype: request.dtype.clone(), bucket_bytes })?;
     let (step, kind, packed, lora, handles) = shared
         .on_ranks(command, move |slot| {
@@ -599,7 +612,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
             let (step, kind, packed) = trainer.export(kind, bucket_bytes, to)?;
             // The handles are made where the buffer was, on the engine's thread.
             let handles = match &packed {
-                Packed::Device(device) => {
+                Packed::Device(device) if cuda_ipc => {
                     let offsets: Vec<u64> = device.buckets.iter().map(|(at, _, _)| *at).collect();
                     keel_model::cuda::ipc::share(&device.buffer, &offsets)?
                 }
@@ -607,25 +620,40 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
             };
             Ok((step, kind, packed, lora, handles))
         })
-        .instrument(info_span!("export", dtype = ?request.dtype, cuda_ipc = request.cuda_ipc))
+        .instrument(info_span!("export", dtype = ?request.dtype, cuda_ipc, collective = request.collective))
         .await?;
     let packing = started.elapsed().as_secs_f64();
     let buckets = match (shared_dir, packed) {
         (None, Packed::Device(device)) => {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            let (subject, meeting) = shared.send_subjects.clone();
+            let place = if device.buffer.device().is_cuda() { "cuda" } else { "cpu" };
+            let gpu_uuid = match device.buffer.device() {
+                tch::Device::Cuda(ordinal) => keel_model::cuda::ipc::device_uuid(ordinal).ok(),
+                _ => None,
+            };
+            let mut handles = handles.into_iter();
             let buckets = device
                 .buckets
                 .into_iter()
-                .zip(handles)
-                .map(|((_, size, entries), handle)| WeightBucket {
+                .map(|(offset, size, entries)| WeightBucket {
                     object: None,
                     file: None,
-                    cuda_ipc: Some(handle),
+                    cuda_ipc: handles.next(),
+                    collective: request.collective.then(|| CollectiveBuffer {
+                        export: id.clone(),
+                        offset,
+                        subject: subject.clone(),
+                        meeting: meeting.clone(),
+                        device: place.into(),
+                        gpu_uuid: gpu_uuid.clone(),
+                    }),
                     bytes: size,
                     tensors: entries,
                 })
                 .collect();
             let mut kept = shared.device_exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            kept.push_back(device.buffer);
+            kept.push_back((id, device.buffer));
             while kept.len() > KEPT_DEVICE_EXPORTS {
                 kept.pop_front();
             }
@@ -646,6 +674,75 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
     Ok(ExportReply { step, weights, timing })
 }
 
+/// How long the two sides of a collective transfer wait for each other to join, and for
+/// each range to arrive.
+const SEND_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Sends an export kept for the collective transfer to the generator that asked
+/// ([`SendWeights`]): the two join a communicator of their own (NCCL between GPUs, TCP
+/// through this worker on the CPU) and every range asked for is broadcast from here, on the
+/// blocking pool. The export's id admits the request, not the run's claim: a generator
+/// knows it from the weights it was told to load.
+async fn send_weights(shared: Arc<Shared>, payload: &[u8]) -> Answer<WeightsSent> {
+    let started = Instant::now();
+    let request: SendWeights = parse(payload)?;
+    let invalid = |message: String| refuse(error_types::INVALID_REQUEST, message);
+    if !keel_protocol::subjects::is_subject_token(&request.session) {
+        return Err(invalid(format!("session `{}` must be letters, digits, `-` and `_`", request.session)));
+    }
+    let buffer = {
+        let kept = shared.device_exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        kept.iter().find(|(id, _)| *id == request.export).map(|(_, buffer)| buffer.shallow_clone())
+    };
+    let buffer = buffer.ok_or_else(|| {
+        refuse(
+            error_types::INVALID_REQUEST,
+            format!(
+                "export {} is not kept by worker {} (it keeps the {KEPT_DEVICE_EXPORTS} newest of the run holding it)",
+                request.export, shared.worker_id
+            ),
+        )
+    })?;
+    let device = buffer.device();
+    let place = if device.is_cuda() { "cuda" } else { "cpu" };
+    if request.device != place {
+        return Err(invalid(format!(
+            "the export is in {place} memory and the generator receives on `{}`: the collective transfer joins \
+             GPU to GPU (NCCL) or CPU to CPU (TCP)",
+            request.device
+        )));
+    }
+    let size = buffer.numel() as u64;
+    for &(offset, bytes) in &request.ranges {
+        if bytes == 0 || offset.checked_add(bytes).is_none_or(|end| end > size) {
+            return Err(invalid(format!("range ({offset}, {bytes}) is not inside the export's {size} bytes")));
+        }
+    }
+    let ip = shared.send_ip.clone().map_err(|e| refuse(error_types::INTERNAL, e))?;
+    let subject = format!("{}.{}", shared.send_subjects.1, request.session);
+    let comm = keel_collective::join_process_group(&shared.client, &subject, 0, 2, device, ip, SEND_TIMEOUT)
+        .await
+        .map_err(|e| refuse(error_types::INTERNAL, format!("joining the generator: {e}")))?;
+    let ranges = request.ranges;
+    let bytes = ranges.iter().map(|(_, bytes)| bytes).sum();
+    tokio::task::spawn_blocking(move || {
+        for (offset, bytes) in ranges {
+            let mut range = buffer.f_narrow(0, offset as i64, bytes as i64).map_err(|e| e.to_string())?;
+            comm.broadcast(&mut range, 0).map_err(|e| e.to_string())?;
+        }
+        // NCCL's broadcasts are queued on the GPU: the answer says they are done.
+        if let tch::Device::Cuda(ordinal) = device {
+            tch::Cuda::synchronize(ordinal as i64);
+        }
+        Ok::<_, String>(())
+    })
+    .instrument(info_span!("send_weights", export = %request.export, bytes))
+    .await
+    .map_err(|e| refuse(error_types::INTERNAL, e))?
+    .map_err(|e| refuse(error_types::INTERNAL, format!("sending the weights: {e}")))?;
+    Ok(WeightsSent { bytes, seconds: started.elapsed().as_secs_f64() })
+}
+
 /// Each bucket an object of the bulk bucket; on a failure the ones stored are deleted.
 async fn store_objects(
     bulk: &Bulk,
@@ -658,6 +755,7 @@ async fn store_objects(
                 object: Some(object),
                 file: None,
                 cuda_ipc: None,
+                collective: None,
                 bytes: bucket.bytes.len() as u64,
                 tensors: bucket.entries,
             }),
@@ -737,6 +835,7 @@ impl SharedExport {
                     object: None,
                     file: Some(self.export.join(name).to_string_lossy().into_owned()),
                     cuda_ipc: None,
+                    collective: None,
                     bytes: f.bytes,
                     tensors: f.entries,
                 }
@@ -782,9 +881,28 @@ impl Worker {
         let engine = EngineThread::start()?;
         let claim = Mutex::new(None);
         let (exports, device_exports) = (Mutex::default(), Mutex::default());
+        let send_ip = match &group {
+            Some(meeting) => Ok(meeting.ip),
+            None => keel_collective::tcp::local_ip_towards(&keel_collective::process::nats_address(&config.nats_url))
+                .map_err(|e| format!("no address of this worker towards NATS at {}: {e}", config.nats_url)),
+        };
+        let send_subjects = (subjects.trainer_send_weights(&worker_id), subjects.trainer_weights_meeting(&worker_id));
         let group = group.map(|meeting| (Arc::new(Leader::new(meeting.config.clone())), meeting));
-        let shared =
-            Shared { client, worker_id, device, max_lease, claim, engine, bulk, roots, exports, device_exports, group };
+        let shared = Shared {
+            client,
+            worker_id,
+            device,
+            max_lease,
+            claim,
+            engine,
+            bulk,
+            roots,
+            exports,
+            device_exports,
+            send_ip,
+            send_subjects,
+            group,
+        };
         Ok(Self { shared: Arc::new(shared), subjects })
     }
 
@@ -834,6 +952,25 @@ impl Worker {
         });
     }
 
+    /// Answers a generator's [`SendWeights`] once the weights are sent (or why not).
+    fn send(&self, message: Message) {
+        let Some(reply_to) = message.reply.clone() else {
+            warn!(subject = %message.subject, "request without a reply subject ignored");
+            return;
+        };
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let client = shared.client.clone();
+            let body = keel_service::nats::served(&client, "trainer.send_weights", &message, async {
+                encode(send_weights(shared.clone(), &message.payload).await)
+            })
+            .await;
+            if let Err(e) = client.publish(reply_to, body.into()).await {
+                warn!("cannot answer a request for weights: {e}");
+            }
+        });
+    }
+
     /// Serves until `shutdown` completes.
     pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) -> keel_service::Result<()> {
         use keel_service::Error;
@@ -866,6 +1003,10 @@ impl Worker {
                 () = &mut shutdown => break,
                 message = own.next() => {
                     let Some(message) = message else { return Err(Error::PartStopped("the NATS subscription")) };
+                    if message.subject.as_str() == self.shared.send_subjects.0 {
+                        self.send(message);
+                        continue;
+                    }
                     let op = message.subject.rsplit('.').next().and_then(TrainerOp::from_name);
                     match op {
                         Some(op) => self.respond(message, op),

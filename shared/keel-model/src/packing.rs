@@ -36,13 +36,15 @@ pub enum Packed {
 }
 
 /// Where an export packs its buckets: buffers in host memory, files written in place in a
-/// directory (shared memory), or one buffer on the weights' own device (for CUDA IPC).
+/// directory (shared memory), one buffer on the weights' own GPU (for CUDA IPC), or one
+/// buffer on the weights' own device, whichever it is (for the collective transfer).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum PackTarget {
     #[default]
     Memory,
     Files(PathBuf),
     Device,
+    Buffer,
 }
 
 /// Buckets as ranges of one flat byte buffer on a device (a GPU's memory, for CUDA IPC).

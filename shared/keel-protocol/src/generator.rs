@@ -205,8 +205,10 @@ pub struct AdapterRefit {
 }
 
 /// One buffer of packed tensors: an object of the JetStream object store, a file in shared
-/// memory (`/dev/shm`) when trainer and generators are on one host, or a range of the
-/// trainer's GPU memory shared through CUDA IPC (generators on the same host's GPUs).
+/// memory (`/dev/shm`) when trainer and generators are on one host, a range of the
+/// trainer's GPU memory shared through CUDA IPC (generators on the same host's GPUs), or a
+/// range of a buffer the trainer keeps and sends over a communicator (the collective
+/// transfer).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightBucket {
@@ -216,6 +218,8 @@ pub struct WeightBucket {
     pub file: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_ipc: Option<CudaIpcBuffer>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<CollectiveBuffer>,
     /// Its size in bytes (the sum of its tensors').
     pub bytes: u64,
     pub tensors: Vec<PackedTensor>,
@@ -236,6 +240,28 @@ pub struct CudaIpcBuffer {
     /// process reads the bucket at `address`, its address there.
     pub pid: u32,
     pub address: u64,
+}
+
+/// A bucket kept in the trainer's memory for the collective transfer: which export, where
+/// the bucket starts in it, and where to ask for it (see
+/// [`crate::trainer::SendWeights`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveBuffer {
+    /// The export's id (every bucket of one export has the same).
+    pub export: String,
+    pub offset: u64,
+    /// The subject the trainer takes [`crate::trainer::SendWeights`] on.
+    pub subject: String,
+    /// The subject prefix the two sides meet under (the session's token is appended).
+    pub meeting: String,
+    /// Where the export is: `cpu` or `cuda`.
+    pub device: String,
+    /// The UUID of the trainer's GPU, in hex, when the export is on one: NCCL joins
+    /// processes on different GPUs only, so a generator on that same GPU says so instead of
+    /// failing in NCCL (CUDA IPC is the transfer for it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_uuid: Option<String>,
 }
 
 /// Where a tensor is in its bucket.

@@ -227,7 +227,10 @@ pub struct GenerationSpec {
     /// as files in `/dev/shm` on the trainer's host: for generators on the same host),
     /// `cuda_ipc` (the buckets stay in the trainer's GPU memory and the generators, on the
     /// same host's GPUs, copy them from there through CUDA IPC: the transfer for colocated
-    /// runs on a GPU; a CPU trainer refuses it) or `directory` (the trainer saves a whole
+    /// runs on a GPU; a CPU trainer refuses it), `collective` (the buckets stay in the
+    /// trainer's memory and each generator receives them over a two-rank communicator it
+    /// forms with the trainer for the refit: NCCL between GPUs, on one machine or several;
+    /// TCP between CPU processes) or `directory` (the trainer saves a whole
     /// checkpoint to the run's directory on the disk the generators share, which they load:
     /// the fallback, and the way it was done before).
     pub weight_transfer: WeightTransfer,
@@ -259,6 +262,7 @@ pub enum WeightTransfer {
     Memory,
     SharedMemory,
     CudaIpc,
+    Collective,
     Directory,
 }
 

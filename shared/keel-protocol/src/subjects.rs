@@ -150,6 +150,19 @@ impl Subjects {
         format!("{}.generator.memory", self.prefix)
     }
 
+    /// Where a generator asks `worker` to send it an export kept for the collective
+    /// transfer (see [`crate::trainer::SendWeights`]; not an operation of the run holding
+    /// the worker: the export's id is what admits it).
+    pub fn trainer_send_weights(&self, worker: &str) -> String {
+        format!("{}.trainer.{worker}.send_weights", self.prefix)
+    }
+
+    /// The prefix under which `worker` and a generator form the communicator of one
+    /// collective transfer (`<this>.<session>`).
+    pub fn trainer_weights_meeting(&self, worker: &str) -> String {
+        format!("{}.trainer.{worker}.weights", self.prefix)
+    }
+
     /// Every per-worker subject of `worker` (for subscribing).
     pub fn trainer_all(&self, worker: &str) -> String {
         format!("{}.trainer.{worker}.*", self.prefix)

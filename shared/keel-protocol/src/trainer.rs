@@ -321,6 +321,40 @@ pub struct ExportRequest {
     /// when the run lets it go. Refused on a CPU trainer and together with `shared_dir`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cuda_ipc: bool,
+    /// Leave the buckets in one buffer in the trainer's memory (its GPU's, or host memory
+    /// for a CPU trainer), for generators to receive over a communicator they form with the
+    /// trainer ([`SendWeights`]): kept and freed as `cuda_ipc`'s are. Refused together with
+    /// another transfer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub collective: bool,
+}
+
+/// A generator's request, on [`crate::Subjects::trainer_send_weights`], to receive an
+/// export kept for the collective transfer: the trainer (rank 0) and the generator (rank 1)
+/// join a communicator on `<meeting>.<session>` (the bucket's
+/// [`crate::generator::CollectiveBuffer::meeting`]), NCCL when the export is in GPU memory
+/// and `device` is a GPU, TCP through the trainer when both are on the CPU, and the trainer
+/// broadcasts each range of the export's buffer in order. The reply comes when every range
+/// was sent, or names why none will be. The export's id is the capability: the trainer
+/// sends only an export it keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendWeights {
+    pub export: String,
+    /// One subject token, unique to this transfer.
+    pub session: String,
+    /// The generator's device: `cpu` or `cuda` (the two sides must agree).
+    pub device: String,
+    /// `(offset, bytes)` of each bucket to send, in the order they are received.
+    pub ranges: Vec<(u64, u64)>,
+}
+
+/// The trainer's answer to [`SendWeights`]: the bytes sent and how long it took.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightsSent {
+    pub bytes: u64,
+    pub seconds: f64,
 }
 
 fn default_bucket_bytes() -> u64 {

@@ -662,7 +662,7 @@ impl Engine {
     /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
     /// buckets of `kind` of at most `bucket_bytes`, for a refit in memory: host buffers, files
     /// written in place in a directory (in shared memory), or one buffer on the policy's
-    /// device (for CUDA IPC), as `to` says. Under LoRA, only the
+    /// device (for CUDA IPC, or the collective transfer), as `to` says. Under LoRA, only the
     /// adapters (the generators keep the base). Under tensor parallelism every rank calls it
     /// (each takes part in the gathers) and rank 0 returns the buckets; the others return
     /// none.
@@ -694,7 +694,9 @@ impl Engine {
             Ok(match to {
                 PackTarget::Files(dir) => Packed::Files(pack_to_files(&tensors, kind, bucket_bytes, dir)?),
                 PackTarget::Memory => Packed::Memory(pack(&tensors, kind, bucket_bytes)?),
-                PackTarget::Device => Packed::Device(pack_on_device(&tensors, kind, bucket_bytes, device)?),
+                PackTarget::Device | PackTarget::Buffer => {
+                    Packed::Device(pack_on_device(&tensors, kind, bucket_bytes, device)?)
+                }
             })
         })?;
         Ok(packed.unwrap_or_default())

@@ -110,6 +110,7 @@ impl<'a> TrainerSession<'a> {
             bucket_bytes: EXPORT_BUCKET_BYTES,
             shared_dir,
             cuda_ipc: transfer == WeightTransfer::CudaIpc,
+            collective: transfer == WeightTransfer::Collective,
         };
         Ok(self.trainer.op(&request).await?)
     }
