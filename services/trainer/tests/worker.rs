@@ -1,7 +1,8 @@
 //! The trainer worker against the real NATS server: claim, load, logprobs (inline and by
 //! object-store reference), train, save, release; typed errors for malformed requests while
 //! the worker keeps serving; a second claim refused; an abandoned claim released when its
-//! lease runs out. Each test uses its own subject prefix and worker id.
+//! lease runs out; the collective transfer of an export to a generator that leaves midway,
+//! and then whole. Each test uses its own subject prefix and worker id.
 
 #![allow(clippy::unwrap_used)]
 
@@ -321,5 +322,91 @@ async fn loads_and_saves_outside_the_path_roots_are_refused() {
     assert!(!std::path::Path::new("/usr/local/keel-save").exists(), "nothing was written");
     let reply = h.call(TrainerOp::Save, json!({"run_id": "r", "path": "/tmp/../etc/keel", "info": {}})).await;
     assert!(reply["error"]["message"].as_str().unwrap().contains("without `..`"), "{reply}");
+    h.stop().await;
+}
+
+/// The generator's side of one collective transfer, played here: asks the worker to send
+/// `buckets` of `export` and receives them over the TCP communicator the two form, keeping
+/// at most `keep` of them before leaving (dropping the communicator). Returns the buckets
+/// received and the worker's answer.
+async fn receive(h: &Harness, export: &str, buckets: &[(u64, u64)], keep: usize) -> (Vec<tch::Tensor>, Value) {
+    let session = uuid::Uuid::new_v4().simple().to_string();
+    let request = json!({"export": export, "session": session, "device": "cpu", "ranges": buckets});
+    let ask = async_nats::Request::new().payload(request.to_string().into()).timeout(Some(Duration::from_secs(60)));
+    let answer = h.client.send_request(h.subjects.trainer_send_weights(&h.worker), ask);
+    let meeting = format!("{}.{session}", h.subjects.trainer_weights_meeting(&h.worker));
+    let any = std::net::IpAddr::from([0, 0, 0, 0]);
+    let sizes: Vec<u64> = buckets.iter().map(|(_, bytes)| *bytes).collect();
+    let received = async {
+        let comm = keel_collective::join_process_group(
+            &h.client,
+            &meeting,
+            1,
+            2,
+            tch::Device::Cpu,
+            any,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        tokio::task::spawn_blocking(move || {
+            let mut received = Vec::new();
+            for bytes in sizes.into_iter().take(keep) {
+                let mut bucket = tch::Tensor::zeros([bytes as i64], (tch::Kind::Uint8, tch::Device::Cpu));
+                comm.broadcast(&mut bucket, 0).unwrap();
+                received.push(bucket);
+            }
+            received
+        })
+        .await
+        .unwrap()
+    };
+    let (answer, received) = tokio::join!(answer, received);
+    (received, serde_json::from_slice(&answer.unwrap().payload).unwrap())
+}
+
+/// The collective transfer from the worker's side: a generator that leaves after the first
+/// bucket fails that transfer alone (the worker answers why and keeps serving), and the next
+/// transfer of the same export arrives whole, every tensor equal to the model's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_generator_that_leaves_midway_fails_its_transfer_alone_and_the_next_arrives_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    keel_testkit::keel_model_init(&model);
+    let h = Harness::start().await;
+    h.ok(TrainerOp::Claim, json!({"run_id": "run-x"})).await;
+    h.ok(TrainerOp::Load, json!({"run_id": "run-x", "policy": {"path": model}, "training": sft_training()})).await;
+    let exported = h
+        .ok(TrainerOp::Export, json!({"run_id": "run-x", "dtype": "f32", "bucket_bytes": 64 << 10, "collective": true}))
+        .await;
+    let weights: keel_protocol::generator::WeightBuckets = serde_json::from_value(exported["weights"].clone()).unwrap();
+    assert!(weights.buckets.len() > 2, "small buckets split the export");
+    let first = weights.buckets[0].collective.clone().expect("a collective export's bucket says where it is");
+    assert_eq!((first.device.as_str(), first.gpu_uuid.as_ref()), ("cpu", None));
+    let ranges: Vec<(u64, u64)> =
+        weights.buckets.iter().map(|b| (b.collective.as_ref().unwrap().offset, b.bytes)).collect();
+
+    let (received, answer) = receive(&h, &first.export, &ranges, 1).await;
+    assert_eq!(received.len(), 1);
+    assert_eq!(error_type(&answer), "internal", "{answer}");
+    assert!(answer["error"]["message"].as_str().unwrap().contains("sending the weights"), "{answer}");
+    h.ok(TrainerOp::Heartbeat, json!({"run_id": "run-x"})).await;
+
+    let (received, answer) = receive(&h, &first.export, &ranges, usize::MAX).await;
+    let total: u64 = ranges.iter().map(|(_, bytes)| bytes).sum();
+    assert_eq!(answer["ok"]["bytes"], total, "{answer}");
+    let stored = tch::Tensor::read_safetensors(model.join("model.safetensors")).unwrap();
+    let stored: std::collections::HashMap<String, tch::Tensor> = stored.into_iter().collect();
+    let mut compared = 0;
+    for (bucket, flat) in weights.buckets.iter().zip(&received) {
+        for (name, tensor) in keel_model::packing::unpack_tensor(flat, &bucket.tensors, tch::Kind::Float).unwrap() {
+            if let Some(original) = stored.get(&name) {
+                assert!(tensor.equal(&original.to_kind(tch::Kind::Float)), "{name} arrived changed");
+                compared += 1;
+            }
+        }
+    }
+    assert!(compared >= stored.len() - 1, "{compared} of the model's {} tensors compared", stored.len());
+    h.ok(TrainerOp::Release, json!({"run_id": "run-x"})).await;
     h.stop().await;
 }
