@@ -8,7 +8,8 @@ use futures::StreamExt;
 
 use crate::{Error, Result};
 
-/// How long a rank waits between asking for the id while rank 0 is not yet listening.
+/// The longest a rank waits between asking for the id while rank 0 is not yet listening
+/// (the waits grow to it from 1 ms).
 const RETRY: Duration = Duration::from_millis(100);
 
 /// Shares rank 0's `make()` bytes with every rank of a `world_size`-rank group over
@@ -45,6 +46,7 @@ pub async fn share_id(
         client.flush().await.map_err(|e| nats(&e))?;
         return Ok(id);
     }
+    let mut backoff = crate::Backoff::up_to(RETRY);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -54,7 +56,7 @@ pub async fn share_id(
         match tokio::time::timeout(left, asked).await {
             Ok(Ok(answer)) => return Ok(answer.payload.to_vec()),
             // Rank 0 is not listening yet (no responders) or did not answer in time: ask again.
-            Ok(Err(_)) => tokio::time::sleep(RETRY.min(left)).await,
+            Ok(Err(_)) => tokio::time::sleep(backoff.next().min(left)).await,
             Err(_) => return Err(expired()),
         }
     }

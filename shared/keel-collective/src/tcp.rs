@@ -26,7 +26,8 @@ use crate::{Collective, Error, ReduceOp, Result};
 
 /// The first bytes of a rank's hello, so that a stray connection is refused.
 const MAGIC: &[u8; 8] = b"KEELTCP1";
-/// How long a rank waits between tries to reach rank 0 while it is not listening yet.
+/// The longest a rank waits between tries to reach rank 0 while it is not listening yet, and
+/// rank 0 between looks for the ranks that connect (the waits grow to it from 1 ms).
 const RETRY: Duration = Duration::from_millis(50);
 
 /// What a rank asks for in one operation.
@@ -252,6 +253,7 @@ impl TcpCollective {
         let deadline = Instant::now() + timeout;
         listener.set_nonblocking(true).map_err(invalid)?;
         let mut peers: Vec<Option<TcpStream>> = (1..world_size).map(|_| None).collect();
+        let mut backoff = crate::Backoff::up_to(RETRY);
         while peers.iter().any(Option::is_none) {
             let (mut stream, from) = match listener.accept() {
                 Ok(accepted) => accepted,
@@ -264,7 +266,7 @@ impl TcpCollective {
                             timeout.as_secs_f64()
                         )));
                     }
-                    std::thread::sleep(RETRY);
+                    std::thread::sleep(backoff.next());
                     continue;
                 }
                 Err(e) => return Err(invalid(e)),
@@ -296,13 +298,14 @@ impl TcpCollective {
             return Err(Error::Invalid(format!("rank {rank} cannot connect to rank 0 in a group of {world_size}")));
         }
         let deadline = Instant::now() + timeout;
+        let mut backoff = crate::Backoff::up_to(RETRY);
         let mut stream = loop {
             match TcpStream::connect_timeout(&hub, timeout) {
                 Ok(stream) => break stream,
                 Err(e) if Instant::now() >= deadline => {
                     return Err(Error::Invalid(format!("rank {rank}: cannot reach rank 0 at {hub}: {e}")));
                 }
-                Err(_) => std::thread::sleep(RETRY),
+                Err(_) => std::thread::sleep(backoff.next()),
             }
         };
         configure(&stream, timeout)?;
