@@ -10,6 +10,7 @@
 //! Requests are answered from spawned tasks, so a heartbeat or a refused claim is answered
 //! while a training step runs; model work is serialised on the [`EngineThread`].
 
+use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -802,6 +803,14 @@ fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> FileError + '_ {
 
 impl SharedExport {
     fn begin(dir: std::path::PathBuf) -> std::result::Result<Self, FileError> {
+        // The directory the runs' directories are in (`/dev/shm/keel-weights`) is every
+        // user's, as /tmp is: the worker that makes it makes it writable by all, sticky.
+        if let Some(shared) = dir.parent()
+            && !shared.exists()
+        {
+            std::fs::create_dir_all(shared).map_err(io(shared))?;
+            let _ = std::fs::set_permissions(shared, std::fs::Permissions::from_mode(0o1777));
+        }
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let export = dir.join(format!("export-{nanos:032}"));
@@ -1048,6 +1057,21 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// The directory of the runs' shared-memory exports is made writable by every user
+    /// (sticky, as /tmp) by the worker that makes it; one that was there is left as it is.
+    #[test]
+    fn the_directory_of_shared_exports_is_every_users() {
+        let root = tempfile::tempdir().unwrap();
+        let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+        SharedExport::begin(root.path().join("keel-weights/run-1")).unwrap();
+        assert_eq!(mode(&root.path().join("keel-weights")), 0o1777);
+        let own = root.path().join("own");
+        std::fs::create_dir(&own).unwrap();
+        std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o755)).unwrap();
+        SharedExport::begin(own.join("run-1")).unwrap();
+        assert_eq!(mode(&own), 0o755);
+    }
 
     /// Exports in shared memory: the three newest stay as written, and the next export
     /// writes over the files of the fourth.
