@@ -5,7 +5,9 @@
 //! namespace, trains a GRPO run at data parallelism 2 × tensor parallelism 2, and the
 //! run's generator is a group of two processes (tensor parallelism 2) on the first two
 //! namespaces, the ranks meeting over NATS and talking TCP between the namespaces (rollouts,
-//! and the weights of every refit broadcast from the generator's leader).
+//! and the weights of every refit broadcast from the generator's leader). The weights reach
+//! the generator's leader by the collective transfer: the trainer group's leader sends them
+//! over a communicator the two form for each refit.
 //!
 //! A trainer rank is killed midway: the run fails that attempt with an error naming the
 //! group, waits for the group to be whole again (the rank is started again) and resumes from
@@ -184,6 +186,9 @@ async fn a_dp2_tp2_grpo_run_across_four_hosts_survives_a_killed_rank() {
     spec["max_num_steps"] = json!(STEPS);
     spec["checkpointing"] = json!({"save_period": 2});
     spec["validation"]["period"] = json!(0);
+    // Each refit's weights are sent by the trainer group's leader to the generator's leader
+    // over a communicator the two form (TCP, the trainer listening on its host's address).
+    spec["generation"]["weight_transfer"] = json!("collective");
     let id = stack.submit(&spec).await;
 
     // Midway: after the checkpoint of step 2, the last rank (on the fourth host) dies.
