@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use keel_protocol::generator::{WeightsLoaded, WeightsUpdated};
 use keel_protocol::subjects::TrainerOp;
 use keel_protocol::trainer::{
-    ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, SendWeights, Sequences, TrainBatch,
-    TrainRequest, WeightsSent,
+    ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, SendAccepted, SendWeights, Sequences,
+    TrainBatch, TrainRequest,
 };
 use keel_protocol::{Payload, Reply, Subjects};
 use keel_testkit::{ServiceProcess, keel_model_init};
@@ -233,6 +233,13 @@ async fn refit_matches_the_trainer(
     assert!(report.error.is_none() && report.seconds > 0.0, "the generator reports the refit done: {report:?}");
     assert_eq!(report.dtype.as_deref(), Some("float32"), "and the dtype it serves in (f32 on a CPU)");
     let (sequence, generated) = pair.rollout(2).await;
+    if through == Through::Collective {
+        // The next refit goes over the communicator the generator kept with the trainer.
+        let report = pair.publish(&WeightsUpdated { version: 3, ..event.clone() }).await;
+        assert!(report.error.is_none(), "a refit over the kept communicator: {report:?}");
+        let (again, _) = pair.rollout(3).await;
+        assert_eq!(again, sequence, "the same weights serve the same greedy tokens");
+    }
     let request = LogprobsRequest {
         run_id: "r".into(),
         model: Scorer::Policy,
@@ -262,9 +269,15 @@ async fn refit_matches_the_trainer(
     // kept to send.
     let _: Value = pair.trainer(TrainerOp::Release, &json!({"run_id": "r"})).await;
     if let Some(first) = collective {
-        let request = SendWeights { export: first.export, session: "s2".into(), device: "cpu".into(), ranges: vec![] };
+        let request = SendWeights {
+            export: first.export,
+            session: "s2".into(),
+            device: "cpu".into(),
+            ranges: vec![],
+            reuse: false,
+        };
         let subject = pair.subjects.trainer_send_weights(&pair.worker);
-        let refused = pair.call::<WeightsSent>(subject, &request).await.expect_err("the export is freed");
+        let refused = pair.call::<SendAccepted>(subject, &request).await.expect_err("the export is freed");
         assert!(refused["message"].as_str().unwrap().contains("is not kept"), "{refused}");
     }
     if let Some(dir) = shared_dir {
@@ -307,15 +320,18 @@ async fn refuses_what_it_cannot_send(pair: &Pair, exported: &ExportReply) {
         session: "s1".into(),
         device: "cuda".into(),
         ranges: vec![(first.offset, exported.weights.buckets[0].bytes)],
+        reuse: false,
     };
     let refusals = [
         (request.clone(), "the export is in cpu memory and the generator receives on `cuda`"),
         (SendWeights { device: "cpu".into(), ranges: vec![(0, 1 << 40)], ..request.clone() }, "is not inside"),
         (SendWeights { device: "cpu".into(), session: "a.b".into(), ..request.clone() }, "session `a.b`"),
+        (SendWeights { device: "cpu".into(), reuse: true, ..request.clone() }, "keeps no communicator of session s1"),
     ];
     for (request, expected) in refusals {
-        let refused = pair.call::<WeightsSent>(subject.clone(), &request).await.expect_err("refused");
-        assert_eq!(refused["type"], "invalid_request", "{refused}");
+        let refused = pair.call::<SendAccepted>(subject.clone(), &request).await.expect_err("refused");
+        let kind = if request.reuse { "unknown_session" } else { "invalid_request" };
+        assert_eq!(refused["type"], kind, "{refused}");
         assert!(refused["message"].as_str().unwrap().contains(expected), "{refused}");
     }
 }

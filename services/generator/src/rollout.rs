@@ -12,7 +12,7 @@ use keel_protocol::generator::{
     WeightsUpdated, error_types,
 };
 use keel_protocol::subjects::{GENERATOR_QUEUE_GROUP, QueueCall};
-use keel_protocol::trainer::{SendWeights, WeightsSent};
+use keel_protocol::trainer::{SendAccepted, SendWeights};
 use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -229,6 +229,7 @@ pub async fn serve(
     info!(subject = %subjects.generate(), "serving rollouts");
     let serving_run = ServingRun::default();
     let refused = RefusedRefits::default();
+    let links = Links::default();
     let in_flight = InFlight::default();
     tokio::pin!(shutdown);
     loop {
@@ -270,10 +271,11 @@ pub async fn serve(
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
                         let (client, roots, dtype, device) = (client.clone(), roots.clone(), state.dtype, state.device);
+                        let links = links.clone();
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
                             let refit = async {
-                                let weights = new_weights(&client, &roots, &update, device).await?;
+                                let weights = new_weights(&client, &roots, &update, device, &links).await?;
                                 Ok(engine.refit(weights, update.version, update.refit_mode).await?)
                             }
                             .await;
@@ -365,13 +367,18 @@ async fn report_refit(
 /// trainer waits as long for this generator to join).
 const RECEIVE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
+/// The communicators this generator keeps with trainers for the collective transfer: per
+/// trainer (the subject it takes requests on), the session and the communicator. Transfers
+/// take the lock for their whole length, so one runs at a time.
+pub(crate) type Links = Arc<tokio::sync::Mutex<HashMap<String, (String, keel_collective::SharedComm)>>>;
+
 /// The buckets of `buckets` the trainer keeps for the collective transfer, in their order,
-/// received on `device` (none when no bucket is one): one [`SendWeights`] for them all, then
-/// the two-rank communicator the generator (rank 1) and the trainer (rank 0) form for it,
-/// over which the trainer broadcasts each bucket. A refusal from the trainer ends the wait
-/// at once.
+/// received on `device` (none when no bucket is one), over the communicator kept with that
+/// trainer from an earlier transfer — or, when there is none or it fails (the trainer
+/// restarted, or let it go), a new one formed for this transfer and kept for the next.
 async fn receive(
     client: &async_nats::Client,
+    links: &Links,
     buckets: &[keel_protocol::generator::WeightBucket],
     device: tch::Device,
 ) -> crate::Result<Vec<tch::Tensor>> {
@@ -381,7 +388,6 @@ async fn receive(
     {
         return Err(Error::Receive("the buckets name more than one export".into()));
     }
-    let failed = |e: &dyn std::fmt::Display| Error::Receive(e.to_string());
     if let (tch::Device::Cuda(ordinal), Some(trainer)) = (device, &first.gpu_uuid)
         && keel_model::cuda::ipc::device_uuid(ordinal).is_ok_and(|mine| mine == *trainer)
     {
@@ -390,58 +396,81 @@ async fn receive(
              GPUs only: use the cuda_ipc transfer"
         )));
     }
-    let session = format!("{:032x}", rand::random::<u128>());
+    let ranges: Vec<(u64, u64)> = sent.iter().map(|(c, bytes)| (c.offset, *bytes)).collect();
+    let mut links = links.lock().await;
+    let received = match links.remove(&first.subject) {
+        Some(kept) => match fetch(client, first, &ranges, device, Some(kept)).await {
+            Ok(received) => received,
+            Err(e) => {
+                info!("the communicator kept with the trainer failed ({e}); forming a new one");
+                fetch(client, first, &ranges, device, None).await?
+            }
+        },
+        None => fetch(client, first, &ranges, device, None).await?,
+    };
+    let (tensors, session, comm) = received;
+    links.insert(first.subject.clone(), (session, comm));
+    Ok(tensors)
+}
+
+/// One collective transfer of `ranges` of `first`'s export: the request (refused at once
+/// by the trainer, or accepted), then the communicator — `kept`, or a new one on a session
+/// of its own — and every range received on `device`. Returns the buckets, and the session
+/// and communicator to keep.
+async fn fetch(
+    client: &async_nats::Client,
+    first: &keel_protocol::generator::CollectiveBuffer,
+    ranges: &[(u64, u64)],
+    device: tch::Device,
+    kept: Option<(String, keel_collective::SharedComm)>,
+) -> crate::Result<(Vec<tch::Tensor>, String, keel_collective::SharedComm)> {
+    let failed = |e: &dyn std::fmt::Display| Error::Receive(e.to_string());
+    let session = match &kept {
+        Some((session, _)) => session.clone(),
+        None => format!("{:032x}", rand::random::<u128>()),
+    };
     let request = SendWeights {
         export: first.export.clone(),
         session: session.clone(),
         device: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
-        ranges: sent.iter().map(|(c, bytes)| (c.offset, *bytes)).collect(),
+        ranges: ranges.to_vec(),
+        reuse: kept.is_some(),
     };
     let body = serde_json::to_vec(&request).map_err(|e| failed(&e))?;
-    let asked = async {
-        let ask = async_nats::Request::new().payload(body.into()).timeout(Some(RECEIVE_WAIT));
-        let answer = client.send_request(first.subject.clone(), ask).await.map_err(|e| failed(&e))?;
-        match serde_json::from_slice::<Reply<WeightsSent>>(&answer.payload) {
-            Ok(Reply::Ok(sent)) => Ok(sent),
-            Ok(Reply::Error(e)) => Err(Error::Receive(format!("the trainer refused: {e}"))),
-            Err(e) => Err(Error::Receive(format!("a malformed answer from the trainer: {e}"))),
-        }
-    };
-    let sizes: Vec<u64> = sent.iter().map(|(_, bytes)| *bytes).collect();
-    let meeting = format!("{}.{session}", first.meeting);
-    let transfer = async {
-        let unused = std::net::IpAddr::from([0, 0, 0, 0]);
-        let comm = keel_collective::join_process_group(client, &meeting, 1, 2, device, unused, RECEIVE_WAIT)
-            .await
-            .map_err(|e| failed(&e))?;
-        let received = tokio::task::spawn_blocking(move || {
-            let mut received = Vec::with_capacity(sizes.len());
-            for bytes in sizes {
-                let mut bucket =
-                    tch::Tensor::f_empty([bytes as i64], (tch::Kind::Uint8, device)).map_err(|e| e.to_string())?;
-                comm.broadcast(&mut bucket, 0).map_err(|e| e.to_string())?;
-                received.push(bucket);
-            }
-            if let tch::Device::Cuda(ordinal) = device {
-                tch::Cuda::synchronize(ordinal as i64);
-            }
-            Ok::<_, String>(received)
-        });
-        received.await.map_err(|e| Error::Task("receiving the weights", e))?.map_err(Error::Receive)
-    };
-    tokio::pin!(asked, transfer);
-    tokio::select! {
-        // The trainer answers once it has sent everything, or at once when it refuses.
-        answer = &mut asked => {
-            answer?;
-            transfer.await
-        }
-        received = &mut transfer => {
-            let received = received?;
-            asked.await?;
-            Ok(received)
-        }
+    let ask = async_nats::Request::new().payload(body.into()).timeout(Some(RECEIVE_WAIT));
+    let answer = client.send_request(first.subject.clone(), ask).await.map_err(|e| failed(&e))?;
+    match serde_json::from_slice::<Reply<SendAccepted>>(&answer.payload) {
+        Ok(Reply::Ok(_)) => {}
+        Ok(Reply::Error(e)) => return Err(Error::Receive(format!("the trainer refused: {e}"))),
+        Err(e) => return Err(Error::Receive(format!("a malformed answer from the trainer: {e}"))),
     }
+    let comm = match kept {
+        Some((_, comm)) => comm,
+        None => {
+            let meeting = format!("{}.{session}", first.meeting);
+            let unused = std::net::IpAddr::from([0, 0, 0, 0]);
+            keel_collective::join_process_group(client, &meeting, 1, 2, device, unused, RECEIVE_WAIT)
+                .await
+                .map_err(|e| failed(&e))?
+        }
+    };
+    let sizes: Vec<u64> = ranges.iter().map(|(_, bytes)| *bytes).collect();
+    let received = tokio::task::spawn_blocking(move || {
+        let mut received = Vec::with_capacity(sizes.len());
+        for bytes in sizes {
+            let mut bucket =
+                tch::Tensor::f_empty([bytes as i64], (tch::Kind::Uint8, device)).map_err(|e| e.to_string())?;
+            comm.broadcast(&mut bucket, 0).map_err(|e| e.to_string())?;
+            received.push(bucket);
+        }
+        if let tch::Device::Cuda(ordinal) = device {
+            tch::Cuda::synchronize(ordinal as i64);
+        }
+        Ok::<_, String>((received, comm))
+    });
+    let (received, comm) =
+        received.await.map_err(|e| Error::Task("receiving the weights", e))?.map_err(Error::Receive)?;
+    Ok((received, session, comm))
 }
 
 /// A weight bucket's bytes from the object store, the shared-memory file it is in, its
@@ -458,20 +487,21 @@ enum Fetched {
 /// checked) when it carries them in memory, else its directory inside the path roots.
 /// Nothing reaches the model until every bucket is here. Objects are fetched here; making
 /// tensors of them, mapping shared-memory files and copying buckets out of the trainer's GPU
-/// memory run on the blocking pool. Buckets the trainer sends over a communicator arrive on
-/// `device`, all of them before any other is fetched.
+/// memory run on the blocking pool. Buckets the trainer sends over a communicator (kept in
+/// `links` for the next refit) arrive on `device`, all of them before any other is fetched.
 async fn new_weights(
     client: &async_nats::Client,
     roots: &keel_service::paths::PathRoots,
     update: &WeightsUpdated,
     device: tch::Device,
+    links: &Links,
 ) -> crate::Result<Weights> {
     let Some(weights) = &update.weights else {
         return Ok(Weights::Dir(roots.check("path", &update.path)?));
     };
     let kind = keel_model::device::parse_kind(&weights.dtype)?;
     let mut stores: std::collections::HashMap<String, keel_service::nats::Bulk> = std::collections::HashMap::new();
-    let mut received = receive(client, &weights.buckets, device).await?.into_iter();
+    let mut received = receive(client, links, &weights.buckets, device).await?.into_iter();
     let mut fetched = Vec::with_capacity(weights.buckets.len());
     for bucket in &weights.buckets {
         fetched.push(match (&bucket.object, &bucket.file, &bucket.cuda_ipc, &bucket.collective) {

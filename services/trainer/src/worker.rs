@@ -29,7 +29,7 @@ use keel_protocol::trainer::{
     ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply,
     HeartbeatRequest, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved,
     OffloadRequest, OnloadRequest, ReleaseRequest, Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest,
-    SendWeights, Timing, TrainReply, TrainRequest, TrainerCall, WeightsSent, error_types,
+    SendAccepted, SendWeights, Timing, TrainReply, TrainRequest, TrainerCall, error_types,
 };
 use keel_protocol::{Reply, Subjects, join_problems};
 use keel_service::nats::Bulk;
@@ -79,6 +79,9 @@ struct Shared {
     /// This worker's subjects for the collective transfer: where generators ask, and the
     /// prefix the two sides meet under.
     send_subjects: (String, String),
+    /// Communicators kept with generators by session, and the device they are on, newest
+    /// last (see [`KEPT_LINKS`]).
+    links: Mutex<std::collections::VecDeque<(String, tch::Device, keel_collective::SharedComm)>>,
     /// When this worker leads a group of trainer processes: the group, and where its ranks
     /// meet.
     group: Option<(Arc<Leader>, Meeting)>,
@@ -679,13 +682,26 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
 /// each range to arrive.
 const SEND_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Sends an export kept for the collective transfer to the generator that asked
-/// ([`SendWeights`]): the two join a communicator of their own (NCCL between GPUs, TCP
-/// through this worker on the CPU) and every range asked for is broadcast from here, on the
-/// blocking pool. The export's id admits the request, not the run's claim: a generator
-/// knows it from the weights it was told to load.
-async fn send_weights(shared: Arc<Shared>, payload: &[u8]) -> Answer<WeightsSent> {
-    let started = Instant::now();
+/// Communicators kept with generators for their next collective transfers (each holds a
+/// connection, or NCCL's buffers on the GPU): the newest few.
+const KEPT_LINKS: usize = 8;
+
+/// A collective transfer the worker accepted: what to send, and over which communicator.
+struct Transfer {
+    export: String,
+    buffer: tch::Tensor,
+    ranges: Vec<(u64, u64)>,
+    session: String,
+    /// The communicator kept from an earlier transfer to the same generator (None: a new
+    /// one is formed on the session's subject).
+    link: Option<keel_collective::SharedComm>,
+}
+
+/// Decides a generator's [`SendWeights`]: an export this worker keeps, on the generator's
+/// kind of device, ranges inside it, and the kept communicator it names when it asks to
+/// reuse one (taken while the transfer runs). The export's id admits the request, not the
+/// run's claim: a generator knows it from the weights it was told to load.
+fn accept(shared: &Shared, payload: &[u8]) -> Answer<(SendAccepted, Transfer)> {
     let request: SendWeights = parse(payload)?;
     let invalid = |message: String| refuse(error_types::INVALID_REQUEST, message);
     if !keel_protocol::subjects::is_subject_token(&request.session) {
@@ -696,13 +712,10 @@ async fn send_weights(shared: Arc<Shared>, payload: &[u8]) -> Answer<WeightsSent
         kept.iter().find(|(id, _)| *id == request.export).map(|(_, buffer)| buffer.shallow_clone())
     };
     let buffer = buffer.ok_or_else(|| {
-        refuse(
-            error_types::INVALID_REQUEST,
-            format!(
-                "export {} is not kept by worker {} (it keeps the {KEPT_DEVICE_EXPORTS} newest of the run holding it)",
-                request.export, shared.worker_id
-            ),
-        )
+        invalid(format!(
+            "export {} is not kept by worker {} (it keeps the {KEPT_DEVICE_EXPORTS} newest of the run holding it)",
+            request.export, shared.worker_id
+        ))
     })?;
     let device = buffer.device();
     let place = if device.is_cuda() { "cuda" } else { "cpu" };
@@ -719,29 +732,62 @@ async fn send_weights(shared: Arc<Shared>, payload: &[u8]) -> Answer<WeightsSent
             return Err(invalid(format!("range ({offset}, {bytes}) is not inside the export's {size} bytes")));
         }
     }
-    let ip = shared.send_ip.clone().map_err(|e| refuse(error_types::INTERNAL, e))?;
-    let subject = format!("{}.{}", shared.send_subjects.1, request.session);
-    let comm = keel_collective::join_process_group(&shared.client, &subject, 0, 2, device, ip, SEND_TIMEOUT)
-        .await
-        .map_err(|e| refuse(error_types::INTERNAL, format!("joining the generator: {e}")))?;
-    let ranges = request.ranges;
-    let bytes = ranges.iter().map(|(_, bytes)| bytes).sum();
-    tokio::task::spawn_blocking(move || {
+    let link = if request.reuse {
+        let mut links = shared.links.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = links.iter().position(|(session, on, _)| *session == request.session && *on == device);
+        let at = at.ok_or_else(|| {
+            refuse(
+                error_types::UNKNOWN_SESSION,
+                format!("worker {} keeps no communicator of session {} on {place}", shared.worker_id, request.session),
+            )
+        })?;
+        links.remove(at).map(|(_, _, comm)| comm)
+    } else {
+        if let Err(e) = &shared.send_ip {
+            return Err(refuse(error_types::INTERNAL, e));
+        }
+        None
+    };
+    let bytes = request.ranges.iter().map(|(_, bytes)| bytes).sum();
+    let transfer = Transfer { export: request.export, buffer, ranges: request.ranges, session: request.session, link };
+    Ok((SendAccepted { bytes }, transfer))
+}
+
+/// Runs an accepted transfer: joins the generator on a new communicator (unless one was
+/// kept), broadcasts every range on the blocking pool, and keeps the communicator for the
+/// generator's next transfer. A communicator whose transfer failed is dropped.
+async fn send_weights(shared: Arc<Shared>, transfer: Transfer) -> std::result::Result<(), String> {
+    let Transfer { buffer, ranges, session, link, .. } = transfer;
+    let device = buffer.device();
+    let comm = match link {
+        Some(comm) => comm,
+        None => {
+            let ip = shared.send_ip.clone()?;
+            let subject = format!("{}.{session}", shared.send_subjects.1);
+            keel_collective::join_process_group(&shared.client, &subject, 0, 2, device, ip, SEND_TIMEOUT)
+                .await
+                .map_err(|e| format!("joining the generator: {e}"))?
+        }
+    };
+    let comm = tokio::task::spawn_blocking(move || {
         for (offset, bytes) in ranges {
             let mut range = buffer.f_narrow(0, offset as i64, bytes as i64).map_err(|e| e.to_string())?;
-            comm.broadcast(&mut range, 0).map_err(|e| e.to_string())?;
+            comm.broadcast(&mut range, 0).map_err(|e| format!("sending the weights: {e}"))?;
         }
-        // NCCL's broadcasts are queued on the GPU: the answer says they are done.
+        // NCCL's broadcasts are queued on the GPU: the communicator is kept once they are done.
         if let tch::Device::Cuda(ordinal) = device {
             tch::Cuda::synchronize(ordinal as i64);
         }
-        Ok::<_, String>(())
+        Ok::<_, String>(comm)
     })
-    .instrument(info_span!("send_weights", export = %request.export, bytes))
     .await
-    .map_err(|e| refuse(error_types::INTERNAL, e))?
-    .map_err(|e| refuse(error_types::INTERNAL, format!("sending the weights: {e}")))?;
-    Ok(WeightsSent { bytes, seconds: started.elapsed().as_secs_f64() })
+    .map_err(|e| e.to_string())??;
+    let mut links = shared.links.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    links.push_back((session, device, comm));
+    while links.len() > KEPT_LINKS {
+        links.pop_front();
+    }
+    Ok(())
 }
 
 /// Each bucket an object of the bulk bucket; on a failure the ones stored are deleted.
@@ -910,6 +956,7 @@ impl Worker {
             device_exports,
             send_ip,
             send_subjects,
+            links: Mutex::default(),
             group,
         };
         Ok(Self { shared: Arc::new(shared), subjects })
@@ -961,7 +1008,7 @@ impl Worker {
         });
     }
 
-    /// Answers a generator's [`SendWeights`] once the weights are sent (or why not).
+    /// Answers a generator's [`SendWeights`] at once (accepted, or why not), then sends.
     fn send(&self, message: Message) {
         let Some(reply_to) = message.reply.clone() else {
             warn!(subject = %message.subject, "request without a reply subject ignored");
@@ -970,12 +1017,25 @@ impl Worker {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             let client = shared.client.clone();
+            let mut accepted = None;
             let body = keel_service::nats::served(&client, "trainer.send_weights", &message, async {
-                encode(send_weights(shared.clone(), &message.payload).await)
+                let decided = accept(&shared, &message.payload);
+                let answer = decided.map(|(reply, transfer)| {
+                    accepted = Some(transfer);
+                    reply
+                });
+                encode(answer)
             })
             .await;
             if let Err(e) = client.publish(reply_to, body.into()).await {
                 warn!("cannot answer a request for weights: {e}");
+                return;
+            }
+            if let Some(transfer) = accepted {
+                let span = info_span!("send_weights", export = %transfer.export, reused = transfer.link.is_some());
+                if let Err(e) = send_weights(shared, transfer).instrument(span).await {
+                    warn!("a collective transfer failed: {e}");
+                }
             }
         });
     }

@@ -325,49 +325,60 @@ async fn loads_and_saves_outside_the_path_roots_are_refused() {
     h.stop().await;
 }
 
+/// A communicator a generator keeps with the worker: its session and the communicator.
+type Link = (String, keel_collective::SharedComm);
+
 /// The generator's side of one collective transfer, played here: asks the worker to send
-/// `buckets` of `export` and receives them over the TCP communicator the two form, keeping
-/// at most `keep` of them before leaving (dropping the communicator). Returns the buckets
-/// received and the worker's answer.
-async fn receive(h: &Harness, export: &str, buckets: &[(u64, u64)], keep: usize) -> (Vec<tch::Tensor>, Value) {
-    let session = uuid::Uuid::new_v4().simple().to_string();
-    let request = json!({"export": export, "session": session, "device": "cpu", "ranges": buckets});
-    let ask = async_nats::Request::new().payload(request.to_string().into()).timeout(Some(Duration::from_secs(60)));
-    let answer = h.client.send_request(h.subjects.trainer_send_weights(&h.worker), ask);
-    let meeting = format!("{}.{session}", h.subjects.trainer_weights_meeting(&h.worker));
-    let any = std::net::IpAddr::from([0, 0, 0, 0]);
-    let sizes: Vec<u64> = buckets.iter().map(|(_, bytes)| *bytes).collect();
-    let received = async {
-        let comm = keel_collective::join_process_group(
-            &h.client,
-            &meeting,
-            1,
-            2,
-            tch::Device::Cpu,
-            any,
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
-        tokio::task::spawn_blocking(move || {
-            let mut received = Vec::new();
-            for bytes in sizes.into_iter().take(keep) {
-                let mut bucket = tch::Tensor::zeros([bytes as i64], (tch::Kind::Uint8, tch::Device::Cpu));
-                comm.broadcast(&mut bucket, 0).unwrap();
-                received.push(bucket);
-            }
-            received
-        })
-        .await
-        .unwrap()
+/// `buckets` of `export` — over `link`, kept from an earlier transfer, or a new communicator
+/// — and receives them, keeping at most `keep` of them before leaving (dropping the
+/// communicator). Returns the worker's answer, and when it accepted, the buckets received
+/// and the link to keep.
+async fn receive(
+    h: &Harness,
+    export: &str,
+    buckets: &[(u64, u64)],
+    keep: usize,
+    link: Option<Link>,
+) -> (Value, Vec<tch::Tensor>, Option<Link>) {
+    let session = link.as_ref().map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), |(s, _)| s.clone());
+    let request =
+        json!({"export": export, "session": session, "device": "cpu", "ranges": buckets, "reuse": link.is_some()});
+    let answer = h.client.request(h.subjects.trainer_send_weights(&h.worker), request.to_string().into()).await;
+    let answer: Value = serde_json::from_slice(&answer.unwrap().payload).unwrap();
+    if answer.get("ok").is_none() {
+        return (answer, Vec::new(), None);
+    }
+    let comm = match link {
+        Some((_, comm)) => comm,
+        None => {
+            let meeting = format!("{}.{session}", h.subjects.trainer_weights_meeting(&h.worker));
+            let any = std::net::IpAddr::from([0, 0, 0, 0]);
+            let timeout = Duration::from_secs(60);
+            keel_collective::join_process_group(&h.client, &meeting, 1, 2, tch::Device::Cpu, any, timeout)
+                .await
+                .unwrap()
+        }
     };
-    let (answer, received) = tokio::join!(answer, received);
-    (received, serde_json::from_slice(&answer.unwrap().payload).unwrap())
+    let sizes: Vec<u64> = buckets.iter().map(|(_, bytes)| *bytes).collect();
+    let (received, comm) = tokio::task::spawn_blocking(move || {
+        let mut received = Vec::new();
+        for bytes in sizes.into_iter().take(keep) {
+            let mut bucket = tch::Tensor::zeros([bytes as i64], (tch::Kind::Uint8, tch::Device::Cpu));
+            comm.broadcast(&mut bucket, 0).unwrap();
+            received.push(bucket);
+        }
+        (received, comm)
+    })
+    .await
+    .unwrap();
+    let whole = received.len() == buckets.len();
+    (answer, received, whole.then_some((session, comm)))
 }
 
 /// The collective transfer from the worker's side: a generator that leaves after the first
-/// bucket fails that transfer alone (the worker answers why and keeps serving), and the next
-/// transfer of the same export arrives whole, every tensor equal to the model's.
+/// bucket fails that transfer alone (the worker keeps serving and forgets that
+/// communicator); the next transfer of the same export, on a new communicator, arrives
+/// whole, every tensor equal to the model's; and the one after it reuses that communicator.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_generator_that_leaves_midway_fails_its_transfer_alone_and_the_next_arrives_whole() {
     let dir = tempfile::tempdir().unwrap();
@@ -385,15 +396,25 @@ async fn a_generator_that_leaves_midway_fails_its_transfer_alone_and_the_next_ar
     assert_eq!((first.device.as_str(), first.gpu_uuid.as_ref()), ("cpu", None));
     let ranges: Vec<(u64, u64)> =
         weights.buckets.iter().map(|b| (b.collective.as_ref().unwrap().offset, b.bytes)).collect();
+    let total: u64 = ranges.iter().map(|(_, bytes)| bytes).sum();
 
-    let (received, answer) = receive(&h, &first.export, &ranges, 1).await;
-    assert_eq!(received.len(), 1);
-    assert_eq!(error_type(&answer), "internal", "{answer}");
-    assert!(answer["error"]["message"].as_str().unwrap().contains("sending the weights"), "{answer}");
+    // Asking to reuse a communicator the worker does not keep is refused, naming it.
+    let (answer, _, _) = receive(
+        &h,
+        &first.export,
+        &ranges,
+        usize::MAX,
+        Some(("nope".into(), std::sync::Arc::new(keel_collective::Single))),
+    )
+    .await;
+    assert_eq!(error_type(&answer), "unknown_session", "{answer}");
+
+    let (answer, received, _) = receive(&h, &first.export, &ranges, 1, None).await;
+    assert_eq!(answer["ok"]["bytes"], total, "{answer}");
+    assert_eq!(received.len(), 1, "the generator left after the first bucket");
     h.ok(TrainerOp::Heartbeat, json!({"run_id": "run-x"})).await;
 
-    let (received, answer) = receive(&h, &first.export, &ranges, usize::MAX).await;
-    let total: u64 = ranges.iter().map(|(_, bytes)| bytes).sum();
+    let (answer, received, link) = receive(&h, &first.export, &ranges, usize::MAX, None).await;
     assert_eq!(answer["ok"]["bytes"], total, "{answer}");
     let stored = tch::Tensor::read_safetensors(model.join("model.safetensors")).unwrap();
     let stored: std::collections::HashMap<String, tch::Tensor> = stored.into_iter().collect();
@@ -407,6 +428,11 @@ async fn a_generator_that_leaves_midway_fails_its_transfer_alone_and_the_next_ar
         }
     }
     assert!(compared >= stored.len() - 1, "{compared} of the model's {} tensors compared", stored.len());
+
+    // The communicator is kept: the next transfer goes over it, the same bytes again.
+    let (answer, again, _) = receive(&h, &first.export, &ranges, usize::MAX, link).await;
+    assert_eq!(answer["ok"]["bytes"], total, "{answer}");
+    assert!(again.iter().zip(&received).all(|(a, b)| a.equal(b)), "the kept communicator carries the same buckets");
     h.ok(TrainerOp::Release, json!({"run_id": "run-x"})).await;
     h.stop().await;
 }

@@ -21,6 +21,9 @@ pub mod error_types {
     /// The request names a holder of the run that a newer claim replaced (see
     /// [`ClaimRequest::holder`](super::ClaimRequest::holder)).
     pub const STALE_HOLDER: &str = "stale_holder";
+    /// A [`SendWeights`](super::SendWeights) names a kept communicator this worker does not
+    /// have (it restarted, or let it go): ask again for a new one.
+    pub const UNKNOWN_SESSION: &str = "unknown_session";
     /// The body is not valid JSON for the operation, or its contents are inconsistent
     /// (shape mismatch, NaN, out-of-vocabulary token).
     pub const INVALID_REQUEST: &str = "invalid_request";
@@ -330,31 +333,36 @@ pub struct ExportRequest {
 }
 
 /// A generator's request, on [`crate::Subjects::trainer_send_weights`], to receive an
-/// export kept for the collective transfer: the trainer (rank 0) and the generator (rank 1)
-/// join a communicator on `<meeting>.<session>` (the bucket's
-/// [`crate::generator::CollectiveBuffer::meeting`]), NCCL when the export is in GPU memory
-/// and `device` is a GPU, TCP through the trainer when both are on the CPU, and the trainer
-/// broadcasts each range of the export's buffer in order. The reply comes when every range
-/// was sent, or names why none will be. The export's id is the capability: the trainer
-/// sends only an export it keeps.
+/// export kept for the collective transfer. The trainer answers at once ([`SendAccepted`], or
+/// why it will not send); then the two meet on a two-rank communicator, the trainer rank 0
+/// and the generator rank 1 — a new one on `<meeting>.<session>` (the bucket's
+/// [`crate::generator::CollectiveBuffer::meeting`]: NCCL when the export is in GPU memory and
+/// `device` is a GPU, TCP through the trainer when both are on the CPU), or, with `reuse`,
+/// the one the two formed under `session` for an earlier transfer and kept — and the trainer
+/// broadcasts each range of the export's buffer in order. The export's id is the capability:
+/// the trainer sends only an export it keeps.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SendWeights {
     pub export: String,
-    /// One subject token, unique to this transfer.
+    /// One subject token, unique to the pair's communicator.
     pub session: String,
     /// The generator's device: `cpu` or `cuda` (the two sides must agree).
     pub device: String,
     /// `(offset, bytes)` of each bucket to send, in the order they are received.
     pub ranges: Vec<(u64, u64)>,
+    /// Send over the communicator kept under `session` (refused with
+    /// [`error_types::UNKNOWN_SESSION`] when the trainer keeps none: the generator then asks
+    /// for a new one).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reuse: bool,
 }
 
-/// The trainer's answer to [`SendWeights`]: the bytes sent and how long it took.
+/// The trainer's answer to [`SendWeights`], before it sends: the bytes it will send.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct WeightsSent {
+pub struct SendAccepted {
     pub bytes: u64,
-    pub seconds: f64,
 }
 
 fn default_bucket_bytes() -> u64 {
