@@ -5,7 +5,9 @@
 //! with trainer TP 1 and 2, through the object store, through shared memory and sent by the
 //! trainer over a communicator (the collective transfer, TCP between the two processes on
 //! the CPU), and for a LoRA run, whose refits carry the adapters only. A refit whose buckets
-//! cannot all be fetched leaves the old version serving, and the next one succeeds.
+//! cannot all be fetched leaves the old version serving, and the next one succeeds. A
+//! generator keeps the communicator of the collective transfer for the next refits, and forms
+//! a new one when the trainer was started again.
 
 #![allow(clippy::unwrap_used)]
 
@@ -26,7 +28,7 @@ struct Pair {
     nats: async_nats::Client,
     subjects: Subjects,
     worker: String,
-    _trainer: ServiceProcess,
+    trainer: ServiceProcess,
     _generator: ServiceProcess,
 }
 
@@ -48,7 +50,18 @@ impl Pair {
             ],
         );
         let nats = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-        Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, _trainer: trainer, _generator: generator }
+        Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, trainer, _generator: generator }
+    }
+
+    /// Stops the trainer and starts it again with the same worker id (a new process: no
+    /// claim, no model, no exports, no communicators).
+    fn restart_trainer(&mut self) {
+        let prefix = self.subjects.prefix().to_string();
+        self.trainer.kill();
+        self.trainer = ServiceProcess::start(
+            "trainer",
+            &[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix), ("KEEL_TRAINER__WORKER_ID", &self.worker)],
+        );
     }
 
     async fn call<Rep: DeserializeOwned>(&self, subject: String, body: &impl serde::Serialize) -> Result<Rep, Value> {
@@ -333,5 +346,50 @@ async fn refuses_what_it_cannot_send(pair: &Pair, exported: &ExportReply) {
         let kind = if request.reuse { "unknown_session" } else { "invalid_request" };
         assert_eq!(refused["type"], kind, "{refused}");
         assert!(refused["message"].as_str().unwrap().contains(expected), "{refused}");
+    }
+}
+
+/// A generator keeps the communicator it formed with a trainer for the next refits; when the
+/// trainer was started again (it keeps none), the generator's next refit forms a new one and
+/// succeeds, and the one after it goes over that one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_generator_forms_a_new_communicator_with_a_restarted_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    keel_model_init(&model);
+    let mut pair = Pair::start(&model, 1).await;
+    let mut version = 0;
+    for restarted in [false, true] {
+        if restarted {
+            pair.restart_trainer();
+        }
+        let _: Value = pair.call(pair.subjects.trainer_claim(), &json!({"run_id": "r"})).await.unwrap();
+        let load = json!({"run_id": "r", "policy": {"path": model}, "training": {"loss": {"type": "nll"},
+            "global_batch_size": 2, "micro_batch_size": 2}});
+        let _: Value = pair.trainer(TrainerOp::Load, &load).await;
+        let export = ExportRequest {
+            run_id: "r".into(),
+            dtype: Some("f32".into()),
+            bucket_bytes: 64 << 10,
+            shared_dir: None,
+            cuda_ipc: false,
+            collective: true,
+        };
+        let exported: ExportReply = pair.trainer(TrainerOp::Export, &export).await;
+        // Twice: over a new communicator (or a kept one the trainer no longer has), then the
+        // kept one.
+        for _ in 0..2 {
+            version += 1;
+            let event = WeightsUpdated {
+                run_id: "r".into(),
+                version,
+                path: String::new(),
+                weights: Some(exported.weights.clone()),
+                refit_mode: None,
+            };
+            let report = pair.publish(&event).await;
+            assert!(report.error.is_none(), "refit {version} (trainer restarted: {restarted}): {report:?}");
+            pair.rollout(version).await;
+        }
     }
 }
