@@ -29,7 +29,7 @@ struct Pair {
     subjects: Subjects,
     worker: String,
     trainer: ServiceProcess,
-    _generator: ServiceProcess,
+    generator: ServiceProcess,
 }
 
 impl Pair {
@@ -50,7 +50,17 @@ impl Pair {
             ],
         );
         let nats = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-        Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, trainer, _generator: generator }
+        Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, trainer, generator }
+    }
+
+    /// How many communicators the generator has formed with trainers (its `/metrics`).
+    async fn links_formed(&self) -> u64 {
+        let metrics = reqwest::get(format!("{}/metrics", self.generator.url)).await.unwrap().text().await.unwrap();
+        let line = metrics.lines().find(|l| l.starts_with("keel_generator_weight_links_formed_total "));
+        line.and_then(|l| l.split(' ').nth(1))
+            .unwrap_or_else(|| panic!("no links counter in {metrics}"))
+            .parse()
+            .unwrap()
     }
 
     /// Stops the trainer and starts it again with the same worker id (a new process: no
@@ -252,6 +262,7 @@ async fn refit_matches_the_trainer(
         assert!(report.error.is_none(), "a refit over the kept communicator: {report:?}");
         let (again, _) = pair.rollout(3).await;
         assert_eq!(again, sequence, "the same weights serve the same greedy tokens");
+        assert_eq!(pair.links_formed().await, 1, "the second refit went over the communicator of the first");
     }
     let request = LogprobsRequest {
         run_id: "r".into(),
@@ -391,5 +402,7 @@ async fn a_generator_forms_a_new_communicator_with_a_restarted_trainer() {
             assert!(report.error.is_none(), "refit {version} (trainer restarted: {restarted}): {report:?}");
             pair.rollout(version).await;
         }
+        // One communicator formed per trainer process: the second refit went over it.
+        assert_eq!(pair.links_formed().await, 1 + u64::from(restarted));
     }
 }

@@ -269,7 +269,8 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
     };
     let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));
     let dtype = keel_model::weights::dtype_name(kind);
-    Ok(openai::AppState { engine, tokenizer, model_name, dtype, device, limits, admission })
+    let links = Arc::default();
+    Ok(openai::AppState { engine, tokenizer, model_name, dtype, device, links, limits, admission })
 }
 
 /// Default KV-cache bytes on the CPU.

@@ -41,6 +41,8 @@ pub struct AppState {
     /// Where it serves (rank 0's device under tensor parallelism): where weights sent over
     /// a communicator are received.
     pub device: tch::Device,
+    /// Communicators kept with trainers for the collective weight transfer.
+    pub links: Arc<crate::rollout::WeightLinks>,
     pub limits: Limits,
     /// Requests in the system (running or queued); a request that finds none free gets 429.
     pub admission: Arc<Semaphore>,
@@ -774,6 +776,13 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         gauge(&s.asleep),
     );
     metric(&mut out, &format!("{p}_sleeps_total"), "counter", "Sleeps of a colocated generator.", count(&s.sleeps));
+    metric(
+        &mut out,
+        &format!("{p}_weight_links_formed_total"),
+        "counter",
+        "Communicators formed with trainers for the collective weight transfer (a kept one is reused).",
+        count(&state.links.formed),
+    );
     let refit = count(&s.last_refit_micros) / 1e6;
     metric(
         &mut out,

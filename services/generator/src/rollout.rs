@@ -229,7 +229,6 @@ pub async fn serve(
     info!(subject = %subjects.generate(), "serving rollouts");
     let serving_run = ServingRun::default();
     let refused = RefusedRefits::default();
-    let links = Links::default();
     let in_flight = InFlight::default();
     tokio::pin!(shutdown);
     loop {
@@ -271,7 +270,7 @@ pub async fn serve(
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
                         let (client, roots, dtype, device) = (client.clone(), roots.clone(), state.dtype, state.device);
-                        let links = links.clone();
+                        let links = state.links.clone();
                         tokio::spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
                             let refit = async {
@@ -369,8 +368,13 @@ const RECEIVE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The communicators this generator keeps with trainers for the collective transfer: per
 /// trainer (the subject it takes requests on), the session and the communicator. Transfers
-/// take the lock for their whole length, so one runs at a time.
-pub(crate) type Links = Arc<tokio::sync::Mutex<HashMap<String, (String, keel_collective::SharedComm)>>>;
+/// take the lock for their whole length, so one runs at a time. `formed` counts the ones
+/// formed (`/metrics`: a kept one saves the set-up, NCCL's on GPUs).
+#[derive(Debug, Default)]
+pub struct WeightLinks {
+    kept: tokio::sync::Mutex<HashMap<String, (String, keel_collective::SharedComm)>>,
+    pub formed: std::sync::atomic::AtomicU64,
+}
 
 /// The buckets of `buckets` the trainer keeps for the collective transfer, in their order,
 /// received on `device` (none when no bucket is one), over the communicator kept with that
@@ -378,7 +382,7 @@ pub(crate) type Links = Arc<tokio::sync::Mutex<HashMap<String, (String, keel_col
 /// restarted, or let it go), a new one formed for this transfer and kept for the next.
 async fn receive(
     client: &async_nats::Client,
-    links: &Links,
+    links: &WeightLinks,
     buckets: &[keel_protocol::generator::WeightBucket],
     device: tch::Device,
 ) -> crate::Result<Vec<tch::Tensor>> {
@@ -397,19 +401,23 @@ async fn receive(
         )));
     }
     let ranges: Vec<(u64, u64)> = sent.iter().map(|(c, bytes)| (c.offset, *bytes)).collect();
-    let mut links = links.lock().await;
-    let received = match links.remove(&first.subject) {
-        Some(kept) => match fetch(client, first, &ranges, device, Some(kept)).await {
-            Ok(received) => received,
-            Err(e) => {
-                info!("the communicator kept with the trainer failed ({e}); forming a new one");
-                fetch(client, first, &ranges, device, None).await?
-            }
-        },
-        None => fetch(client, first, &ranges, device, None).await?,
+    let mut kept = links.kept.lock().await;
+    let reused = match kept.remove(&first.subject) {
+        Some(link) => fetch(client, first, &ranges, device, Some(link))
+            .await
+            .inspect_err(|e| info!("the communicator kept with the trainer failed ({e}); forming a new one"))
+            .ok(),
+        None => None,
     };
-    let (tensors, session, comm) = received;
-    links.insert(first.subject.clone(), (session, comm));
+    let (tensors, session, comm) = match reused {
+        Some(received) => received,
+        None => {
+            let received = fetch(client, first, &ranges, device, None).await?;
+            links.formed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            received
+        }
+    };
+    kept.insert(first.subject.clone(), (session, comm));
     Ok(tensors)
 }
 
@@ -432,7 +440,7 @@ async fn fetch(
     let request = SendWeights {
         export: first.export.clone(),
         session: session.clone(),
-        device: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
+        device: keel_model::device::memory_name(device).into(),
         ranges: ranges.to_vec(),
         reuse: kept.is_some(),
     };
@@ -494,7 +502,7 @@ async fn new_weights(
     roots: &keel_service::paths::PathRoots,
     update: &WeightsUpdated,
     device: tch::Device,
-    links: &Links,
+    links: &WeightLinks,
 ) -> crate::Result<Weights> {
     let Some(weights) = &update.weights else {
         return Ok(Weights::Dir(roots.check("path", &update.path)?));

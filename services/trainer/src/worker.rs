@@ -631,7 +631,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         (None, Packed::Device(device)) => {
             let id = uuid::Uuid::new_v4().simple().to_string();
             let (subject, meeting) = shared.send_subjects.clone();
-            let place = if device.buffer.device().is_cuda() { "cuda" } else { "cpu" };
+            let place = keel_model::device::memory_name(device.buffer.device());
             let gpu_uuid = match device.buffer.device() {
                 tch::Device::Cuda(ordinal) => keel_model::cuda::ipc::device_uuid(ordinal).ok(),
                 _ => None,
@@ -718,7 +718,7 @@ fn accept(shared: &Shared, payload: &[u8]) -> Answer<(SendAccepted, Transfer)> {
         ))
     })?;
     let device = buffer.device();
-    let place = if device.is_cuda() { "cuda" } else { "cpu" };
+    let place = keel_model::device::memory_name(device);
     if request.device != place {
         return Err(invalid(format!(
             "the export is in {place} memory and the generator receives on `{}`: the collective transfer joins \
@@ -938,8 +938,7 @@ impl Worker {
         let (exports, device_exports) = (Mutex::default(), Mutex::default());
         let send_ip = match &group {
             Some(meeting) => Ok(meeting.ip),
-            None => keel_collective::tcp::local_ip_towards(&keel_collective::process::nats_address(&config.nats_url))
-                .map_err(|e| format!("no address of this worker towards NATS at {}: {e}", config.nats_url)),
+            None => keel_collective::process::ip_towards_nats(&config.nats_url).map_err(|e| e.to_string()),
         };
         let send_subjects = (subjects.trainer_send_weights(&worker_id), subjects.trainer_weights_meeting(&worker_id));
         let group = group.map(|meeting| (Arc::new(Leader::new(meeting.config.clone())), meeting));

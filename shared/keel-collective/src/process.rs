@@ -76,10 +76,16 @@ impl GroupConfig {
     pub fn ip(&self, nats_url: &str) -> Result<IpAddr> {
         match self.address {
             Some(ip) => Ok(ip),
-            None => crate::tcp::local_ip_towards(&nats_address(nats_url))
-                .map_err(|e| Error::Invalid(format!("no address towards NATS at {nats_url}: {e}"))),
+            None => ip_towards_nats(nats_url),
         }
     }
+}
+
+/// This machine's address towards the NATS server of `nats_url`: one the processes that
+/// reach that server can reach this one at.
+pub fn ip_towards_nats(nats_url: &str) -> Result<IpAddr> {
+    crate::tcp::local_ip_towards(&nats_address(nats_url))
+        .map_err(|e| Error::Invalid(format!("no address towards NATS at {nats_url}: {e}")))
 }
 
 /// `host:port` of the first NATS server of `url` (`nats://[user:password@]host[:port][,...]`).

@@ -46,6 +46,12 @@ pub fn parse_device(name: &str) -> Result<Device> {
     Ok(Device::Cuda(ordinal))
 }
 
+/// `cuda` for a GPU, else `cpu`: the kind of memory a tensor is in, as the weight transfers
+/// name it on the wire.
+pub fn memory_name(device: Device) -> &'static str {
+    if device.is_cuda() { "cuda" } else { "cpu" }
+}
+
 /// Parses a parameter dtype name: f32, bf16 or f16.
 pub fn parse_kind(name: &str) -> Result<Kind> {
     match name {
