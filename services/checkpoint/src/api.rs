@@ -12,7 +12,7 @@ use axum::routing::{delete, get, post, put};
 use futures::{StreamExt, TryStreamExt, stream};
 use keel_protocol::checkpoint::{Checkpoint, CreateCheckpoint, FileEntry, Lease, LeaseRequest, check_path};
 use keel_service::ApiError;
-use keel_service::openapi::ErrorResponses;
+use keel_service::openapi::{BearerAuth, ErrorResponses};
 use keel_service::query::Query;
 use serde::Deserialize;
 use utoipa::{IntoParams, OpenApi};
@@ -325,7 +325,7 @@ pub async fn best(
         description = "Checkpoint storage: verified streaming uploads, atomic commits, content-addressed blobs, retention, HF directory export. Events: `<prefix>.checkpoint.created` and `<prefix>.checkpoint.deleted` on JetStream."
     ),
     paths(create, list, show, remove, commit, upload, download, archive, lease, release, latest, best),
-    modifiers(&ErrorResponses)
+    modifiers(&ErrorResponses, &BearerAuth)
 )]
 pub struct ApiDoc;
 

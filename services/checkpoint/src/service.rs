@@ -115,7 +115,7 @@ fn json_has_nul(value: &serde_json::Value) -> bool {
 
 /// A lease holder: a name that says who reads the checkpoint.
 pub fn check_holder(holder: &str) -> Result<()> {
-    if holder.is_empty() || holder.len() > 200 || holder.chars().any(char::is_control) {
+    if holder.is_empty() || holder.chars().count() > 200 || holder.chars().any(char::is_control) {
         return Err(Error::Invalid("holder: must be 1 to 200 characters, none of them control characters".into()));
     }
     Ok(())

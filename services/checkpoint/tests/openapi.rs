@@ -8,7 +8,7 @@ use utoipa::OpenApi;
 
 #[test]
 fn the_committed_openapi_document_matches_the_code() {
-    let generated = ApiDoc::openapi().to_pretty_json().unwrap() + "\n";
+    let generated = serde_json::to_string_pretty(&keel_service::openapi::document(&ApiDoc::openapi())).unwrap() + "\n";
     let path = keel_testkit::workspace_root().join("openapi/checkpoint.json");
     if std::env::var_os("KEEL_UPDATE_OPENAPI").is_some() {
         std::fs::write(&path, &generated).unwrap();

@@ -22,6 +22,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use keel_model::Tokenizer;
 use keel_model::sampling::SamplingParams;
+use keel_service::openapi::BearerAuth;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
@@ -106,7 +107,9 @@ pub fn routes(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// JSON bodies with OpenAI-style errors for malformed input.
+/// JSON bodies with OpenAI-style errors for malformed input. A number with a zero fraction
+/// (`2.0`) is taken where an integer is expected, as JSON Schema's `integer` allows
+/// ([`keel_service::json::integral_numbers`]).
 #[derive(Debug)]
 pub struct ApiJson<T>(T);
 
@@ -114,10 +117,26 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
     type Rejection = ApiError;
 
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(value)) => Ok(Self(value)),
-            Err(rejection) => Err(ApiError::bad(rejection.body_text(), None)),
+        let (parts, body) = req.into_parts();
+        let headers = parts.headers.clone();
+        let request = axum::extract::Request::from_parts(parts, body);
+        let bytes = axum::body::Bytes::from_request(request, state)
+            .await
+            .map_err(|rejection| ApiError::bad(rejection.body_text(), None))?;
+        let mut request = axum::extract::Request::new(axum::body::Body::from(bytes.clone()));
+        *request.headers_mut() = headers;
+        let rejection = match Json::<T>::from_request(request, state).await {
+            Ok(Json(value)) => return Ok(Self(value)),
+            Err(rejection) => rejection,
+        };
+        if matches!(rejection, axum::extract::rejection::JsonRejection::JsonDataError(_))
+            && let Ok(mut value) = serde_json::from_slice::<Value>(&bytes)
+            && keel_service::json::integral_numbers(&mut value)
+            && let Ok(decoded) = serde_json::from_value(value)
+        {
+            return Ok(Self(decoded));
         }
+        Err(ApiError::bad(rejection.body_text(), None))
     }
 }
 
@@ -291,10 +310,12 @@ fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<GenRequest> {
 
 /// Text completion.
 #[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest,
-    responses((status = 200, description = "A completion; with `stream`, SSE chunks of the same object", body = CompletionResponse),
+    responses((status = 200, description = "A completion; with `stream`, server-sent events: each `data` one chunk, a `CompletionResponse` as JSON (with `stream_options.include_usage`, a last one with no choices and the `usage`), then `data: [DONE]`",
+            content((CompletionResponse = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid request", body = ErrorResponse),
         (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 429, description = "Queue full; see Retry-After", body = ErrorResponse)))]
+        (status = 429, description = "Queue full; see Retry-After", body = ErrorResponse),
+        (status = 503, description = "The engine is not running (the reason is in the server's log)", body = ErrorResponse)))]
 pub async fn completions(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<CompletionRequest>,
@@ -337,10 +358,12 @@ pub async fn completions(
 
 /// Chat completion through the model's chat template.
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatRequest,
-    responses((status = 200, description = "A chat completion; with `stream`, SSE chunks (`chat.completion.chunk`)", body = ChatResponse),
+    responses((status = 200, description = "A chat completion; with `stream`, server-sent events: each `data` one `chat.completion.chunk` as JSON (a `ChatResponse` whose choices carry a `delta`; with `stream_options.include_usage`, a last one with no choices and the `usage`), then `data: [DONE]`",
+            content((ChatResponse = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid request", body = ErrorResponse),
         (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 429, description = "Queue full; see Retry-After", body = ErrorResponse)))]
+        (status = 429, description = "Queue full; see Retry-After", body = ErrorResponse),
+        (status = 503, description = "The engine is not running (the reason is in the server's log)", body = ErrorResponse)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<ChatRequest>,
@@ -813,7 +836,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         crate::openai::metrics,
     ),
     components(schemas(ErrorResponse)),
-    modifiers(&OpenAiErrors)
+    modifiers(&OpenAiErrors, &BearerAuth)
 )]
 pub struct ApiDoc;
 
@@ -829,6 +852,7 @@ impl utoipa::Modify for OpenAiErrors {
 
 #[cfg(test)]
 mod tests {
+    use axum::extract::FromRequest;
     use serde_json::json;
 
     use super::*;
@@ -885,5 +909,29 @@ mod tests {
             assert_eq!(error["message"], text.as_str());
             assert!(!text.contains("thread gone"));
         }
+    }
+
+    async fn decode<T: serde::de::DeserializeOwned>(body: &str) -> Result<T, ApiError> {
+        let request = axum::extract::Request::post("/detokenize")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(body.to_string()))
+            .unwrap();
+        ApiJson::<T>::from_request(request, &()).await.map(|ApiJson(value)| value)
+    }
+
+    /// An integer written `2.0` is taken, as JSON Schema's `integer` allows; a fraction, or a
+    /// body that is not JSON, is refused with 400 as before.
+    #[tokio::test]
+    async fn integers_may_be_written_with_a_zero_fraction() {
+        let request: DetokenizeRequest = decode(r#"{"tokens": [1.0, 2, 3e0]}"#).await.unwrap();
+        assert_eq!(request.tokens, [1, 2, 3]);
+        let request: CompletionRequest = decode(r#"{"model": "m", "prompt": "hi", "max_tokens": 8.0}"#).await.unwrap();
+        assert_eq!(request.common.max_tokens, Some(8));
+        for body in [r#"{"tokens": [1.5]}"#, r#"{"tokens": [1.0"#] {
+            let error = decode::<DetokenizeRequest>(body).await.unwrap_err();
+            assert!(matches!(error, ApiError::InvalidRequest { .. }), "{body}: {error}");
+        }
+        let error = decode::<DetokenizeRequest>(r#"{"tokens": [1.5]}"#).await.unwrap_err();
+        assert!(error.to_string().contains("tokens"), "{error}");
     }
 }

@@ -44,8 +44,9 @@ pub struct Common {
     pub temperature: Option<f64>,
     #[serde(default)]
     pub top_p: Option<f64>,
-    /// -1 or absent: off.
+    /// -1, 0 or absent: off.
     #[serde(default)]
+    #[schema(minimum = -1)]
     pub top_k: Option<i64>,
     #[serde(default)]
     pub min_p: Option<f64>,
@@ -94,8 +95,9 @@ pub struct CompletionRequest {
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatRequest {
-    /// Chat messages (`role`, `content`), rendered with the model's chat template.
-    #[schema(value_type = Vec<Object>)]
+    /// Chat messages (`role`, `content`), rendered with the model's chat template: at least
+    /// one.
+    #[schema(value_type = Vec<Object>, min_items = 1)]
     pub messages: Value,
     #[serde(default)]
     pub logprobs: bool,
@@ -266,7 +268,24 @@ pub struct TokenizeResponse {
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct DetokenizeRequest {
+    #[schema(schema_with = vocabulary_ids)]
     pub tokens: Vec<i64>,
+}
+
+/// Token ids: each from 0 to below the model's vocabulary size, which depends on the model
+/// served (an id past it is refused with 400).
+fn vocabulary_ids() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let id = ObjectBuilder::new()
+        .schema_type(Type::Integer)
+        .format(Some(utoipa::openapi::SchemaFormat::KnownFormat(utoipa::openapi::KnownFormat::Int64)))
+        .minimum(Some(0));
+    ArrayBuilder::new()
+        .items(id)
+        .description(Some(
+            "Token ids, each from 0 to below the served model's vocabulary size (a larger one is refused with 400)",
+        ))
+        .build()
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

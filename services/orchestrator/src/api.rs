@@ -23,12 +23,12 @@ use keel_protocol::FieldError;
 use keel_protocol::checkpoint::Checkpoint;
 use keel_protocol::run::{Metrics, Run, RunEventRecord, RunList, RunSpec, RunStatus, Samples};
 use keel_service::ApiError;
-use keel_service::openapi::{ErrorResponses, TaggedVariants};
+use keel_service::openapi::{BearerAuth, ErrorResponses};
 use keel_service::query::Query;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
-use utoipa::{IntoParams, OpenApi};
+use utoipa::{IntoParams, OpenApi, ToSchema};
 use uuid::Uuid;
 
 use crate::{db, spec};
@@ -161,7 +161,7 @@ async fn find(pool: &PgPool, id: Uuid) -> Answer<Run> {
 /// Submits a run (YAML or JSON, by `Content-Type`). It waits in `queued` until a trainer is
 /// free.
 #[utoipa::path(post, path = "/v1/runs", request_body(content((RunSpec = "application/yaml"), (RunSpec = "application/json"))),
-    responses((status = 201, body = Run), (status = 422, description = "every problem of the spec, each with its field path")))]
+    responses((status = 201, body = Run), (status = 422, description = "The spec is refused: every problem, each with its field path", body = InvalidSpecError)))]
 pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Answer<(StatusCode, Json<Run>)> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
     let spec = spec::parse_async(body, content_type).await.map_err(|p| Failure::InvalidSpec(vec![p]))?;
@@ -177,9 +177,11 @@ pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Byt
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
-    /// queued, running, waiting, succeeded, failed or cancelled.
+    /// Only the runs with this status.
+    #[param(value_type = Option<RunStatus>)]
     pub status: Option<String>,
     /// Runs per page (1 to 200, default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<i64>,
     /// The last run id of the previous page.
     pub after: Option<Uuid>,
@@ -257,9 +259,14 @@ pub async fn samples(
     Ok(Json(Samples { samples }))
 }
 
-/// Status changes and step metrics as server-sent events (`id` = sequence number; send
-/// `Last-Event-ID` to continue). The stream ends after the run's final status.
-#[utoipa::path(get, path = "/v1/runs/{id}/events", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, description = "text/event-stream of RunEventRecord"), (status = 404)))]
+/// Status changes, step metrics and checkpoints as server-sent events (`id` = sequence
+/// number; send `Last-Event-ID` to continue). The stream ends after the run's final status.
+#[utoipa::path(get, path = "/v1/runs/{id}/events",
+    params(("id" = Uuid, Path, description = "The run's id"),
+        ("Last-Event-ID" = Option<i64>, Header, description = "The `id` of the last event received: the stream continues after it")),
+    responses((status = 200, description = "Server-sent events, one per `RunEventRecord`: `id` its `seq`, `event` its event's `kind` (`status`, `step` or `checkpoint`), `data` the record as JSON. Comments (`:`) keep the connection alive.",
+        content_type = "text/event-stream", body = String),
+        (status = 404)))]
 pub async fn events(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -313,7 +320,7 @@ pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> An
 }
 
 /// The run's checkpoints in the checkpoint store (those retention kept).
-#[utoipa::path(get, path = "/v1/runs/{id}/checkpoints", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, body = Vec<Checkpoint>), (status = 404)))]
+#[utoipa::path(get, path = "/v1/runs/{id}/checkpoints", params(("id" = Uuid, Path, description = "The run's id")), responses((status = 200, body = Vec<Checkpoint>), (status = 404), (status = 502, description = "The checkpoint store failed")))]
 pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) -> Answer<Json<Vec<Checkpoint>>> {
     let run = find(&state.pool, parse_id(&id)?).await?;
     let list = state.checkpoints.list(&run.id.to_string()).await.map_err(|e| Failure::Upstream(e.to_string()))?;
@@ -327,7 +334,7 @@ pub async fn checkpoints(State(state): State<AppState>, Path(id): Path<String>) 
     get,
     path = "/v1/runs/{id}/checkpoints/{checkpoint_id}/archive",
     params(("id" = Uuid, Path, description = "The run's id"), ("checkpoint_id" = Uuid, Path, description = "The checkpoint's id")),
-    responses((status = 200, content_type = "application/x-tar", description = "the checkpoint's files as a tar archive"), (status = 404))
+    responses((status = 200, content_type = "application/x-tar", description = "the checkpoint's files as a tar archive"), (status = 404), (status = 502, description = "The checkpoint store failed"))
 )]
 pub async fn checkpoint_archive(
     State(state): State<AppState>,
@@ -358,19 +365,38 @@ pub async fn checkpoint_archive(
     ),
     paths(submit, list, show, metrics, samples, events, cancel, checkpoints, checkpoint_archive, prometheus),
     components(schemas(keel_protocol::run::RunEventRecord)),
-    modifiers(&ErrorResponses, &TaggedVariants)
+    modifiers(&ErrorResponses, &BearerAuth)
 )]
 pub struct ApiDoc;
 
+/// A refused spec (422): the Keel error body with every problem of the spec.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)] // the shape `answer` writes, for the document
+pub struct InvalidSpecError {
+    error: InvalidSpecDetail,
+}
+
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+pub struct InvalidSpecDetail {
+    /// `invalid_spec`.
+    #[schema(rename = "type")]
+    kind: String,
+    /// Every problem on one line.
+    message: String,
+    /// Every problem, each with its field path (`grpo.num_prompts_per_step`).
+    problems: Vec<keel_protocol::FieldError>,
+}
+
 /// The OpenAPI document as YAML (`openapi/keel.yaml`).
 pub fn openapi_yaml() -> String {
-    serde_yaml::to_string(&ApiDoc::openapi()).unwrap_or_default()
+    serde_yaml::to_string(&keel_service::openapi::document(&ApiDoc::openapi())).unwrap_or_default()
 }
 
 /// The run spec's JSON Schema (`openapi/run-spec.schema.json`): the OpenAPI components
 /// with references rewritten to `$defs`.
 pub fn run_spec_schema() -> serde_json::Value {
-    let document = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    let document = keel_service::openapi::document(&ApiDoc::openapi());
     let defs = serde_json::to_string(&document["components"]["schemas"])
         .unwrap_or_default()
         .replace("#/components/schemas/", "#/$defs/");

@@ -70,7 +70,8 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
     if depth > MAX_NESTING {
         return Err(FieldError::new("spec", format!("nested {depth} levels deep; at most {MAX_NESTING} are allowed")));
     }
-    if is_yaml(body, content_type) {
+    let yaml = is_yaml(body, content_type);
+    let parsed = if yaml {
         let deserializer = serde_yaml::Deserializer::from_slice(body);
         serde_path_to_error::deserialize(deserializer)
             .map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
@@ -78,7 +79,19 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
         let mut deserializer = serde_json::Deserializer::from_slice(body);
         serde_path_to_error::deserialize(&mut deserializer)
             .map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
+    };
+    parsed.or_else(|refused| with_integral_numbers(body, yaml).ok_or(refused))
+}
+
+/// The spec, when it was refused only for an integer written with a zero fraction (`2.0`),
+/// which JSON Schema's `integer` (and so the run spec's schema) allows.
+fn with_integral_numbers(body: &[u8], yaml: bool) -> Option<RunSpec> {
+    let mut value: serde_json::Value =
+        if yaml { serde_yaml::from_slice(body).ok()? } else { serde_json::from_slice(body).ok()? };
+    if !keel_service::json::integral_numbers(&mut value) {
+        return None;
     }
+    serde_json::from_value(value).ok()
 }
 
 /// [`parse`] on a blocking thread.
@@ -181,5 +194,20 @@ mod tests {
         assert!(e.message.contains("colour"), "{e}");
         let e = parse(b"algorithm: [unclosed", Some("application/yaml")).unwrap_err();
         assert!(e.message.contains("line"), "{e}");
+    }
+
+    /// An integer written `2.0` is taken, in JSON and in YAML, as the spec's schema allows; a
+    /// true fraction is still refused under its field.
+    #[test]
+    fn integers_may_be_written_with_a_zero_fraction() {
+        let json =
+            br#"{"algorithm": "sft", "model": {"path": "/m"}, "data": {"train": {"kind": "arithmetic", "size": 8.0}},
+            "max_num_steps": 2.0, "seed": 1e1}"#;
+        let spec = parse(json, Some("application/json")).unwrap();
+        assert_eq!((spec.max_num_steps, spec.seed), (2, 10));
+        let yaml = "algorithm: sft\nmodel: {path: /m}\ndata: {train: {kind: arithmetic}}\nmax_num_steps: 3.0\n";
+        assert_eq!(parse(yaml.as_bytes(), Some("application/yaml")).unwrap().max_num_steps, 3);
+        let e = parse(yaml.replace("3.0", "3.5").as_bytes(), Some("application/yaml")).unwrap_err();
+        assert_eq!(e.field, "max_num_steps", "{e}");
     }
 }

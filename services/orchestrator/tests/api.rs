@@ -153,8 +153,10 @@ async fn hostile_specs_are_refused_before_any_work() {
     };
     let cases = [
         (grpo(json!({"data": {"train": {"kind": "arithmetic", "size": 95_403_352_724u64}}})), "data.train.size"),
+        // Written as a float, an integer all the same (as JSON Schema's `integer` has it): too many.
+        (grpo(json!({"data": {"train": {"kind": "arithmetic", "size": 1e9}}})), "data.train.size"),
         // Not an integer: a shape error, at the dataset (serde reports tagged enums whole).
-        (grpo(json!({"data": {"train": {"kind": "arithmetic", "size": 1e9}}})), "data.train"),
+        (grpo(json!({"data": {"train": {"kind": "arithmetic", "size": 1.5}}})), "data.train"),
         (
             grpo(json!({"data": {"train": {"kind": "arithmetic", "operations": "", "max_operand": 4_000_000_000u64}}})),
             "data.train.operations",

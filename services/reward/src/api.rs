@@ -19,7 +19,7 @@ use keel_protocol::reward::{
 };
 use keel_service::ApiError;
 use keel_service::metrics::{CONTENT_TYPE, header as metric_header, metric, sample};
-use keel_service::openapi::{ErrorResponses, TaggedVariants};
+use keel_service::openapi::{BearerAuth, ErrorResponses};
 use utoipa::OpenApi;
 
 use keel_environments::scoring::{Error, Scorer, parse};
@@ -163,7 +163,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         description = "Environments and scorers: math, code (sandboxed), sliding_puzzle, exact_match, regex, multiple_choice, http (your own reward service) and reward_model. The same request and reply bodies travel over NATS on `<prefix>.reward.score` and `<prefix>.reward.env.step` (queue group `reward`), wrapped in `{\"ok\": ...}` or `{\"error\": {\"type\", \"message\"}}`."
     ),
     paths(score, env_step, metrics),
-    modifiers(&ErrorResponses, &TaggedVariants)
+    modifiers(&ErrorResponses, &BearerAuth)
 )]
 pub struct ApiDoc;
 

@@ -16,9 +16,12 @@ use utoipa::ToSchema;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FileEntry {
-    /// Relative path in the checkpoint (`model.safetensors`, `optimizer/state.pt`).
+    /// Relative path in the checkpoint (`model.safetensors`, `optimizer/state.pt`): at most 8
+    /// parts of letters, digits, `.`, `-` and `_`, none hidden.
+    #[schema(min_length = 1, max_length = 255)]
     pub path: String,
     /// Lower-case hex sha256 of the content.
+    #[schema(pattern = "^[0-9a-f]{64}$")]
     pub sha256: String,
     pub size: u64,
 }
@@ -28,7 +31,9 @@ pub struct FileEntry {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Retention {
+    #[schema(maximum = 10000)]
     pub keep_top_k: usize,
+    #[schema(min_length = 1)]
     pub metric: String,
     #[serde(default = "yes")]
     pub higher_is_better: bool,
@@ -41,14 +46,19 @@ fn yes() -> bool {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateCheckpoint {
+    /// 1 to 200 letters, digits, `-`, `_`, `.` or `:`.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
     pub run_id: String,
     pub step: u64,
     #[serde(default)]
     pub metrics: BTreeMap<String, f64>,
-    /// Free-form training info (consumed samples, dataloader position, the run config).
+    /// Free-form training info (consumed samples, dataloader position, the run config): any
+    /// JSON value, kept as sent (absent: `null`).
     #[serde(default)]
-    #[schema(value_type = Object)]
+    #[schema(value_type = Value)]
     pub info: serde_json::Value,
+    /// At least one.
+    #[schema(min_items = 1)]
     pub files: Vec<FileEntry>,
     /// The run's retention policy from now on (kept until changed).
     #[serde(default)]
@@ -64,7 +74,9 @@ pub struct Checkpoint {
     /// `pending` (files still arriving) or `complete`.
     pub status: String,
     pub metrics: BTreeMap<String, f64>,
-    #[schema(value_type = Object)]
+    /// The `info` the checkpoint was created with, as sent: any JSON value, `null` when none
+    /// was.
+    #[schema(value_type = Value)]
     pub info: serde_json::Value,
     pub files: Vec<FileEntry>,
     /// Paths still to upload (pending checkpoints).
@@ -77,8 +89,12 @@ pub struct Checkpoint {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
-    /// Who reads (a run id, a generator).
+    /// Who reads (a run id, a generator): 1 to 200 characters, none of them control
+    /// characters.
+    #[schema(min_length = 1, max_length = 200)]
     pub holder: String,
+    /// How long the lease holds: more than 0 seconds and at most a week.
+    #[schema(exclusive_minimum = 0, maximum = 604800)]
     pub seconds: f64,
 }
 

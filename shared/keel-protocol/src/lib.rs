@@ -34,7 +34,7 @@ pub use reply::{ErrorBody, Reply};
 pub use subjects::Subjects;
 
 /// One problem in a configuration: the dotted field path and what is wrong with it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct FieldError {
     pub field: String,
     pub message: String,

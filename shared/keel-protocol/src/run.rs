@@ -114,9 +114,11 @@ pub enum DatasetSpec {
         /// once, in an order shuffled by `seed` (for validation and test sets, where each
         /// problem should count once).
         #[serde(default = "default_arithmetic_size")]
+        #[schema(maximum = 10_000_000)] // MAX_ARITHMETIC_SIZE
         size: usize,
         /// Operands are drawn from 0..=max_operand.
         #[serde(default = "default_max_operand")]
+        #[schema(maximum = 1_000_000_000)] // MAX_ARITHMETIC_OPERAND
         max_operand: u32,
         /// Any of `+`, `-`, `*`.
         #[serde(default = "default_operations")]
@@ -765,7 +767,9 @@ impl RunSpec {
                         &format!("{field}.size"),
                         format!("must be 0 (every problem of the split) to {MAX_ARITHMETIC_SIZE}, got {size}"),
                     );
-                    let problems = (u64::from(*max_operand) + 1).pow(2) * operations.len().max(1) as u64;
+                    // Saturating: `max_operand` may be any u32, whose square overflows a u64.
+                    let problems =
+                        (u64::from(*max_operand) + 1).saturating_pow(2).saturating_mul(operations.len().max(1) as u64);
                     check(
                         &mut p,
                         *size > 0 || problems <= MAX_ARITHMETIC_ENUMERATED,
@@ -918,7 +922,20 @@ pub struct RunList {
 pub struct MetricSeries {
     pub name: String,
     /// `[step, value]` pairs in step order.
+    #[schema(schema_with = points_schema)]
     pub points: Vec<(u64, f64)>,
+}
+
+/// `[[step, value], ...]` as arrays of two numbers: the tuple form utoipa writes
+/// (`prefixItems` with `items: false`) is one that client generators cannot read.
+fn points_schema() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let pair = ArrayBuilder::new()
+        .items(ObjectBuilder::new().schema_type(Type::Number))
+        .min_items(Some(2))
+        .max_items(Some(2))
+        .description(Some("`[step, value]`: the step (an integer from 0) and the metric's value"));
+    ArrayBuilder::new().items(pair).description(Some("`[step, value]` pairs in step order.")).build()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -968,12 +985,20 @@ pub struct Samples {
     pub samples: Vec<Sample>,
 }
 
-/// What the event stream carries: status changes and each step's metrics.
+/// What the event stream carries: status changes, each step's metrics and each checkpoint
+/// saved. Each variant has its own name in the document (`RunEventStatus`, ...), so a
+/// generated client has a type for each.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum RunEvent {
+    /// The run's new status.
+    #[schema(title = "RunEventStatus")]
     Status { status: RunStatus, reason: Option<String> },
+    /// A step's recorded metrics.
+    #[schema(title = "RunEventStep")]
     Step { step: u64, metrics: BTreeMap<String, f64> },
+    /// A checkpoint saved at a step.
+    #[schema(title = "RunEventCheckpoint")]
     Checkpoint { step: u64, checkpoint_id: uuid::Uuid },
 }
 
@@ -1021,6 +1046,27 @@ mod tests {
     #[test]
     fn a_sound_spec_has_no_problems() {
         assert_eq!(grpo().problems(), vec![]);
+    }
+
+    /// The largest operand the schema allows (`u32::MAX`) is refused by name, not by an
+    /// overflow (the fuzzer sent it once the document gave `u32`'s true range).
+    #[test]
+    fn the_largest_operand_is_refused_without_overflow() {
+        let mut spec = grpo();
+        spec.data.train = DatasetSpec::Arithmetic {
+            size: 0,
+            max_operand: u32::MAX,
+            operations: "+-*".into(),
+            seed: 0,
+            split: ArithmeticSplit::Train,
+        };
+        let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(fields, ["data.train.max_operand", "data.train.size"]);
+        // The document states the same limits.
+        let schema = serde_json::to_value(<DatasetSpec as utoipa::PartialSchema>::schema()).unwrap();
+        let arithmetic = &schema["oneOf"][1]["properties"];
+        assert_eq!(arithmetic["max_operand"]["maximum"], MAX_ARITHMETIC_OPERAND, "{schema}");
+        assert_eq!(arithmetic["size"]["maximum"], MAX_ARITHMETIC_SIZE, "{schema}");
     }
 
     /// An `http` environment's URL and bounds are checked at submit, under its field path.

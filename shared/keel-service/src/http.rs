@@ -65,11 +65,20 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Whether `request` carries `Authorization: Bearer <token>` (always, with no token).
+/// Whether `request` carries `Authorization: Bearer <token>` (always, with no token). The
+/// scheme's name is matched in any case (`bearer`, `BEARER`), as HTTP's authentication
+/// schemes are (RFC 9110, 11.1).
 pub fn bearer_matches(request: &Request, token: Option<&str>) -> bool {
     let Some(token) = token else { return true };
     let sent = request.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    sent.and_then(|v| v.strip_prefix("Bearer ")).is_some_and(|sent| token_matches(sent, token))
+    sent.and_then(bearer_token).is_some_and(|sent| token_matches(sent, token))
+}
+
+/// The token of an `Authorization` value with the `Bearer` scheme, in any case (after one
+/// or more spaces).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim_start_matches(' '))
 }
 
 /// Whether `sent` is `token`, compared in constant time, so the answer's timing says
@@ -150,6 +159,12 @@ pub async fn observe(request: Request, next: Next) -> Response {
     }
     .to_string();
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    if UNTRACED_ROUTES.contains(&route.as_str()) {
+        let started = std::time::Instant::now();
+        let response = next.run(request).await;
+        record_latency(&method, &route, response.status().as_u16(), started);
+        return response;
+    }
     let span = tracing::info_span!(
         "http.server",
         otel.name = format!("{method} {route}"),
@@ -163,13 +178,22 @@ pub async fn observe(request: Request, next: Next) -> Response {
     let response = tracing::Instrument::instrument(next.run(request), span.clone()).await;
     let status = response.status().as_u16();
     span.record("http.response.status_code", status);
+    record_latency(&method, &route, status, started);
+    response
+}
+
+/// Routes polled by health checks and metric scrapers every few seconds: served without a
+/// span, so they do not bury the traces of real work (a compose stack's health checks alone
+/// would make most of the traces in Jaeger). Their latency is still measured.
+const UNTRACED_ROUTES: &[&str] = &["/healthz", "/metrics"];
+
+fn record_latency(method: &str, route: &str, status: u16, started: std::time::Instant) {
     crate::metrics::observe(
         "keel_http_request_duration_seconds",
         "HTTP requests served, by route and status, and their latency.",
-        &[("method", &method), ("route", &route), ("status", &status.to_string())],
+        &[("method", method), ("route", route), ("status", &status.to_string())],
         started.elapsed().as_secs_f64(),
     );
-    response
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then drains open requests.
@@ -207,5 +231,20 @@ mod tests {
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert_eq!(body["error"]["type"], "not_found");
         assert!(body["error"]["message"].as_str().unwrap().contains("/nope"));
+    }
+
+    /// The scheme's name in any case; the token itself exactly.
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        let request = |authorization: &str| {
+            Request::get("/").header(axum::http::header::AUTHORIZATION, authorization).body(Body::empty()).unwrap()
+        };
+        for sent in ["Bearer s3cret", "bearer s3cret", "BEARER s3cret", "bEaReR s3cret", "Bearer  s3cret"] {
+            assert!(bearer_matches(&request(sent), Some("s3cret")), "{sent}");
+        }
+        for sent in ["Bearer S3CRET", "Basic s3cret", "Bearers3cret", "s3cret", "Bearer", "Bearer s3cret "] {
+            assert!(!bearer_matches(&request(sent), Some("s3cret")), "{sent}");
+        }
+        assert!(bearer_matches(&request("anything"), None));
     }
 }
