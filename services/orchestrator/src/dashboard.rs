@@ -60,8 +60,17 @@ async fn guard(token: Option<&str>, request: Request, next: Next) -> Response {
 }
 
 fn refused() -> Response {
-    let page = "<!doctype html><title>Keel</title><p>This orchestrator has an API token. Open the dashboard as \
-                <code>/dashboard?token=&lt;your token&gt;</code> (the token is then kept in a cookie).</p>";
+    let page = "<!doctype html><title>Keel: token needed</title>\
+                <h1>This dashboard needs the API token</h1>\
+                <p>Open it as <code>/dashboard?token=&lt;token&gt;</code>; the token is then kept in a cookie \
+                and leaves the address.</p>\
+                <p>The token is the orchestrator's <code>KEEL_API_TOKEN</code> setting:</p><ul>\
+                <li><code>docker compose up</code>: <code>keel-local-api-token</code>, unless <code>.env</code> \
+                beside compose.yaml sets <code>KEEL_API_TOKEN</code>;</li>\
+                <li>the local launcher (<code>scripts/stack.sh</code>, <code>scripts/demo</code>): the \
+                <code>KEEL_API_TOKEN</code> of the shell that started it, or a random one it made and \
+                exported there;</li>\
+                <li>Kubernetes: the <code>KEEL_API_TOKEN</code> key of the <code>keel-secrets</code> secret.</li></ul>";
     (StatusCode::UNAUTHORIZED, [(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response()
 }
 
@@ -120,7 +129,13 @@ mod tests {
             assert_eq!(get(path, None).await.unwrap().status(), StatusCode::UNAUTHORIZED, "{path}");
             assert_eq!(get(path, Some("keel_token=guess")).await.unwrap().status(), StatusCode::UNAUTHORIZED);
         }
-        assert_eq!(get("/dashboard?token=guess", None).await.unwrap().status(), StatusCode::UNAUTHORIZED);
+        let refused = get("/dashboard?token=guess", None).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+        let page = axum::body::to_bytes(refused.into_body(), 1 << 16).await.unwrap();
+        let page = String::from_utf8_lossy(&page);
+        for says in ["/dashboard?token=", "KEEL_API_TOKEN", "keel-local-api-token", "keel-secrets"] {
+            assert!(page.contains(says), "the 401 page says where the token comes from ({says}): {page}");
+        }
         let opened = get("/dashboard?token=s3cret&view=runs", None).await.unwrap();
         assert_eq!(opened.status(), StatusCode::SEE_OTHER);
         assert_eq!(opened.headers()[header::LOCATION], "/dashboard?view=runs");

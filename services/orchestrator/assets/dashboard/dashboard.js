@@ -431,7 +431,12 @@
       const body = await api('/v1/runs?limit=100');
       const runs = body.runs || [];
       fill(rows, runs.length ? runs.map(row)
-        : el('tr', null, el('td', { colspan: heads.length, class: 'muted' }, 'No runs yet.')));
+        : el('tr', { class: 'no-runs' }, el('td', { colspan: heads.length, class: 'muted' },
+          el('p', null, 'No runs yet. Submit one with the CLI, from a run spec in YAML or JSON (the book\'s run spec reference lists every field):'),
+          el('pre', { class: 'text' }, 'KEEL_API_URL=' + location.origin + ' KEEL_API_TOKEN=<token> keel run submit my-run.yaml'),
+          el('p', null, 'or POST the spec as JSON to ', el('code', null, '/v1/runs'),
+            ' with the header ', el('code', null, 'Authorization: Bearer <token>'),
+            '. It appears here as soon as it is queued.'))));
       note.textContent = body.next ? 'Showing the newest ' + runs.length + ' runs.' : '';
       return true;
     }, LIST_EVERY_MS);
@@ -520,7 +525,7 @@
       option('', 'all steps'));
     const sampleRows = el('tbody');
     const sampleNote = el('span', { class: 'muted' });
-    const sampleHeads = ['Step', 'Split', 'Reward', 'Prompt', 'Completion', 'Ground truth', 'Finish reason'];
+    const sampleHeads = ['Step', 'Split', 'Reward', 'Prompt', 'Turns', 'Ground truth', 'Finish', 'Info'];
 
     fill(app,
       el('p', { class: 'crumbs' }, el('a', { href: '#/' }, '← All runs')),
@@ -633,16 +638,34 @@
         : el('tr', null, el('td', { colspan: sampleHeads.length, class: 'muted' }, 'No samples recorded.')));
     }
 
+    // A sample: its reward with the named components that make it up, every turn after the
+    // prompt with its role (the model's and the environment's, as multi-turn rollouts record
+    // them; the joined completion where no turns were recorded), and what the environment
+    // reported besides the reward.
     function sampleRow(s) {
       const text = (v) => (v == null ? el('span', { class: 'muted' }, '—') : el('pre', { class: 'text' }, v));
+      const named = Object.keys(s.rewards || {}).sort();
+      const reward = el('td', { class: 'num' + (s.reward > 0 ? ' good' : '') }, fmt(s.reward),
+        named.length ? el('ul', { class: 'reward-parts' },
+          named.map((n) => el('li', { 'data-reward': n }, n + ' ' + fmt(s.rewards[n])))) : null);
+      const turns = (s.turns || []).length
+        ? el('ol', { class: 'turns' }, s.turns.map((t) => el('li', { class: 'turn turn-' + t.role, 'data-role': t.role },
+          el('span', { class: 'role' }, t.role === 'assistant' ? 'model' : t.role), el('pre', { class: 'text' }, t.content))))
+        : text(s.completion);
+      const tokens = [s.num_prompt_tokens != null ? s.num_prompt_tokens + ' prompt' : null,
+        s.num_generated_tokens != null ? s.num_generated_tokens + ' generated' : null,
+        s.truncated ? 'truncated' : null].filter((x) => x).join(' · ');
+      const info = s.info == null || (typeof s.info === 'object' && !Object.keys(s.info).length) ? el('span', { class: 'muted' }, '—')
+        : el('details', { class: 'info' }, el('summary', null, 'info'), el('pre', { class: 'text' }, JSON.stringify(s.info, null, 2)));
       return el('tr', { class: 'sample-row' },
         el('td', { class: 'num' }, String(s.step)),
         el('td', null, s.split),
-        el('td', { class: 'num' + (s.reward > 0 ? ' good' : '') }, fmt(s.reward)),
+        reward,
         el('td', null, text(s.prompt)),
-        el('td', null, text(s.completion)),
+        el('td', null, turns, tokens ? el('p', { class: 'muted tokens' }, tokens) : null),
         el('td', null, text(s.ground_truth)),
-        el('td', null, s.finish_reason || '—'));
+        el('td', null, s.finish_reason || '—'),
+        el('td', null, info));
     }
 
     // A live run's event stream: each step's metrics are drawn as they are recorded, a
