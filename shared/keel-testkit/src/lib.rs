@@ -10,8 +10,10 @@
 //! - [`Proxy`]: a TCP proxy a test cuts to take NATS or Postgres away from the services.
 //! - [`NatsServer`]: a nats-server of a test's own.
 //! - [`undeclared_path_parameters`]: what an OpenAPI document's operations leave undeclared.
+//! - [`docs`]: the book's reference pages, generated from the code and checked for drift.
 
 mod database;
+pub mod docs;
 mod nats;
 mod process;
 mod proxy;

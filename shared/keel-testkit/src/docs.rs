@@ -1,0 +1,36 @@
+//! The book's reference pages are generated from the code: a page under
+//! `docs/src/reference/` has a hand-written introduction, then [`GENERATED_MARKER`], then
+//! what a test makes. [`check_reference_page`] fails when that part drifts from the code;
+//! with `KEEL_UPDATE_DOCS=1` it writes it instead.
+
+use std::path::PathBuf;
+
+/// The line after which a reference page is generated.
+pub const GENERATED_MARKER: &str = "<!-- generated: do not edit below -->";
+
+/// Checks (or, with `KEEL_UPDATE_DOCS=1`, writes) the generated part of
+/// `docs/src/reference/<page>`; `regenerate` is the command that writes it, named in the
+/// failure.
+pub fn check_reference_page(page: &str, generated: &str, regenerate: &str) {
+    let path: PathBuf = crate::workspace_root().join("docs/src/reference").join(page);
+    let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let Some(at) = committed.find(GENERATED_MARKER) else {
+        panic!("{} has no `{GENERATED_MARKER}` line", path.display());
+    };
+    let head = &committed[..at + GENERATED_MARKER.len()];
+    let expected = format!("{head}\n\n{}\n", generated.trim_end());
+    if std::env::var_os("KEEL_UPDATE_DOCS").is_some() && committed != expected {
+        std::fs::write(&path, &expected).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        return;
+    }
+    assert!(
+        committed == expected,
+        "{} is out of date with the code: run KEEL_UPDATE_DOCS=1 {regenerate}",
+        path.display()
+    );
+}
+
+/// Escapes text for one cell of a Markdown table (pipes, line breaks).
+pub fn table_cell(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|")
+}
