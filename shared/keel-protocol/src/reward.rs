@@ -48,7 +48,10 @@ impl Message {
     }
 }
 
-/// What happens to a sample whose scoring failed (an HTTP plugin down, a malformed reply).
+/// What happens to a sample whose scoring failed (an HTTP plugin down, a malformed reply):
+/// `zero` (reward 0, the error attached), `skip` (marked `skipped` and left out of training:
+/// sample mask 0) or `fail` (the whole request fails with `sample_failed`, naming the sample;
+/// in a run, so does the step).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnError {
@@ -145,6 +148,8 @@ pub struct CodeConfig {
     /// Multi-turn: answer the test report as an observation and let the model try again until
     /// every test passes or `max_attempts` is reached.
     pub feedback: bool,
+    /// Attempts with `feedback` before the episode ends, counted in `metadata.attempts`; at
+    /// least 1.
     pub max_attempts: u32,
 }
 
@@ -184,6 +189,7 @@ impl Default for SlidingPuzzleConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ExactMatchConfig {
+    /// Compare case-sensitively (else both sides are lowercased first).
     pub case_sensitive: bool,
     /// Collapse runs of whitespace and trim both ends before comparing.
     pub normalize_whitespace: bool,
@@ -201,6 +207,8 @@ impl Default for ExactMatchConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RegexConfig {
+    /// The regex the response must match (anywhere in it, or all of it with `full_match`); a
+    /// sample's `metadata.pattern` overrides it. A sample with neither fails to score.
     pub pattern: Option<String>,
     /// The whole response must match, not just a part.
     pub full_match: bool,
@@ -233,6 +241,7 @@ pub struct HttpRewardConfig {
     pub max_retries: u32,
     /// The first retry waits about this long; each later one twice as long, with jitter.
     pub backoff_ms: u64,
+    /// The longest a retry waits, milliseconds (before jitter); at most 60,000.
     pub max_backoff_ms: u64,
     /// Requests in flight to this endpoint from one reward replica.
     pub max_concurrency: usize,

@@ -15,7 +15,11 @@ use crate::limits;
 use crate::reward::{EnvConfig, Message, OnError};
 use crate::training::{LossConfig, TrainingConfig};
 
-/// What a run does.
+/// What a run does: `grpo` (group-relative policy optimisation, with its DAPO, GSPO and
+/// REINFORCE++ variants), `sft` (supervised fine-tuning on prompt → answer or chat
+/// messages), `dpo` (direct preference optimisation on prompt, chosen and rejected), `rm`
+/// (reward-model training, Bradley–Terry, on the same pairs) or `eval` (generation and
+/// scoring only, nothing trained: accuracy and pass@k).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
@@ -64,8 +68,14 @@ impl Algorithm {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelRef {
+    /// A Hugging Face model directory (with its `config.json`), or LoRA adapters in PEFT's
+    /// layout (`adapter_config.json`), on the disk the services share (NeMo-RL's
+    /// `policy.model_name`, local only: nothing is downloaded); inside the orchestrator's
+    /// path roots. Give exactly one of `path` and `checkpoint`.
     #[serde(default)]
     pub path: Option<String>,
+    /// The id (a UUID) of a committed checkpoint in the checkpoint service, such as one an
+    /// earlier run saved. Give exactly one of `path` and `checkpoint`.
     #[serde(default)]
     pub checkpoint: Option<uuid::Uuid>,
 }
@@ -74,12 +84,17 @@ pub struct ModelRef {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataKeys {
+    /// The key holding the prompt (NeMo-RL's `input_key` or `prompt_key`).
     pub prompt: String,
+    /// The key holding the answer: SFT's target, and the ground truth the environments check
+    /// (`metadata.ground_truth`) (NeMo-RL's `output_key`).
     pub answer: String,
-    /// A list of `{role, content}` messages (SFT on chats; the last assistant turns are
-    /// the target).
+    /// The key holding a list of `{role, content}` messages: chat SFT trains every assistant
+    /// turn; to generate, the messages before the last assistant turn are the prompt.
     pub messages: String,
+    /// The key holding the preferred answer, for `dpo` and `rm` (NeMo-RL's `chosen_key`).
     pub chosen: String,
+    /// The key holding the other answer, for `dpo` and `rm` (NeMo-RL's `rejected_key`).
     pub rejected: String,
     /// The task name, which picks the environment (`environments.tasks`).
     pub task: String,
@@ -102,8 +117,12 @@ impl Default for DataKeys {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum DatasetSpec {
+    /// A JSONL file, one JSON record per line (NeMo-RL's `data_path`).
     Jsonl {
+        /// The file, on the disk the services share; inside the orchestrator's path roots.
         path: String,
+        /// Which keys of a record hold the prompt, the answer, the messages, the pair and the
+        /// task.
         #[serde(default)]
         keys: DataKeys,
     },
@@ -123,6 +142,8 @@ pub enum DatasetSpec {
         /// Any of `+`, `-`, `*`.
         #[serde(default = "default_operations")]
         operations: String,
+        /// Seeds the problems drawn, their order and the rejected answers (the run's own
+        /// `seed` does not change them).
         #[serde(default)]
         seed: u64,
         /// Which part of the problem space: every (a, op, b) problem falls, by a fixed hash,
@@ -134,6 +155,9 @@ pub enum DatasetSpec {
     },
 }
 
+/// Which part of the arithmetic problem space a dataset draws from: every (a, op, b) problem
+/// falls, by a fixed hash, in `train` (half of them), `validation` (a quarter) or `test` (a
+/// quarter); `held_out` is `validation` and `test` together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ArithmeticSplit {
@@ -164,9 +188,11 @@ fn default_operations() -> String {
     "+-".into()
 }
 
+/// The datasets a run reads (NeMo-RL's `data`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DataSpec {
+    /// The training set (for `eval`, what is scored when there is no `validation`).
     pub train: DatasetSpec,
     /// Held-out prompts for validation (and what `eval` scores when given).
     #[serde(default)]
@@ -200,6 +226,8 @@ impl Default for PromptSpec {
 pub struct EnvironmentsSpec {
     /// For records without a task, or a task not listed in `tasks`.
     pub default: EnvConfig,
+    /// Task name → the environment that scores the records whose task key (`keys.task`)
+    /// names it.
     #[serde(default)]
     pub tasks: BTreeMap<String, EnvConfig>,
     /// A sample whose scoring failed: reward 0 (`zero`), left out of training (`skip`), or
@@ -219,10 +247,21 @@ impl EnvironmentsSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct GenerationSpec {
+    /// Tokens the model may generate per turn, in rollouts, validation and `eval` (NeMo-RL's
+    /// `policy.generation.max_new_tokens`); at least 1 and below `max_total_sequence_length`,
+    /// to leave room for the prompt.
     pub max_new_tokens: usize,
+    /// Sampling temperature of rollouts (NeMo-RL's `policy.generation.temperature`); positive.
+    /// The trainer divides its logits by it too, so it scores the distribution sampled from.
     pub temperature: f64,
+    /// Nucleus sampling: each token is drawn from the most likely tokens whose probabilities
+    /// add up to this (NeMo-RL's `policy.generation.top_p`); in (0, 1], 1 is off.
     pub top_p: f64,
+    /// Each token is drawn from the k most likely only (NeMo-RL's
+    /// `policy.generation.top_k`); unset: off.
     pub top_k: Option<usize>,
+    /// Strings that end the model's turn, kept in its output (NeMo-RL's
+    /// `policy.generation.stop_strings`); an environment may set others for its later turns.
     pub stop: Vec<String>,
     /// How a GRPO step's new weights reach the generators: `memory` (the trainer exports the
     /// weights only, in buckets through the object store), `shared_memory` (the same buckets
@@ -237,7 +276,7 @@ pub struct GenerationSpec {
     /// the fallback, and the way it was done before).
     pub weight_transfer: WeightTransfer,
     /// Training and generation taking turns on the same GPUs (NeMo-RL's
-    /// `generation.colocated`).
+    /// `policy.generation.colocated`).
     pub colocated: Colocated,
 }
 
@@ -251,12 +290,25 @@ pub struct GenerationSpec {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct Colocated {
+    /// Turn colocation on (NeMo-RL's `policy.generation.colocated.enabled`); not with
+    /// `grpo.async_grpo.enabled`.
     pub enabled: bool,
+    /// Sleeping generators also move their weights to host memory (else only their KV pools
+    /// are freed).
     pub generator_offload_weights: bool,
+    /// After training, the trainer also moves its weights and gradients to host memory (else
+    /// only its optimiser's state).
     pub trainer_offload_weights: bool,
 }
 
-/// See [`GenerationSpec::weight_transfer`].
+/// How a GRPO step's new weights reach the generators: `memory` (the weights in buckets
+/// through the object store), `shared_memory` (the same buckets as files in `/dev/shm` on
+/// the trainer's host, for generators on that host), `cuda_ipc` (the buckets stay in the
+/// trainer's GPU memory and generators on the same host's GPUs copy them through CUDA IPC;
+/// refused with `device: cpu`), `collective` (each generator receives the buckets over a
+/// two-rank communicator with the trainer: NCCL between GPUs, TCP between CPU processes) or
+/// `directory` (a whole checkpoint saved to the run's directory on the shared disk, which
+/// the generators load).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WeightTransfer {
@@ -287,7 +339,11 @@ impl Default for GenerationSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DynamicSampling {
+    /// Drop the groups whose rewards all agree and draw more prompts in their place
+    /// (NeMo-RL's `grpo.use_dynamic_sampling`).
     pub enabled: bool,
+    /// Generation rounds per step at most; when they run out, dropped groups fill the step
+    /// (NeMo-RL's `grpo.dynamic_sampling_max_gen_batches`). At least 1.
     pub max_rounds: u32,
 }
 
@@ -302,7 +358,12 @@ impl Default for DynamicSampling {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OverlongShaping {
+    /// Tokens at the end of `generation.max_new_tokens` over which the penalty grows from 0
+    /// (NeMo-RL's `grpo.reward_shaping.overlong_buffer_length`); 1 to
+    /// `generation.max_new_tokens`.
     pub buffer: usize,
+    /// The most the reward falls, reached at `generation.max_new_tokens` generated tokens
+    /// (NeMo-RL's `grpo.reward_shaping.overlong_buffer_penalty`); finite and ≥ 0.
     #[serde(default = "one_f64")]
     pub penalty: f64,
 }
@@ -311,7 +372,10 @@ fn one_f64() -> f64 {
     1.0
 }
 
-/// How rewards become advantages.
+/// How rewards become advantages: `grpo` (reward minus the group baseline, divided by the
+/// group's standard deviation when `normalize_rewards`) or `reinforce_plus_plus` (REINFORCE++:
+/// the group mean subtracted when `normalize_rewards`, then whitened over every valid token
+/// of the batch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvantageEstimator {
@@ -324,11 +388,19 @@ pub enum AdvantageEstimator {
     ReinforcePlusPlus,
 }
 
+/// GRPO's settings (NeMo-RL's `grpo`), read by `grpo` runs; `max_rollout_turns` also by
+/// validation and `eval`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpoSpec {
+    /// Prompts drawn from the training set per step (NeMo-RL's `grpo.num_prompts_per_step`);
+    /// at least 1, and `num_prompts_per_step × num_generations_per_prompt` at most 1,048,576.
     pub num_prompts_per_step: usize,
+    /// Samples generated per prompt: the group whose rewards the advantages compare
+    /// (NeMo-RL's `grpo.num_generations_per_prompt`); 2 to 4096.
     pub num_generations_per_prompt: usize,
+    /// How each sample's reward becomes its advantage; `turn_level_advantages` needs `grpo`,
+    /// `training.loss.use_kl_in_reward` needs `reinforce_plus_plus`.
     pub advantage_estimator: AdvantageEstimator,
     /// Environment turns per sample (1 = single-turn).
     pub max_rollout_turns: u32,
@@ -336,11 +408,18 @@ pub struct GrpoSpec {
     /// that turn on (its reward-to-go), against the group's samples at the same turn, instead
     /// of one advantage for the whole sample (GRPO's estimator; the same as it on one turn).
     pub turn_level_advantages: bool,
+    /// Divide by the group's standard deviation (`grpo`) or subtract the group mean
+    /// (`reinforce_plus_plus`) (NeMo-RL's `grpo.normalize_rewards`).
     pub normalize_rewards: bool,
+    /// `grpo`'s baseline is the mean of the group's other samples, else the mean of the whole
+    /// group (NeMo-RL's `grpo.use_leave_one_out_baseline`).
     pub use_leave_one_out_baseline: bool,
     /// Truncated samples are left out of the loss (they still count in the baselines).
     pub overlong_filtering: bool,
+    /// DAPO's soft overlong punishment (NeMo-RL's `grpo.reward_shaping`); unset: off.
     pub overlong_shaping: Option<OverlongShaping>,
+    /// DAPO's dynamic sampling (NeMo-RL's `grpo.use_dynamic_sampling` and
+    /// `grpo.dynamic_sampling_max_gen_batches`).
     pub dynamic_sampling: DynamicSampling,
     /// Rollouts of later steps generated while a step trains (NeMo-RL's `async_grpo`).
     pub async_grpo: AsyncGrpo,
@@ -360,8 +439,14 @@ pub struct GrpoSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AsyncGrpo {
+    /// Turn async GRPO on (NeMo-RL's `grpo.async_grpo.enabled`); not with
+    /// `generation.colocated.enabled`.
     pub enabled: bool,
+    /// How many weight updates old a trajectory may be when it trains (NeMo-RL's
+    /// `grpo.async_grpo.max_trajectory_age_steps`); at least 1.
     pub max_trajectory_age_steps: u64,
+    /// New weights take effect at the next token, running samples continuing on them, instead
+    /// of between requests (NeMo-RL's `grpo.async_grpo.in_flight_weight_updates`).
     pub in_flight_weight_updates: bool,
 }
 
@@ -390,6 +475,9 @@ impl Default for GrpoSpec {
     }
 }
 
+/// Validation during a run, and what `eval` does: generation on the held-out prompts, scored
+/// by the environments (accuracy or mean reward, pass@k); for `dpo`, `rm` and `sft` without
+/// `environments`, the loss on the held-out records instead.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ValidationSpec {
@@ -399,6 +487,8 @@ pub struct ValidationSpec {
     pub num_prompts: usize,
     /// Samples per prompt; pass@k is reported for every k in `pass_at_k` (≤ this).
     pub num_samples: usize,
+    /// The k of each pass@k recorded (`validation/pass@k`, or `eval/pass@k`), by the unbiased
+    /// estimator; each in 1..=`num_samples`.
     pub pass_at_k: Vec<usize>,
     /// 0 = greedy.
     pub temperature: f64,
@@ -410,9 +500,12 @@ impl Default for ValidationSpec {
     }
 }
 
+/// When checkpoints are saved to the checkpoint service and which are kept (NeMo-RL's
+/// `checkpointing`). A run that restarts resumes from its latest checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointingSpec {
+    /// Save checkpoints (NeMo-RL's `checkpointing.enabled`); off, a restarted run starts over.
     pub enabled: bool,
     /// Save every this many steps (the last step is always saved).
     pub save_period: u64,
@@ -420,6 +513,8 @@ pub struct CheckpointingSpec {
     pub keep_top_k: Option<u32>,
     /// The metric retention ranks by (e.g. `validation/accuracy`).
     pub metric_name: Option<String>,
+    /// Whether a higher `metric_name` ranks a checkpoint better (NeMo-RL's
+    /// `checkpointing.higher_is_better`).
     pub higher_is_better: bool,
 }
 
@@ -429,14 +524,23 @@ impl Default for CheckpointingSpec {
     }
 }
 
+/// A run: the document `POST /v1/runs` takes, in YAML or JSON. Keys follow NeMo-RL's where
+/// one exists; unknown fields are refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RunSpec {
+    /// A name for the run, shown in run lists, and the loggers' default run name.
     #[serde(default)]
     pub name: Option<String>,
+    /// What the run does; it decides the `training.loss.type` the run needs and whether it
+    /// needs `environments`.
     pub algorithm: Algorithm,
+    /// The starting weights: exactly one of `path` or `checkpoint`.
     pub model: ModelRef,
+    /// The training set and the held-out set.
     pub data: DataSpec,
+    /// How a record becomes the prompt the model sees (NeMo-RL's `prompt_file` and
+    /// `system_prompt_file`, written inline).
     #[serde(default)]
     pub prompt: PromptSpec,
     /// Needed by `grpo` and `eval`.
@@ -445,26 +549,40 @@ pub struct RunSpec {
     /// Loss, optimiser, schedule and batching (every algorithm but `eval`).
     #[serde(default)]
     pub training: Option<TrainingConfig>,
+    /// Group sizes, advantages and GRPO's DAPO and async options.
     #[serde(default)]
     pub grpo: GrpoSpec,
+    /// How rollouts are sampled, and how new weights reach the generators.
     #[serde(default)]
     pub generation: GenerationSpec,
     /// Prompt plus everything generated (or the answer, for SFT) is cut to this.
     #[serde(default = "default_max_total_sequence_length")]
     pub max_total_sequence_length: usize,
+    /// Steps to run at most (NeMo-RL's `grpo.max_num_steps`, `sft.max_num_steps`,
+    /// `dpo.max_num_steps`); at least 1. A step is one global batch for `sft`, `dpo` and `rm`,
+    /// and `num_prompts_per_step` prompts' rollouts and their training for `grpo`.
     #[serde(default = "default_max_num_steps")]
     pub max_num_steps: u64,
+    /// Passes over the training set at most (NeMo-RL's `*.max_num_epochs`): the run ends when
+    /// they are used up, even before `max_num_steps`. At least 1.
     #[serde(default = "default_max_num_epochs")]
     pub max_num_epochs: u64,
+    /// When the run validates on `data.validation`, and how.
     #[serde(default)]
     pub validation: ValidationSpec,
+    /// When checkpoints are saved and which are kept.
     #[serde(default)]
     pub checkpointing: CheckpointingSpec,
+    /// Seeds the training set's order, the sampling of rollouts and validation, and the
+    /// trainer's random state (NeMo-RL's `grpo.seed`, `sft.seed`, `dpo.seed`).
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// Trainer device and compute dtype (defaults: the worker's).
+    /// The trainer's device for this run: `cpu`, `cuda` or `cuda:N` (default: the trainer
+    /// worker's configured device).
     #[serde(default)]
     pub device: Option<String>,
+    /// The trainer's compute dtype: `f32`, `bf16` or `f16`, master weights and optimiser state
+    /// staying f32 (NeMo-RL's `policy.precision`). Default: f32 on the CPU, bf16 on CUDA.
     #[serde(default)]
     pub dtype: Option<String>,
     /// Tensor-parallel ranks the trainer splits the policy and reference over (1: none).
@@ -494,10 +612,12 @@ pub struct LoggerSpec {
     pub tensorboard_enabled: bool,
     /// An MLflow run (see `mlflow`) with every metric at its step.
     pub mlflow_enabled: bool,
+    /// The MLflow run the metrics go to (NeMo-RL's `logger.mlflow`).
     pub mlflow: MlflowSpec,
     /// W&B's offline run files in `<log_dir>/<run id>/wandb/offline-run-<time>-<id>/` (see
     /// `wandb`), as `wandb offline` writes them: `wandb sync <that directory>` uploads them.
     pub wandb_enabled: bool,
+    /// The W&B run the offline files make (NeMo-RL's `logger.wandb`).
     pub wandb: WandbSpec,
 }
 
@@ -511,6 +631,7 @@ pub struct WandbSpec {
     pub name: Option<String>,
     /// The team or user (default: the one `wandb sync` logs in as).
     pub entity: Option<String>,
+    /// Tags of the W&B run.
     pub tags: Vec<String>,
 }
 

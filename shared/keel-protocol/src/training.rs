@@ -48,7 +48,8 @@ impl LossConfig {
     }
 }
 
-/// Which estimator of KL(policy ‖ reference) the penalty uses.
+/// Which estimator of KL(policy ‖ reference) the penalty uses, per token with
+/// log r = log(ref / policy): `k1` (−log r), `k2` ((log r)² / 2) or `k3` (r − 1 − log r).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum KlType {
@@ -58,7 +59,9 @@ pub enum KlType {
     K3,
 }
 
-/// How the importance weight exp(prev − gen) is truncated.
+/// How the importance weight exp(prev − gen) is truncated: `tis` clamps it to [min, max],
+/// `icepop` zeroes it outside [min, max], `seq-mask-tis` drops whole sequences whose
+/// exp(mean(prev − gen)) is outside [min, max].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub enum TruncationType {
     /// Clamp the weight to [min, max].
@@ -72,6 +75,9 @@ pub enum TruncationType {
     SeqMaskTis,
 }
 
+/// GRPO's loss: the clipped policy gradient (PPO's surrogate on the ratio of the policy to
+/// the policy before the update) with a KL penalty to the reference policy; NeMo-RL's
+/// `loss_fn` options and defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClippedPgConfig {
@@ -86,14 +92,23 @@ pub struct ClippedPgConfig {
     /// The KL penalty goes into the per-token advantages (REINFORCE++: A_t − β·KL_t of the
     /// policy before the update against the reference) instead of the loss.
     pub use_kl_in_reward: bool,
+    /// The per-token KL estimator (NeMo-RL's `loss_fn.reference_policy_kl_type`).
     pub reference_policy_kl_type: KlType,
     /// Clamp of log(ref / policy) before the estimator (None = no clamp).
     pub kl_input_clamp_value: Option<f64>,
     /// Clamp of the per-token KL value (None = no clamp).
     pub kl_output_clamp_value: Option<f64>,
+    /// Weight each token's loss by exp(prev − gen), the trainer's logprob before the update
+    /// against the generator's: corrects their mismatch, and async GRPO's older trajectories
+    /// (NeMo-RL's `loss_fn.use_importance_sampling_correction`).
     pub use_importance_sampling_correction: bool,
+    /// How that weight is truncated; unset: not at all. Needs
+    /// `use_importance_sampling_correction`.
     pub truncated_importance_sampling_type: Option<TruncationType>,
+    /// The truncation's lower bound; required by `icepop` and `seq-mask-tis` (`tis` takes 0
+    /// without it); finite, ≥ 0 and at most `truncated_importance_sampling_ratio_max`.
     pub truncated_importance_sampling_ratio_min: Option<f64>,
+    /// The truncation's upper bound; required by every truncation type; finite and ≥ 0.
     pub truncated_importance_sampling_ratio_max: Option<f64>,
     /// Token-level loss (mean over all valid tokens) or sequence-level (mean of per-sequence means).
     pub token_level_loss: bool,
@@ -128,6 +143,9 @@ impl Default for ClippedPgConfig {
     }
 }
 
+/// DPO on (chosen, rejected) pairs in consecutive rows: −log σ(β·(r_chosen − r_rejected)),
+/// r being an answer's log-probability under the policy minus under the reference, plus an
+/// optional SFT term on the chosen answers; NeMo-RL's `dpo` options and defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DpoConfig {
@@ -141,6 +159,8 @@ pub struct DpoConfig {
     /// The SFT term takes each chosen answer's per-token mean NLL instead of its sum
     /// (NeMo-RL's default is the sum).
     pub sft_average_log_probs: bool,
+    /// Weight of the preference loss (NeMo-RL's `dpo.preference_loss_weight`); finite and ≥ 0,
+    /// and not 0 together with `sft_loss_weight`.
     pub preference_loss_weight: f64,
 }
 
@@ -160,9 +180,16 @@ impl Default for DpoConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerConfig {
+    /// The learning rate, which the scheduler scales (NeMo-RL's
+    /// `policy.optimizer.kwargs.lr`); positive.
     pub lr: f64,
+    /// Adam's β1 and β2: the decay rates of the running means of the gradient and of its
+    /// square; each in [0, 1).
     pub betas: [f64; 2],
+    /// Adam's ε, added to the denominator for numerical stability; positive.
     pub eps: f64,
+    /// Decoupled weight decay (NeMo-RL's `policy.optimizer.kwargs.weight_decay`); finite and
+    /// ≥ 0.
     pub weight_decay: f64,
 }
 
@@ -172,7 +199,9 @@ impl Default for OptimizerConfig {
     }
 }
 
-/// What the learning rate does after warm-up.
+/// What the learning rate does after warm-up: `constant` (stays at `lr`), `cosine` (falls
+/// along half a cosine to `min_lr_ratio × lr` at `total_steps`) or `linear` (falls in a
+/// straight line to it); it stays there after `total_steps`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Decay {
@@ -187,10 +216,18 @@ pub enum Decay {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
+    /// Optimiser steps of linear warm-up, 0 for none (the `total_iters` of NeMo-RL's
+    /// `LinearLR` warm-up).
     pub warmup_steps: u64,
+    /// The warm-up's first learning rate, as a fraction of `lr` (the `start_factor` of
+    /// NeMo-RL's `LinearLR` warm-up); in (0, 1].
     pub warmup_start_factor: f64,
+    /// The decay after warm-up; `cosine` and `linear` need `total_steps`.
     pub decay: Decay,
+    /// The optimiser step at which the decay reaches `min_lr_ratio × lr`; required by
+    /// `cosine` and `linear`, and above `warmup_steps`.
     pub total_steps: Option<u64>,
+    /// The learning rate the decay ends at, as a fraction of `lr`; in [0, 1].
     pub min_lr_ratio: f64,
 }
 
@@ -200,12 +237,18 @@ impl Default for SchedulerConfig {
     }
 }
 
+/// How the trainer trains: the loss, the optimiser, the learning-rate schedule and the
+/// batching. Required by every algorithm but `eval`, refused for `eval`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingConfig {
+    /// The loss, by `type`: `clipped_pg` for `grpo`, `nll` for `sft`, `dpo` for `dpo`,
+    /// `bradley_terry` for `rm` (NeMo-RL's `loss_fn`, and the loss options of its `dpo`).
     pub loss: LossConfig,
+    /// AdamW's settings (NeMo-RL's `policy.optimizer`).
     #[serde(default)]
     pub optimizer: OptimizerConfig,
+    /// The learning-rate schedule (NeMo-RL's `policy.scheduler`).
     #[serde(default)]
     pub scheduler: SchedulerConfig,
     /// Gradient-norm clipping (None = off).
@@ -240,6 +283,8 @@ pub const LORA_TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "ga
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoraConfig {
+    /// Train LoRA adapters instead of the whole model (NeMo-RL's `lora_cfg.enabled`); needs
+    /// `tensor_parallel_size: 1`, and not for `rm`.
     pub enabled: bool,
     /// The adapters' rank (NeMo-RL's `dim`, PEFT's `r`).
     #[serde(alias = "dim", alias = "r")]
@@ -329,6 +374,9 @@ impl LoraConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TokenBatching {
+    /// Make the microbatches by this token budget (NeMo-RL's `policy.sequence_packing.enabled`
+    /// or `policy.dynamic_batching.enabled`). `sequence_packing` and `dynamic_batching`
+    /// exclude each other, and `bradley_terry` takes only `dynamic_batching`.
     pub enabled: bool,
     /// Tokens per training microbatch.
     pub train_mb_tokens: usize,
