@@ -265,6 +265,11 @@ fn keel_services_trace_have_health_checks_and_wait_for_their_dependencies() {
     assert_eq!(scalar(&demo["environment"]["KEEL_DEMO_DONE"]), "/var/lib/keel/work/demo.done");
     assert_eq!(scalar(&demo["depends_on"]["model-init"]["condition"]), "service_completed_successfully");
     assert_eq!(scalar(&demo["depends_on"]["orchestrator"]["condition"]), "service_healthy");
+    assert_eq!(
+        scalar(&demo["environment"]["KEEL_API_TOKEN"]),
+        scalar(&services["orchestrator"]["environment"]["KEEL_API_TOKEN"]),
+        "the demo sends the orchestrator's API token"
+    );
     let dockerfile = std::fs::read_to_string(root().join("docker/Dockerfile")).unwrap();
     for needed in ["COPY examples/ /usr/share/keel/examples/", "COPY scripts/demo-run /usr/share/keel/scripts/demo-run"]
     {
@@ -272,6 +277,35 @@ fn keel_services_trace_have_health_checks_and_wait_for_their_dependencies() {
     }
     let model_init = command(&services["model-init"]).join(" ");
     assert!(model_init.contains("/usr/share/keel/examples/tokenizer-corpus.txt"), "{model_init}");
+}
+
+/// Where no registry is reachable, scripts/docker-engine makes every image compose.yaml and
+/// docker/Dockerfile start from: a stand-in per third-party image, the Rust image from the
+/// Dockerfile's own `FROM` line.
+#[test]
+fn docker_engine_script_makes_every_image_compose_starts_from() {
+    let script = std::fs::read_to_string(root().join("scripts/docker-engine")).unwrap();
+    let compose = compose();
+    let images: std::collections::BTreeSet<String> =
+        services(&compose).values().filter_map(|s| s["image"].as_str().map(String::from)).collect();
+    assert!(images.contains("keel:latest"), "{images:?}");
+    for image in images.iter().filter(|i| *i != "keel:latest") {
+        let entry = script
+            .lines()
+            .find_map(|l| l.trim().trim_matches('"').strip_prefix(&format!("{image} ")).map(str::to_string))
+            .unwrap_or_else(|| panic!("scripts/docker-engine has no stand-in for {image}"));
+        let folder = root().join("docker/local").join(entry.trim());
+        assert!(folder.join("Dockerfile").is_file(), "{image}: {} has no Dockerfile", folder.display());
+    }
+    let dockerfile = std::fs::read_to_string(root().join("docker/Dockerfile")).unwrap();
+    let bases: Vec<&str> = dockerfile
+        .lines()
+        .filter_map(|l| l.strip_prefix("FROM "))
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(bases, ["rust:1.95-bookworm", "debian:bookworm-slim"], "docker/Dockerfile's stages");
+    assert!(script.contains("sed -n 's/^FROM \\(rust:"), "the Rust image's name is read from docker/Dockerfile");
+    assert!(script.contains("debian:bookworm-slim"), "the Debian base image");
 }
 
 #[test]

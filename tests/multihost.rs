@@ -69,6 +69,7 @@ impl Hosts {
         ip(&["link", "add", &bridge, "type", "bridge"])?;
         ip(&["addr", "add", &format!("{}/24", hosts.gateway()), "dev", &bridge])?;
         ip(&["link", "set", &bridge, "up"])?;
+        hosts.forwarding(true);
         for i in 0..count {
             let namespace = format!("keel-{}-{i}", hosts.tag);
             ip(&["netns", "add", &namespace])?;
@@ -86,6 +87,19 @@ impl Hosts {
 
     fn bridge(&self) -> String {
         format!("kbr{}", self.tag)
+    }
+
+    /// Lets traffic between the hosts cross the bridge whatever iptables' FORWARD policy
+    /// (Docker sets it to DROP and has bridged frames go through iptables), by a rule of the
+    /// test's own at the top of that chain; `false` takes the rule out again. Without
+    /// iptables there is no such filter, and nothing to do.
+    fn forwarding(&self, allow: bool) {
+        let bridge = self.bridge();
+        let action = if allow { "-I" } else { "-D" };
+        let _ = Command::new("iptables")
+            .args([action, "FORWARD", "-i", &bridge, "-o", &bridge, "-j", "ACCEPT"])
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 
     /// The machine's own address on the bridge.
@@ -112,6 +126,7 @@ impl Drop for Hosts {
             let _ = ip(&["netns", "delete", namespace]);
         }
         if !self.tag.is_empty() {
+            self.forwarding(false);
             let _ = ip(&["link", "delete", &self.bridge()]);
         }
     }

@@ -467,6 +467,29 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     expect("trainer", "keel_trainer_claimed 0");
     expect("checkpoint", "keel_http_request_duration_seconds_count{method=\"POST\"");
 
+    // Health checks and scrapes make no spans (a compose stack's health checks would bury
+    // the steps): after probes of every service, a traced request's span arrives and no
+    // probe's or scrape's span came before it.
+    for (_, url) in &urls {
+        let health = stack.http.get(format!("{url}/healthz")).send().await.unwrap();
+        assert!(health.status().is_success(), "{url}/healthz");
+    }
+    let listed = stack.http.get(format!("{api}/v1/runs?limit=1")).send().await.unwrap();
+    assert!(listed.status().is_success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !spans.lock().unwrap().iter().any(|s| s.name == "GET /v1/runs") {
+        assert!(Instant::now() < deadline, "the span of GET /v1/runs did not arrive");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let probes: Vec<String> = spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.name.ends_with(" /healthz") || s.name.ends_with(" /metrics"))
+        .map(|s| format!("{} {}", s.service, s.name))
+        .collect();
+    assert!(probes.is_empty(), "health checks and scrapes made spans: {probes:?}");
+
     // The dashboard, in headless Chromium: the run's plots have points, samples are listed.
     let page = format!("{api}/dashboard#/runs/{run}");
     let profile = tempfile::tempdir().unwrap();
@@ -477,6 +500,8 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     }
     let rows = dom.matches("class=\"sample-row\"").count();
     assert!(rows >= 8, "the sample browser shows {rows} rows");
+    assert!(dom.contains("data-role=\"assistant\""), "a sample's turns are shown with their roles: {dom}");
+    assert!(dom.contains(" generated"), "a sample's token counts are shown: {dom}");
     let runs_dom = dashboard_dom(profile.path(), &format!("{api}/dashboard"));
     assert!(runs_dom.contains(&format!("data-run-id=\"{run}\"")), "the runs list shows the run: {runs_dom}");
     assert!(runs_dom.contains("class=\"pick\""), "each run can be picked for comparison: {runs_dom}");

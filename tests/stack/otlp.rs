@@ -42,6 +42,34 @@ fn attributes(list: &[KeyValue]) -> BTreeMap<String, String> {
     list.iter().map(|kv| (kv.key.clone(), text(&kv.value))).collect()
 }
 
+/// The spans of one OTLP/HTTP protobuf `ExportTraceServiceRequest` body.
+pub fn decode(body: &[u8]) -> Vec<Span> {
+    let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf request");
+    let mut received = Vec::new();
+    for resource in request.resource_spans {
+        let service = resource
+            .resource
+            .as_ref()
+            .map(|r| attributes(&r.attributes))
+            .and_then(|a| a.get("service.name").cloned())
+            .unwrap_or_default();
+        for scope in resource.scope_spans {
+            for span in scope.spans {
+                received.push(Span {
+                    trace: hex(&span.trace_id),
+                    id: hex(&span.span_id),
+                    parent: hex(&span.parent_span_id),
+                    name: span.name.clone(),
+                    service: service.clone(),
+                    attributes: attributes(&span.attributes),
+                    status: span.status.as_ref().map(|s| (s.code, s.message.clone())).unwrap_or_default(),
+                });
+            }
+        }
+    }
+    received
+}
+
 /// An OTLP/HTTP receiver on a free port: `POST /v1/traces` with a protobuf
 /// `ExportTraceServiceRequest`. Returns its base URL and what it received.
 pub async fn otlp_receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
@@ -52,29 +80,7 @@ pub async fn otlp_receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
         post(move |body: Bytes| {
             let sink = sink.clone();
             async move {
-                let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf request");
-                let mut received = sink.lock().unwrap();
-                for resource in request.resource_spans {
-                    let service = resource
-                        .resource
-                        .as_ref()
-                        .map(|r| attributes(&r.attributes))
-                        .and_then(|a| a.get("service.name").cloned())
-                        .unwrap_or_default();
-                    for scope in resource.scope_spans {
-                        for span in scope.spans {
-                            received.push(Span {
-                                trace: hex(&span.trace_id),
-                                id: hex(&span.span_id),
-                                parent: hex(&span.parent_span_id),
-                                name: span.name.clone(),
-                                service: service.clone(),
-                                attributes: attributes(&span.attributes),
-                                status: span.status.as_ref().map(|s| (s.code, s.message.clone())).unwrap_or_default(),
-                            });
-                        }
-                    }
-                }
+                sink.lock().unwrap().extend(decode(&body));
                 ""
             }
         }),

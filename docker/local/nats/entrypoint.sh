@@ -1,0 +1,7 @@
+#!/bin/sh
+# As the official image: flags alone are nats-server's.
+set -e
+case "${1:-}" in
+  '' | -*) set -- nats-server "$@" ;;
+esac
+exec "$@"
