@@ -467,6 +467,33 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     expect("trainer", "keel_trainer_claimed 0");
     expect("checkpoint", "keel_http_request_duration_seconds_count{method=\"POST\"");
 
+    // The metrics reference names every metric this GRPO run recorded and every metric
+    // family the services expose (docs/src/reference/metrics.md).
+    let reference =
+        std::fs::read_to_string(keel_testkit::workspace_root().join("docs/src/reference/metrics.md")).unwrap();
+    let recorded = stack.get(&format!("/v1/runs/{run}/metrics")).await;
+    let mut names: BTreeSet<String> = recorded["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|series| series["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(names.contains("train/loss") && names.contains("timing/train/total_step_time"), "{names:?}");
+    for text in texts.values() {
+        names.extend(
+            text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).map(|l| l.split(' ').next().unwrap().to_string()),
+        );
+    }
+    // `validation/pass@1` is documented as `validation/pass@<k>`.
+    let documented = |name: &str| {
+        reference.contains(&format!("`{name}`"))
+            || name.split_once('@').is_some_and(|(head, k)| {
+                k.chars().all(|c| c.is_ascii_digit()) && reference.contains(&format!("`{head}@<k>`"))
+            })
+    };
+    let missing: Vec<&String> = names.iter().filter(|name| !documented(name)).collect();
+    assert!(missing.is_empty(), "docs/src/reference/metrics.md does not name {missing:?}");
+
     // Health checks and scrapes make no spans (a compose stack's health checks would bury
     // the steps): after probes of every service, a traced request's span arrives and no
     // probe's or scrape's span came before it.
