@@ -438,3 +438,13 @@ async fn follow(config: Config, group: GroupConfig, shutdown: impl Future<Output
     let app = keel_service::health_routes(SERVICE);
     Ok(keel_service::run_http(SERVICE, config.listen, app, shutdown).await.map_err(keel_service::Error::Http)?)
 }
+
+#[cfg(test)]
+mod tests {
+    /// The settings reference names every field of this service's configuration.
+    #[test]
+    fn every_setting_is_in_the_settings_reference() {
+        let defaults = serde_json::to_value(super::default_config()).expect("the defaults serialise");
+        keel_testkit::docs::check_settings_section(super::SERVICE, &defaults);
+    }
+}

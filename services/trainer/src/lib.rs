@@ -213,3 +213,13 @@ async fn follow(
     http.await.map_err(|e| keel_service::Error::Part { part: "http", reason: e.to_string() })??;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    /// The settings reference names every field of this service's configuration.
+    #[test]
+    fn every_setting_is_in_the_settings_reference() {
+        let defaults = serde_json::to_value(super::default_config()).expect("the defaults serialise");
+        keel_testkit::docs::check_settings_section(super::SERVICE, &defaults);
+    }
+}

@@ -34,3 +34,40 @@ pub fn check_reference_page(page: &str, generated: &str, regenerate: &str) {
 pub fn table_cell(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|")
 }
+
+/// Checks that the `## <service>` section of `docs/src/reference/settings.md` names every
+/// field of the service's configuration, nested ones by their dotted path (`group.rank`), as
+/// its defaults serialise (`defaults`): a setting added in the code and not on the page fails.
+/// An optional table that is unset by default counts as named when any of its fields is.
+pub fn check_settings_section(service: &str, defaults: &serde_json::Value) {
+    let path = crate::workspace_root().join("docs/src/reference/settings.md");
+    let page = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let heading = format!("\n## {service}\n");
+    let start = page.find(&heading).unwrap_or_else(|| panic!("{} has no `## {service}` section", path.display()));
+    let rest = &page[start + heading.len()..];
+    let section = &rest[..rest.find("\n## ").unwrap_or(rest.len())];
+    let mut leaves = Vec::new();
+    settings_leaves(defaults, String::new(), &mut leaves);
+    let missing: Vec<&String> = leaves
+        .iter()
+        .filter(|(field, value)| {
+            let named = section.contains(&format!("`{field}`"));
+            let table_named = value.is_null() && section.contains(&format!("`{field}."));
+            !named && !table_named
+        })
+        .map(|(field, _)| field)
+        .collect();
+    assert!(missing.is_empty(), "{}, section {service}, does not name the settings {missing:?}", path.display());
+}
+
+fn settings_leaves(value: &serde_json::Value, path: String, out: &mut Vec<(String, serde_json::Value)>) {
+    match value.as_object() {
+        Some(fields) if !fields.is_empty() => {
+            for (name, inner) in fields {
+                let nested = if path.is_empty() { name.clone() } else { format!("{path}.{name}") };
+                settings_leaves(inner, nested, out);
+            }
+        }
+        _ => out.push((path, value.clone())),
+    }
+}
