@@ -18,11 +18,17 @@ use utoipa::ToSchema;
 pub struct FileEntry {
     /// Relative path in the checkpoint (`model.safetensors`, `optimizer/state.pt`): at most 8
     /// parts of letters, digits, `.`, `-` and `_`, none hidden.
-    #[schema(min_length = 1, max_length = 255)]
+    #[schema(
+        min_length = 1,
+        max_length = 255,
+        pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}(/[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}){0,7}$"
+    )]
     pub path: String,
     /// Lower-case hex sha256 of the content.
     #[schema(pattern = "^[0-9a-f]{64}$")]
     pub sha256: String,
+    /// Bytes; at most 1 TiB.
+    #[schema(maximum = 1_099_511_627_776_u64)]
     pub size: u64,
 }
 
@@ -91,7 +97,7 @@ pub struct Checkpoint {
 pub struct LeaseRequest {
     /// Who reads (a run id, a generator): 1 to 200 characters, none of them control
     /// characters.
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(min_length = 1, max_length = 200, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")]
     pub holder: String,
     /// How long the lease holds: more than 0 seconds and at most a week.
     #[schema(exclusive_minimum = 0, maximum = 604800)]
