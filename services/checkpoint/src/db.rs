@@ -119,8 +119,8 @@ pub async fn commit(tx: &mut PgConnection, id: Uuid) -> sqlx::Result<Result<(), 
 }
 
 fn checkpoint_of(row: &sqlx::postgres::PgRow, files: Vec<(FileEntry, bool)>) -> sqlx::Result<Checkpoint> {
-    let metrics: serde_json::Value = row.try_get("metrics")?;
-    let metrics: BTreeMap<String, f64> = serde_json::from_value(metrics).unwrap_or_default();
+    let metrics: String = row.try_get("metrics")?;
+    let metrics: BTreeMap<String, f64> = serde_json::from_str(&metrics).unwrap_or_default();
     let step: i64 = row.try_get("step")?;
     Ok(Checkpoint {
         id: row.try_get("id")?,
@@ -135,10 +135,16 @@ fn checkpoint_of(row: &sqlx::postgres::PgRow, files: Vec<(FileEntry, bool)>) -> 
     })
 }
 
-/// The columns [`checkpoint_of`] reads.
+/// The columns [`checkpoint_of`] reads. The metrics come back as JSON text with each value
+/// written as a float8 (`-1.7976931348623157e+308`): jsonb keeps numbers as exact decimals and
+/// writes them out in full, and a 309-digit integer near f64's range is more than serde_json
+/// parses back.
 macro_rules! columns {
     () => {
-        "id, run_id, step, status, metrics, info, extract(epoch FROM created_at)::float8 AS created_at"
+        "id, run_id, step, status, \
+         (SELECT coalesce(json_object_agg(key, (value #>> '{}')::float8), '{}'::json)::text \
+          FROM jsonb_each(metrics)) AS metrics, \
+         info, extract(epoch FROM created_at)::float8 AS created_at"
     };
 }
 

@@ -199,6 +199,24 @@ async fn bad_uploads_leave_nothing_visible_or_leaked() {
     assert_eq!(c.put(&id, "model.safetensors", &content).await.0, 409, "files of a committed checkpoint do not change");
 }
 
+/// Metrics at the ends of f64's range (a fuzzer sent `-1.7976931348623157e308`) come back
+/// as they were sent, not as a 500 when the store reads them.
+#[tokio::test]
+async fn metrics_at_the_ends_of_the_float_range_round_trip() {
+    let stack = Stack::start().await;
+    let c = Client::new(&stack);
+    let metrics = json!({"lowest": f64::MIN, "highest": f64::MAX, "tiny": 5e-324, "loss": 0.25});
+    let made = c.checkpoint("extremes", 1, metrics, &[("a.bin", b"x")], Value::Null).await;
+    assert_eq!(made.metrics["lowest"], f64::MIN);
+    assert_eq!(made.metrics["highest"], f64::MAX);
+    assert_eq!(made.metrics["tiny"], 5e-324);
+    assert_eq!(made.metrics["loss"], 0.25);
+    let listed = c.get("/v1/runs/extremes/checkpoints/latest").await;
+    assert_eq!(listed.status(), 200);
+    let listed: Checkpoint = listed.json().await.unwrap();
+    assert_eq!(listed.metrics, made.metrics);
+}
+
 #[tokio::test]
 async fn bad_requests_name_the_field() {
     let stack = Stack::start().await;
