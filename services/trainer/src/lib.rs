@@ -214,12 +214,6 @@ async fn follow(
     Ok(())
 }
 
+// The settings reference names every field of this service's configuration.
 #[cfg(test)]
-mod tests {
-    /// The settings reference names every field of this service's configuration.
-    #[test]
-    fn every_setting_is_in_the_settings_reference() {
-        let defaults = serde_json::to_value(super::default_config()).expect("the defaults serialise");
-        keel_testkit::docs::check_settings_section(super::SERVICE, &defaults);
-    }
-}
+keel_testkit::settings_reference_test!();

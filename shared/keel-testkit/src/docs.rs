@@ -71,3 +71,19 @@ fn settings_leaves(value: &serde_json::Value, path: String, out: &mut Vec<(Strin
         _ => out.push((path, value.clone())),
     }
 }
+
+/// The test that a service's section of the settings reference names every field of its
+/// configuration, for a service crate whose root has `SERVICE` and `default_config()`:
+/// `#[cfg(test)] keel_testkit::settings_reference_test!();` there.
+#[macro_export]
+macro_rules! settings_reference_test {
+    () => {
+        mod settings_reference {
+            #[test]
+            fn every_setting_is_in_the_settings_reference() {
+                let defaults = serde_json::to_value(super::default_config()).expect("the defaults serialise");
+                $crate::docs::check_settings_section(super::SERVICE, &defaults);
+            }
+        }
+    };
+}
