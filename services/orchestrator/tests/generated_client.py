@@ -62,6 +62,20 @@ def record_of(event_id, kind, data):
     return record
 
 
+def sft_spec(model, micro_batch_size=4, max_num_steps=2, **extra):
+    """A small arithmetic SFT spec on `model`, as the generated `RunSpec`."""
+    return RunSpec.from_dict(
+        {
+            **extra,
+            "algorithm": "sft",
+            "model": {"path": model},
+            "data": {"train": {"kind": "arithmetic", "size": 16}},
+            "training": {"loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": micro_batch_size},
+            "max_num_steps": max_num_steps,
+        }
+    )
+
+
 def main():
     base_url, token, model = sys.argv[1:4]
     timeout = httpx.Timeout(30.0)
@@ -74,15 +88,7 @@ def main():
     check(refused.error.type_ == "unauthorized", f"no token: {refused.error!r}")
 
     # A spec the orchestrator refuses: 422 with every problem, typed.
-    bad = RunSpec.from_dict(
-        {
-            "algorithm": "sft",
-            "model": {"path": model},
-            "data": {"train": {"kind": "arithmetic", "size": 16}},
-            "training": {"loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": 0},
-            "max_num_steps": 0,
-        }
-    )
+    bad = sft_spec(model, micro_batch_size=0, max_num_steps=0)
     refused = submit.sync(client=client, body=bad)
     check(isinstance(refused, InvalidSpecError), f"a bad spec: {refused!r}")
     check(refused.error.type_ == "invalid_spec", f"a bad spec: {refused.error!r}")
@@ -91,16 +97,7 @@ def main():
     check("max_num_steps" in fields, f"max_num_steps is not among the problems: {fields}")
 
     # Submit: the run waits in `queued` (no trainer serves this orchestrator's prefix).
-    spec = RunSpec.from_dict(
-        {
-            "name": "generated-client",
-            "algorithm": "sft",
-            "model": {"path": model},
-            "data": {"train": {"kind": "arithmetic", "size": 16}},
-            "training": {"loss": {"type": "nll"}, "global_batch_size": 8, "micro_batch_size": 4},
-            "max_num_steps": 2,
-        }
-    )
+    spec = sft_spec(model, name="generated-client")
     run = submit.sync(client=client, body=spec)
     check(isinstance(run, Run), f"submit: {run!r}")
     check(run.status == RunStatus.QUEUED and run.algorithm == Algorithm.SFT, f"submit: {run!r}")
