@@ -100,6 +100,7 @@ type Answer<T> = Result<T, Failure>;
 pub fn routes(state: AppState) -> Router {
     let api = Router::new()
         .route("/v1/runs", post(submit).get(list))
+        .route("/v1/runs/validate", post(validate))
         .route("/v1/runs/{id}", get(show))
         .route("/v1/runs/{id}/metrics", get(metrics))
         .route("/v1/runs/{id}/samples", get(samples))
@@ -163,15 +164,31 @@ async fn find(pool: &PgPool, id: Uuid) -> Answer<Run> {
 #[utoipa::path(post, path = "/v1/runs", request_body(content((RunSpec = "application/yaml"), (RunSpec = "application/json"))),
     responses((status = 201, body = Run), (status = 422, description = "The spec is refused: every problem, each with its field path", body = InvalidSpecError)))]
 pub async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Answer<(StatusCode, Json<Run>)> {
+    let spec = checked_spec(&state, &headers, body).await?;
+    let run = db::insert_run(&mut *state.pool.acquire().await?, &spec).await?;
+    tracing::info!(run_id = %run.id, algorithm = run.algorithm.name(), "run submitted");
+    Ok((StatusCode::CREATED, Json(run)))
+}
+
+/// Checks a run spec exactly as `POST /v1/runs` does (shape, every semantic problem, the
+/// model and datasets it names) and creates nothing: the dry run. Answers the spec as it
+/// would run, with every default filled in.
+#[utoipa::path(post, path = "/v1/runs/validate", request_body(content((RunSpec = "application/yaml"), (RunSpec = "application/json"))),
+    responses((status = 200, body = RunSpec, description = "The spec is valid; this is how it would run, defaults included"),
+        (status = 422, description = "The spec is refused: every problem, each with its field path", body = InvalidSpecError)))]
+pub async fn validate(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Answer<Json<RunSpec>> {
+    Ok(Json(checked_spec(&state, &headers, body).await?))
+}
+
+/// The body as a spec that passed every check, or every problem found.
+async fn checked_spec(state: &AppState, headers: &HeaderMap, body: Bytes) -> Answer<RunSpec> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
     let spec = spec::parse_async(body, content_type).await.map_err(|p| Failure::InvalidSpec(vec![p]))?;
     let problems = spec::problems(&spec, &state.checkpoints, &state.roots).await;
     if !problems.is_empty() {
         return Err(Failure::InvalidSpec(problems));
     }
-    let run = db::insert_run(&mut *state.pool.acquire().await?, &spec).await?;
-    tracing::info!(run_id = %run.id, algorithm = run.algorithm.name(), "run submitted");
-    Ok((StatusCode::CREATED, Json(run)))
+    Ok(spec)
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -363,7 +380,7 @@ pub async fn checkpoint_archive(
         title = "Keel",
         description = "Keel's run API: submit post-training runs (GRPO, SFT, DPO, reward model, eval), follow their metrics, samples and checkpoints. Bearer-token auth when the orchestrator has a token."
     ),
-    paths(submit, list, show, metrics, samples, events, cancel, checkpoints, checkpoint_archive, prometheus),
+    paths(submit, validate, list, show, metrics, samples, events, cancel, checkpoints, checkpoint_archive, prometheus),
     components(schemas(keel_protocol::run::RunEventRecord)),
     modifiers(&ErrorResponses, &BearerAuth)
 )]

@@ -1,8 +1,10 @@
-//! Datasets and the dataloader. A dataset is a JSONL file (keys chosen in the spec) or the
-//! built-in arithmetic generator; both become [`Record`]s. The [`Dataloader`] walks the
-//! training set in a seeded order per epoch and its whole state is a position
-//! ([`Position`]), saved with every checkpoint so a resumed run takes the next prompts, not
-//! the same ones again.
+//! Datasets and the dataloader. A dataset is a JSONL file or Parquet files (a Hugging Face
+//! dataset's directory), their keys chosen in the spec and every other field kept as the
+//! record's metadata, or the built-in arithmetic generator; all become [`Record`]s. A submit
+//! only [`check`]s a dataset, a record at a time, keeping none; a run [`load`]s it. The
+//! [`Dataloader`] walks the training set in a seeded order per epoch and its whole state is a
+//! position ([`Position`]), saved with every checkpoint so a resumed run takes the next
+//! prompts, not the same ones again.
 
 use std::path::Path;
 
@@ -28,46 +30,113 @@ pub struct Record {
     pub chosen: Option<String>,
     pub rejected: Option<String>,
     pub task: Option<String>,
+    /// Every field of the row that the keys did not consume (a `metadata` object's fields
+    /// merged in), for the environment: `tests` for code, a `board` for the puzzle, whatever
+    /// a reward plugin reads. The environment gets it as its `metadata`, with `ground_truth`
+    /// and `task` set from their keys.
+    pub metadata: serde_json::Map<String, Value>,
 }
 
 /// Loads a dataset, checking that every record has what `algorithm` needs. Errors name
 /// `field` (`data.train`) and the line.
 pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
     let records = match spec {
-        DatasetSpec::Jsonl { path, keys } => read_jsonl(Path::new(path), keys, field)?,
+        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
+            let mut records = Vec::new();
+            for_each_file_record(spec, field, |record| {
+                records.push(record);
+                Ok(())
+            })?;
+            records
+        }
         DatasetSpec::Arithmetic { size, max_operand, operations, seed, split } => {
-            let any = problems(i64::from(*max_operand), operations).any(|(a, op, b)| in_split(a, op, b, *split));
-            if !any {
-                return Err(FieldError::new(
-                    format!("{field}.split"),
-                    "no problem falls in this split: raise max_operand",
-                ));
-            }
+            check_split(*max_operand, operations, *split, field)?;
             arithmetic(*size, *max_operand, operations, *seed, *split)
         }
     };
     if records.is_empty() {
         return Err(FieldError::new(field, "the dataset has no records"));
     }
-    for (i, r) in records.iter().enumerate() {
-        let missing = match algorithm {
-            Algorithm::Grpo | Algorithm::Eval => {
-                (r.prompt.is_none() && r.messages.is_none()).then_some("prompt (or messages)")
-            }
-            Algorithm::Sft => match &r.messages {
-                Some(messages) => {
-                    (!messages.iter().any(|m| m.role == "assistant")).then_some("an assistant turn in its messages")
-                }
-                None => (r.prompt.is_none() || r.response.is_none()).then_some("prompt and answer (or messages)"),
-            },
-            Algorithm::Dpo | Algorithm::Rm => (r.prompt.is_none() || r.chosen.is_none() || r.rejected.is_none())
-                .then_some("prompt, chosen and rejected"),
-        };
-        if let Some(missing) = missing {
-            return Err(FieldError::new(field, format!("record {} lacks {missing}", i + 1)));
-        }
+    for (i, record) in records.iter().enumerate() {
+        lacks(algorithm, record, i + 1, field)?;
     }
     Ok(records)
+}
+
+/// Checks a dataset as [`load`] would, record by record, keeping none: what a submit does, so
+/// that checking a dataset costs no memory however many records it has. The built-in
+/// generator's records have every field, so only its split is checked.
+pub fn check(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<(), FieldError> {
+    match spec {
+        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
+            let mut count = 0;
+            for_each_file_record(spec, field, |record| {
+                count += 1;
+                lacks(algorithm, &record, count, field)
+            })?;
+            if count == 0 {
+                return Err(FieldError::new(field, "the dataset has no records"));
+            }
+            Ok(())
+        }
+        DatasetSpec::Arithmetic { max_operand, operations, split, .. } => {
+            check_split(*max_operand, operations, *split, field)
+        }
+    }
+}
+
+/// [`check`] on a blocking thread.
+pub async fn check_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<(), FieldError> {
+    let (spec, field) = (spec.clone(), field.to_string());
+    tokio::task::spawn_blocking(move || check(&spec, algorithm, &field))
+        .await
+        .map_err(|e| FieldError::new("data", format!("checking stopped: {e}")))?
+}
+
+/// Every record of a file dataset, in order, handed to `each`.
+fn for_each_file_record(
+    spec: &DatasetSpec,
+    field: &str,
+    each: impl FnMut(Record) -> Result<(), FieldError>,
+) -> Result<(), FieldError> {
+    match spec {
+        DatasetSpec::Jsonl { path, keys } => for_each_jsonl(Path::new(path), keys, field, each),
+        DatasetSpec::Parquet { path, split, keys } => {
+            for_each_parquet(Path::new(path), split.as_deref(), keys, field, each)
+        }
+        DatasetSpec::Arithmetic { .. } => Ok(()),
+    }
+}
+
+/// The problem when record number `n` (from 1) lacks what `algorithm` needs.
+fn lacks(algorithm: Algorithm, r: &Record, n: usize, field: &str) -> Result<(), FieldError> {
+    let missing = match algorithm {
+        Algorithm::Grpo | Algorithm::Eval => {
+            (r.prompt.is_none() && r.messages.is_none()).then_some("prompt (or messages)")
+        }
+        Algorithm::Sft => match &r.messages {
+            Some(messages) => {
+                (!messages.iter().any(|m| m.role == "assistant")).then_some("an assistant turn in its messages")
+            }
+            None => (r.prompt.is_none() || r.response.is_none()).then_some("prompt and answer (or messages)"),
+        },
+        Algorithm::Dpo | Algorithm::Rm => {
+            (r.prompt.is_none() || r.chosen.is_none() || r.rejected.is_none()).then_some("prompt, chosen and rejected")
+        }
+    };
+    match missing {
+        Some(missing) => Err(FieldError::new(field, format!("record {n} lacks {missing}"))),
+        None => Ok(()),
+    }
+}
+
+/// That some problem of the space falls in `split`.
+fn check_split(max_operand: u32, operations: &str, split: ArithmeticSplit, field: &str) -> Result<(), FieldError> {
+    if problems(i64::from(max_operand), operations).any(|(a, op, b)| in_split(a, op, b, split)) {
+        Ok(())
+    } else {
+        Err(FieldError::new(format!("{field}.split"), "no problem falls in this split: raise max_operand"))
+    }
 }
 
 /// What a run's validation records must hold, as the algorithm their rows are made for:
@@ -89,45 +158,183 @@ pub async fn load_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -
         .map_err(|e| FieldError::new("data", format!("loading stopped: {e}")))?
 }
 
-fn read_jsonl(path: &Path, keys: &DataKeys, field: &str) -> Result<Vec<Record>, FieldError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| FieldError::new(format!("{field}.path"), format!("cannot read {}: {e}", path.display())))?;
-    let mut records = Vec::new();
-    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let at = || format!("{field}.path");
-        let value: Value = serde_json::from_str(line)
-            .map_err(|e| FieldError::new(at(), format!("line {} is not JSON: {e}", n + 1)))?;
-        let text_of = |key: &str| -> Result<Option<String>, FieldError> {
-            match value.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(Value::String(s)) => Ok(Some(s.clone())),
-                Some(Value::Number(x)) => Ok(Some(x.to_string())),
-                Some(other) => {
-                    Err(FieldError::new(at(), format!("line {}: `{key}` must be a string, got {other}", n + 1)))
-                }
-            }
-        };
-        let messages = match value.get(&keys.messages) {
-            None | Some(Value::Null) => None,
-            Some(list) => Some(serde_json::from_value::<Vec<Message>>(list.clone()).map_err(|e| {
-                FieldError::new(at(), format!("line {}: `{}` must be [{{role, content}}]: {e}", n + 1, keys.messages))
-            })?),
-        };
-        let answer = text_of(&keys.answer)?;
-        records.push(Record {
-            prompt: text_of(&keys.prompt)?,
-            response: answer.clone(),
-            answer,
-            messages,
-            chosen: text_of(&keys.chosen)?,
-            rejected: text_of(&keys.rejected)?,
-            task: text_of(&keys.task)?,
-        });
+/// Reads a JSONL file line by line, handing each record to `each` (which may stop the read
+/// with a problem); only one line is held at a time.
+fn for_each_jsonl(
+    path: &Path,
+    keys: &DataKeys,
+    field: &str,
+    mut each: impl FnMut(Record) -> Result<(), FieldError>,
+) -> Result<(), FieldError> {
+    use std::io::BufRead;
+    let at = format!("{field}.path");
+    let cannot_read = |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
+    let file = std::fs::File::open(path).map_err(cannot_read)?;
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(cannot_read)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: Value = serde_json::from_str(&line)
+            .map_err(|e| FieldError::new(&at, format!("line {} is not JSON: {e}", n + 1)))?;
+        each(record_of(&value, keys, &at, &format!("line {}", n + 1))?)?;
     }
-    Ok(records)
+    Ok(())
 }
 
-/// Whether problem (a, op, b) is in the held-out tenth of the problem space.
+/// Reads Parquet files row by row (a row group at a time), handing each record to `each`:
+/// `path` itself, or the files of `split` under it ([`parquet_files`]).
+fn for_each_parquet(
+    path: &Path,
+    split: Option<&str>,
+    keys: &DataKeys,
+    field: &str,
+    mut each: impl FnMut(Record) -> Result<(), FieldError>,
+) -> Result<(), FieldError> {
+    use parquet::file::reader::FileReader;
+    let at = format!("{field}.path");
+    for file in parquet_files(path, split, field)? {
+        let name = file.display();
+        let bad = |e: &dyn std::fmt::Display| FieldError::new(&at, format!("{name}: {e}"));
+        let opened = std::fs::File::open(&file).map_err(|e| bad(&format!("cannot read it: {e}")))?;
+        let reader = parquet::file::serialized_reader::SerializedFileReader::new(opened)
+            .map_err(|e| bad(&format!("not a Parquet file: {e}")))?;
+        for (n, row) in reader.get_row_iter(None).map_err(|e| bad(&e))?.enumerate() {
+            let row = row.map_err(|e| bad(&format!("row {}: {e}", n + 1)))?;
+            each(record_of(&row.to_json_value(), keys, &at, &format!("{name}: row {}", n + 1))?)?;
+        }
+    }
+    Ok(())
+}
+
+/// The Parquet files a dataset reads: `path` when it is a file; under a directory (searched
+/// recursively, in name order) those of `split`, named `<split>-*.parquet` or
+/// `<split>.parquet` or lying in a directory named `<split>`, as Hugging Face lays datasets
+/// out. With no split, a directory must hold one split only.
+fn parquet_files(path: &Path, split: Option<&str>, field: &str) -> Result<Vec<std::path::PathBuf>, FieldError> {
+    let at = format!("{field}.path");
+    let metadata =
+        std::fs::metadata(path).map_err(|e| FieldError::new(&at, format!("cannot read {}: {e}", path.display())))?;
+    if metadata.is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    // A dataset's directory is small; a walk that finds more (a path such as /tmp) stops
+    // with a problem rather than reading a whole disk. Linked directories are not followed.
+    const MAX_DEPTH: usize = 8;
+    const MAX_ENTRIES: usize = 100_000;
+    let (mut all, mut seen) = (Vec::new(), 0usize);
+    let mut dirs = vec![(path.to_path_buf(), 0usize)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| FieldError::new(&at, format!("cannot list {}: {e}", dir.display())))?;
+        for entry in entries.flatten() {
+            seen += 1;
+            if seen > MAX_ENTRIES {
+                return Err(FieldError::new(
+                    &at,
+                    format!(
+                        "{} holds more than {MAX_ENTRIES} entries: name the dataset's own directory",
+                        path.display()
+                    ),
+                ));
+            }
+            let found = entry.path();
+            match entry.file_type() {
+                Ok(kind) if kind.is_dir() && depth < MAX_DEPTH => dirs.push((found, depth + 1)),
+                Ok(kind) if !kind.is_dir() && found.extension().is_some_and(|e| e == "parquet") => all.push(found),
+                _ => {}
+            }
+        }
+    }
+    all.sort();
+    // A file's split: its name before `-` (or the whole stem), or its directory's name when
+    // that is not `data` and the stem does not name one (`test/0000.parquet`).
+    let split_of = |file: &Path| -> String {
+        let stem = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let named = stem.split('-').next().unwrap_or(stem);
+        let numbered = named.chars().all(|c| c.is_ascii_digit());
+        match file.parent().and_then(|p| p.file_name()).and_then(|n| n.to_str()) {
+            Some(dir) if numbered && dir != "data" => dir.to_string(),
+            _ => named.to_string(),
+        }
+    };
+    let mut splits: Vec<String> = all.iter().map(|f| split_of(f)).collect();
+    splits.sort();
+    splits.dedup();
+    let wanted = match split {
+        Some(split) => split.to_string(),
+        None if splits.len() == 1 => splits[0].clone(),
+        None if splits.is_empty() => String::new(),
+        None => {
+            return Err(FieldError::new(
+                format!("{field}.split"),
+                format!("{} holds the splits {}: name one", path.display(), splits.join(", ")),
+            ));
+        }
+    };
+    let files: Vec<_> = all.into_iter().filter(|f| split_of(f) == wanted).collect();
+    if files.is_empty() {
+        let found = if splits.is_empty() {
+            "no .parquet file".to_string()
+        } else {
+            format!("the splits {}", splits.join(", "))
+        };
+        return Err(FieldError::new(
+            format!("{field}.split"),
+            format!("{} has no Parquet files of split `{wanted}` (it holds {found})", path.display()),
+        ));
+    }
+    Ok(files)
+}
+
+/// A record from one row (a JSON object) by `keys`: every field the keys do not consume goes
+/// to its metadata (a `metadata` object's fields merged in, nulls left out). `place` names the row in errors
+/// (`line 3`), `at` the spec field.
+fn record_of(value: &Value, keys: &DataKeys, at: &str, place: &str) -> Result<Record, FieldError> {
+    let text_of = |key: &str| -> Result<Option<String>, FieldError> {
+        match value.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(Value::Number(x)) => Ok(Some(x.to_string())),
+            Some(other) => Err(FieldError::new(at, format!("{place}: `{key}` must be a string, got {other}"))),
+        }
+    };
+    let messages = match value.get(&keys.messages) {
+        None | Some(Value::Null) => None,
+        Some(list) => Some(serde_json::from_value::<Vec<Message>>(list.clone()).map_err(|e| {
+            FieldError::new(at, format!("{place}: `{}` must be [{{role, content}}]: {e}", keys.messages))
+        })?),
+    };
+    let answer = text_of(&keys.answer)?;
+    let consumed = [&keys.prompt, &keys.answer, &keys.messages, &keys.chosen, &keys.rejected, &keys.task];
+    let mut metadata = serde_json::Map::new();
+    if let Value::Object(fields) = value {
+        for (key, field) in fields {
+            match field {
+                // A null is an absent field (a Parquet column this row has no value in).
+                Value::Null => {}
+                _ if consumed.contains(&key) => {}
+                Value::Object(inner) if key == "metadata" => {
+                    metadata.extend(inner.iter().map(|(k, v)| (k.clone(), v.clone())));
+                }
+                _ => {
+                    metadata.insert(key.clone(), field.clone());
+                }
+            }
+        }
+    }
+    Ok(Record {
+        prompt: text_of(&keys.prompt)?,
+        response: answer.clone(),
+        answer,
+        messages,
+        chosen: text_of(&keys.chosen)?,
+        rejected: text_of(&keys.rejected)?,
+        task: text_of(&keys.task)?,
+        metadata,
+    })
+}
+
 /// The split problem (a, op, b) falls in: a quarter each `validation` and `test`, half
 /// `train`, by the splitmix64 of the problem (a fixed, well-mixed partition).
 fn split_of(a: i64, op: char, b: i64) -> ArithmeticSplit {
@@ -275,6 +482,108 @@ impl Dataloader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Writes `rows` (JSON objects) to `path` as Parquet with pyarrow, as Hugging Face's
+    /// `datasets` does (snappy, nested lists and structs as Parquet lists and groups).
+    fn write_parquet(path: &Path, rows: &Value) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let script = "import json, sys, pyarrow as pa, pyarrow.parquet as pq\n\
+                      rows = json.loads(sys.argv[2]); keys = sorted({k for r in rows for k in r})\n\
+                      pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), sys.argv[1], row_group_size=2)";
+        let status = std::process::Command::new(keel_testkit::python())
+            .args(["-c", script, path.to_str().unwrap(), &rows.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "pyarrow could not write {}", path.display());
+    }
+
+    #[test]
+    fn parquet_files_and_hugging_face_directories_are_read_by_split() {
+        let dir = tempfile::tempdir().unwrap();
+        let train = serde_json::json!([
+            {"question": "Q1", "answer": "1", "tests": [{"stdin": "1", "stdout": "2"}], "level": 3},
+            {"question": "Q2", "answer": "2", "tests": [], "level": 1},
+            {"question": "Q3", "answer": "3", "tests": [{"stdin": "", "stdout": "x"}], "level": 2},
+        ]);
+        write_parquet(&dir.path().join("data/train-00000-of-00002.parquet"), &train);
+        let nested = serde_json::json!([
+            {"question": "Q4", "answer": "4", "tests": [{"stdin": "", "stdout": "4"}]},
+            {"question": "Q5", "metadata": {"tests": [{"stdin": "", "stdout": "5"}], "source": "x"}},
+        ]);
+        write_parquet(&dir.path().join("data/train-00001-of-00002.parquet"), &nested);
+        write_parquet(
+            &dir.path().join("data/test-00000-of-00001.parquet"),
+            &serde_json::json!([{"question": "T1", "answer": "9"}]),
+        );
+        let keys = DataKeys { prompt: "question".into(), ..DataKeys::default() };
+        let spec = |path: &Path, split: Option<&str>| DatasetSpec::Parquet {
+            path: path.display().to_string(),
+            split: split.map(str::to_string),
+            keys: keys.clone(),
+        };
+
+        let records = load(&spec(dir.path(), Some("train")), Algorithm::Grpo, "data.train").unwrap();
+        let prompts: Vec<_> = records.iter().map(|r| r.prompt.clone().unwrap()).collect();
+        assert_eq!(prompts, ["Q1", "Q2", "Q3", "Q4", "Q5"], "every file of the split, in name order, every row group");
+        assert_eq!(
+            Value::Object(records[4].metadata.clone()),
+            serde_json::json!({"tests": [{"stdin": "", "stdout": "5"}], "source": "x"}),
+            "a `metadata` struct's fields are merged in; a row's null columns are left out"
+        );
+        assert_eq!(records[1].answer.as_deref(), Some("2"));
+        assert_eq!(
+            Value::Object(records[0].metadata.clone()),
+            serde_json::json!({"tests": [{"stdin": "1", "stdout": "2"}], "level": 3}),
+            "columns the keys do not take are the metadata, lists of structs as JSON"
+        );
+        let test = load(&spec(dir.path(), Some("test")), Algorithm::Eval, "data.validation").unwrap();
+        assert_eq!(test.len(), 1);
+        let file = dir.path().join("data/test-00000-of-00001.parquet");
+        assert_eq!(load(&spec(&file, None), Algorithm::Eval, "data.train").unwrap().len(), 1, "one file");
+        check(&spec(dir.path(), Some("train")), Algorithm::Grpo, "data.train").unwrap();
+
+        let problem = load(&spec(dir.path(), None), Algorithm::Grpo, "data.train").unwrap_err();
+        assert_eq!(problem.field, "data.train.split");
+        assert!(problem.message.contains("holds the splits test, train: name one"), "{problem}");
+        let problem = check(&spec(dir.path(), Some("validation")), Algorithm::Grpo, "data.train").unwrap_err();
+        assert!(problem.message.contains("no Parquet files of split `validation`"), "{problem}");
+        let problem = check(&spec(dir.path(), Some("train")), Algorithm::Dpo, "data.train").unwrap_err();
+        assert_eq!(problem.message, "record 1 lacks prompt, chosen and rejected");
+        let not_parquet = dir.path().join("data/bad.parquet");
+        std::fs::write(&not_parquet, "{}").unwrap();
+        let problem = check(&spec(&not_parquet, None), Algorithm::Grpo, "data.train").unwrap_err();
+        assert!(problem.field == "data.train.path" && problem.message.contains("not a Parquet file"), "{problem}");
+    }
+
+    #[test]
+    fn fields_the_keys_do_not_consume_become_the_records_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("code.jsonl");
+        let rows = [
+            r#"{"question": "Print 2.", "solution": "print(2)", "tests": [{"stdin": "", "stdout": "2"}], "difficulty": 1}"#,
+            r#"{"question": "Q", "kind": "code", "metadata": {"tests": [{"assert": "assert f()"}], "source": "x"}}"#,
+        ];
+        std::fs::write(&path, rows.join("\n")).unwrap();
+        let keys = DataKeys {
+            prompt: "question".into(),
+            answer: "solution".into(),
+            task: "kind".into(),
+            ..DataKeys::default()
+        };
+        let spec = DatasetSpec::Jsonl { path: path.display().to_string(), keys };
+        let records = load(&spec, Algorithm::Grpo, "data.train").unwrap();
+        assert_eq!(
+            Value::Object(records[0].metadata.clone()),
+            serde_json::json!({"tests": [{"stdin": "", "stdout": "2"}], "difficulty": 1})
+        );
+        assert_eq!(records[0].answer.as_deref(), Some("print(2)"));
+        assert_eq!(
+            Value::Object(records[1].metadata.clone()),
+            serde_json::json!({"tests": [{"assert": "assert f()"}], "source": "x"}),
+            "a `metadata` object's fields are merged in"
+        );
+        assert_eq!(records[1].task.as_deref(), Some("code"));
+    }
 
     #[test]
     fn a_resumed_loader_continues_where_it_stopped() {

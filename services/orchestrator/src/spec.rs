@@ -126,8 +126,9 @@ fn nul_strings(value: &serde_json::Value, at: &str, out: &mut Vec<FieldError>) {
     }
 }
 
-/// Every problem of a parsed spec. Datasets are made or read only when their own fields
-/// have no problem (a size past the limit is refused, never allocated).
+/// Every problem of a parsed spec. Datasets are read only when their own fields have no
+/// problem, and record by record, keeping none ([`data::check`]): a dataset of any size costs
+/// the orchestrator no memory at submit.
 pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &PathRoots) -> Vec<FieldError> {
     let mut problems = spec.problems();
     if let Ok(value) = serde_json::to_value(spec) {
@@ -138,7 +139,9 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
     let datasets = std::iter::once(("data.train.path", &spec.data.train))
         .chain(spec.data.validation.iter().map(|d| ("data.validation.path", d)));
     let dataset_paths = datasets.filter_map(|(field, d)| match d {
-        keel_protocol::run::DatasetSpec::Jsonl { path, .. } => Some((field, path)),
+        keel_protocol::run::DatasetSpec::Jsonl { path, .. } | keel_protocol::run::DatasetSpec::Parquet { path, .. } => {
+            Some((field, path))
+        }
         _ => None,
     });
     let log_dir = spec.logger.log_dir.iter().map(|p| ("logger.log_dir", p));
@@ -172,7 +175,7 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
             continue;
         }
         let needs = if field == "data.validation" { data::validation_algorithm(spec) } else { spec.algorithm };
-        if let Err(problem) = data::load_async(dataset, needs, field).await {
+        if let Err(problem) = data::check_async(dataset, needs, field).await {
             problems.push(problem);
         }
     }

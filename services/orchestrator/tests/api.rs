@@ -253,3 +253,32 @@ async fn a_configured_token_is_required() {
     let scrape = Request::get("/metrics").header("authorization", "Bearer s3cret").body(Body::empty()).unwrap();
     assert_eq!(api.send(scrape).await.0, StatusCode::OK);
 }
+
+/// The dry run: a valid spec comes back as it would run, with its defaults; a broken one
+/// gets every problem, as `POST /v1/runs` would list them; neither creates a run.
+#[tokio::test]
+async fn validate_checks_like_submit_and_creates_nothing() {
+    let api = Api::start(None).await;
+    let validate = |body: String| {
+        Request::post("/v1/runs/validate").header("content-type", "application/yaml").body(Body::from(body))
+    };
+
+    let (status, spec) = api.send(validate(api.sft_yaml()).unwrap()).await;
+    assert_eq!(status, StatusCode::OK, "{spec}");
+    assert_eq!(spec["max_num_steps"], 4);
+    assert_eq!(spec["seed"], 42, "defaults are filled in: {spec}");
+    assert!(spec["training"]["optimizer"]["lr"].is_number(), "{spec}");
+
+    let broken = api
+        .sft_yaml()
+        .replace("micro_batch_size: 4", "micro_batch_size: 16")
+        .replace(&api.model.path().display().to_string(), "/no/such/model");
+    let (status, body) = api.send(validate(broken.clone()).unwrap()).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let (_, submitted) = api.submit(&broken, "application/yaml").await;
+    assert_eq!(fields(&body), fields(&submitted), "the dry run finds what submit finds");
+    assert_eq!(fields(&body), ["training.micro_batch_size", "model.path"], "every problem is listed: {body}");
+
+    let (_, listed) = api.get("/v1/runs").await;
+    assert_eq!(listed["runs"].as_array().unwrap().len(), 0, "validating creates nothing");
+}

@@ -5,7 +5,9 @@
 //! share; [`train`] holds `keel train bench`; [`generate`] holds
 //! `keel generate bench`; [`serve`] holds `keel generate serve-bench`, a load generator for
 //! OpenAI-compatible servers; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
-//! `keel checkpoint list|upload|download|export`; [`run`] holds `keel run submit|list|show|watch|cancel|samples`.
+//! `keel checkpoint list|upload|download|export`; [`run`] holds
+//! `keel run submit|validate|list|show|watch|cancel|samples`, and [`spec`] reads the spec files
+//! they send (`${VAR}` from the environment, `--set` overrides).
 //! Commands return `anyhow` errors whose chain reads as one line. The engine commands
 //! (`model`, `train`, `generate`, `reward`) need the `engines` feature (on by default), which
 //! links libtorch; without it `keel` is the REST client alone.
@@ -24,6 +26,7 @@ pub mod run;
 pub mod runtime;
 #[cfg(feature = "engines")]
 pub mod serve;
+pub mod spec;
 #[cfg(feature = "engines")]
 pub mod train;
 

@@ -11,7 +11,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{Args, Subcommand};
 use keel_client::runs::RunsClient;
 use keel_protocol::checkpoint::Checkpoint;
@@ -36,15 +36,34 @@ pub struct RunArgs {
     command: RunCommand,
 }
 
+/// A spec file and the overrides applied to it ([`crate::spec`]).
+#[derive(Debug, Args)]
+pub struct SpecFile {
+    /// The spec: JSON when the file ends in `.json`, else YAML.
+    file: PathBuf,
+    /// Sets one field, after `${VAR}`s are filled in: a dot-separated path (a number indexes
+    /// a list) and a YAML value, e.g. `--set training.optimizer.lr=1e-5`. Repeatable.
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    sets: Vec<String>,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum RunCommand {
-    /// Submits a run spec (YAML or JSON) and prints the run's id.
+    /// Submits a run spec (YAML or JSON) and prints the run's id. `${VAR}` in the spec's
+    /// values is filled in from the environment (`${VAR:-default}` when unset; an unset
+    /// variable without a default is an error).
     Submit {
-        /// The spec: JSON when the file ends in `.json`, else YAML.
-        file: PathBuf,
+        #[command(flatten)]
+        spec: SpecFile,
         /// Watch the run until it ends.
         #[arg(long)]
         watch: bool,
+    },
+    /// Checks a run spec as `submit` would (the API's dry run: every problem listed, nothing
+    /// created) and prints it as it would run, every default filled in.
+    Validate {
+        #[command(flatten)]
+        spec: SpecFile,
     },
     /// Runs, newest first, one line each under a header.
     List {
@@ -93,14 +112,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     runtime.block_on(async {
         let mut out = std::io::stdout().lock();
         match args.command {
-            RunCommand::Submit { file, watch: follow } => {
-                let text = std::fs::read_to_string(&file).with_context(|| format!("cannot read {}", file.display()))?;
-                let yaml = file.extension().is_none_or(|e| e != "json");
-                let run = client.submit(text, yaml).await?;
+            RunCommand::Submit { spec, watch: follow } => {
+                let run = client.submit(crate::spec::load(&spec.file, &spec.sets)?, false).await?;
                 writeln!(out, "{}", run.id)?;
                 if follow {
                     watch(&client, run.id, &mut out).await?;
                 }
+            }
+            RunCommand::Validate { spec } => {
+                let resolved = client.validate(crate::spec::load(&spec.file, &spec.sets)?, false).await?;
+                eprintln!("{}: valid", spec.file.display());
+                write!(out, "{}", serde_yaml::to_string(&resolved)?)?;
             }
             RunCommand::List { status, limit } => {
                 writeln!(

@@ -1,7 +1,7 @@
 //! The orchestrator's run API (`openapi/keel.yaml`).
 
 use keel_protocol::checkpoint::Checkpoint;
-use keel_protocol::run::{Metrics, Run, RunList, Samples};
+use keel_protocol::run::{Metrics, Run, RunList, RunSpec, Samples};
 use uuid::Uuid;
 
 use crate::{Result, json, unreachable};
@@ -42,6 +42,20 @@ impl RunsClient {
             .await
             .map_err(unreachable("submit"))?;
         json(response, "submit").await
+    }
+
+    /// Checks a run spec as `submit` would and creates nothing (the API's dry run): the spec
+    /// as it would run, every default filled in, or every problem as the error.
+    pub async fn validate(&self, spec: String, yaml: bool) -> Result<RunSpec> {
+        let content_type = if yaml { "application/yaml" } else { "application/json" };
+        let response = self
+            .request(reqwest::Method::POST, "/v1/runs/validate")
+            .header(reqwest::header::CONTENT_TYPE, content_type)
+            .body(spec)
+            .send()
+            .await
+            .map_err(unreachable("validate"))?;
+        json(response, "validate").await
     }
 
     pub async fn list(&self, status: Option<&str>, limit: usize, after: Option<&str>) -> Result<RunList> {

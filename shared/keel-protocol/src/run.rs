@@ -113,7 +113,8 @@ impl Default for DataKeys {
     }
 }
 
-/// A dataset: a JSONL file, or the built-in arithmetic generator.
+/// A dataset: a JSONL file, Parquet files (a Hugging Face dataset's directory), or the
+/// built-in arithmetic generator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum DatasetSpec {
@@ -123,6 +124,22 @@ pub enum DatasetSpec {
         path: String,
         /// Which keys of a record hold the prompt, the answer, the messages, the pair and the
         /// task.
+        #[serde(default)]
+        keys: DataKeys,
+    },
+    /// Parquet: one file, or a directory laid out as a Hugging Face dataset
+    /// (`data/train-00000-of-00002.parquet`, `test/0000.parquet`, ...) read for one split.
+    /// Each row is a record, its columns the keys (lists and structs as JSON).
+    Parquet {
+        /// A `.parquet` file, or a directory searched (recursively) for the split's files;
+        /// inside the orchestrator's path roots.
+        path: String,
+        /// With a directory: the split whose files are read, those named `<split>-*.parquet`,
+        /// `<split>.parquet` or lying in a directory named `<split>`, in name order (a
+        /// directory with one split needs none).
+        #[serde(default)]
+        split: Option<String>,
+        /// Which columns hold the prompt, the answer, the messages, the pair and the task.
         #[serde(default)]
         keys: DataKeys,
     },
@@ -872,7 +889,7 @@ impl RunSpec {
             .chain(self.data.validation.iter().map(|d| ("data.validation", d)))
         {
             match dataset {
-                DatasetSpec::Jsonl { path, .. } => {
+                DatasetSpec::Jsonl { path, .. } | DatasetSpec::Parquet { path, .. } => {
                     check(&mut p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
                 }
                 DatasetSpec::Arithmetic { size, operations, max_operand, .. } => {

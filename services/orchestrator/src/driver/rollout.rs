@@ -176,7 +176,7 @@ pub async fn rollout(
         let prompt_text = prompting.prompt_text(&messages)?;
         let ids = prompting.prompt_ids(&messages)?;
         let env = env_for(ctx, record)?;
-        let mut metadata = json!({});
+        let mut metadata = Value::Object(record.metadata.clone());
         if let Some(truth) = &record.answer {
             metadata["ground_truth"] = json!(truth);
         }

@@ -1,0 +1,181 @@
+//! The specs under `examples/` submitted as the documentation shows them: `keel run submit
+//! FILE` with its `${VAR}`s in the environment and `--set` overrides, against the five
+//! services as processes, each run to success; and `keel run validate`, the dry run, which
+//! lists every problem of a broken spec and creates nothing.
+
+#![allow(clippy::unwrap_used)]
+
+mod stack;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use stack::Stack;
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")
+}
+
+/// `keel ARGS` against the stack's API with `env` added; the whole output.
+fn keel(stack: &Stack, args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(keel_testkit::binary("keel"))
+        .args(args)
+        .env("KEEL_API_URL", stack.api())
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+/// `keel run submit ...`'s run id, after checking it succeeded.
+fn submitted(stack: &Stack, args: &[&str], env: &[(&str, &str)]) -> String {
+    let output = keel(stack, &[&["run", "submit"], args].concat(), env);
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(output.status.success(), "keel run submit {args:?}: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+    stdout.lines().next().unwrap_or_default().to_string()
+}
+
+async fn runs(stack: &Stack) -> usize {
+    stack.get("/v1/runs?limit=200").await["runs"].as_array().unwrap().len()
+}
+
+/// The arithmetic demo's three specs as files, filled in from the environment and shortened
+/// with `--set`: SFT, GRPO from its checkpoint, eval of GRPO's.
+#[tokio::test]
+async fn the_arithmetic_specs_run_as_written() {
+    let stack = Stack::start();
+    let dir = examples().join("arithmetic");
+    let model = stack.model.display().to_string();
+    let (sft, grpo, eval) = (dir.join("sft.yaml"), dir.join("grpo.yaml"), dir.join("eval.yaml"));
+    let short = ["--set", "data.train.max_operand=9", "--set", "max_total_sequence_length=48"];
+
+    let sft_run = submitted(
+        &stack,
+        &[
+            &[sft.to_str().unwrap()],
+            &short[..],
+            &["--set", "training.global_batch_size=8", "--set", "training.micro_batch_size=8"],
+        ]
+        .concat(),
+        &[("MODEL_DIR", &model), ("SFT_STEPS", "12")],
+    );
+    let run = stack.wait_succeeded(&sft_run, Duration::from_secs(300)).await;
+    assert_eq!(run["spec"]["max_num_steps"], 12, "SFT_STEPS reached the spec as a number: {run}");
+    assert_eq!(run["spec"]["model"]["path"], model.as_str(), "{run}");
+    let checkpoints = stack.get(&format!("/v1/runs/{sft_run}/checkpoints")).await;
+    let sft_checkpoint = checkpoints.as_array().unwrap().last().unwrap()["id"].as_str().unwrap().to_string();
+
+    let grpo_run = submitted(
+        &stack,
+        &[
+            &[grpo.to_str().unwrap()],
+            &short[..],
+            &[
+                "--set",
+                "data.validation.max_operand=9",
+                "--set",
+                "grpo.num_prompts_per_step=4",
+                "--set",
+                "training.global_batch_size=32",
+                "--set",
+                "training.micro_batch_size=16",
+                "--set",
+                "validation.period=2",
+                "--set",
+                "checkpointing.save_period=2",
+            ],
+        ]
+        .concat(),
+        &[("SFT_CHECKPOINT", &sft_checkpoint), ("GRPO_STEPS", "2"), ("SEED", "5")],
+    );
+    let run = stack.wait_succeeded(&grpo_run, Duration::from_secs(300)).await;
+    assert_eq!((run["spec"]["seed"].as_u64(), run["spec"]["max_num_steps"].as_u64()), (Some(5), Some(2)), "{run}");
+    let checkpoints = stack.get(&format!("/v1/runs/{grpo_run}/checkpoints")).await;
+    let grpo_checkpoint = checkpoints.as_array().unwrap().last().unwrap()["id"].as_str().unwrap().to_string();
+
+    let eval_run = submitted(
+        &stack,
+        &[eval.to_str().unwrap(), "--set", "data.train.max_operand=9", "--watch"],
+        &[("EVAL_CHECKPOINT", &grpo_checkpoint)],
+    );
+    let run = stack.get(&format!("/v1/runs/{eval_run}")).await;
+    assert_eq!(run["status"], "succeeded", "{run}");
+    assert!(run["latest_metrics"]["eval/accuracy"].is_number(), "{run}");
+}
+
+/// An unset variable is named before anything is sent; `validate` prints the spec as it would
+/// run, or every problem, and neither creates a run.
+#[tokio::test]
+async fn validate_is_a_dry_run_and_unset_variables_are_named() {
+    let stack = Stack::start();
+    let sft = examples().join("arithmetic/sft.yaml");
+    let sft = sft.to_str().unwrap();
+    let model = stack.model.display().to_string();
+
+    let output = keel(&stack, &["run", "submit", sft], &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("spec.model.path: ${MODEL_DIR} is not set"), "{stderr}");
+
+    let output = keel(&stack, &["run", "validate", sft, "--set", "max_num_steps=7"], &[("MODEL_DIR", &model)]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let resolved: serde_json::Value = serde_yaml::from_str(&stdout).unwrap();
+    assert_eq!(resolved["max_num_steps"], 7, "{stdout}");
+    assert_eq!(resolved["model"]["path"], model.as_str(), "{stdout}");
+    assert!(resolved["training"]["optimizer"]["betas"].is_array(), "defaults are filled in: {stdout}");
+
+    let output = keel(
+        &stack,
+        &["run", "validate", sft, "--set", "training.micro_batch_size=64", "--set", "model.path=/no/such/model"],
+        &[("MODEL_DIR", &model)],
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    for problem in ["training.micro_batch_size: ", "model.path: "] {
+        assert!(stderr.contains(&format!("\n  {problem}")), "every problem on a line of its own: {stderr}");
+    }
+    assert_eq!(runs(&stack).await, 0, "validating creates nothing");
+}
+
+/// GRPO on code from a Hugging Face dataset directory of Parquet files (written by pyarrow)
+/// whose rows carry their own `tests` (one row's inside a `metadata` struct): each sample
+/// reaches the sandbox with its row's tests, which the code environment's report counts.
+#[tokio::test]
+async fn each_rows_tests_reach_the_code_sandbox() {
+    let stack = Stack::start();
+    let dataset = stack.dir.path().join("code-dataset");
+    let file = dataset.join("data/train-00000-of-00001.parquet");
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    let rows = serde_json::json!([
+        {"question": "Print the sum of the two numbers on stdin.",
+         "tests": [{"stdin": "1 2\n", "stdout": "3"}, {"stdin": "5 5\n", "stdout": "10"}]},
+        {"question": "Define f() returning 7.",
+         "metadata": {"tests": [{"stdin": "", "stdout": "7"}, {"stdin": "", "stdout": "8"}, {"stdin": "", "stdout": "9"}]}},
+    ]);
+    let script = "import json, sys, pyarrow as pa, pyarrow.parquet as pq\n\
+                      rows = json.loads(sys.argv[2]); keys = sorted({k for r in rows for k in r})\n\
+                  pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), sys.argv[1])";
+    let status = Command::new(keel_testkit::python())
+        .args(["-c", script, file.to_str().unwrap(), &rows.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "pyarrow could not write {}", file.display());
+
+    let mut spec = stack::grpo_spec(&serde_json::json!({"path": stack.model}));
+    spec["data"] = serde_json::json!({"train": {"kind": "parquet", "path": dataset, "split": "train", "keys": {"prompt": "question"}}});
+    spec["environments"] = serde_json::json!({"default": {"name": "code", "cpu_seconds": 2, "wall_seconds": 5}});
+    spec["validation"] = serde_json::json!({"period": 0});
+    spec["checkpointing"] = serde_json::json!({"enabled": false});
+    spec["max_num_steps"] = serde_json::json!(1);
+    let run = stack.submit(&spec).await;
+    stack.wait_succeeded(&run, Duration::from_secs(300)).await;
+    let samples = stack.get(&format!("/v1/runs/{run}/samples?split=train&limit=100")).await;
+    let samples = samples["samples"].as_array().unwrap();
+    assert_eq!(samples.len(), 8, "two prompts, four samples each");
+    for sample in samples {
+        let wanted = if sample["prompt"].as_str().unwrap().contains("sum") { 2 } else { 3 };
+        assert_eq!(sample["info"]["total"], wanted, "the row's own tests were run: {sample}");
+        let outcomes = sample["info"]["tests"].as_array().unwrap();
+        assert_eq!(outcomes.len(), wanted, "each test ran in the sandbox: {sample}");
+    }
+}
