@@ -1,7 +1,8 @@
 //! The specs under `examples/` submitted as the documentation shows them: `keel run submit
 //! FILE` with its `${VAR}`s in the environment and `--set` overrides, against the five
-//! services as processes, each run to success; and `keel run validate`, the dry run, which
-//! lists every problem of a broken spec and creates nothing.
+//! services as processes, each run to success; `keel run validate`, the dry run, which
+//! lists every problem of a broken spec and creates nothing; and what users bring: a
+//! Parquet dataset whose rows carry their environment's metadata, a model by its Hub id.
 
 #![allow(clippy::unwrap_used)]
 
@@ -178,4 +179,34 @@ async fn each_rows_tests_reach_the_code_sandbox() {
         let outcomes = sample["info"]["tests"].as_array().unwrap();
         assert_eq!(outcomes.len(), wanted, "each test ran in the sandbox: {sample}");
     }
+}
+
+/// `model.name` finds a model by its Hub id in the Hugging Face cache (`HF_HUB_CACHE`), laid
+/// out as `hf download` leaves it, offline; a model the cache lacks is refused at submit
+/// with the command that fetches it.
+#[tokio::test]
+async fn a_model_named_by_its_hub_id_is_found_in_the_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let stack = Stack::start_with(&[("HF_HUB_CACHE", cache.path().to_str().unwrap())]);
+    let repo = cache.path().join("models--keel-test--Tiny-0.1B");
+    let snapshot = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    for entry in std::fs::read_dir(&stack.model).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), snapshot.join(entry.file_name())).unwrap();
+    }
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+
+    let spec = stack::sft_spec(&serde_json::json!({"name": "keel-test/Tiny-0.1B"}), 2, 2);
+    let run = stack.submit(&spec).await;
+    stack.wait_succeeded(&run, Duration::from_secs(300)).await;
+
+    let missing = stack::sft_spec(&serde_json::json!({"name": "keel-test/Absent"}), 2, 2);
+    let response = stack.http.post(format!("{}/v1/runs", stack.api())).json(&missing).send().await.unwrap();
+    assert_eq!(response.status(), 422);
+    let body: serde_json::Value = response.json().await.unwrap();
+    let problem = &body["error"]["problems"][0];
+    assert_eq!(problem["field"], "model.name", "{body}");
+    assert!(problem["message"].as_str().unwrap().contains("hf download keel-test/Absent"), "{body}");
 }

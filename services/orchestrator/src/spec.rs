@@ -94,6 +94,12 @@ fn with_integral_numbers(body: &[u8], yaml: bool) -> Option<RunSpec> {
     serde_json::from_value(value).ok()
 }
 
+/// The directory of the model `name` (a Hub id) at `revision` in this host's Hugging Face
+/// cache, or why there is none.
+pub fn model_by_name(name: &str, revision: Option<&str>) -> Result<std::path::PathBuf, String> {
+    keel_service::hub::snapshot(&keel_service::hub::cache_dir(), name, revision)
+}
+
 /// [`parse`] on a blocking thread.
 pub async fn parse_async(body: bytes::Bytes, content_type: Option<String>) -> Result<RunSpec, FieldError> {
     tokio::task::spawn_blocking(move || parse(&body, content_type.as_deref()))
@@ -145,17 +151,32 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         _ => None,
     });
     let log_dir = spec.logger.log_dir.iter().map(|p| ("logger.log_dir", p));
-    for (field, path) in spec.model.path.iter().map(|p| ("model.path", p)).chain(dataset_paths).chain(log_dir) {
+    // A model named by its Hub id is its snapshot in the Hugging Face cache.
+    let named = match &spec.model.name {
+        Some(name) => match model_by_name(name, spec.model.revision.as_deref()) {
+            Ok(dir) => Some(dir.display().to_string()),
+            Err(e) => {
+                problems.push(FieldError::new("model.name", e));
+                None
+            }
+        },
+        None => None,
+    };
+    let model = spec.model.path.iter().map(|p| ("model.path", p)).chain(named.iter().map(|p| ("model.name", p)));
+    for (field, path) in model.clone().chain(dataset_paths).chain(log_dir) {
         if let Err(e) = roots.inside(path) {
             problems.push(FieldError::new(field, e.to_string()));
         }
     }
-    if let Some(path) = spec.model.path.as_ref().filter(|_| !problems.iter().any(|p| p.field == "model.path")) {
+    for (field, path) in model {
+        if problems.iter().any(|p| p.field == field) {
+            continue;
+        }
         let dir = Path::new(path);
         // A model directory, or LoRA adapters in PEFT's layout (loaded on their base).
         if !dir.join("config.json").is_file() && !dir.join("adapter_config.json").is_file() {
             problems.push(FieldError::new(
-                "model.path",
+                field,
                 format!(
                     "{path} is not a model directory (no config.json there, nor LoRA adapters' adapter_config.json)"
                 ),

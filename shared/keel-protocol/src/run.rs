@@ -63,19 +63,28 @@ impl Algorithm {
     }
 }
 
-/// The starting weights: a Hugging Face directory on the services' shared disk, or a
-/// checkpoint in the checkpoint service (by id).
+/// The starting weights: a Hugging Face directory on the services' shared disk, a model of
+/// the Hugging Face cache by its Hub id, or a checkpoint in the checkpoint service (by id).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelRef {
     /// A Hugging Face model directory (with its `config.json`), or LoRA adapters in PEFT's
     /// layout (`adapter_config.json`), on the disk the services share (NeMo-RL's
-    /// `policy.model_name`, local only: nothing is downloaded); inside the orchestrator's
-    /// path roots. Give exactly one of `path` and `checkpoint`.
+    /// `policy.model_name` as a path); inside the orchestrator's path roots. Give exactly one
+    /// of `path`, `name` and `checkpoint`.
     #[serde(default)]
     pub path: Option<String>,
+    /// A Hugging Face model id (`Qwen/Qwen3-0.6B`, NeMo-RL's `policy.model_name`), found in
+    /// the Hugging Face cache of the orchestrator's host (`HF_HUB_CACHE`, else `HF_HOME/hub`,
+    /// else `~/.cache/huggingface/hub`) as `hf download` leaves it; nothing is downloaded.
+    /// Give exactly one of `path`, `name` and `checkpoint`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// With `name`: the branch, tag or commit of the cached snapshot (default `main`).
+    #[serde(default)]
+    pub revision: Option<String>,
     /// The id (a UUID) of a committed checkpoint in the checkpoint service, such as one an
-    /// earlier run saved. Give exactly one of `path` and `checkpoint`.
+    /// earlier run saved. Give exactly one of `path`, `name` and `checkpoint`.
     #[serde(default)]
     pub checkpoint: Option<uuid::Uuid>,
 }
@@ -552,7 +561,7 @@ pub struct RunSpec {
     /// What the run does; it decides the `training.loss.type` the run needs and whether it
     /// needs `environments`.
     pub algorithm: Algorithm,
-    /// The starting weights: exactly one of `path` or `checkpoint`.
+    /// The starting weights: exactly one of `path`, `name` or `checkpoint`.
     pub model: ModelRef,
     /// The training set and the held-out set.
     pub data: DataSpec,
@@ -729,11 +738,18 @@ impl RunSpec {
         if let Some(dir) = &self.logger.log_dir {
             check(&mut p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
         }
-        match (&self.model.path, &self.model.checkpoint) {
-            (Some(path), None) => check(&mut p, !path.trim().is_empty(), "model.path", "must not be empty"),
-            (None, Some(_)) => {}
-            _ => p.push(FieldError::new("model", "give exactly one of `path` or `checkpoint`")),
+        match (&self.model.path, &self.model.name, &self.model.checkpoint) {
+            (Some(path), None, None) => check(&mut p, !path.trim().is_empty(), "model.path", "must not be empty"),
+            (None, Some(name), None) => check(&mut p, !name.trim().is_empty(), "model.name", "must not be empty"),
+            (None, None, Some(_)) => {}
+            _ => p.push(FieldError::new("model", "give exactly one of `path`, `name` or `checkpoint`")),
         }
+        check(
+            &mut p,
+            self.model.revision.is_none() || self.model.name.is_some(),
+            "model.revision",
+            "names a revision of `model.name`: give `name` too",
+        );
         match (&self.training, alg.loss_name()) {
             (None, Some(loss)) => p.push(FieldError::new(
                 "training",
@@ -1202,7 +1218,9 @@ mod tests {
         assert_eq!(fields, ["data.train.max_operand", "data.train.size"]);
         // The document states the same limits.
         let schema = serde_json::to_value(<DatasetSpec as utoipa::PartialSchema>::schema()).unwrap();
-        let arithmetic = &schema["oneOf"][1]["properties"];
+        let variants = schema["oneOf"].as_array().unwrap();
+        let arithmetic =
+            &variants.iter().find(|v| v["properties"]["kind"]["enum"][0] == "arithmetic").unwrap()["properties"];
         assert_eq!(arithmetic["max_operand"]["maximum"], MAX_ARITHMETIC_OPERAND, "{schema}");
         assert_eq!(arithmetic["size"]["maximum"], MAX_ARITHMETIC_SIZE, "{schema}");
     }
@@ -1309,7 +1327,7 @@ mod tests {
         spec.grpo.num_generations_per_prompt = 1;
         spec.training.as_mut().unwrap().global_batch_size = 3;
         spec.validation.pass_at_k = vec![4];
-        spec.model = ModelRef { path: None, checkpoint: None };
+        spec.model = ModelRef { path: None, name: None, revision: None, checkpoint: None };
         let fields: Vec<String> = spec.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(
             fields,

@@ -15,6 +15,7 @@ pub mod config;
 pub mod entry;
 pub mod error;
 pub mod http;
+pub mod hub;
 pub mod json;
 pub mod metrics;
 pub mod nats;

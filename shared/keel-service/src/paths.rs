@@ -17,13 +17,15 @@ pub struct PathRoots {
 
 /// The roots a service gets unless configured: `.keel` under the working directory (the
 /// local stack's state), `/var/lib/keel` (the containers' volumes), the system's temporary
-/// directory and `/dev/shm/keel-weights` (weights exported in shared memory).
+/// directory, `/dev/shm/keel-weights` (weights exported in shared memory) and the Hugging Face
+/// cache ([`crate::hub::cache_dir`], where `model.name` finds models).
 pub fn default_roots() -> Vec<PathBuf> {
     vec![
         PathBuf::from(".keel"),
         PathBuf::from("/var/lib/keel"),
         std::env::temp_dir(),
         PathBuf::from(SHARED_WEIGHTS_DIR),
+        crate::hub::cache_dir(),
     ]
 }
 

@@ -234,7 +234,11 @@ impl RunContext {
                 }
                 dir
             }
-            (None, None) => return Err(Stop::Failed("the spec names no model".into())),
+            (None, None) => match &self.spec.model.name {
+                Some(name) => crate::spec::model_by_name(name, self.spec.model.revision.as_deref())
+                    .map_err(|e| Stop::Failed(format!("model.name: {e}")))?,
+                None => return Err(Stop::Failed("the spec names no model".into())),
+            },
         };
         let latest = self.checkpoints.latest(&self.id.to_string()).await?;
         let start = match latest {
