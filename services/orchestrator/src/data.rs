@@ -40,72 +40,57 @@ pub struct Record {
 /// Loads a dataset, checking that every record has what `algorithm` needs. Errors name
 /// `field` (`data.train`) and the line.
 pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
-    let records = match spec {
-        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
-            let mut records = Vec::new();
-            for_each_file_record(spec, field, |record| {
-                records.push(record);
-                Ok(())
-            })?;
-            records
-        }
+    match spec {
+        // The built-in generator's records have every field.
         DatasetSpec::Arithmetic { size, max_operand, operations, seed, split } => {
             check_split(*max_operand, operations, *split, field)?;
-            arithmetic(*size, *max_operand, operations, *seed, *split)
+            Ok(arithmetic(*size, *max_operand, operations, *seed, *split))
         }
-    };
-    if records.is_empty() {
-        return Err(FieldError::new(field, "the dataset has no records"));
+        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
+            let mut records = Vec::new();
+            check_each(spec, algorithm, field, |record| records.push(record))?;
+            Ok(records)
+        }
     }
-    for (i, record) in records.iter().enumerate() {
-        lacks(algorithm, record, i + 1, field)?;
-    }
-    Ok(records)
 }
 
 /// Checks a dataset as [`load`] would, record by record, keeping none: what a submit does, so
-/// that checking a dataset costs no memory however many records it has. The built-in
-/// generator's records have every field, so only its split is checked.
+/// that checking a dataset costs no memory however many records it has.
 pub fn check(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<(), FieldError> {
     match spec {
-        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
-            let mut count = 0;
-            for_each_file_record(spec, field, |record| {
-                count += 1;
-                lacks(algorithm, &record, count, field)
-            })?;
-            if count == 0 {
-                return Err(FieldError::new(field, "the dataset has no records"));
-            }
-            Ok(())
-        }
         DatasetSpec::Arithmetic { max_operand, operations, split, .. } => {
             check_split(*max_operand, operations, *split, field)
         }
+        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => check_each(spec, algorithm, field, drop),
     }
 }
 
-/// [`check`] on a blocking thread.
-pub async fn check_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<(), FieldError> {
-    let (spec, field) = (spec.clone(), field.to_string());
-    tokio::task::spawn_blocking(move || check(&spec, algorithm, &field))
-        .await
-        .map_err(|e| FieldError::new("data", format!("checking stopped: {e}")))?
-}
-
-/// Every record of a file dataset, in order, handed to `each`.
-fn for_each_file_record(
+/// Every record of a file dataset, in order, checked for what `algorithm` needs and handed
+/// to `keep`; an empty dataset is a problem.
+fn check_each(
     spec: &DatasetSpec,
+    algorithm: Algorithm,
     field: &str,
-    each: impl FnMut(Record) -> Result<(), FieldError>,
+    mut keep: impl FnMut(Record),
 ) -> Result<(), FieldError> {
+    let mut count = 0;
+    let mut each = |record: Record| {
+        count += 1;
+        lacks(algorithm, &record, count, field)?;
+        keep(record);
+        Ok(())
+    };
     match spec {
-        DatasetSpec::Jsonl { path, keys } => for_each_jsonl(Path::new(path), keys, field, each),
+        DatasetSpec::Jsonl { path, keys } => for_each_jsonl(Path::new(path), keys, field, &mut each)?,
         DatasetSpec::Parquet { path, split, keys } => {
-            for_each_parquet(Path::new(path), split.as_deref(), keys, field, each)
+            for_each_parquet(Path::new(path), split.as_deref(), keys, field, &mut each)?
         }
-        DatasetSpec::Arithmetic { .. } => Ok(()),
+        DatasetSpec::Arithmetic { .. } => {}
     }
+    if count == 0 {
+        return Err(FieldError::new(field, "the dataset has no records"));
+    }
+    Ok(())
 }
 
 /// The problem when record number `n` (from 1) lacks what `algorithm` needs.
@@ -152,10 +137,24 @@ pub fn validation_algorithm(spec: &keel_protocol::run::RunSpec) -> Algorithm {
 
 /// [`load`] on a blocking thread (files are read and records made off the async workers).
 pub async fn load_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
+    off_the_workers(spec, algorithm, field, load).await
+}
+
+/// [`check`] on a blocking thread.
+pub async fn check_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<(), FieldError> {
+    off_the_workers(spec, algorithm, field, check).await
+}
+
+async fn off_the_workers<T: Send + 'static>(
+    spec: &DatasetSpec,
+    algorithm: Algorithm,
+    field: &str,
+    read: fn(&DatasetSpec, Algorithm, &str) -> Result<T, FieldError>,
+) -> Result<T, FieldError> {
     let (spec, field) = (spec.clone(), field.to_string());
-    tokio::task::spawn_blocking(move || load(&spec, algorithm, &field))
+    tokio::task::spawn_blocking(move || read(&spec, algorithm, &field))
         .await
-        .map_err(|e| FieldError::new("data", format!("loading stopped: {e}")))?
+        .map_err(|e| FieldError::new("data", format!("reading the dataset stopped: {e}")))?
 }
 
 /// Reads a JSONL file line by line, handing each record to `each` (which may stop the read

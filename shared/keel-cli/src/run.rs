@@ -113,14 +113,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
         match args.command {
             RunCommand::Submit { spec, watch: follow } => {
-                let run = client.submit(crate::spec::load(&spec.file, &spec.sets)?, false).await?;
+                let run = client.submit(crate::spec::load(&spec.file, &spec.sets)?).await?;
                 writeln!(out, "{}", run.id)?;
                 if follow {
                     watch(&client, run.id, &mut out).await?;
                 }
             }
             RunCommand::Validate { spec } => {
-                let resolved = client.validate(crate::spec::load(&spec.file, &spec.sets)?, false).await?;
+                let resolved = client.validate(crate::spec::load(&spec.file, &spec.sets)?).await?;
                 eprintln!("{}: valid", spec.file.display());
                 write!(out, "{}", serde_yaml::to_string(&resolved)?)?;
             }

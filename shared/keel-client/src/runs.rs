@@ -31,31 +31,26 @@ impl RunsClient {
         }
     }
 
-    /// Submits a run spec as written (YAML or JSON).
-    pub async fn submit(&self, spec: String, yaml: bool) -> Result<Run> {
-        let content_type = if yaml { "application/yaml" } else { "application/json" };
-        let response = self
-            .request(reqwest::Method::POST, "/v1/runs")
-            .header(reqwest::header::CONTENT_TYPE, content_type)
-            .body(spec)
-            .send()
-            .await
-            .map_err(unreachable("submit"))?;
-        json(response, "submit").await
+    /// Submits a run spec (JSON).
+    pub async fn submit(&self, spec: String) -> Result<Run> {
+        self.post_spec("/v1/runs", spec, "submit").await
     }
 
-    /// Checks a run spec as `submit` would and creates nothing (the API's dry run): the spec
-    /// as it would run, every default filled in, or every problem as the error.
-    pub async fn validate(&self, spec: String, yaml: bool) -> Result<RunSpec> {
-        let content_type = if yaml { "application/yaml" } else { "application/json" };
+    /// Checks a run spec (JSON) as `submit` would and creates nothing (the API's dry run): the
+    /// spec as it would run, every default filled in, or every problem as the error.
+    pub async fn validate(&self, spec: String) -> Result<RunSpec> {
+        self.post_spec("/v1/runs/validate", spec, "validate").await
+    }
+
+    async fn post_spec<T: serde::de::DeserializeOwned>(&self, path: &str, spec: String, what: &str) -> Result<T> {
         let response = self
-            .request(reqwest::Method::POST, "/v1/runs/validate")
-            .header(reqwest::header::CONTENT_TYPE, content_type)
+            .request(reqwest::Method::POST, path)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(spec)
             .send()
             .await
-            .map_err(unreachable("validate"))?;
-        json(response, "validate").await
+            .map_err(unreachable(what))?;
+        json(response, what).await
     }
 
     pub async fn list(&self, status: Option<&str>, limit: usize, after: Option<&str>) -> Result<RunList> {
