@@ -102,11 +102,11 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     assert!(!reaches("trainer", "reward", save).await, "the reward service's user asked a trainer to save");
     let score = subjects.trainer("w1", keel_protocol::subjects::TrainerOp::Score);
     assert!(allowed("trainer", "reward", score).await, "the reward service asks trainers for scores");
-    let weights = subjects.weights_updated();
+    let weights = subjects.weights_updated("r1");
     assert!(allowed("generator", "orchestrator", weights.clone()).await, "the orchestrator publishes weights");
     assert!(!reaches("generator", "reward", weights.clone()).await, "the reward service's user published weights");
     assert!(!reaches("generator", "trainer", weights).await, "the trainer's user published weights");
-    let memory = subjects.generator_memory();
+    let memory = subjects.generator_memory("r1");
     assert!(allowed("generator", "orchestrator", memory.clone()).await, "the orchestrator puts generators to sleep");
     assert!(!reaches("generator", "reward", memory).await, "the reward service's user put generators to sleep");
     // A generator asks a trainer for an export kept for the collective transfer, and meets it
@@ -120,7 +120,13 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     assert!(!reaches("trainer", "generator", export).await, "the generator's user asked a trainer to export");
     // Listening on another service's subjects is refused too.
     assert!(!reaches("generator", "orchestrator", claim).await, "the generator's user listened to trainer claims");
-    assert!(!reaches("reward", "orchestrator", subjects.generate()).await, "the reward user listened to rollouts");
+    assert!(!reaches("reward", "orchestrator", subjects.generate("r1")).await, "the reward user listened to rollouts");
+    // Only the orchestrator claims and loads generators.
+    let claim = subjects.generator_claim();
+    assert!(allowed("generator", "orchestrator", claim.clone()).await, "the orchestrator claims generators");
+    assert!(!reaches("generator", "reward", claim).await, "the reward service's user claimed a generator");
+    let load = subjects.generator("g1", keel_protocol::subjects::GeneratorOp::Load);
+    assert!(!reaches("generator", "trainer", load).await, "the trainer's user had a generator load a model");
 
     // And a run goes through with every service on its own user.
     let servers = Servers {

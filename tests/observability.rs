@@ -418,7 +418,7 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
 
     // Error spans say why: a request the generator refuses, and every other error span.
     let nats = async_nats::connect(keel_service::nats::default_url()).await.unwrap();
-    let subject = keel_protocol::Subjects::new(&stack.prefix).unwrap().generate();
+    let subject = keel_protocol::Subjects::new(&stack.prefix).unwrap().generator_claim();
     let reply = nats.request(subject, "{}".into()).await.unwrap();
     assert!(reply.payload.starts_with(b"{\"error\""), "{:?}", reply.payload);
     let deadline = Instant::now() + Duration::from_secs(30);

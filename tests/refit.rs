@@ -14,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use keel_protocol::generator::{WeightsLoaded, WeightsUpdated};
-use keel_protocol::subjects::TrainerOp;
+use keel_protocol::subjects::{GeneratorOp, TrainerOp};
 use keel_protocol::trainer::{
     ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, SendAccepted, SendWeights, Sequences,
     TrainBatch, TrainRequest,
@@ -50,7 +50,14 @@ impl Pair {
             ],
         );
         let nats = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-        Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, trainer, generator }
+        let pair = Self { nats, subjects: Subjects::new(&prefix).unwrap(), worker, trainer, generator };
+        // Run `r` holds the generator, which serves the run's model (its start-up model, as
+        // loaded).
+        let claimed: Value = pair.call(pair.subjects.generator_claim(), &json!({"run_id": "r"})).await.unwrap();
+        let id = claimed["worker_id"].as_str().unwrap().to_string();
+        let load = json!({"run_id": "r", "path": model});
+        let _: Value = pair.call(pair.subjects.generator(&id, GeneratorOp::Load), &load).await.unwrap();
+        pair
     }
 
     /// How many communicators the generator has formed with trainers (its `/metrics`).
@@ -96,18 +103,14 @@ impl Pair {
         self.call(self.subjects.trainer(&self.worker, op), body).await.unwrap_or_else(|e| panic!("{op:?}: {e}"))
     }
 
-    /// A greedy rollout once the generator serves `version` (0: its start-up model): the
-    /// prompt and tokens, and the tokens' logprobs.
+    /// A greedy rollout once the generator serves `version` (0: the run's model as loaded):
+    /// the prompt and tokens, and the tokens' logprobs.
     async fn rollout(&self, version: u64) -> (Vec<i64>, Vec<f64>) {
-        let mut request = json!({"run_id": "r", "prompt_token_ids": [5, 88, 17, 201, 33], "n": 1, "max_tokens": 8,
+        let request = json!({"run_id": "r", "prompt_token_ids": [5, 88, 17, 201, 33], "n": 1, "max_tokens": 8,
             "sampling": {"temperature": 1.0, "top_k": 1}, "ignore_eos": true, "min_weight_version": version});
-        // Before any refit the generator serves its start-up model, no run's weights.
-        if version > 0 {
-            request["weights_of"] = json!("r");
-        }
         let deadline = Instant::now() + Duration::from_secs(60);
         let reply: Value = loop {
-            match self.call::<Value>(self.subjects.generate(), &request).await {
+            match self.call::<Value>(self.subjects.generate("r"), &request).await {
                 Ok(reply) => break reply,
                 Err(e) if e["type"] == "stale_weights" => {
                     assert!(Instant::now() < deadline, "the generator never served version {version}")
@@ -126,7 +129,7 @@ impl Pair {
     /// Publishes `event` with a reply subject and returns the generator's report of it.
     async fn publish(&self, event: &WeightsUpdated) -> WeightsLoaded {
         let body = serde_json::to_vec(event).unwrap().into();
-        let reply = self.nats.request(self.subjects.weights_updated(), body).await.unwrap();
+        let reply = self.nats.request(self.subjects.weights_updated(&event.run_id), body).await.unwrap();
         let report: WeightsLoaded = serde_json::from_slice(&reply.payload).unwrap();
         assert_eq!((report.run_id.as_str(), report.version), (event.run_id.as_str(), event.version));
         report
@@ -234,7 +237,7 @@ async fn refit_matches_the_trainer(
     let (base_tokens, _) = pair.rollout(0).await;
     let reply = loop {
         let request = json!({"run_id": "r", "prompt_token_ids": [5, 88], "max_tokens": 2, "min_weight_version": 1});
-        match pair.call::<Value>(pair.subjects.generate(), &request).await {
+        match pair.call::<Value>(pair.subjects.generate("r"), &request).await {
             Err(e) if e["type"] == "stale_weights" => tokio::time::sleep(Duration::from_millis(100)).await,
             other => break other,
         }

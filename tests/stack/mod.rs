@@ -92,9 +92,12 @@ impl Stack {
             ("trainer", pairs(&[("KEEL_TRAINER__SUBJECT_PREFIX", &prefix)])),
             (
                 "generator",
+                // A fixed id: started again, the generator answers its run's heartbeat that it no
+                // longer holds the run (the run resumes on it at once).
                 pairs(&[
                     ("KEEL_GENERATOR__SUBJECT_PREFIX", &prefix),
                     ("KEEL_GENERATOR__MODEL", model.to_str().unwrap()),
+                    ("KEEL_GENERATOR__GENERATOR_ID", "g0"),
                 ]),
             ),
             ("reward", pairs(&[("KEEL_REWARD__SUBJECT_PREFIX", &prefix)])),
@@ -167,6 +170,18 @@ impl Stack {
         let mut env = [self.env.as_slice(), &self.own_env[service]].concat();
         env.push((format!("KEEL_{}__LISTEN", service.to_uppercase()), listen));
         *self.process(service) = start_service(service, &env);
+    }
+
+    /// Another process of `service` on the stack, with the environment the stack's own has
+    /// less the variables `without` names, plus `env`.
+    pub fn start_another(&self, service: &str, without: &[&str], env: &[(&str, &str)]) -> ServiceProcess {
+        let mut all: Vec<(String, String)> = [self.env.as_slice(), &self.own_env[service]]
+            .concat()
+            .into_iter()
+            .filter(|(k, _)| !without.contains(&k.as_str()))
+            .collect();
+        all.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        start_service(service, &all)
     }
 
     pub fn api(&self) -> String {

@@ -34,7 +34,7 @@ async fn join(meeting: &Meeting, session: &str, device: Device) -> keel_model::R
 }
 
 /// The leader's side: the formed group and what loading it needs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Leading {
     pub meeting: Meeting,
     pub control: Arc<TcpCollective>,
@@ -45,12 +45,13 @@ pub struct Leading {
 
 impl Leading {
     /// The leader's backend (on the scheduler thread): every rank loads its slices of
-    /// `dir` with a pool of `blocks`.
-    pub fn backend(self, dir: &Path, device: Device, kind: Kind, blocks: usize) -> keel_model::Result<Backend> {
+    /// `dir` with a pool of `blocks`. A later load (a run's model, after the start-up one)
+    /// goes over the same control channel: each rank drops its share first.
+    pub fn backend(&self, dir: &Path, device: Device, kind: Kind, blocks: usize) -> keel_model::Result<Backend> {
         let Self { meeting, control, handle, lost } = self;
         info!(group = %meeting.config.name, ranks = meeting.config.size, "loading the model on every rank");
-        let joined = |session: &str| handle.block_on(join(&meeting, session, device));
-        Ok(Backend::Group(Grouped::load(control, dir, (device, kind, blocks), lost, joined)?))
+        let joined = |session: &str| handle.block_on(join(meeting, session, device));
+        Ok(Backend::Group(Grouped::load(control.clone(), dir, (device, kind, blocks), lost.clone(), joined)?))
     }
 }
 

@@ -6,7 +6,10 @@
 //! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
 //!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full;
 //!   the OpenAPI document (`ApiDoc`).
-//! - [`rollout`]: NATS rollout requests (queue group `generator`), weights-updated refits,
+//! - [`claims`]: the generator as a run's: claimed (queue group `generator` on
+//!   `<prefix>.generator.claim` while free), loading the run's model, serving it, released
+//!   (or its lease running out), then back to its start-up model.
+//! - [`rollout`]: the claiming run's NATS rollout requests, weights-updated refits,
 //!   colocated sleep and wake.
 //! - [`group`]: the tensor-parallel ranks as generator processes of their own (one per GPU,
 //!   on one machine or several), led by the group's rank 0.
@@ -14,8 +17,10 @@
 //! - this file: configuration, loading the model into an engine (KV cache size, CUDA kernels
 //!   and graphs), lifecycle.
 //!
-//! Without a `model` configured the service starts and answers `/healthz` only.
+//! Without a `model` configured the service starts with nothing loaded: `/healthz` answers,
+//! the OpenAI API answers 503 until a run claims the generator and has it load its model.
 
+pub mod claims;
 pub mod error;
 pub mod group;
 pub mod openai;
@@ -43,7 +48,8 @@ pub const SERVICE: &str = "generator";
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
-    /// A Hugging Face model directory (none: health only).
+    /// A Hugging Face model directory served while no run holds the generator (none:
+    /// nothing is served until a run loads its model).
     pub model: Option<PathBuf>,
     /// The name clients use in `model` (default: the directory's name).
     pub served_model_name: Option<String>,
@@ -90,9 +96,14 @@ pub struct Config {
     /// When set, the OpenAI API wants `Authorization: Bearer <api_key>` (vLLM's `--api-key`);
     /// `/healthz` stays open. Default: `KEEL_GENERATOR_API_KEY` when set.
     pub api_key: Option<String>,
-    /// The directories a refit may load weights from (the path a refit names must resolve
-    /// inside one). Default: `.keel`, `/var/lib/keel` and the system's temporary directory.
+    /// The directories a run's model and its refits may be loaded from (the path a request
+    /// names must resolve inside one). Default: `.keel`, `/var/lib/keel`, the system's
+    /// temporary directory and the Hugging Face cache.
     pub path_roots: Vec<PathBuf>,
+    /// This generator's id in its subjects (default: a new random id).
+    pub generator_id: Option<String>,
+    /// The longest lease a run's claim may ask for, in seconds.
+    pub max_lease_seconds: f64,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -153,6 +164,20 @@ impl keel_service::ServiceConfig for Config {
         if self.api_key.as_deref() == Some("") {
             return Err(FieldError::new("api_key", "must not be empty (leave it unset for no key)"));
         }
+        if let Some(id) = &self.generator_id {
+            if !keel_protocol::subjects::is_subject_token(id) {
+                return Err(FieldError::new("generator_id", format!("`{id}` must be letters, digits, `-` and `_`")));
+            }
+            if id == "group" || id == "claim" {
+                return Err(FieldError::new("generator_id", format!("`{id}` is reserved (a subject of its own)")));
+            }
+        }
+        if !(self.max_lease_seconds.is_finite() && self.max_lease_seconds > 0.0) {
+            return Err(FieldError::new(
+                "max_lease_seconds",
+                format!("must be positive, got {}", self.max_lease_seconds),
+            ));
+        }
         Ok(())
     }
 }
@@ -179,6 +204,8 @@ pub fn default_config() -> Config {
         api_key: std::env::var("KEEL_GENERATOR_API_KEY").ok().filter(|k| !k.is_empty()),
         path_roots: keel_service::paths::default_roots(),
         group: None,
+        generator_id: None,
+        max_lease_seconds: 3600.0,
     }
 }
 
@@ -346,23 +373,83 @@ fn attach_kernels(model: &mut keel_model::CausalLm, device: tch::Device, kind: t
     }
 }
 
-/// The HTTP routes: the OpenAI API (behind `api_key` when set) and `/healthz`.
-pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
-    keel_service::require_bearer(openai::routes(state), api_key).merge(keel_service::health_routes(SERVICE))
+/// What the OpenAI API serves now: the routes of the loaded model (the start-up model, or
+/// the model of the run holding the generator), or nothing while none is loaded.
+#[derive(Clone, Default)]
+pub struct Serving(Arc<std::sync::RwLock<Option<(axum::Router, openai::AppState)>>>);
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let serving = self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.debug_struct("Serving").field("model", &serving.as_ref().map(|(_, state)| &state.model_name)).finish()
+    }
 }
 
-/// Serves until `shutdown` completes: HTTP always; with a model, the OpenAI API and the
-/// NATS rollout and refit subjects too.
+impl Serving {
+    /// Serves `state` on the OpenAI API from now on (None: nothing).
+    pub fn set(&self, state: Option<&openai::AppState>) {
+        let routes = state.map(|state| (openai::routes(state.clone()), state.clone()));
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = routes;
+    }
+
+    fn current(&self) -> Option<axum::Router> {
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map(|(router, _)| router.clone())
+    }
+
+    /// The engine statistics of the model served now.
+    pub fn stats(&self) -> Option<Arc<keel_generation::engine::Stats>> {
+        let serving = self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        serving.as_ref().map(|(_, state)| state.engine.stats.clone())
+    }
+
+    /// The OpenAI API's routes, answered by whatever model is loaded when a request arrives
+    /// (503 while none is).
+    fn routes(self) -> axum::Router {
+        let mut router = axum::Router::new();
+        for path in openai::PATHS {
+            router = router.route(path, axum::routing::any(dispatch));
+        }
+        router.with_state(self)
+    }
+}
+
+/// A request to the OpenAI API, answered by the model loaded now.
+async fn dispatch(
+    axum::extract::State(serving): axum::extract::State<Serving>,
+    request: axum::extract::Request,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use tower::ServiceExt;
+    match serving.current() {
+        Some(router) => router.oneshot(request).await.into_response(),
+        None => keel_service::ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "no model is loaded: this generator has no start-up model and no run has loaded one",
+        )
+        .into_response(),
+    }
+}
+
+/// The HTTP routes: the OpenAI API (behind `api_key` when set) and `/healthz`.
+pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
+    let serving = Serving::default();
+    serving.set(Some(&state));
+    serving_app(serving, api_key)
+}
+
+/// [`app`] for whatever `serving` serves when each request arrives.
+pub fn serving_app(serving: Serving, api_key: Option<String>) -> axum::Router {
+    keel_service::require_bearer(serving.routes(), api_key).merge(keel_service::health_routes(SERVICE))
+}
+
+/// Serves until `shutdown` completes: HTTP always (the OpenAI API for the model loaded);
+/// with NATS, claims by runs, each run's model loaded and served on its subjects, and the
+/// start-up model again once the run lets the generator go.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
     if let Some(group) = config.group.clone().filter(|g| g.rank > 0) {
         return follow(config, group, shutdown).await;
     }
-    let Some(dir) = config.model.clone() else {
-        let app = keel_service::health_routes(SERVICE);
-        return Ok(keel_service::run_http(SERVICE, config.listen, app, shutdown)
-            .await
-            .map_err(keel_service::Error::Http)?);
-    };
     let mut parts = keel_service::parts::Parts::default();
     let client = match config.nats_url.as_str() {
         "" => None,
@@ -393,30 +480,39 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         }
         _ => None,
     };
-    let loaded = {
-        let config = config.clone();
-        tokio::task::spawn_blocking(move || load(&config, &dir, leading))
-            .await
-            .map_err(|e| Error::Task("loading", e))??
+    let serving = Serving::default();
+    let startup = match config.model.clone() {
+        Some(dir) => {
+            let loaded = load_blocking(config.clone(), dir, leading.clone()).await?;
+            tracing::info!(
+                model = %loaded.model_name,
+                max_num_seqs = config.max_num_seqs,
+                kv_blocks = loaded.engine.stats.blocks_total.load(Ordering::Relaxed),
+                tensor_parallel_size = config.world_size(),
+                "model loaded"
+            );
+            serving.set(Some(&loaded));
+            Some(loaded)
+        }
+        None => None,
     };
-    tracing::info!(
-        model = %loaded.model_name,
-        max_num_seqs = config.max_num_seqs,
-        kv_blocks = loaded.engine.stats.blocks_total.load(Ordering::Relaxed),
-        tensor_parallel_size = config.world_size(),
-        "model loaded"
-    );
     if let Some(client) = client {
         let subjects = keel_protocol::Subjects::new(&config.subject_prefix).map_err(keel_service::Error::from)?;
         let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_GENERATOR__PATH_ROOTS")?;
-        parts.spawn("nats", rollout::serve(client, subjects, loaded.clone(), roots, parts.stopped()));
+        let generator = claims::Generator::new(client, subjects, &config, roots, serving.clone(), startup, leading);
+        parts.spawn("nats", generator.serve(parts.stopped()));
     } else {
-        tracing::info!("no nats_url: serving HTTP only (no rollouts or refits over NATS)");
+        tracing::info!("no nats_url: serving HTTP only (no runs, rollouts or refits over NATS)");
     }
-    let app = app(loaded, config.api_key.clone());
+    let app = serving_app(serving, config.api_key.clone());
     let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
     parts.spawn("http", http);
     Ok(parts.run_until(shutdown).await?)
+}
+
+/// [`load`] on the blocking pool.
+pub async fn load_blocking(config: Config, dir: PathBuf, leading: Option<group::Leading>) -> Result<openai::AppState> {
+    tokio::task::spawn_blocking(move || load(&config, &dir, leading)).await.map_err(|e| Error::Task("loading", e))?
 }
 
 /// A rank of a group other than the leader: `/healthz`, and the leader's commands on a

@@ -96,6 +96,10 @@ fn answer(error: &ApiError) -> keel_service::ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// The paths [`routes`] serves.
+pub const PATHS: [&str; 6] =
+    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/metrics"];
+
 pub fn routes(state: AppState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))

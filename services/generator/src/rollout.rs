@@ -1,6 +1,9 @@
-//! The NATS side: rollout requests on `<prefix>.generate` (queue group `generator`, so any
-//! replica may answer) and weights-updated events on `<prefix>.weights.updated` (every
-//! replica refits). Replies use the `{"ok"} / {"error": {type, message}}` envelope.
+//! A run's side of the generators it holds: its rollout requests on
+//! `<prefix>.run.<run>.generate` (queue group `generator`, so any of the run's generators may
+//! answer), its weights-updated events on `<prefix>.run.<run>.weights` and its colocated
+//! sleep and wake on `<prefix>.run.<run>.memory` (each of its generators hears them). No
+//! other run's requests reach a generator while the run holds it. Replies use the
+//! `{"ok"} / {"error": {type, message}}` envelope.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,7 +14,7 @@ use keel_protocol::generator::{
     MemoryAction, MemoryChange, MemoryReport, RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded,
     WeightsUpdated, error_types,
 };
-use keel_protocol::subjects::{GENERATOR_QUEUE_GROUP, QueueCall};
+use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
 use keel_protocol::trainer::{SendAccepted, SendWeights};
 use keel_protocol::{Reply, Subjects};
 use tokio::sync::mpsc;
@@ -23,12 +26,9 @@ use keel_generation::backend::Weights;
 use keel_generation::engine::Memory;
 use keel_generation::request::{Draft, collect};
 
-/// The run whose weights this generator serves (None: its start-up model).
-type ServingRun = Arc<Mutex<Option<String>>>;
-
-/// Per run, the latest weight version this generator refused to load, and why: a rollout
-/// that needs it is told so at once instead of waiting for weights that will never come.
-type RefusedRefits = Arc<Mutex<HashMap<String, (u64, String)>>>;
+/// The latest weight version this generator refused to load, and why: a rollout that needs
+/// it is told so at once instead of waiting for weights that will never come.
+type RefusedRefit = Arc<Mutex<Option<(u64, String)>>>;
 
 /// Rollouts under way by `request_id`, each with the reply body it will send: a retry of
 /// one (same id) waits for that reply instead of generating again.
@@ -99,17 +99,15 @@ where
 /// engine stops decoding them at its next step instead of finishing work nobody reads.
 async fn rollout(
     state: &AppState,
-    serving_run: &ServingRun,
-    refused: &RefusedRefits,
+    refused: &RefusedRefit,
     payload: &[u8],
     deadline: Option<tokio::time::Instant>,
-) -> Reply<<RolloutRequest as QueueCall>::Reply> {
+) -> Reply<RolloutReply> {
     let request: RolloutRequest = match serde_json::from_slice(payload) {
         Ok(request) => request,
         Err(e) => return Reply::error(error_types::INVALID_REQUEST, format!("malformed request: {e}")),
     };
-    let wanted_run = request.weights_of.as_ref().unwrap_or(&request.run_id);
-    let refusal = refused.lock().ok().and_then(|r| r.get(wanted_run).cloned());
+    let refusal = refused.lock().ok().and_then(|r| r.clone());
     if let Some((version, why)) = refusal
         && request.min_weight_version > 0
         && version >= request.min_weight_version
@@ -117,20 +115,8 @@ async fn rollout(
     {
         return Reply::error(
             error_types::REFIT_FAILED,
-            format!("this generator could not load run {wanted_run}'s weights (version {version}): {why}"),
+            format!("this generator could not load run {}'s weights (version {version}): {why}", request.run_id),
         );
-    }
-    if let Some(wanted) = &request.weights_of {
-        let serving = serving_run.lock().map(|run| run.clone()).unwrap_or_default();
-        if serving.as_ref() != Some(wanted) {
-            return Reply::error(
-                error_types::STALE_WEIGHTS,
-                format!(
-                    "this generator serves the weights of {}, not of run {wanted}",
-                    serving.map_or_else(|| "its start-up model".to_string(), |run| format!("run {run}"))
-                ),
-            );
-        }
     }
     let serving = state.engine.weight_version();
     if serving < request.min_weight_version {
@@ -206,29 +192,58 @@ async fn rollout(
     Reply::Ok(RolloutReply { weight_version, samples })
 }
 
-/// Serves rollouts and refits until the subscriptions end or `shutdown` completes.
+/// The subscriptions of run `run_id`'s subjects on a generator it holds.
+pub struct RunSubjects {
+    run_id: String,
+    requests: async_nats::Subscriber,
+    updates: async_nats::Subscriber,
+    memory: async_nats::Subscriber,
+}
+
+impl std::fmt::Debug for RunSubjects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunSubjects").field("run_id", &self.run_id).finish()
+    }
+}
+
+impl RunSubjects {
+    /// Subscribes to run `run_id`'s rollouts (in the queue group of its generators), refits
+    /// and memory changes; they are heard once this returns.
+    pub async fn subscribe(client: &async_nats::Client, subjects: &Subjects, run_id: &str) -> crate::Result<Self> {
+        let subscribe = |subject: String| {
+            let client = client.clone();
+            async move {
+                let failed = |e: async_nats::SubscribeError| keel_service::Error::Subscribe {
+                    subject: subject.clone(),
+                    reason: e.to_string(),
+                };
+                Ok::<_, keel_service::Error>(client.subscribe(subject.clone()).await.map_err(failed)?)
+            }
+        };
+        let generate = subjects.generate(run_id);
+        let requests = client
+            .queue_subscribe(generate.clone(), GENERATOR_QUEUE_GROUP.to_string())
+            .await
+            .map_err(|e| keel_service::Error::Subscribe { subject: generate.clone(), reason: e.to_string() })?;
+        let updates = subscribe(subjects.weights_updated(run_id)).await?;
+        let memory = subscribe(subjects.generator_memory(run_id)).await?;
+        client.flush().await.map_err(|e| Error::Flush(e.to_string()))?;
+        info!(subject = %generate, "serving the run's rollouts");
+        Ok(Self { run_id: run_id.to_string(), requests, updates, memory })
+    }
+}
+
+/// Serves the rollouts, refits and memory changes of the run `subscribed` names on `state`
+/// until `shutdown` completes (the run let the generator go) or the subscriptions end.
 pub async fn serve(
     client: async_nats::Client,
-    subjects: Subjects,
+    subscribed: RunSubjects,
     state: AppState,
     roots: keel_service::paths::PathRoots,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> crate::Result<()> {
-    let subscribe = |subject: String| {
-        move |e: async_nats::SubscribeError| keel_service::Error::Subscribe { subject, reason: e.to_string() }
-    };
-    let mut requests = client
-        .queue_subscribe(RolloutRequest::subject(&subjects), GENERATOR_QUEUE_GROUP.to_string())
-        .await
-        .map_err(subscribe(subjects.generate()))?;
-    let mut updates =
-        client.subscribe(subjects.weights_updated()).await.map_err(subscribe(subjects.weights_updated()))?;
-    let mut memory =
-        client.subscribe(subjects.generator_memory()).await.map_err(subscribe(subjects.generator_memory()))?;
-    client.flush().await.map_err(|e| Error::Flush(e.to_string()))?;
-    info!(subject = %subjects.generate(), "serving rollouts");
-    let serving_run = ServingRun::default();
-    let refused = RefusedRefits::default();
+    let RunSubjects { run_id, mut requests, mut updates, mut memory } = subscribed;
+    let refused = RefusedRefit::default();
     let in_flight = InFlight::default();
     tokio::pin!(shutdown);
     loop {
@@ -236,14 +251,14 @@ pub async fn serve(
             () = &mut shutdown => return Ok(()),
             message = requests.next() => {
                 let Some(message) = message else { return Err(Error::SubscriptionEnded("rollout")) };
-                let (state, client, serving_run, refused, in_flight) =
-                    (state.clone(), client.clone(), serving_run.clone(), refused.clone(), in_flight.clone());
+                let (state, client, refused, in_flight) =
+                    (state.clone(), client.clone(), refused.clone(), in_flight.clone());
                 let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
                 tokio::spawn(async move {
                     let id = request_id(&message.payload);
                     let body = keel_service::nats::served(&client, "generator.generate", &message, async {
                         deduplicated(&in_flight, id, deadline, async {
-                            let reply = rollout(&state, &serving_run, &refused, &message.payload, deadline).await;
+                            let reply = rollout(&state, &refused, &message.payload, deadline).await;
                             serde_json::to_vec(&reply).unwrap_or_default()
                         })
                         .await
@@ -264,9 +279,11 @@ pub async fn serve(
             message = updates.next() => {
                 let Some(message) = message else { return Err(Error::SubscriptionEnded("weights")) };
                 match serde_json::from_slice::<WeightsUpdated>(&message.payload) {
+                    Ok(update) if update.run_id != run_id => {
+                        warn!(run_id = %update.run_id, "weights of another run ignored");
+                    }
                     Ok(update) => {
-                        let (engine, serving_run, refused) =
-                            (state.engine.clone(), serving_run.clone(), refused.clone());
+                        let (engine, refused) = (state.engine.clone(), refused.clone());
                         let span = keel_service::nats::server_span("generator.refit", &message);
                         span.record("run_id", update.run_id.as_str());
                         let (client, roots, dtype, device) = (client.clone(), roots.clone(), state.dtype, state.device);
@@ -283,11 +300,8 @@ pub async fn serve(
                             }
                             match refit {
                                 Ok(seconds) => {
-                                    if let Ok(mut run) = serving_run.lock() {
-                                        *run = Some(update.run_id.clone());
-                                    }
                                     if let Ok(mut refused) = refused.lock() {
-                                        refused.remove(&update.run_id);
+                                        *refused = None;
                                     }
                                     info!(version = update.version, run_id = %update.run_id, seconds, "weights updated");
                                 }
@@ -298,7 +312,7 @@ pub async fn serve(
                                 Err(e) => {
                                     warn!(version = update.version, "refit refused: {e}");
                                     if let Ok(mut refused) = refused.lock() {
-                                        refused.insert(update.run_id.clone(), (update.version, e.to_string()));
+                                        *refused = Some((update.version, e.to_string()));
                                     }
                                 }
                             }

@@ -1,13 +1,15 @@
-//! Rollouts over the real NATS (queue group `generator`): token ids in, token ids, logprobs
-//! and finish reasons out, stamped with the weight version; a weights-updated event refits
-//! the generator, and weights that do not fit are refused while serving goes on.
+//! A generator claimed by a run over the real NATS: it loads the run's model, then serves
+//! the run's rollouts (queue group `generator` on the run's subject): token ids in, token
+//! ids, logprobs and finish reasons out, stamped with the weight version; a weights-updated
+//! event refits the generator, and weights that do not fit are refused while serving goes
+//! on.
 
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use keel_generator::{default_config, load, rollout};
+use keel_generator::{Serving as Http, claims, default_config};
 use keel_model::init::{InitSpec, Preset, init_model};
 use keel_model::sampling::{SamplingParams, generate};
 use keel_model::{Architecture, CausalLm};
@@ -33,13 +35,20 @@ fn greedy(dir: &Path, prompt: &[i64], tokens: usize) -> Vec<i64> {
     generate(&local, prompt, tokens, &[], SamplingParams { temperature: 0.0, ..Default::default() }).unwrap().tokens
 }
 
-/// A generator serving `dir` over the real NATS, on subjects of its own.
+/// A generator with no start-up model over the real NATS, on subjects of its own, claimed
+/// by run `r1` and serving `dir` as its model.
 struct Serving {
     client: async_nats::Client,
     subjects: Subjects,
-    stats: std::sync::Arc<keel_generation::engine::Stats>,
+    http: Http,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<keel_generator::Result<()>>,
+}
+
+/// A request on one of the generator's own subjects, its `{"ok"}` or `{"error"}` reply.
+async fn call(client: &async_nats::Client, subject: String, body: Value) -> Value {
+    let reply = client.request(subject, body.to_string().into()).await.unwrap();
+    serde_json::from_slice(&reply.payload).unwrap()
 }
 
 impl Serving {
@@ -47,17 +56,56 @@ impl Serving {
         let mut config = default_config();
         config.max_num_seqs = 4;
         config.max_model_len = Some(max_model_len);
-        let state = load(&config, dir, None).unwrap();
-        let stats = state.engine.stats.clone();
+        config.generator_id = Some("g1".into());
         let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
         let subjects = Subjects::new(&format!("keeltest.gen{}", uuid::Uuid::new_v4().simple())).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        // Refits may load from the directory the test's models are in.
+        // Loads and refits may read the directory the test's models are in.
         let roots = keel_service::paths::PathRoots::new(&[dir.parent().unwrap().to_path_buf()], "path_roots").unwrap();
-        let server = tokio::spawn(rollout::serve(client.clone(), subjects.clone(), state, roots, async move {
+        let http = Http::default();
+        let generator = claims::Generator::new(client.clone(), subjects.clone(), &config, roots, http.clone(), None, None);
+        let server = tokio::spawn(generator.serve(async move {
             let _ = stopped.await;
         }));
-        Self { client, subjects, stats, stop, server }
+        let serving = Self { client, subjects, http, stop, server };
+        serving.claim_and_load(dir).await;
+        serving
+    }
+
+    /// Claims the generator for run `r1` (through the claim group, once it has joined it)
+    /// and has it load `dir`.
+    async fn claim_and_load(&self, dir: &Path) {
+        use keel_protocol::subjects::GeneratorOp;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let claim = json!({"run_id": "r1", "lease_seconds": 60.0, "holder": "h1"});
+        loop {
+            match self.client.request(self.subjects.generator_claim(), claim.to_string().into()).await {
+                Ok(reply) => {
+                    let reply: Value = serde_json::from_slice(&reply.payload).unwrap();
+                    assert_eq!(reply["ok"]["worker_id"], "g1", "{reply}");
+                    break;
+                }
+                Err(e) => assert!(Instant::now() < deadline, "no generator took the claim: {e}"),
+            }
+        }
+        let other = json!({"run_id": "r2", "lease_seconds": 60.0});
+        let busy = call(&self.client, self.subjects.generator("g1", GeneratorOp::Claim), other).await;
+        assert_eq!(busy["error"]["type"], "busy", "{busy}");
+        let load = json!({"run_id": "r1", "path": dir, "version": 0});
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(keel_protocol::lease::HOLDER_HEADER, "h1");
+        let subject = self.subjects.generator("g1", GeneratorOp::Load);
+        let reply = self.client.request_with_headers(subject, headers, load.to_string().into()).await.unwrap();
+        let loaded: Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(loaded["ok"]["served_model_name"], "r1", "{loaded}");
+        let stale = call(&self.client, self.subjects.generator("g1", GeneratorOp::Heartbeat), json!({"run_id": "r1"}))
+            .await;
+        assert_eq!(stale["error"]["type"], "stale_holder", "a request for no holder is refused: {stale}");
+    }
+
+    /// The weight version the generator's OpenAI API serves (its `/metrics`).
+    fn stats(&self) -> std::sync::Arc<keel_generation::engine::Stats> {
+        self.http.stats().unwrap()
     }
 
     /// Asks `body` until `done(reply)` (a refit has taken effect, or been refused), for up
@@ -77,7 +125,7 @@ impl Serving {
     async fn ask(&self, body: Value) -> Value {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            match self.client.request(self.subjects.generate(), body.to_string().into()).await {
+            match self.client.request(self.subjects.generate("r1"), body.to_string().into()).await {
                 Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
                 Err(e) => assert!(Instant::now() < deadline, "no generator answered: {e}"),
             }
@@ -97,7 +145,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     let second = model(dir.path(), "second", Preset::Tiny, 2);
     let bigger = model(dir.path(), "bigger", Preset::Small, 3);
     let serving = Serving::start(&first, 128).await;
-    let (client, subjects, stats) = (serving.client.clone(), serving.subjects.clone(), serving.stats.clone());
+    let (client, subjects, stats) = (serving.client.clone(), serving.subjects.clone(), serving.stats());
     let ask = |body: Value| serving.ask(body);
     let prompt = vec![5i64, 88, 17, 201, 33];
     let request = json!({"run_id": "r1", "prompt_token_ids": prompt, "n": 2, "max_tokens": 12,
@@ -118,13 +166,13 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
     let reply = ask(json!({"run_id": "r1", "prompt_token_ids": [], "max_tokens": 3})).await;
     assert_eq!(reply["error"]["type"], "invalid_request");
     assert!(reply["error"]["message"].as_str().unwrap().contains("prompt"), "{reply}");
-    let reply = client.request(subjects.generate(), "{oops".into()).await.unwrap();
+    let reply = client.request(subjects.generate("r1"), "{oops".into()).await.unwrap();
     let reply: Value = serde_json::from_slice(&reply.payload).unwrap();
     assert_eq!(reply["error"]["type"], "invalid_request");
 
     // New weights: once refitted, replies carry version 1 and come from the new model.
     let update = json!({"run_id": "r1", "version": 1, "path": second});
-    client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
+    client.publish(subjects.weights_updated("r1"), update.to_string().into()).await.unwrap();
     let refitted = serving
         .ask_until(&needs_newer, "never refitted", |reply| {
             let served = reply.get("ok").is_some();
@@ -141,7 +189,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
 
     // Weights of another shape are refused; the generator keeps serving version 1.
     let update = json!({"run_id": "r1", "version": 2, "path": bigger});
-    client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
+    client.publish(subjects.weights_updated("r1"), update.to_string().into()).await.unwrap();
     client.flush().await.unwrap();
     for _ in 0..3 {
         let reply = ask(needs_newer.clone()).await;
@@ -161,7 +209,7 @@ async fn rollouts_carry_the_weight_version_and_refits_swap_weights() {
 
     // Weights from outside the generator's path roots are refused, the path named.
     let update = json!({"run_id": "r1", "version": 3, "path": "/usr/lib"});
-    client.publish(subjects.weights_updated(), update.to_string().into()).await.unwrap();
+    client.publish(subjects.weights_updated("r1"), update.to_string().into()).await.unwrap();
     needs_refused["min_weight_version"] = json!(3);
     let reply = serving
         .ask_until(&needs_refused, "the refit from outside the roots was never refused", |reply| {
@@ -182,7 +230,7 @@ async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
     let dir = tempfile::tempdir().unwrap();
     let first = model(dir.path(), "first", Preset::Tiny, 1);
     let serving = Serving::start(&first, 1024).await;
-    let (client, subjects, stats) = (&serving.client, &serving.subjects, serving.stats.clone());
+    let (client, subjects, stats) = (&serving.client, &serving.subjects, serving.stats());
     // 4 samples of 1000 tokens: far longer than the caller's 300 ms.
     let request = json!({"run_id": "r1", "prompt_token_ids": [5, 88, 17], "n": 4, "max_tokens": 1000,
         "sampling": {"temperature": 1.0}, "ignore_eos": true});
@@ -191,7 +239,7 @@ async fn a_rollout_whose_caller_gave_up_stops_at_the_generator() {
         let headers = async_nats::HeaderMap::new();
         let sent = keel_service::nats::request(
             client,
-            subjects.generate(),
+            subjects.generate("r1"),
             headers,
             request.to_string().into_bytes(),
             Duration::from_millis(300),
@@ -231,7 +279,7 @@ async fn a_retry_with_the_same_request_id_joins_the_rollout_under_way() {
     let dir = tempfile::tempdir().unwrap();
     let first = model(dir.path(), "first", Preset::Tiny, 1);
     let serving = Serving::start(&first, 512).await;
-    let stats = serving.stats.clone();
+    let stats = serving.stats();
     let ask = |body: Value| serving.ask(body);
     // Warm up (and wait for the subscription) with a request of its own.
     let warm = json!({"run_id": "r1", "prompt_token_ids": [1, 2], "max_tokens": 2, "sampling": {"temperature": 0.0}});

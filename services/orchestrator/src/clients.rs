@@ -1,5 +1,6 @@
-//! The orchestrator's side of the NATS protocols: a claimed trainer worker, rollouts from
-//! the generator queue group and environment steps from the reward queue group. Requests to
+//! The orchestrator's side of the NATS protocols: a claimed trainer worker, claimed
+//! generators and the rollouts of the generators a run holds, and environment steps from the
+//! reward queue group. Requests to
 //! a queue group that time out or are refused as `unavailable` are retried with backoff, so
 //! a dead or overloaded replica's work goes to another; while nobody serves the group at
 //! all (every replica restarting, a model still loading) the request is retried with
@@ -7,8 +8,10 @@
 
 use std::time::Duration;
 
-use keel_protocol::subjects::QueueCall;
-use keel_protocol::trainer::{ClaimReply, ClaimRequest, HeartbeatReply, HeartbeatRequest, ReleaseRequest, TrainerCall};
+use keel_protocol::generator::{GeneratorCall, LoadModel, ModelLoaded, RolloutReply, RolloutRequest};
+use keel_protocol::lease::{ClaimReply, ClaimRequest, HeartbeatReply, HeartbeatRequest, ReleaseRequest};
+use keel_protocol::subjects::{GeneratorOp, QueueCall, TrainerOp};
+use keel_protocol::trainer::TrainerCall;
 use keel_protocol::{ErrorBody, Reply, Subjects};
 use keel_service::nats::Bulk;
 use serde::Serialize;
@@ -69,8 +72,8 @@ impl Nats {
         self.call_as(subject, body, timeout, None).await
     }
 
-    /// [`Nats::call`] on behalf of `holder` (a run's claim of a trainer, sent in
-    /// [`keel_protocol::trainer::HOLDER_HEADER`]).
+    /// [`Nats::call`] on behalf of `holder` (a run's claim of a worker, sent in
+    /// [`keel_protocol::lease::HOLDER_HEADER`]).
     pub async fn call_as<Req: Serialize, Rep: DeserializeOwned>(
         &self,
         subject: String,
@@ -95,7 +98,7 @@ impl Nats {
         };
         let mut headers = span.in_scope(keel_telemetry::nats_headers);
         if let Some(holder) = holder {
-            headers.insert(keel_protocol::trainer::HOLDER_HEADER, holder.to_string().as_str());
+            headers.insert(keel_protocol::lease::HOLDER_HEADER, holder.to_string().as_str());
         }
         let started = std::time::Instant::now();
         let request = keel_service::nats::request(&self.client, subject.clone(), headers, bytes, timeout);
@@ -161,48 +164,116 @@ impl Nats {
         self.call_group(R::subject(&self.subjects), request).await
     }
 
-    /// Claims a free trainer worker for `run_id` (None when none is free) as `holder` (the
-    /// claim of the run whose requests the worker will take).
-    pub async fn claim_trainer(
+    /// Claims a free worker on `subject` (a kind's claim queue group, or one worker's own
+    /// claim subject) for `run_id` as `holder` (the claim of the run whose requests it will
+    /// take): its id, or None when none is free.
+    async fn claim(
         &self,
+        subject: String,
         run_id: &str,
         lease_seconds: f64,
         holder: uuid::Uuid,
-    ) -> Result<Option<Trainer>, CallError> {
+    ) -> Result<Option<String>, CallError> {
         let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds, holder: Some(holder.to_string()) };
-        match self.call::<_, ClaimReply>(self.subjects.trainer_claim(), &request, Duration::from_secs(10)).await {
-            Ok(reply) => Ok(Some(Trainer::new(self.clone(), reply.worker_id, run_id.to_string()).held_by(holder))),
+        match self.call::<_, ClaimReply>(subject, &request, Duration::from_secs(10)).await {
+            Ok(reply) => Ok(Some(reply.worker_id)),
             Err(CallError::NoAnswer { .. } | CallError::Absent { .. }) => Ok(None),
             Err(e) if e.kind() == Some("busy") => Ok(None),
             Err(e) => Err(e),
         }
     }
+
+    /// Claims `previous` again when it is given and still holds the run (a worker the run held
+    /// before), else any free worker of its kind.
+    async fn claim_again_or_any(
+        &self,
+        own: Option<String>,
+        any: String,
+        run_id: &str,
+        lease_seconds: f64,
+        holder: uuid::Uuid,
+    ) -> Result<Option<String>, CallError> {
+        if let Some(subject) = own
+            && let Ok(Some(id)) = self.claim(subject, run_id, lease_seconds, holder).await
+        {
+            return Ok(Some(id));
+        }
+        self.claim(any, run_id, lease_seconds, holder).await
+    }
+
+    /// Claims a trainer worker for `run_id` as `holder`: `previous` (the worker it held
+    /// before) when that one renews the claim, else any free one (None when none is free).
+    pub async fn claim_trainer(
+        &self,
+        run_id: &str,
+        previous: Option<&str>,
+        lease_seconds: f64,
+        holder: uuid::Uuid,
+    ) -> Result<Option<Trainer>, CallError> {
+        let own = previous.map(|w| self.subjects.trainer(w, TrainerOp::Claim));
+        let claimed = self.claim_again_or_any(own, self.subjects.trainer_claim(), run_id, lease_seconds, holder).await?;
+        Ok(claimed.map(|worker| Trainer(Held::new(self.clone(), worker, run_id, holder))))
+    }
+
+    /// Claims a generator for `run_id` as `holder`, as [`Nats::claim_trainer`] does a trainer.
+    pub async fn claim_generator(
+        &self,
+        run_id: &str,
+        previous: Option<&str>,
+        lease_seconds: f64,
+        holder: uuid::Uuid,
+    ) -> Result<Option<Generator>, CallError> {
+        let own = previous.map(|g| self.subjects.generator(g, GeneratorOp::Claim));
+        let claimed =
+            self.claim_again_or_any(own, self.subjects.generator_claim(), run_id, lease_seconds, holder).await?;
+        Ok(claimed.map(|id| Generator(Held::new(self.clone(), id, run_id, holder))))
+    }
+
+    /// A rollout from the generators run `request.run_id` holds.
+    pub async fn rollout(&self, request: &RolloutRequest) -> Result<RolloutReply, CallError> {
+        self.call_group(self.subjects.generate(&request.run_id), request).await
+    }
 }
 
-/// A trainer worker this run holds.
+/// A worker a run holds (a trainer worker or a generator): every request names the run's
+/// holder, and the claim is renewed by heartbeats and given back by a release.
 #[derive(Debug, Clone)]
-pub struct Trainer {
+pub struct Held {
     nats: Nats,
     pub worker: String,
     pub run_id: String,
     /// The claim of the run this is (every request carries it; the worker refuses a claim
     /// that a newer one replaced).
-    pub holder: Option<uuid::Uuid>,
+    pub holder: uuid::Uuid,
 }
 
-impl Trainer {
-    pub fn new(nats: Nats, worker: String, run_id: String) -> Self {
-        Self { nats, worker, run_id, holder: None }
+impl Held {
+    fn new(nats: Nats, worker: String, run_id: &str, holder: uuid::Uuid) -> Self {
+        Self { nats, worker, run_id: run_id.to_string(), holder }
     }
 
-    /// The same worker, its requests made as `holder`.
-    pub fn held_by(self, holder: uuid::Uuid) -> Self {
-        Self { holder: Some(holder), ..self }
+    fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        subject: String,
+        request: &Req,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<Rep, CallError>> {
+        self.nats.call_as(subject, request, timeout, Some(self.holder))
+    }
+}
+
+/// A trainer worker this run holds.
+#[derive(Debug, Clone)]
+pub struct Trainer(Held);
+
+impl Trainer {
+    pub fn worker(&self) -> &str {
+        &self.0.worker
     }
 
     /// The same worker, reached through `nats` (the run's own, which reports its waits).
     pub fn with_nats(self, nats: Nats) -> Self {
-        Self { nats, ..self }
+        Self(Held { nats, ..self.0 })
     }
 
     fn call<R: TrainerCall>(
@@ -210,28 +281,67 @@ impl Trainer {
         request: &R,
         timeout: Duration,
     ) -> impl std::future::Future<Output = Result<R::Reply, CallError>> {
-        self.nats.call_as(self.nats.subjects.trainer(&self.worker, R::OP), request, timeout, self.holder)
+        self.0.call(self.0.nats.subjects.trainer(&self.0.worker, R::OP), request, timeout)
     }
 
     /// One operation on the worker, named by its request's type, answered with that
     /// operation's reply; loads and training steps may take long, so the timeout is the
     /// configured one (not the claim's).
     pub async fn op<R: TrainerCall>(&self, request: &R) -> Result<R::Reply, CallError> {
-        self.call(request, self.nats.timeout).await
+        self.call(request, self.0.nats.timeout).await
     }
 
     pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
-        self.call(&HeartbeatRequest { run_id: self.run_id.clone() }, Duration::from_secs(10)).await
+        self.call(&HeartbeatRequest { run_id: self.0.run_id.clone() }, Duration::from_secs(10)).await
     }
 
     pub async fn release(&self) {
-        let request = ReleaseRequest { run_id: self.run_id.clone() };
+        let request = ReleaseRequest { run_id: self.0.run_id.clone() };
         if let Err(e) = self.call(&request, Duration::from_secs(10)).await {
-            tracing::warn!(worker = %self.worker, "release failed (the lease will expire): {e}");
+            tracing::warn!(worker = %self.0.worker, "release failed (the lease will expire): {e}");
         }
     }
 
     pub fn bulk(&self) -> &Bulk {
-        &self.nats.bulk
+        &self.0.nats.bulk
+    }
+}
+
+/// A generator this run holds.
+#[derive(Debug, Clone)]
+pub struct Generator(Held);
+
+impl Generator {
+    pub fn id(&self) -> &str {
+        &self.0.worker
+    }
+
+    /// The same generator, reached through `nats` (the run's own, which reports its waits).
+    pub fn with_nats(self, nats: Nats) -> Self {
+        Self(Held { nats, ..self.0 })
+    }
+
+    fn call<R: GeneratorCall>(
+        &self,
+        request: &R,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<R::Reply, CallError>> {
+        self.0.call(self.0.nats.subjects.generator(&self.0.worker, R::OP), request, timeout)
+    }
+
+    /// Has the generator load the run's model (as long as the configured request timeout).
+    pub async fn load(&self, request: &LoadModel) -> Result<ModelLoaded, CallError> {
+        self.call(request, self.0.nats.timeout).await
+    }
+
+    pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
+        self.call(&HeartbeatRequest { run_id: self.0.run_id.clone() }, Duration::from_secs(10)).await
+    }
+
+    pub async fn release(&self) {
+        let request = ReleaseRequest { run_id: self.0.run_id.clone() };
+        if let Err(e) = self.call(&request, Duration::from_secs(10)).await {
+            tracing::warn!(generator = %self.0.worker, "release failed (the lease will expire): {e}");
+        }
     }
 }

@@ -575,6 +575,17 @@ pub async fn set_trainer_worker(conn: &mut PgConnection, run_id: Uuid, worker: O
     Ok(())
 }
 
+/// The generators the run held when it was last started.
+pub async fn generators(conn: &mut PgConnection, run_id: Uuid) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar("SELECT generators FROM runs WHERE id = $1").bind(run_id).fetch_one(conn).await
+}
+
+/// Remembers the generators the run holds now.
+pub async fn set_generators(conn: &mut PgConnection, run_id: Uuid, generators: &[String]) -> sqlx::Result<()> {
+    sqlx::query("UPDATE runs SET generators = $2 WHERE id = $1").bind(run_id).bind(generators).execute(conn).await?;
+    Ok(())
+}
+
 /// How many times the run has been started, while `owner` holds it.
 pub async fn attempts(conn: &mut PgConnection, run_id: Uuid, owner: Uuid) -> sqlx::Result<Option<i32>> {
     sqlx::query_scalar("SELECT attempts FROM runs WHERE id = $1 AND owner = $2")

@@ -59,7 +59,8 @@ pub struct Config {
     pub api_token: Option<String>,
     /// A run whose orchestrator has not renewed it for this long is resumed by another.
     pub run_lease_seconds: f64,
-    /// The trainer claim's lease (renewed by the run's heartbeat).
+    /// The lease of a run's claims of its trainer and generators (renewed by the run's
+    /// heartbeat).
     pub trainer_lease_seconds: f64,
     /// How often the scheduler looks for runs to start.
     pub poll_seconds: f64,

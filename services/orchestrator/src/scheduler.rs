@@ -1,7 +1,8 @@
 //! Starts runs: the oldest queued run (or a running one whose orchestrator stopped renewing
-//! its lease) is taken under a row lock, a trainer worker is claimed for it (the worker it
-//! had before, if it still holds the run), and its driver runs in a task with a heartbeat.
-//! A run waits in `queued` while no trainer is free. A run that fails is put back in the
+//! its lease) is taken under a row lock, a trainer worker and the generators it needs are
+//! claimed for it (those it had before, if they still hold the run), and its driver runs in
+//! a task with a heartbeat. A run waits in `queued` while no trainer, or too few
+//! generators, are free. A run that fails is put back in the
 //! queue and resumed from its latest checkpoint until `max_attempts`; then it ends `failed`
 //! with the reason. Every start counts as an attempt, however the one before ended — a
 //! poison run that crashes each orchestrator that drives it ends `failed` too — except one
@@ -16,13 +17,11 @@ use std::time::Duration;
 
 use keel_client::checkpoint::CheckpointClient;
 use keel_protocol::run::{RunEvent, RunStatus};
-use keel_protocol::subjects::TrainerOp;
-use keel_protocol::trainer::{ClaimReply, ClaimRequest};
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use crate::clients::{Nats, Trainer};
+use crate::clients::{Generator, Nats, Trainer};
 use crate::db;
 use crate::driver::store::RunStore;
 use crate::driver::weights::WeightPublisher;
@@ -104,22 +103,40 @@ impl Scheduler {
         }
         let run_key = run.id.to_string();
         let owner = Uuid::new_v4();
+        // Generators first: while another run holds them all, nobody answers the claim at
+        // once, and no trainer is claimed and let go on every poll.
+        let previous = db::generators(&mut tx, run.id).await?;
+        let Some(generators) = self.claim_generators(&run_key, &run.spec, &previous, owner).await else {
+            return Ok(None);
+        };
         let trainer = if run.algorithm.loss_name().is_some() {
             let previous = db::trainer_worker(&mut tx, run.id).await?;
-            match self.claim_trainer(&run_key, previous, owner).await {
+            match self.claim_trainer(&run_key, previous.as_deref(), owner).await {
                 Some(trainer) => Some(trainer),
-                None => return Ok(None),
+                None => {
+                    futures::future::join_all(generators.iter().map(Generator::release)).await;
+                    return Ok(None);
+                }
             }
         } else {
             None
         };
         db::start_run(&mut tx, run.id, owner, resumed).await?;
-        db::set_trainer_worker(&mut tx, run.id, trainer.as_ref().map(|t| t.worker.as_str())).await?;
+        db::set_trainer_worker(&mut tx, run.id, trainer.as_ref().map(Trainer::worker)).await?;
+        let ids: Vec<String> = generators.iter().map(|g| g.id().to_string()).collect();
+        db::set_generators(&mut tx, run.id, &ids).await?;
         tx.commit().await?;
         if let Ok(mut claims) = self.claims.lock() {
             claims.insert(owner);
         }
-        tracing::info!(run_id = %run.id, algorithm = run.algorithm.name(), resumed, worker = ?trainer.as_ref().map(|t| &t.worker), "run started");
+        tracing::info!(
+            run_id = %run.id,
+            algorithm = run.algorithm.name(),
+            resumed,
+            worker = ?trainer.as_ref().map(Trainer::worker),
+            generators = ?ids,
+            "run started"
+        );
         let stop = StopFlag::default();
         let waits = Arc::new(Waits::new(stop.clone()));
         let mut nats = self.nats.clone();
@@ -131,7 +148,8 @@ impl Scheduler {
             store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name())
                 .with_loggers(Loggers::open(&run.spec, &run.id.to_string(), &self.work_dir.join("logs"))),
             spec: run.spec,
-            trainer: trainer.map(|t| t.with_nats(nats.clone()).held_by(owner)),
+            trainer: trainer.map(|t| t.with_nats(nats.clone())),
+            generators: generators.into_iter().map(|g| g.with_nats(nats.clone())).collect(),
             nats,
             weights,
             checkpoints: self.checkpoints.clone().watched_by(waits.clone()),
@@ -143,16 +161,9 @@ impl Scheduler {
 
     /// The worker the run held before (it renews the claim for the same run, and from now
     /// on refuses the previous claim's requests), else any free one.
-    async fn claim_trainer(&self, run_id: &str, previous: Option<String>, holder: Uuid) -> Option<Trainer> {
+    async fn claim_trainer(&self, run_id: &str, previous: Option<&str>, holder: Uuid) -> Option<Trainer> {
         let lease_seconds = self.trainer_lease.as_secs_f64();
-        if let Some(worker) = previous {
-            let request = ClaimRequest { run_id: run_id.to_string(), lease_seconds, holder: Some(holder.to_string()) };
-            let subject = self.nats.subjects.trainer(&worker, TrainerOp::Claim);
-            if let Ok(reply) = self.nats.call::<_, ClaimReply>(subject, &request, Duration::from_secs(5)).await {
-                return Some(Trainer::new(self.nats.clone(), reply.worker_id, run_id.to_string()));
-            }
-        }
-        match self.nats.claim_trainer(run_id, lease_seconds, holder).await {
+        match self.nats.claim_trainer(run_id, previous, lease_seconds, holder).await {
             Ok(trainer) => trainer,
             Err(e) => {
                 tracing::warn!(run_id, "trainer claim failed: {e}");
@@ -161,15 +172,56 @@ impl Scheduler {
         }
     }
 
+    /// The generators the run needs ([`driver::generators_needed`]): those it held before
+    /// first, then free ones. None when too few are free (those claimed are released).
+    async fn claim_generators(
+        &self,
+        run_id: &str,
+        spec: &keel_protocol::run::RunSpec,
+        previous: &[String],
+        holder: Uuid,
+    ) -> Option<Vec<Generator>> {
+        let needed = driver::generators_needed(spec);
+        let lease_seconds = self.trainer_lease.as_secs_f64();
+        let mut claimed: Vec<Generator> = Vec::with_capacity(needed);
+        // A generator claimed a moment ago may answer a second claim before it leaves the
+        // claim group: a few tries more than needed.
+        for attempt in 0..needed + 4 {
+            if claimed.len() == needed {
+                break;
+            }
+            let before = previous.get(attempt).map(String::as_str);
+            match self.nats.claim_generator(run_id, before, lease_seconds, holder).await {
+                Ok(Some(generator)) if claimed.iter().all(|g| g.id() != generator.id()) => claimed.push(generator),
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(run_id, "generator claim failed: {e}");
+                    break;
+                }
+            }
+        }
+        if claimed.len() == needed {
+            return Some(claimed);
+        }
+        tracing::debug!(run_id, needed, free = claimed.len(), "too few free generators; the run waits");
+        for generator in &claimed {
+            generator.release().await;
+        }
+        None
+    }
+
     async fn drive(&self, ctx: RunContext) {
         let heartbeat = driver::heartbeat(
             self.pool.clone(),
             ctx.id,
             ctx.owner,
             ctx.trainer.clone(),
+            ctx.generators.clone(),
             ctx.stop.clone(),
             ctx.waits.clone(),
             (self.run_lease / 3).min(self.trainer_lease / 3),
+            self.trainer_lease,
         );
         let result = driver::drive(&ctx).await;
         heartbeat.abort();
@@ -181,8 +233,11 @@ impl Scheduler {
         };
         // A run taken over by another orchestrator keeps its trainer: the new owner renews
         // the same claim.
-        if let Some(trainer) = ctx.trainer.as_ref().filter(|_| !matches!(result, Err(Stop::Lost))) {
-            trainer.release().await;
+        if !matches!(result, Err(Stop::Lost)) {
+            if let Some(trainer) = &ctx.trainer {
+                trainer.release().await;
+            }
+            futures::future::join_all(ctx.generators.iter().map(Generator::release)).await;
         }
         if let Err(e) = self.settle(&ctx, &result).await {
             tracing::error!(run_id = %ctx.id, "cannot record how the run ended: {e}");

@@ -30,7 +30,7 @@ async fn nats(patience: Duration) -> Nats {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_group_nobody_serves_is_waited_for_until_a_replica_appears() {
     let nats = nats(Duration::from_secs(30)).await;
-    let subject = nats.subjects.generate();
+    let subject = nats.subjects.generate("r1");
     let late = {
         let (client, subject) = (nats.client.clone(), subject.clone());
         tokio::spawn(async move {
@@ -54,7 +54,7 @@ async fn a_group_nobody_serves_is_waited_for_until_a_replica_appears() {
 async fn past_its_patience_a_request_to_an_absent_group_fails() {
     let nats = nats(Duration::from_secs(1)).await;
     let started = Instant::now();
-    let error = nats.call_group::<_, Value>(nats.subjects.generate(), &json!({})).await.unwrap_err();
+    let error = nats.call_group::<_, Value>(nats.subjects.generate("r1"), &json!({})).await.unwrap_err();
     assert!(matches!(error, CallError::Absent { .. }), "{error}");
     assert!(started.elapsed() >= Duration::from_secs(1), "it kept trying for its patience");
 }
@@ -69,7 +69,7 @@ async fn past_the_grace_period_a_run_waits_until_a_replica_appears_or_it_is_canc
     let waits = std::sync::Arc::new(Waits::new(stop.clone()));
     let mut nats = nats(Duration::from_millis(300)).await;
     nats.patience = nats.patience.watched_by(waits.clone());
-    let subject = nats.subjects.generate();
+    let subject = nats.subjects.generate("r1");
     let call = {
         let (nats, subject) = (nats.clone(), subject.clone());
         tokio::spawn(async move { nats.call_group::<_, Value>(subject, &json!({})).await })

@@ -42,26 +42,14 @@ use crate::group::{self, Command, Leader, Meeting};
 /// How often an expired lease is looked for.
 const LEASE_CHECK: Duration = Duration::from_millis(200);
 
-#[derive(Debug)]
-struct Claim {
-    run_id: String,
-    /// The run's current holder of the claim, when the run named one: requests naming
-    /// another are refused.
-    holder: Option<String>,
-    lease: Duration,
-    deadline: Instant,
-    in_flight: usize,
-    loaded: bool,
-}
-
 /// What the request tasks share.
 #[derive(Debug)]
 struct Shared {
     client: Client,
     worker_id: String,
     device: String,
-    max_lease: f64,
-    claim: Mutex<Option<Claim>>,
+    /// Which run holds this worker, and its lease.
+    leases: keel_service::lease::Leases,
     engine: EngineThread,
     bulk: Bulk,
     /// Where loads and saves may read and write.
@@ -100,6 +88,16 @@ impl From<Error> for Refusal {
     }
 }
 
+impl From<keel_protocol::ErrorBody> for Refusal {
+    fn from(e: keel_protocol::ErrorBody) -> Self {
+        let kind = [error_types::BUSY, error_types::WRONG_RUN, error_types::STALE_HOLDER, error_types::INVALID_REQUEST]
+            .into_iter()
+            .find(|k| *k == e.kind)
+            .unwrap_or(error_types::INTERNAL);
+        Self { kind, message: e.message }
+    }
+}
+
 fn refuse(kind: &'static str, message: impl std::fmt::Display) -> Refusal {
     Refusal { kind, message: message.to_string() }
 }
@@ -124,12 +122,8 @@ fn memory() -> Memory {
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Claim>> {
-        self.claim.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     fn is_claimed(&self) -> bool {
-        self.lock().is_some()
+        self.leases.is_claimed()
     }
 
     /// Whether the worker can take a run: it is no group's leader, or its group is whole.
@@ -165,13 +159,6 @@ impl Shared {
     }
 
     fn claim(&self, request: ClaimRequest) -> Answer<ClaimReply> {
-        let seconds = request.lease_seconds;
-        if !(seconds.is_finite() && seconds > 0.0 && seconds <= self.max_lease) {
-            return Err(refuse(
-                error_types::INVALID_REQUEST,
-                format!("lease_seconds must be in (0, {}], got {seconds}", self.max_lease),
-            ));
-        }
         if let Some((leader, _)) = self.group.as_ref().filter(|(leader, _)| !leader.is_whole()) {
             return Err(refuse(
                 error_types::BUSY,
@@ -181,87 +168,21 @@ impl Shared {
                 ),
             ));
         }
-        let lease = Duration::from_secs_f64(seconds);
-        let mut claim = self.lock();
-        match claim.as_mut() {
-            Some(held) if held.run_id != request.run_id => {
-                return Err(refuse(
-                    error_types::BUSY,
-                    format!("worker {} is held by run {}", self.worker_id, held.run_id),
-                ));
-            }
-            Some(held) => {
-                if request.holder.is_some() && held.holder != request.holder {
-                    info!(run_id = %request.run_id, holder = ?request.holder, "claimed again by a new holder");
-                    held.holder = request.holder;
-                }
-                held.lease = lease;
-                held.deadline = Instant::now() + lease;
-            }
-            None => {
-                info!(run_id = %request.run_id, "claimed");
-                *claim = Some(Claim {
-                    run_id: request.run_id,
-                    holder: request.holder,
-                    lease,
-                    deadline: Instant::now() + lease,
-                    in_flight: 0,
-                    loaded: false,
-                });
-            }
-        }
-        Ok(ClaimReply { worker_id: self.worker_id.clone(), lease_seconds: seconds })
+        Ok(self.leases.claim(request)?)
     }
 
     fn claim_body(&self, payload: &[u8]) -> Vec<u8> {
         encode(parse(payload).and_then(|r| self.claim(r)))
     }
 
-    /// Admits a request of `run_id` made for `holder`: they must hold the claim. Counts it
-    /// as in flight.
-    fn admit(&self, run_id: &str, holder: Option<&str>) -> Answer<()> {
-        let mut claim = self.lock();
-        match claim.as_mut() {
-            Some(held) if held.run_id == run_id => {
-                stale_holder(held, holder)?;
-                held.in_flight += 1;
-                Ok(())
-            }
-            Some(held) => Err(refuse(
-                error_types::WRONG_RUN,
-                format!("worker {} is held by run {}, not {run_id}", self.worker_id, held.run_id),
-            )),
-            None => {
-                Err(refuse(error_types::WRONG_RUN, format!("worker {} is not claimed by run {run_id}", self.worker_id)))
-            }
-        }
-    }
-
-    /// Ends an admitted request; the lease runs from now.
-    fn finish(&self, run_id: &str) {
-        if let Some(held) = self.lock().as_mut().filter(|c| c.run_id == run_id) {
-            held.in_flight = held.in_flight.saturating_sub(1);
-            held.deadline = Instant::now() + held.lease;
-        }
-    }
-
     /// Records whether `run_id`'s models are loaded (reported by heartbeats).
     fn set_loaded(&self, run_id: &str, loaded: bool) {
-        if let Some(held) = self.lock().as_mut().filter(|c| c.run_id == run_id) {
-            held.loaded = loaded;
-        }
+        self.leases.set_loaded(run_id, loaded);
     }
 
     /// Releases the claim when its lease ran out with nothing in flight.
     async fn expire(&self) {
-        let expired = {
-            let mut claim = self.lock();
-            match claim.as_ref() {
-                Some(held) if held.in_flight == 0 && Instant::now() >= held.deadline => claim.take(),
-                _ => None,
-            }
-        };
-        if let Some(held) = expired {
+        if let Some(held) = self.leases.take_expired() {
             warn!(run_id = %held.run_id, "lease expired; releasing the worker");
             self.drop_models().await;
             self.drop_exports().await;
@@ -330,9 +251,9 @@ impl Shared {
         let request: R = parse(payload)?;
         let run_id = request.run_id().to_string();
         tracing::Span::current().record("run_id", run_id.as_str());
-        self.admit(&run_id, holder)?;
+        self.leases.admit(&run_id, holder)?;
         let outcome = work(self.clone(), request).await;
-        self.finish(&run_id);
+        self.leases.finish(&run_id);
         outcome
     }
 
@@ -357,40 +278,11 @@ impl Shared {
 
     async fn release(&self, payload: &[u8], holder: Option<&str>) -> Answer<Released> {
         let request: ReleaseRequest = parse(payload)?;
-        {
-            let mut claim = self.lock();
-            match claim.as_ref() {
-                Some(held) if held.run_id == request.run_id => {
-                    stale_holder(held, holder)?;
-                    claim.take();
-                }
-                _ => {
-                    return Err(refuse(
-                        error_types::WRONG_RUN,
-                        format!("run {} does not hold this worker", request.run_id),
-                    ));
-                }
-            }
-        }
+        self.leases.release(&request.run_id, holder)?;
         info!(run_id = %request.run_id, "released");
         self.drop_models().await;
         self.drop_exports().await;
         Ok(Released { worker_id: self.worker_id.clone() })
-    }
-}
-
-/// Refuses a request made for a holder of the run other than the claim's current one.
-fn stale_holder(held: &Claim, holder: Option<&str>) -> Answer<()> {
-    match held.holder.as_deref() {
-        Some(current) if holder != Some(current) => Err(refuse(
-            error_types::STALE_HOLDER,
-            format!(
-                "run {} claimed this worker again as {current}; a request for {} is refused",
-                held.run_id,
-                holder.unwrap_or("no holder")
-            ),
-        )),
-        _ => Ok(()),
     }
 }
 
@@ -405,9 +297,7 @@ fn encode<T: Serialize>(answer: Answer<T>) -> Vec<u8> {
 }
 
 async fn heartbeat(shared: Arc<Shared>, _: HeartbeatRequest) -> Answer<HeartbeatReply> {
-    let claim = shared.lock();
-    let held = claim.as_ref().ok_or_else(|| refuse(error_types::WRONG_RUN, "the claim was released"))?;
-    Ok(HeartbeatReply { lease_seconds: held.lease.as_secs_f64(), loaded: held.loaded })
+    Ok(shared.leases.heartbeat()?)
 }
 
 async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
@@ -932,9 +822,9 @@ impl Worker {
         roots: PathRoots,
         group: Option<Meeting>,
     ) -> std::io::Result<Self> {
-        let (device, max_lease) = (config.device.clone(), config.max_lease_seconds);
+        let device = config.device.clone();
+        let leases = keel_service::lease::Leases::new("worker", worker_id.clone(), config.max_lease_seconds);
         let engine = EngineThread::start()?;
-        let claim = Mutex::new(None);
         let (exports, device_exports) = (Mutex::default(), Mutex::default());
         let send_ip = match &group {
             Some(meeting) => Ok(meeting.ip),
@@ -946,8 +836,7 @@ impl Worker {
             client,
             worker_id,
             device,
-            max_lease,
-            claim,
+            leases,
             engine,
             bulk,
             roots,
@@ -991,11 +880,7 @@ impl Worker {
                 match decided {
                     Some(body) => body,
                     None => {
-                        let holder = message
-                            .headers
-                            .as_ref()
-                            .and_then(|h| h.get(keel_protocol::trainer::HOLDER_HEADER))
-                            .map(|v| v.as_str().to_string());
+                        let holder = keel_service::lease::holder_of(&message);
                         shared.handle(op, message.payload.clone(), holder).await
                     }
                 }

@@ -1,5 +1,7 @@
-//! Rollout requests to the generator queue group (`<prefix>.generate`) and the
-//! weights-updated event (`<prefix>.weights.updated`) every generator hears. Token ids in,
+//! A generator's claim by a run and its load of the run's model (on the generator's own
+//! subjects, `<prefix>.generator.<id>.<op>`), then the run's rollout requests
+//! (`<prefix>.run.<run>.generate`, queue group of the generators the run holds) and the
+//! weights-updated event each of them hears (`<prefix>.run.<run>.weights`). Token ids in,
 //! token ids, logprobs and finish reasons out; the reply names the weight version that
 //! served it.
 
@@ -31,11 +33,6 @@ pub struct RolloutRequest {
     /// `stale_weights`).
     #[serde(default)]
     pub min_weight_version: u64,
-    /// The run whose weights must serve this request: a generator serving another run's
-    /// weights (or its start-up model) refuses with `stale_weights`, so concurrent runs never
-    /// sample from each other's policies. None: whatever is loaded.
-    #[serde(default)]
-    pub weights_of: Option<String>,
     pub prompt_token_ids: Vec<i64>,
     #[serde(default = "one")]
     pub n: usize,
@@ -80,14 +77,87 @@ pub struct RolloutReply {
     pub samples: Vec<RolloutSample>,
 }
 
-/// Stable error codes of rollout replies.
+/// Stable error codes of a generator's replies.
 pub mod error_types {
+    pub use crate::lease::error_types::{BUSY, STALE_HOLDER, WRONG_RUN};
     pub const INVALID_REQUEST: &str = "invalid_request";
+    /// The run's model could not be loaded (the loader's reason follows).
+    pub const LOAD_FAILED: &str = "load_failed";
+    /// A rollout came before the run's model was loaded.
+    pub const NOT_LOADED: &str = "not_loaded";
     pub const STALE_WEIGHTS: &str = "stale_weights";
     /// The run's weights of the version asked for were refused by this generator (another
     /// architecture or shape): waiting will not help.
     pub const REFIT_FAILED: &str = "refit_failed";
     pub const UNAVAILABLE: &str = "unavailable";
+}
+
+/// Load the run's model on a generator the run holds, replacing what it served (its
+/// start-up model, or nothing). The generator serves it on the run's subjects, and on its
+/// OpenAI API under `served_model_name`, until the run releases it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadModel {
+    pub run_id: String,
+    /// A Hugging Face directory inside the generator's path roots: the run's model, or the
+    /// checkpoint it resumes from.
+    pub path: String,
+    /// The weight version the directory stands for (the step a resumed run starts after).
+    #[serde(default)]
+    pub version: u64,
+    /// The name its OpenAI API serves the model under (default: the run's id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_model_name: Option<String>,
+    /// `f32`, `bf16` or `f16` (default: the generator's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+    /// Tokens per sequence, prompt included (default: the generator's own, or the model's
+    /// context up to 4096).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<usize>,
+    /// Ranks the model is split over (default: the generator's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel_size: Option<usize>,
+}
+
+/// What a generator loaded for a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelLoaded {
+    pub generator_id: String,
+    pub served_model_name: String,
+    pub dtype: String,
+    pub max_model_len: usize,
+    pub tensor_parallel_size: usize,
+    /// Blocks of the KV cache.
+    pub kv_blocks: usize,
+    pub seconds: f64,
+}
+
+/// An operation on a generator's own subjects, by its request type: the operation it is sent
+/// as and the reply it gets.
+pub trait GeneratorCall: Serialize + serde::de::DeserializeOwned + Send + Sync {
+    const OP: crate::subjects::GeneratorOp;
+    type Reply: Serialize + serde::de::DeserializeOwned + Send;
+    fn run_id(&self) -> &str;
+}
+
+macro_rules! generator_calls {
+    ($($request:ty => $op:ident, $reply:ty;)*) => {$(
+        impl GeneratorCall for $request {
+            const OP: crate::subjects::GeneratorOp = crate::subjects::GeneratorOp::$op;
+            type Reply = $reply;
+            fn run_id(&self) -> &str {
+                &self.run_id
+            }
+        }
+    )*};
+}
+
+generator_calls! {
+    crate::lease::ClaimRequest => Claim, crate::lease::ClaimReply;
+    LoadModel => Load, ModelLoaded;
+    crate::lease::HeartbeatRequest => Heartbeat, crate::lease::HeartbeatReply;
+    crate::lease::ReleaseRequest => Release, crate::lease::Released;
 }
 
 /// New policy weights to serve, at `version`: from memory (`weights`, a weights-only export

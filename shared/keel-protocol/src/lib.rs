@@ -10,7 +10,10 @@
 //! - [`training`]: the training configuration (loss, optimiser, schedule, batching) with
 //!   validation that lists every problem with its field path.
 //! - [`checkpoint`]: the checkpoint service's bodies and events.
-//! - [`generator`]: rollout requests and the weights-updated event.
+//! - [`generator`]: a generator's claim by a run and its load of the run's model, rollout
+//!   requests, and the weights-updated event.
+//! - [`lease`]: claims of a worker (a trainer or a generator) by a run: claim, heartbeat,
+//!   release.
 //! - [`reward`]: environment steps and scoring (environment configs, samples, results) and
 //!   the contract of a user's HTTP reward service.
 //! - [`run`]: the run spec users submit to the orchestrator (validated with every problem's
@@ -20,6 +23,7 @@
 
 pub mod checkpoint;
 pub mod generator;
+pub mod lease;
 pub mod limits;
 pub mod payload;
 pub mod reply;

@@ -11,3 +11,5 @@ pub const MAX_SEQUENCE_LENGTH: usize = 1 << 20;
 pub const MAX_VALIDATION_SAMPLES: usize = 4096;
 /// Environment turns of one multi-turn sample.
 pub const MAX_ROLLOUT_TURNS: u32 = 1024;
+/// Generators one run holds.
+pub const MAX_GENERATOR_REPLICAS: usize = 256;

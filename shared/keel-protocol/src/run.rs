@@ -304,6 +304,20 @@ pub struct GenerationSpec {
     /// Training and generation taking turns on the same GPUs (NeMo-RL's
     /// `policy.generation.colocated`).
     pub colocated: Colocated,
+    /// Generator processes the run holds while it runs (each loads the run's model and
+    /// serves only this run; the run waits `queued` until that many are free). Runs that
+    /// generate nothing (SFT without generation validation, DPO, RM) hold none.
+    pub replicas: usize,
+    /// The generators' dtype: `f32`, `bf16` or `f16` (NeMo-RL's
+    /// `policy.generation.vllm_cfg.precision`). Default: each generator's own (f32 on the
+    /// CPU, bf16 on CUDA).
+    pub dtype: Option<String>,
+    /// Tokens per sequence the generators hold, prompt included (NeMo-RL's
+    /// `policy.generation.vllm_cfg.max_model_len`). Default: `max_total_sequence_length`.
+    pub max_model_len: Option<usize>,
+    /// Ranks each generator splits the model over (NeMo-RL's
+    /// `policy.generation.vllm_cfg.tensor_parallel_size`). Default: each generator's own.
+    pub tensor_parallel_size: Option<usize>,
 }
 
 /// Colocated training and generation. Each GRPO step the orchestrator sequences the turns:
@@ -356,6 +370,10 @@ impl Default for GenerationSpec {
             stop: Vec::new(),
             weight_transfer: WeightTransfer::Memory,
             colocated: Colocated::default(),
+            replicas: 1,
+            dtype: None,
+            max_model_len: None,
+            tensor_parallel_size: None,
         }
     }
 }
@@ -812,6 +830,39 @@ impl RunSpec {
                 "generation.top_p",
                 format!("must be in (0, 1], got {}", g.top_p),
             );
+            check(
+                &mut p,
+                (1..=limits::MAX_GENERATOR_REPLICAS).contains(&g.replicas),
+                "generation.replicas",
+                format!("must be 1 to {}, got {}", limits::MAX_GENERATOR_REPLICAS, g.replicas),
+            );
+            if let Some(dtype) = &g.dtype {
+                check(
+                    &mut p,
+                    ["f32", "bf16", "f16"].contains(&dtype.as_str()),
+                    "generation.dtype",
+                    format!("must be f32, bf16 or f16, got `{dtype}`"),
+                );
+            }
+            if let Some(len) = g.max_model_len {
+                check(
+                    &mut p,
+                    len >= self.max_total_sequence_length,
+                    "generation.max_model_len",
+                    format!(
+                        "must hold a whole sequence: at least max_total_sequence_length ({}), got {len}",
+                        self.max_total_sequence_length
+                    ),
+                );
+            }
+            if let Some(tp) = g.tensor_parallel_size {
+                check(
+                    &mut p,
+                    (1..=64).contains(&tp),
+                    "generation.tensor_parallel_size",
+                    format!("must be 1 to 64, got {tp}"),
+                );
+            }
         }
         if alg == Algorithm::Grpo {
             let g = &self.grpo;

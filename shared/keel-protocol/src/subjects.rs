@@ -5,8 +5,38 @@
 /// The queue group every free trainer worker joins on [`Subjects::trainer_claim`].
 pub const TRAINER_QUEUE_GROUP: &str = "trainer";
 
-/// The queue group of generators on [`Subjects::generate`].
+/// The queue group every free generator joins on [`Subjects::generator_claim`], and the
+/// one a run's generators form on the run's [`Subjects::generate`].
 pub const GENERATOR_QUEUE_GROUP: &str = "generator";
+
+/// The operations a generator serves on its own subjects (a run's rollouts, refits and
+/// memory changes come on the run's subjects instead: see [`Subjects::generate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeneratorOp {
+    /// Claim this generator by name (refused while another run holds it).
+    Claim,
+    /// Load the run's model.
+    Load,
+    Heartbeat,
+    Release,
+}
+
+impl GeneratorOp {
+    pub const ALL: [GeneratorOp; 4] = [Self::Claim, Self::Load, Self::Heartbeat, Self::Release];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Load => "load",
+            Self::Heartbeat => "heartbeat",
+            Self::Release => "release",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
 
 /// The operations a claimed trainer worker serves on its own subjects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,9 +139,25 @@ impl Subjects {
         format!("{}.trainer.{worker}.{}", self.prefix, op.name())
     }
 
-    /// Rollout requests (queue group [`GENERATOR_QUEUE_GROUP`]).
-    pub fn generate(&self) -> String {
-        format!("{}.generate", self.prefix)
+    /// Claims any free generator (queue group [`GENERATOR_QUEUE_GROUP`]).
+    pub fn generator_claim(&self) -> String {
+        format!("{}.generator.claim", self.prefix)
+    }
+
+    /// One generator's subject for `op`.
+    pub fn generator(&self, generator: &str, op: GeneratorOp) -> String {
+        format!("{}.generator.{generator}.{}", self.prefix, op.name())
+    }
+
+    /// Every per-generator subject of `generator` (for subscribing).
+    pub fn generator_all(&self, generator: &str) -> String {
+        format!("{}.generator.{generator}.*", self.prefix)
+    }
+
+    /// Run `run_id`'s rollout requests, served by the generators it claimed (queue group
+    /// [`GENERATOR_QUEUE_GROUP`]): no other run's generator hears them.
+    pub fn generate(&self, run_id: &str) -> String {
+        format!("{}.run.{run_id}.generate", self.prefix)
     }
 
     /// Direct scoring of completions (queue group [`crate::reward::REWARD_QUEUE_GROUP`]).
@@ -139,15 +185,15 @@ impl Subjects {
         format!("KEEL_CHECKPOINTS_{}", self.prefix.replace(['.', '-'], "_").to_uppercase())
     }
 
-    /// New weights for the generators (every generator hears it).
-    pub fn weights_updated(&self) -> String {
-        format!("{}.weights.updated", self.prefix)
+    /// New weights for run `run_id`'s generators (each of them hears it).
+    pub fn weights_updated(&self, run_id: &str) -> String {
+        format!("{}.run.{run_id}.weights", self.prefix)
     }
 
-    /// Sleep and wake of colocated generators (every generator hears it; each answers on
-    /// the reply subject).
-    pub fn generator_memory(&self) -> String {
-        format!("{}.generator.memory", self.prefix)
+    /// Sleep and wake of run `run_id`'s colocated generators (each of them hears it and
+    /// answers on the reply subject).
+    pub fn generator_memory(&self, run_id: &str) -> String {
+        format!("{}.run.{run_id}.memory", self.prefix)
     }
 
     /// Where a generator asks `worker` to send it an export kept for the collective
@@ -182,13 +228,6 @@ pub trait QueueCall: serde::Serialize + serde::de::DeserializeOwned {
     fn subject(subjects: &Subjects) -> String;
 }
 
-impl QueueCall for crate::generator::RolloutRequest {
-    type Reply = crate::generator::RolloutReply;
-    fn subject(subjects: &Subjects) -> String {
-        subjects.generate()
-    }
-}
-
 impl QueueCall for crate::reward::EnvStepRequest {
     type Reply = crate::reward::EnvStepReply;
     fn subject(subjects: &Subjects) -> String {
@@ -211,7 +250,14 @@ mod tests {
     fn subjects_are_versioned_and_prefixed() {
         let s = Subjects::default();
         assert_eq!(s.trainer_claim(), "keel.v1.trainer.claim");
-        assert_eq!((s.generate(), s.weights_updated()), ("keel.v1.generate".into(), "keel.v1.weights.updated".into()));
+        assert_eq!(
+            (s.generate("r1"), s.weights_updated("r1"), s.generator_memory("r1")),
+            ("keel.v1.run.r1.generate".into(), "keel.v1.run.r1.weights".into(), "keel.v1.run.r1.memory".into())
+        );
+        assert_eq!(
+            (s.generator_claim(), s.generator("g1", GeneratorOp::Load)),
+            ("keel.v1.generator.claim".into(), "keel.v1.generator.g1.load".into())
+        );
         assert_eq!(
             (s.reward_score(), s.reward_env_step()),
             ("keel.v1.reward.score".into(), "keel.v1.reward.env.step".into())
@@ -222,6 +268,9 @@ mod tests {
         assert!(Subjects::new("a..b").is_err());
         for op in TrainerOp::ALL {
             assert_eq!(TrainerOp::from_name(op.name()), Some(op));
+        }
+        for op in GeneratorOp::ALL {
+            assert_eq!(GeneratorOp::from_name(op.name()), Some(op));
         }
     }
 }

@@ -14,13 +14,7 @@ use crate::training::TrainingConfig;
 
 /// Stable error codes of trainer replies.
 pub mod error_types {
-    /// Another run holds the worker.
-    pub const BUSY: &str = "busy";
-    /// The request names a run that does not hold the worker (or nobody holds it).
-    pub const WRONG_RUN: &str = "wrong_run";
-    /// The request names a holder of the run that a newer claim replaced (see
-    /// [`ClaimRequest::holder`](super::ClaimRequest::holder)).
-    pub const STALE_HOLDER: &str = "stale_holder";
+    pub use crate::lease::error_types::{BUSY, STALE_HOLDER, WRONG_RUN};
     /// A [`SendWeights`](super::SendWeights) names a kept communicator this worker does not
     /// have (it restarted, or let it go): ask again for a new one.
     pub const UNKNOWN_SESSION: &str = "unknown_session";
@@ -43,35 +37,9 @@ pub mod error_types {
     pub const INTERNAL: &str = "internal";
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClaimRequest {
-    pub run_id: String,
-    /// The claim is released when no request or heartbeat arrives for this long.
-    #[serde(default = "default_lease_seconds")]
-    pub lease_seconds: f64,
-    /// Who in the run holds the claim (the orchestrator's claim of the run). A claim by the
-    /// same run with another holder takes the worker over: from then on, requests that name
-    /// the earlier holder in [`HOLDER_HEADER`] are refused as `stale_holder`, so a driver
-    /// whose lease lapsed cannot train, save or release behind the one that replaced it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub holder: Option<String>,
-}
-
-/// The NATS header naming the holder a trainer request is made for (see
-/// [`ClaimRequest::holder`]).
-pub const HOLDER_HEADER: &str = "Keel-Holder";
-
-fn default_lease_seconds() -> f64 {
-    60.0
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ClaimReply {
-    /// The worker's id: its subjects are `<prefix>.trainer.<worker_id>.<op>`.
-    pub worker_id: String,
-    pub lease_seconds: f64,
-}
+pub use crate::lease::{
+    ClaimReply, ClaimRequest, HOLDER_HEADER, HeartbeatReply, HeartbeatRequest, ReleaseRequest, Released,
+};
 
 /// Where a model comes from: a Hugging Face directory or a checkpoint written by a trainer
 /// (which also holds optimiser and scheduler state, restored when the policy loads from it).
@@ -407,10 +375,6 @@ macro_rules! run_only {
 }
 
 run_only!(
-    /// Renew the run's lease on the worker.
-    HeartbeatRequest,
-    /// Give the worker back.
-    ReleaseRequest,
     /// Colocated runs: what `offload` moved, back on the training device.
     OnloadRequest,
 );
@@ -449,17 +413,6 @@ trainer_calls! {
     OnloadRequest => Onload, MemoryMoved;
     HeartbeatRequest => Heartbeat, HeartbeatReply;
     ReleaseRequest => Release, Released;
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct HeartbeatReply {
-    pub lease_seconds: f64,
-    pub loaded: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Released {
-    pub worker_id: String,
 }
 
 /// Seconds spent in each phase of an operation.

@@ -6,6 +6,7 @@
 //!   graceful shutdown.
 //! - [`entry`]: what a service's `main.rs` calls: flags, config, logging, runtime, signals.
 //! - [`json`]: decoding request bodies with errors that name the field path.
+//! - [`lease`]: a claimed worker's side of its claim by a run (trainers and generators).
 //! - [`metrics`]: the Prometheus text format for `GET /metrics`.
 //! - [`parts`]: a service's concurrent parts, stopped together.
 //! - [`postgres`]: a pool in the service's own schema, its migrations applied.
@@ -17,6 +18,7 @@ pub mod error;
 pub mod http;
 pub mod hub;
 pub mod json;
+pub mod lease;
 pub mod metrics;
 pub mod nats;
 pub mod openapi;

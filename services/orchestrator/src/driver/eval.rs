@@ -15,7 +15,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let records = data::load_async(dataset, Algorithm::Eval, "data").await?;
     let start = ctx.start().await?;
     let prompting = Prompting::load(&start.base_dir, &spec.prompt, spec.max_total_sequence_length)?;
-    ctx.weights.publish_dir(&start.policy_dir, 0).await?;
+    ctx.load_generators(&start).await?;
     let (metrics, samples) =
         rollout::validate(ctx, &prompting, &records, (start.policy_dir.clone(), 0), 1, "eval").await?;
     ctx.store.record(&StepRecord { step: 1, metrics, samples, dataloader: serde_json::Value::Null }).await

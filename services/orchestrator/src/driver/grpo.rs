@@ -155,7 +155,7 @@ pub(super) fn step_span(ctx: &RunContext, inputs: &Inputs, step: u64) -> tracing
     )
 }
 
-/// Loads the data, the prompting and the trainer, announces the starting weights and
+/// Loads the data, the prompting, the trainer and the generators, and
 /// records the baseline validation of a new run. The weights' version is the step the run
 /// starts after.
 async fn prepare(ctx: &RunContext) -> Result<(Inputs, Grpo, Dataloader)> {
@@ -173,11 +173,9 @@ async fn prepare(ctx: &RunContext) -> Result<(Inputs, Grpo, Dataloader)> {
     let total = spec.max_num_steps.min(start.step + loader.batches_left(prompts));
     ctx.store.set_total_steps(total).await?;
     let weights = (start.policy_dir.clone(), start.step);
-    if spec.generation.colocated.enabled {
-        // A run taken over from an orchestrator that died may find its generators asleep.
-        ctx.weights.generator_memory(MemoryAction::Wake).await?;
-    }
-    ctx.weights.publish_dir(&weights.0, weights.1).await?;
+    // The generators load the run's model afresh (awake, whatever a run taken over from an
+    // orchestrator that died left them in).
+    ctx.load_generators(&start).await?;
     if !start.resumed && !validation.is_empty() {
         rollout::record_baseline(ctx, &prompting, &validation, weights.clone()).await?;
     }

@@ -37,11 +37,12 @@ use std::time::{Duration, Instant};
 
 use keel_client::checkpoint::{CheckpointClient, NewCheckpoint};
 use keel_protocol::checkpoint::Retention;
+use keel_protocol::generator::LoadModel;
 use keel_protocol::run::{RunEvent, RunSpec, RunStatus};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::clients::{CallError, Nats, Trainer};
+use crate::clients::{CallError, Generator, Nats, Trainer};
 use crate::data::Position;
 use crate::db;
 
@@ -92,24 +93,35 @@ pub type Result<T, E = Stop> = std::result::Result<T, E>;
 const RUNNING: u8 = 0;
 const CANCELLED: u8 = 1;
 const LOST: u8 = 2;
+const FAILED: u8 = 3;
 
 /// Set by the run's heartbeat task, read by the driver between phases.
 #[derive(Debug, Clone, Default)]
-pub struct StopFlag(Arc<AtomicU8>);
+pub struct StopFlag(Arc<(AtomicU8, std::sync::Mutex<String>)>);
 
 impl StopFlag {
     pub fn set_cancelled(&self) {
-        let _ = self.0.compare_exchange(RUNNING, CANCELLED, Ordering::SeqCst, Ordering::SeqCst);
+        let _ = self.0.0.compare_exchange(RUNNING, CANCELLED, Ordering::SeqCst, Ordering::SeqCst);
     }
 
     pub fn set_lost(&self) {
-        self.0.store(LOST, Ordering::SeqCst);
+        self.0.0.store(LOST, Ordering::SeqCst);
+    }
+
+    /// The attempt cannot go on (a generator it holds is gone): it fails with `reason`, and
+    /// is retried from the latest checkpoint while it has attempts left.
+    pub fn set_failed(&self, reason: String) {
+        let mut why = self.0.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.0.0.compare_exchange(RUNNING, FAILED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            *why = reason;
+        }
     }
 
     pub fn check(&self) -> Result<()> {
-        match self.0.load(Ordering::SeqCst) {
+        match self.0.0.load(Ordering::SeqCst) {
             RUNNING => Ok(()),
             CANCELLED => Err(Stop::Cancelled),
+            FAILED => Err(Stop::Failed(self.0.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone())),
             _ => Err(Stop::Lost),
         }
     }
@@ -181,6 +193,8 @@ pub struct RunContext {
     /// Rollouts and scoring through the generator and reward queue groups.
     pub nats: Nats,
     pub trainer: Option<Trainer>,
+    /// The generators the run holds (they load its model at start, and serve only it).
+    pub generators: Vec<Generator>,
     /// The generators' side: weights announced, sleep and wake.
     pub weights: weights::WeightPublisher,
     pub checkpoints: CheckpointClient,
@@ -264,6 +278,36 @@ impl RunContext {
         Ok(start)
     }
 
+    /// Has every generator the run holds load the model the run starts from (its base, or
+    /// the checkpoint it resumes from, as weight version `start.step`). A model a generator
+    /// cannot load fails the run here, with the loader's reason.
+    pub async fn load_generators(&self, start: &Start) -> Result<()> {
+        let g = &self.spec.generation;
+        let request = LoadModel {
+            run_id: self.id.to_string(),
+            path: start.policy_dir.to_string_lossy().into_owned(),
+            version: start.step,
+            served_model_name: None,
+            dtype: g.dtype.clone(),
+            max_model_len: Some(g.max_model_len.unwrap_or(self.spec.max_total_sequence_length)),
+            tensor_parallel_size: g.tensor_parallel_size,
+        };
+        let loads = self.generators.iter().map(|generator| async {
+            let loaded = self.stop.guard(generator.load(&request)).await?;
+            loaded.map_err(|e| Stop::Failed(format!("generator {} cannot load the run's model: {e}", generator.id())))
+        });
+        for loaded in futures::future::try_join_all(loads).await? {
+            tracing::info!(
+                run_id = %self.id,
+                generator = %loaded.generator_id,
+                seconds = loaded.seconds,
+                kv_blocks = loaded.kv_blocks,
+                "a generator loaded the run's model"
+            );
+        }
+        Ok(())
+    }
+
     /// Uploads a saved directory as the run's checkpoint for `step`.
     pub async fn upload_checkpoint(
         &self,
@@ -309,6 +353,18 @@ pub fn seconds(since: Instant) -> f64 {
     since.elapsed().as_secs_f64()
 }
 
+/// Generators a run holds: `generation.replicas` when it generates (GRPO, eval, and SFT
+/// validated by generation), else none.
+pub fn generators_needed(spec: &RunSpec) -> usize {
+    use keel_protocol::run::Algorithm;
+    let generates = match spec.algorithm {
+        Algorithm::Grpo | Algorithm::Eval => true,
+        Algorithm::Sft => spec.data.validation.is_some() && crate::data::validation_algorithm(spec) == Algorithm::Eval,
+        Algorithm::Dpo | Algorithm::Rm => false,
+    };
+    if generates { spec.generation.replicas } else { 0 }
+}
+
 /// Runs the run's algorithm to its end.
 pub async fn drive(ctx: &RunContext) -> Result<()> {
     use keel_protocol::run::Algorithm;
@@ -329,7 +385,9 @@ pub fn outcome(result: &Result<()>) -> Option<(RunStatus, Option<String>)> {
     }
 }
 
-/// Renews the run's lease (and the trainer's) until dropped; sets `stop` on cancel or loss;
+/// Renews the run's lease (and its trainer's and generators') until dropped; sets `stop` on
+/// cancel or loss, and fails the attempt when a generator it holds is gone (it lost the
+/// claim, or has not answered for a whole `lease`: restarted, or dead);
 /// shows the run `waiting` while its calls wait for a dependency, `running` when they no
 /// longer do.
 pub fn heartbeat(
@@ -337,12 +395,16 @@ pub fn heartbeat(
     run_id: Uuid,
     owner: Uuid,
     trainer: Option<Trainer>,
+    generators: Vec<Generator>,
     stop: StopFlag,
     waits: Arc<Waits>,
     every: Duration,
+    lease: Duration,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
+        // Since when each generator's heartbeats have failed.
+        let mut silent: std::collections::HashMap<String, Instant> = std::collections::HashMap::new();
         // What the database shows: waiting (true) or running.
         let mut shown_waiting = false;
         loop {
@@ -375,7 +437,29 @@ pub fn heartbeat(
             if let Some(trainer) = &trainer
                 && let Err(e) = trainer.heartbeat().await
             {
-                tracing::warn!(%run_id, worker = %trainer.worker, "trainer heartbeat failed: {e}");
+                tracing::warn!(%run_id, worker = %trainer.worker(), "trainer heartbeat failed: {e}");
+            }
+            for generator in &generators {
+                let id = generator.id().to_string();
+                match generator.heartbeat().await {
+                    Ok(_) => {
+                        silent.remove(&id);
+                    }
+                    // It no longer holds the run's claim: it was restarted, or its lease ran out.
+                    Err(e) if matches!(e.kind(), Some("wrong_run")) => {
+                        stop.set_failed(format!("generator {id} no longer holds the run: {e}"));
+                    }
+                    Err(e) => {
+                        let since = *silent.entry(id.clone()).or_insert_with(Instant::now);
+                        tracing::warn!(%run_id, generator = %id, "generator heartbeat failed: {e}");
+                        if since.elapsed() >= lease {
+                            stop.set_failed(format!(
+                                "generator {id} has not answered for {:.0} s (its claim's lease): {e}",
+                                lease.as_secs_f64()
+                            ));
+                        }
+                    }
+                }
             }
         }
     })

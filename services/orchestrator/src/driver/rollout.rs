@@ -262,7 +262,6 @@ async fn generate_turn(
         let request = RolloutRequest {
             run_id: ctx.id.to_string(),
             min_weight_version: settings.weights.1,
-            weights_of: Some(ctx.id.to_string()),
             prompt_token_ids: e.ids.clone(),
             n: members.len(),
             max_tokens: settings.max_new_tokens.min(room).max(1),
@@ -310,13 +309,13 @@ async fn generate_turn(
     Ok(())
 }
 
-/// A rollout from any generator serving this run's weights; a generator that serves other
-/// weights refuses, the weights are announced again and the request retried. A generator
+/// A rollout from any of the run's generators; one that does not serve the weights asked
+/// for yet refuses, the weights are announced again and the request retried. A generator
 /// that could not load them (`refit_failed`: another architecture or shape) ends it at once.
 async fn generate(ctx: &RunContext, request: &RolloutRequest, weights: &(PathBuf, u64)) -> Result<RolloutReply> {
     let deadline = Instant::now() + REFIT_WAIT;
     loop {
-        match ctx.nats.ask(request).await {
+        match ctx.nats.rollout(request).await {
             Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
                 ctx.stop.check()?;
                 ctx.weights.reannounce(&weights.0, weights.1).await?;

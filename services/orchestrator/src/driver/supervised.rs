@@ -50,8 +50,10 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let mut loader = Dataloader::new(train.len(), spec.seed, spec.data.shuffle, spec.max_num_epochs, start.position);
     let total = spec.max_num_steps.min(start.step + loader.batches_left(per_step));
     ctx.store.set_total_steps(total).await?;
+    if !validation.is_empty() {
+        ctx.load_generators(&start).await?;
+    }
     if !start.resumed && !validation.is_empty() {
-        ctx.weights.publish_dir(&start.policy_dir, 0).await?;
         let weights = (start.policy_dir.clone(), 0);
         rollout::record_baseline(ctx, &prompting, &validation, weights).await?;
     }

@@ -1,5 +1,5 @@
-//! The run's side of the generators: announcing new weights (a directory or an export's
-//! buckets) to every generator and waiting for the first to serve them, announcing again
+//! The run's side of the generators it holds: announcing new weights (a directory or an
+//! export's buckets) to each of them and waiting for the first to serve them, announcing again
 //! when a rollout finds a generator behind, deleting exports no generator needs, and the
 //! colocated sleep and wake.
 
@@ -57,7 +57,7 @@ impl WeightPublisher {
         }
     }
 
-    /// Tells every generator to serve `dir` as this run's weights at `version`.
+    /// Tells the run's generators to serve `dir` as its weights at `version`.
     pub async fn publish_dir(&self, dir: &Path, version: u64) -> Result<Announcement> {
         let path = dir.to_string_lossy().into_owned();
         let refit_mode = self.refit_mode;
@@ -65,7 +65,7 @@ impl WeightPublisher {
             .await
     }
 
-    /// Tells every generator to serve the exported `weights` as `version`.
+    /// Tells the run's generators to serve the exported `weights` as `version`.
     pub async fn publish_export(&self, version: u64, weights: &WeightBuckets) -> Result<Announcement> {
         let event = WeightsUpdated {
             run_id: self.run_id.to_string(),
@@ -105,7 +105,8 @@ impl WeightPublisher {
     /// answer (up to [`REFIT_WAIT`]); a failure it reports fails the run.
     pub async fn generator_memory(&self, action: MemoryAction) -> Result<()> {
         let change = MemoryChange { run_id: self.run_id.to_string(), action, offload_weights: self.offload_weights };
-        let mut replies = self.broadcast(self.subjects.generator_memory(), &change, "a memory change").await?;
+        let subject = self.subjects.generator_memory(&self.run_id.to_string());
+        let mut replies = self.broadcast(subject, &change, "a memory change").await?;
         let answer = first_answer(&mut replies, REFIT_WAIT, &self.stop, |_: &MemoryReport| true).await?;
         match answer {
             Some(MemoryReport { error: Some(e), .. }) => {
@@ -122,7 +123,7 @@ impl WeightPublisher {
     /// Publishes `event` with a reply subject of its own, on which generators report when
     /// they have loaded it.
     async fn announce(&self, event: WeightsUpdated) -> Result<Announcement> {
-        let reports = self.broadcast(self.subjects.weights_updated(), &event, "weights").await?;
+        let reports = self.broadcast(self.subjects.weights_updated(&event.run_id), &event, "weights").await?;
         let version = event.version;
         if let Ok(mut announced) = self.announced.lock() {
             *announced = Some((event, Instant::now()));
@@ -130,7 +131,7 @@ impl WeightPublisher {
         Ok(Announcement { version, reports, stop: self.stop.clone() })
     }
 
-    /// Publishes `body` on `subject` (every generator hears it) with a reply subject of its
+    /// Publishes `body` on `subject` (each of the run's generators hears it) with a reply subject of its
     /// own, and returns the subscription on which the answers come.
     async fn broadcast(
         &self,
