@@ -132,7 +132,9 @@ impl Generator {
         let mut slot = self.slot.lock().await;
         self.unload(&mut slot).await;
         let reusable = match &slot.startup {
-            Some((state, true)) if request.version == 0 && self.config.model.as_deref().is_some_and(|m| same_dir(m, &dir)) => {
+            Some((state, true))
+                if request.version == 0 && self.config.model.as_deref().is_some_and(|m| same_dir(m, &dir)) =>
+            {
                 let unchanged = (request.dtype.is_none() || request.dtype.as_deref() == Some(state.dtype))
                     && request.max_model_len.is_none_or(|l| l <= state.limits.max_model_len)
                     && request.tensor_parallel_size.is_none_or(|tp| tp == self.config.world_size());

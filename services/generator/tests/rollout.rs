@@ -63,7 +63,8 @@ impl Serving {
         // Loads and refits may read the directory the test's models are in.
         let roots = keel_service::paths::PathRoots::new(&[dir.parent().unwrap().to_path_buf()], "path_roots").unwrap();
         let http = Http::default();
-        let generator = claims::Generator::new(client.clone(), subjects.clone(), &config, roots, http.clone(), None, None);
+        let generator =
+            claims::Generator::new(client.clone(), subjects.clone(), &config, roots, http.clone(), None, None);
         let server = tokio::spawn(generator.serve(async move {
             let _ = stopped.await;
         }));
@@ -98,8 +99,8 @@ impl Serving {
         let reply = self.client.request_with_headers(subject, headers, load.to_string().into()).await.unwrap();
         let loaded: Value = serde_json::from_slice(&reply.payload).unwrap();
         assert_eq!(loaded["ok"]["served_model_name"], "r1", "{loaded}");
-        let stale = call(&self.client, self.subjects.generator("g1", GeneratorOp::Heartbeat), json!({"run_id": "r1"}))
-            .await;
+        let stale =
+            call(&self.client, self.subjects.generator("g1", GeneratorOp::Heartbeat), json!({"run_id": "r1"})).await;
         assert_eq!(stale["error"]["type"], "stale_holder", "a request for no holder is refused: {stale}");
     }
 

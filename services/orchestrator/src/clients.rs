@@ -211,7 +211,8 @@ impl Nats {
         holder: uuid::Uuid,
     ) -> Result<Option<Trainer>, CallError> {
         let own = previous.map(|w| self.subjects.trainer(w, TrainerOp::Claim));
-        let claimed = self.claim_again_or_any(own, self.subjects.trainer_claim(), run_id, lease_seconds, holder).await?;
+        let claimed =
+            self.claim_again_or_any(own, self.subjects.trainer_claim(), run_id, lease_seconds, holder).await?;
         Ok(claimed.map(|worker| Trainer(Held::new(self.clone(), worker, run_id, holder))))
     }
 

@@ -312,6 +312,27 @@ mod tests {
             retries: 0,
             patience: keel_client::retry::Patience::none(),
         };
+        // An eval run holds a generator: one that takes every claim.
+        let generator = {
+            use futures::StreamExt;
+            let (client, subjects) = (nats.client.clone(), nats.subjects.clone());
+            let mut free = client.subscribe(subjects.generator_claim()).await.unwrap();
+            let mut own = client.subscribe(subjects.generator_all("g1")).await.unwrap();
+            client.flush().await.unwrap();
+            tokio::spawn(async move {
+                loop {
+                    let message = tokio::select! {
+                        Some(m) = free.next() => m,
+                        Some(m) = own.next() => m,
+                        else => break,
+                    };
+                    let reply = serde_json::json!({"ok": {"worker_id": "g1", "lease_seconds": 60.0}});
+                    if let Some(to) = message.reply {
+                        client.publish(to, reply.to_string().into()).await.unwrap();
+                    }
+                }
+            })
+        };
         let work_dir = tempfile::tempdir().unwrap();
         let scheduler = Scheduler {
             pool: pool.clone(),
@@ -357,5 +378,7 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(losses, [1, 2], "each step recorded once");
+        assert_eq!(second.generators.iter().map(|g| g.id()).collect::<Vec<_>>(), ["g1"], "the same generator again");
+        generator.abort();
     }
 }

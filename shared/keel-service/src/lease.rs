@@ -182,11 +182,7 @@ fn stale_holder(held: &Claim, holder: Option<&str>) -> Result<(), ErrorBody> {
 
 /// The holder named in a request's [`keel_protocol::lease::HOLDER_HEADER`].
 pub fn holder_of(message: &async_nats::Message) -> Option<String> {
-    message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(keel_protocol::lease::HOLDER_HEADER))
-        .map(|v| v.as_str().to_string())
+    message.headers.as_ref().and_then(|h| h.get(keel_protocol::lease::HOLDER_HEADER)).map(|v| v.as_str().to_string())
 }
 
 #[cfg(test)]
