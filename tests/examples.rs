@@ -210,3 +210,83 @@ async fn a_model_named_by_its_hub_id_is_found_in_the_cache() {
     assert_eq!(problem["field"], "model.name", "{body}");
     assert!(problem["message"].as_str().unwrap().contains("hf download keel-test/Absent"), "{body}");
 }
+
+/// One example of each journey as the README shows it: `MODEL_DIR=… keel run submit
+/// examples/<journey>/<spec>.yaml`, `STEPS` short, the spec's data files beside it uploaded
+/// by the CLI. What each must show beyond succeeding.
+struct Journey {
+    spec: &'static str,
+    /// A metric the run must record.
+    metric: &'static str,
+}
+
+const JOURNEYS: [Journey; 10] = [
+    Journey { spec: "chat-sft/sft.yaml", metric: "validation/loss" },
+    Journey { spec: "lora/sft.yaml", metric: "train/loss" },
+    Journey { spec: "dpo/dpo.yaml", metric: "validation/accuracy" },
+    Journey { spec: "reward-model/rm.yaml", metric: "validation/accuracy" },
+    Journey { spec: "math-grpo/grpo.yaml", metric: "validation/accuracy" },
+    Journey { spec: "async-grpo/grpo.yaml", metric: "async/trainer_idle_seconds" },
+    Journey { spec: "eval/eval.yaml", metric: "eval/accuracy" },
+    Journey { spec: "code-grpo/grpo.yaml", metric: "train/reward" },
+    Journey { spec: "sliding-puzzle/grpo.yaml", metric: "train/turns_per_sample" },
+    Journey { spec: "reward-service/grpo.yaml", metric: "train/rewards/on_topic" },
+];
+
+/// Every spec under `examples/`, relative to it.
+fn example_specs() -> Vec<String> {
+    let mut found = Vec::new();
+    for dir in std::fs::read_dir(examples()).unwrap() {
+        let dir = dir.unwrap().path();
+        if !dir.is_dir() {
+            continue;
+        }
+        for file in std::fs::read_dir(&dir).unwrap() {
+            let file = file.unwrap().path();
+            if file.extension().is_some_and(|e| e == "yaml") {
+                found.push(file.strip_prefix(examples()).unwrap().display().to_string());
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Every journey's example runs as written against one stack; every spec under `examples/`
+/// is one of them (or the arithmetic demo's, run above). The reward service example's plugin
+/// is the Python program beside it, reading each record's `topic` from its metadata.
+#[tokio::test]
+async fn every_example_runs_as_the_readme_shows_it() {
+    let mut listed: Vec<String> = JOURNEYS.iter().map(|j| j.spec.to_string()).collect();
+    listed.extend(["arithmetic/eval.yaml", "arithmetic/grpo.yaml", "arithmetic/sft.yaml"].map(String::from));
+    listed.sort();
+    assert_eq!(example_specs(), listed, "every spec under examples/ is run by a test");
+
+    let stack = Stack::start_with(&[("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true")]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let plugin = Command::new("python3")
+        .arg(examples().join("reward-service/server.py"))
+        .args(["--port", &port.to_string()])
+        .spawn()
+        .unwrap();
+    // Stopped however the test ends.
+    struct Stopped(std::process::Child);
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _plugin = Stopped(plugin);
+    let reward_url = format!("http://127.0.0.1:{port}/score");
+    let model = stack.model.display().to_string();
+    for journey in &JOURNEYS {
+        let spec = examples().join(journey.spec);
+        let env = [("MODEL_DIR", model.as_str()), ("STEPS", "2"), ("REWARD_URL", reward_url.as_str())];
+        let id = submitted(&stack, &[spec.to_str().unwrap()], &env);
+        let run = stack.wait_succeeded(&id, Duration::from_secs(300)).await;
+        let points = stack.series(&id, journey.metric).await;
+        assert!(!points.is_empty(), "{}: no {} in {run}", journey.spec, journey.metric);
+        eprintln!("{}: succeeded, {} = {:?}", journey.spec, journey.metric, points.last().unwrap());
+    }
+}

@@ -416,7 +416,8 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
     check_step_tree(&second, &run, 2);
     assert_ne!(first[0].trace, second[0].trace, "each step is its own trace");
 
-    // Error spans say why: a request the generator refuses, and every other error span.
+    // Error spans say why: a claim the generator refuses (malformed), and every other error
+    // span.
     let nats = async_nats::connect(keel_service::nats::default_url()).await.unwrap();
     let subject = keel_protocol::Subjects::new(&stack.prefix).unwrap().generator_claim();
     let reply = nats.request(subject, "{}".into()).await.unwrap();
@@ -431,7 +432,7 @@ async fn a_grpo_run_is_traced_measured_and_shown() {
             None => panic!("no generator span for the malformed request"),
         }
     };
-    assert_eq!((refused.name.as_str(), refused.status.0), ("generator.generate", 2), "{refused:?}");
+    assert_eq!((refused.name.as_str(), refused.status.0), ("generator.claim", 2), "{refused:?}");
     assert!(refused.status.1.starts_with("invalid_request: "), "{refused:?}");
     assert_eq!(refused.attributes.get("error.type").map(String::as_str), Some("invalid_request"), "{refused:?}");
     for span in spans.lock().unwrap().iter().filter(|s| s.status.0 == 2) {

@@ -226,8 +226,14 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
         None if device == tch::Device::Cpu => tch::Kind::Float,
         None => tch::Kind::BFloat16,
     };
-    let model_config = keel_model::ModelConfig::load(model_dir)?;
-    let tokenizer = keel_model::Tokenizer::load(model_dir).map_err(keel_model::Error::from)?;
+    // An adapter directory (a LoRA run's checkpoint) loads as its base with the adapters
+    // merged: the base says what the model is; the tokenizer is the directory's own when
+    // it has one.
+    let config_dir = keel_model::lora::model_config_dir(model_dir)?;
+    let model_config = keel_model::ModelConfig::load(&config_dir)?;
+    let tokenizer = keel_model::Tokenizer::load(model_dir)
+        .or_else(|_| keel_model::Tokenizer::load(&config_dir))
+        .map_err(keel_model::Error::from)?;
     let context = model_config.max_position_embeddings;
     let max_model_len = config.max_model_len.unwrap_or(context.min(4096));
     if max_model_len > context {

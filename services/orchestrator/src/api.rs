@@ -1,5 +1,5 @@
 //! The public REST API (`openapi/keel.yaml`): submit, list, show and cancel runs; a run's
-//! metrics, samples, checkpoints and live events (SSE). When a token is configured every
+//! metrics, samples, checkpoints and live events (SSE); dataset uploads ([`crate::datasets`]). When a token is configured every
 //! `/v1` route and `/metrics` want `Authorization: Bearer <token>`.
 //!
 //! Errors are `{"error": {"type", "message"}}`; a refused spec (422, `invalid_spec`) also
@@ -40,6 +40,10 @@ pub struct AppState {
     pub token: Option<String>,
     /// Where a spec's model and dataset paths may point.
     pub roots: keel_service::paths::PathRoots,
+    /// Where uploaded datasets are kept (inside the path roots).
+    pub datasets: std::path::PathBuf,
+    /// The largest dataset upload, in bytes.
+    pub max_dataset_bytes: u64,
 }
 
 /// What a request can fail with.
@@ -55,6 +59,8 @@ pub enum Failure {
     NotFound(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
+    TooLarge(String),
     #[error("{0}")]
     Upstream(String),
     #[error("{0}")]
@@ -85,6 +91,7 @@ fn answer(failure: &Failure) -> ApiError {
         Failure::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
         Failure::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
         Failure::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+        Failure::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
         Failure::Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream"),
         Failure::Internal(m) => {
             tracing::error!("internal error: {m}");
@@ -95,7 +102,7 @@ fn answer(failure: &Failure) -> ApiError {
     ApiError::new(status, error_type, failure.to_string())
 }
 
-type Answer<T> = Result<T, Failure>;
+pub(crate) type Answer<T> = Result<T, Failure>;
 
 pub fn routes(state: AppState) -> Router {
     let api = Router::new()
@@ -108,6 +115,8 @@ pub fn routes(state: AppState) -> Router {
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/checkpoints", get(checkpoints))
         .route("/v1/runs/{id}/checkpoints/{checkpoint_id}/archive", get(checkpoint_archive))
+        // An upload is streamed to disk: no body limit but the orchestrator's own.
+        .route("/v1/datasets", post(crate::datasets::upload).layer(axum::extract::DefaultBodyLimit::disable()))
         // Run counts and names are the API's data too: with a token, Prometheus sends it
         // (`authorization` / `bearer_token` in its scrape configuration).
         .route("/metrics", get(prometheus))
@@ -380,7 +389,20 @@ pub async fn checkpoint_archive(
         title = "Keel",
         description = "Keel's run API: submit post-training runs (GRPO, SFT, DPO, reward model, eval), follow their metrics, samples and checkpoints. Bearer-token auth when the orchestrator has a token."
     ),
-    paths(submit, validate, list, show, metrics, samples, events, cancel, checkpoints, checkpoint_archive, prometheus),
+    paths(
+        submit,
+        validate,
+        list,
+        show,
+        metrics,
+        samples,
+        events,
+        cancel,
+        checkpoints,
+        checkpoint_archive,
+        crate::datasets::upload,
+        prometheus
+    ),
     components(schemas(keel_protocol::run::RunEventRecord)),
     modifiers(&ErrorResponses, &BearerAuth)
 )]

@@ -1,6 +1,6 @@
 //! keel-orchestrator: the public run API and the drivers that carry runs out over the other
-//! services — the trainer (claimed per run over NATS), the generator and reward queue
-//! groups, and the checkpoint store (REST).
+//! services — the trainer and generators (claimed per run over NATS), the reward queue
+//! group, and the checkpoint store (REST).
 //!
 //! Layout:
 //! - [`api`]: the REST routes and their OpenAPI document (`openapi/keel.yaml`, with the run
@@ -8,11 +8,14 @@
 //! - [`spec`]: a submitted spec parsed and checked, every problem with its field path.
 //! - [`db`]: runs, events, metrics, samples and dataloader state in Postgres (schema
 //!   `orchestrator`, migrations in `migrations/`), with run ownership by lease.
-//! - [`scheduler`]: takes queued (or orphaned) runs, claims trainers, starts drivers.
+//! - [`scheduler`]: takes queued (or orphaned) runs, claims trainers and generators, starts
+//!   drivers.
 //! - [`driver`]: the algorithms (GRPO, SFT, DPO, RM, eval), resume and checkpoints.
 //! - [`clients`]: the NATS protocols of the trainer, generator and reward services.
 //! - [`dashboard`]: the live dashboard page at `/dashboard` (assets built in).
-//! - [`data`]: datasets (JSONL, the built-in arithmetic generator) and the dataloader.
+//! - [`data`]: datasets (JSONL, Parquet, the built-in arithmetic generator) and the
+//!   dataloader.
+//! - [`datasets`]: dataset files uploaded through the API (`POST /v1/datasets`).
 //!
 //! Several orchestrators may share one database: a run belongs to the instance holding its
 //! lease, and a run whose instance died is resumed by another (or the restarted one) from
@@ -22,6 +25,7 @@ pub mod api;
 pub mod clients;
 pub mod dashboard;
 pub mod data;
+pub mod datasets;
 pub mod db;
 pub mod driver;
 pub mod loggers;
@@ -80,6 +84,9 @@ pub struct Config {
     /// at submit, 422 naming the field). Default: `.keel`, `/var/lib/keel` and the system's
     /// temporary directory.
     pub path_roots: Vec<PathBuf>,
+    /// The largest dataset file `POST /v1/datasets` takes, in bytes (uploads are kept in
+    /// `work_dir/datasets`, which is always a path root).
+    pub max_dataset_bytes: u64,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -137,6 +144,7 @@ pub fn default_config() -> Config {
         max_attempts: 3,
         dependency_grace_seconds: 120.0,
         path_roots: keel_service::paths::default_roots(),
+        max_dataset_bytes: 16 << 30,
     }
 }
 
@@ -159,6 +167,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         std::path::absolute(&config.work_dir).map_err(|e| keel_service::Error::start("resolve work_dir", e))?;
     std::fs::create_dir_all(&work_dir)
         .map_err(|e| keel_service::Error::start("create work_dir", format!("{}: {e}", work_dir.display())))?;
+    let datasets = datasets::dir(&work_dir);
     // The API answers at once (a submit is not held while the store is away); runs wait.
     let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url)
         .with_token(config.checkpoint_token.as_deref());
@@ -176,8 +185,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     };
     let mut parts = keel_service::parts::Parts::default();
     parts.spawn("scheduler", scheduler.run(parts.stopped()));
-    let roots = keel_service::paths::PathRoots::new(&config.path_roots, "KEEL_ORCHESTRATOR__PATH_ROOTS")?;
-    let state = api::AppState { pool, checkpoints, token: config.api_token.clone(), roots };
+    std::fs::create_dir_all(&datasets).map_err(|e| {
+        keel_service::Error::start("create the datasets directory", format!("{}: {e}", datasets.display()))
+    })?;
+    let roots = [config.path_roots.as_slice(), std::slice::from_ref(&datasets)].concat();
+    let roots = keel_service::paths::PathRoots::new(&roots, "KEEL_ORCHESTRATOR__PATH_ROOTS")?;
+    let token = config.api_token.clone();
+    let state =
+        api::AppState { pool, checkpoints, token, roots, datasets, max_dataset_bytes: config.max_dataset_bytes };
     let app = api::routes(state)
         .merge(dashboard::routes(config.api_token.clone()))
         .merge(keel_service::health_routes(SERVICE));

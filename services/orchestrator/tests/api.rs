@@ -16,6 +16,7 @@ struct Api {
     app: axum::Router,
     pool: sqlx::PgPool,
     model: tempfile::TempDir,
+    datasets: tempfile::TempDir,
     _database: keel_testkit::TestDatabase,
 }
 
@@ -26,10 +27,18 @@ impl Api {
         // Nothing listens here: only specs naming a checkpoint would ask.
         let checkpoints = keel_client::checkpoint::CheckpointClient::new("http://127.0.0.1:9");
         let roots = keel_service::paths::PathRoots::new(&keel_service::paths::default_roots(), "path_roots").unwrap();
-        let state = AppState { pool: pool.clone(), checkpoints, token: token.map(str::to_string), roots };
+        let datasets = tempfile::tempdir().unwrap();
+        let state = AppState {
+            pool: pool.clone(),
+            checkpoints,
+            token: token.map(str::to_string),
+            roots,
+            datasets: datasets.path().to_path_buf(),
+            max_dataset_bytes: 4096,
+        };
         let model = tempfile::tempdir().unwrap();
         std::fs::write(model.path().join("config.json"), "{}").unwrap();
-        Self { app: routes(state), pool, model, _database: database }
+        Self { app: routes(state), pool, model, datasets, _database: database }
     }
 
     async fn send(&self, request: Request<Body>) -> (StatusCode, Value) {
@@ -281,4 +290,38 @@ async fn validate_checks_like_submit_and_creates_nothing() {
 
     let (_, listed) = api.get("/v1/runs").await;
     assert_eq!(listed["runs"].as_array().unwrap().len(), 0, "validating creates nothing");
+}
+
+/// A dataset file uploads as its bytes and comes back as a path named by its content (the
+/// same file twice: the same path), which a spec then names; a name that is no JSONL or
+/// Parquet file's, and a file over the limit, are refused and leave nothing behind.
+#[tokio::test]
+async fn uploaded_datasets_are_kept_by_content_and_named_by_specs() {
+    let api = Api::start(None).await;
+    let upload = |name: &str, body: Vec<u8>| {
+        Request::post(format!("/v1/datasets?name={name}"))
+            .header("content-type", "application/octet-stream")
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let lines = "{\"prompt\": \"What is 1 + 1?\", \"answer\": \"2\"}\n".repeat(8);
+    let (status, first) = api.send(upload("train.jsonl", lines.clone().into_bytes())).await;
+    assert_eq!(status, StatusCode::CREATED, "{first}");
+    let path = first["path"].as_str().unwrap().to_string();
+    assert_eq!(first["bytes"], lines.len());
+    assert!(path.starts_with(&api.datasets.path().display().to_string()) && path.ends_with(".jsonl"), "{first}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), lines);
+    let (_, again) = api.send(upload("copy.jsonl", lines.clone().into_bytes())).await;
+    assert_eq!(again["path"], path.as_str(), "the same bytes, the same path");
+
+    let (status, body) = api.send(upload("train.csv", b"a,b".to_vec())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains(".jsonl or .parquet"), "{body}");
+    let (status, body) = api.send(upload("big.jsonl", vec![b'x'; 5000])).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body}");
+    assert_eq!(std::fs::read_dir(api.datasets.path()).unwrap().count(), 1, "refused uploads leave nothing");
+
+    let spec = api.sft_yaml().replace("{kind: arithmetic, size: 64}", &format!("{{kind: jsonl, path: {path}}}"));
+    let (status, run) = api.submit(&spec, "application/yaml").await;
+    assert_eq!(status, StatusCode::CREATED, "{run}");
 }

@@ -45,6 +45,30 @@ pub struct SpecFile {
     /// a list) and a YAML value, e.g. `--set training.optimizer.lr=1e-5`. Repeatable.
     #[arg(long = "set", value_name = "PATH=VALUE")]
     sets: Vec<String>,
+    /// Send `data.*.path` as written instead of uploading the local files it names (for
+    /// paths on the orchestrator's own disk).
+    #[arg(long)]
+    no_upload: bool,
+}
+
+impl SpecFile {
+    /// The spec as JSON text for the API: expanded, overridden, and each dataset file it
+    /// names here uploaded to the orchestrator and named by the path it answered
+    /// ([`crate::spec::local_datasets`]).
+    async fn for_api(&self, client: &RunsClient) -> anyhow::Result<String> {
+        let mut spec = crate::spec::load_value(&self.file, &self.sets)?;
+        if !self.no_upload {
+            let base = self.file.parent().unwrap_or(std::path::Path::new("."));
+            for (pointer, local) in crate::spec::local_datasets(&spec, base) {
+                let uploaded = client.upload_dataset(&local).await?;
+                eprintln!("uploaded {} ({} bytes) as {}", local.display(), uploaded.bytes, uploaded.path);
+                if let Some(path) = spec.pointer_mut(&pointer) {
+                    *path = serde_json::Value::String(uploaded.path);
+                }
+            }
+        }
+        Ok(serde_json::to_string(&spec)?)
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,14 +137,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
         match args.command {
             RunCommand::Submit { spec, watch: follow } => {
-                let run = client.submit(crate::spec::load(&spec.file, &spec.sets)?).await?;
+                let run = client.submit(spec.for_api(&client).await?).await?;
                 writeln!(out, "{}", run.id)?;
                 if follow {
                     watch(&client, run.id, &mut out).await?;
                 }
             }
             RunCommand::Validate { spec } => {
-                let resolved = client.validate(crate::spec::load(&spec.file, &spec.sets)?).await?;
+                let resolved = client.validate(spec.for_api(&client).await?).await?;
                 eprintln!("{}: valid", spec.file.display());
                 write!(out, "{}", serde_yaml::to_string(&resolved)?)?;
             }

@@ -14,19 +14,44 @@
 //!   to append). The value is YAML: `--set training.optimizer.lr=1e-5`,
 //!   `--set data.train='{kind: arithmetic, size: 100}'`. Missing maps on the way are created.
 //!   Overrides are applied in order, after the expansion, and are not expanded themselves.
+//! - A JSONL or Parquet dataset (`data.train`, `data.validation`) whose `path` is a file
+//!   here — relative to the spec file's directory, else to the working directory — is
+//!   uploaded to the orchestrator (`POST /v1/datasets`) and sent as the path it answers, so
+//!   a spec and its data travel together wherever the orchestrator runs. A path that is no
+//!   file here (a directory, or a path on the orchestrator's disk) is sent as written.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use serde_json::Value;
 
-/// The spec in `file`, expanded and overridden, as JSON text for the API.
-pub fn load(file: &Path, sets: &[String]) -> anyhow::Result<String> {
+/// The spec in `file`, expanded and overridden.
+pub fn load_value(file: &Path, sets: &[String]) -> anyhow::Result<Value> {
     let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
     let json = file.extension().is_some_and(|e| e == "json");
-    let spec = resolve(&text, json, sets, &|name| std::env::var(name).ok())
-        .with_context(|| format!("spec {}", file.display()))?;
-    Ok(serde_json::to_string(&spec)?)
+    resolve(&text, json, sets, &|name| std::env::var(name).ok()).with_context(|| format!("spec {}", file.display()))
+}
+
+/// The dataset files of `spec` that are here: each as the JSON pointer of its `path` and the
+/// file (a relative path is looked for in `base`, the spec file's directory, then in the
+/// working directory).
+pub fn local_datasets(spec: &Value, base: &Path) -> Vec<(String, PathBuf)> {
+    let mut found = Vec::new();
+    for split in ["train", "validation"] {
+        let dataset = &spec["data"][split];
+        let kind = dataset["kind"].as_str().unwrap_or_default();
+        let Some(path) = dataset["path"].as_str().filter(|_| kind == "jsonl" || kind == "parquet") else { continue };
+        let written = Path::new(path);
+        let candidates = if written.is_absolute() {
+            vec![written.to_path_buf()]
+        } else {
+            vec![base.join(written), written.to_path_buf()]
+        };
+        if let Some(file) = candidates.into_iter().find(|c| c.is_file()) {
+            found.push((format!("/data/{split}/path"), file));
+        }
+    }
+    found
 }
 
 /// `text` parsed, expanded from `env` and overridden by `sets`.
@@ -340,6 +365,24 @@ mod tests {
             let error = format!("{:#}", resolved(spec, &[set]).unwrap_err());
             assert!(error.contains(wanted), "{set}: {error}");
         }
+    }
+
+    /// Dataset files here are found beside the spec file first, then in the working
+    /// directory; directories, paths that are not here and other kinds are left alone.
+    #[test]
+    fn the_dataset_files_a_spec_names_here_are_found() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("train.jsonl"), "{}\n").unwrap();
+        std::fs::create_dir(dir.path().join("hf")).unwrap();
+        let spec = json!({"data": {
+            "train": {"kind": "jsonl", "path": "train.jsonl"},
+            "validation": {"kind": "parquet", "path": "hf"},
+        }});
+        let found = local_datasets(&spec, dir.path());
+        assert_eq!(found, [("/data/train/path".to_string(), dir.path().join("train.jsonl"))]);
+        let elsewhere = json!({"data": {"train": {"kind": "jsonl", "path": "/var/lib/keel/nowhere.jsonl"},
+            "validation": {"kind": "arithmetic", "size": 4}}});
+        assert!(local_datasets(&elsewhere, dir.path()).is_empty());
     }
 
     #[test]

@@ -177,7 +177,7 @@ impl CheckpointClient {
         for path in request.files.iter().map(|f| &f.path).filter(|p| created.missing.contains(p)) {
             let what = format!("upload {path}");
             let file = tokio::fs::File::open(dir.join(path)).await.map_err(io(&what))?;
-            let body = reqwest::Body::wrap_stream(chunks(file));
+            let body = reqwest::Body::wrap_stream(crate::chunks(file));
             let response = self
                 .http
                 .put(format!("{url}/v1/checkpoints/{}/files/{path}", created.id))
@@ -323,20 +323,4 @@ fn sha256_file(path: &Path) -> Result<(String, u64)> {
         size += n as u64;
     }
     Ok((hex::encode(hasher.finalize()), size))
-}
-
-/// A file as a stream of 1 MiB chunks.
-fn chunks(file: tokio::fs::File) -> impl futures::Stream<Item = std::io::Result<bytes::Bytes>> {
-    futures::stream::unfold(file, |mut file| async move {
-        use tokio::io::AsyncReadExt;
-        let mut buf = vec![0u8; 1 << 20];
-        match file.read(&mut buf).await {
-            Ok(0) => None,
-            Ok(n) => {
-                buf.truncate(n);
-                Some((Ok(bytes::Bytes::from(buf)), file))
-            }
-            Err(e) => Some((Err(e), file)),
-        }
-    })
 }

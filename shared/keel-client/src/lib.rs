@@ -30,6 +30,22 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A file as a stream of 1 MiB chunks.
+pub(crate) fn chunks(file: tokio::fs::File) -> impl futures::Stream<Item = std::io::Result<bytes::Bytes>> {
+    futures::stream::unfold(file, |mut file| async move {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 1 << 20];
+        match file.read(&mut buf).await {
+            Ok(0) => None,
+            Ok(n) => {
+                buf.truncate(n);
+                Some((Ok(bytes::Bytes::from(buf)), file))
+            }
+            Err(e) => Some((Err(e), file)),
+        }
+    })
+}
+
 pub(crate) fn unreachable(what: &str) -> impl FnOnce(reqwest::Error) -> Error + '_ {
     move |source| Error::Unreachable { what: what.to_string(), source }
 }

@@ -1,7 +1,7 @@
 //! The orchestrator's run API (`openapi/keel.yaml`).
 
 use keel_protocol::checkpoint::Checkpoint;
-use keel_protocol::run::{Metrics, Run, RunList, RunSpec, Samples};
+use keel_protocol::run::{DatasetUploaded, Metrics, Run, RunList, RunSpec, Samples};
 use uuid::Uuid;
 
 use crate::{Result, json, unreachable};
@@ -40,6 +40,23 @@ impl RunsClient {
     /// spec as it would run, every default filled in, or every problem as the error.
     pub async fn validate(&self, spec: String) -> Result<RunSpec> {
         self.post_spec("/v1/runs/validate", spec, "validate").await
+    }
+
+    /// Uploads a dataset file (`.jsonl` or `.parquet`), streamed: the path a spec names it by
+    /// on the orchestrator.
+    pub async fn upload_dataset(&self, file: &std::path::Path) -> Result<DatasetUploaded> {
+        let what = format!("upload {}", file.display());
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let opened = tokio::fs::File::open(file).await.map_err(crate::io(&what))?;
+        let response = self
+            .request(reqwest::Method::POST, "/v1/datasets")
+            .query(&[("name", name)])
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(reqwest::Body::wrap_stream(crate::chunks(opened)))
+            .send()
+            .await
+            .map_err(unreachable(&what))?;
+        json(response, &what).await
     }
 
     async fn post_spec<T: serde::de::DeserializeOwned>(&self, path: &str, spec: String, what: &str) -> Result<T> {

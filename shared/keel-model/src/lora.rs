@@ -375,17 +375,29 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
     dir.join(ADAPTER_CONFIG_FILE).is_file() && !dir.join("config.json").is_file()
 }
 
+/// The adapter directory `dir`'s configuration and its base model's directory (a relative
+/// base path is taken from `dir`).
+fn read_config(dir: &Path) -> Result<(LoraConfig, PathBuf)> {
+    let path = dir.join(ADAPTER_CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).map_err(Error::io(&path))?;
+    let file: AdapterConfig = serde_json::from_str(&text).map_err(Error::json(&path))?;
+    let config = file.lora(&path)?;
+    let base = file.base_model_name_or_path.as_deref().filter(|b| !b.is_empty()).ok_or_else(|| {
+        Error::InvalidInput(format!("{}: base_model_name_or_path names no base model directory", path.display()))
+    })?;
+    Ok((config, dir.join(base)))
+}
+
+/// The directory whose `config.json` describes the model `dir` loads as: `dir` itself, or
+/// the base model of an adapter directory.
+pub fn model_config_dir(dir: &Path) -> Result<PathBuf> {
+    if is_adapter_dir(dir) { Ok(read_config(dir)?.1) } else { Ok(dir.to_path_buf()) }
+}
+
 impl AdapterDir {
     /// Reads the adapter directory `dir`; a relative base path is taken from `dir`.
     pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join(ADAPTER_CONFIG_FILE);
-        let text = std::fs::read_to_string(&path).map_err(Error::io(&path))?;
-        let file: AdapterConfig = serde_json::from_str(&text).map_err(Error::json(&path))?;
-        let config = file.lora(&path)?;
-        let base = file.base_model_name_or_path.as_deref().filter(|b| !b.is_empty()).ok_or_else(|| {
-            Error::InvalidInput(format!("{}: base_model_name_or_path names no base model directory", path.display()))
-        })?;
-        let base = dir.join(base);
+        let (config, base) = read_config(dir)?;
         let weights = dir.join(ADAPTER_WEIGHTS_FILE);
         let tensors = Tensor::read_safetensors(&weights)
             .map_err(|e| Error::Safetensors { path: weights.clone(), reason: e.to_string() })?

@@ -122,6 +122,17 @@ impl Default for DataKeys {
     }
 }
 
+/// A dataset file uploaded to the orchestrator (`POST /v1/datasets`): where it is kept, to
+/// name in a spec's `data.*.path`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DatasetUploaded {
+    /// The file on the orchestrator's disk, named by its content's SHA-256.
+    pub path: String,
+    /// The SHA-256 of its bytes, in hex.
+    pub sha256: String,
+    pub bytes: u64,
+}
+
 /// A dataset: a JSONL file, Parquet files (a Hugging Face dataset's directory), or the
 /// built-in arithmetic generator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
