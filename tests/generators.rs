@@ -58,7 +58,7 @@ async fn two_runs_of_two_models_share_a_stack_and_a_model_no_generator_loads_fai
     stack.wait_for(&first, LIMIT, running).await;
     stack.wait_for(&second, LIMIT, running).await;
     let mut names =
-        vec![served(&stack.http, &stack.generator.url).await.unwrap(), served(&stack.http, &bare.url).await.unwrap()]
+        [served(&stack.http, &stack.generator.url).await.unwrap(), served(&stack.http, &bare.url).await.unwrap()]
             .concat();
     names.sort();
     let mut runs = vec![first.clone(), second.clone()];

@@ -210,23 +210,18 @@ impl RunSubjects {
     /// Subscribes to run `run_id`'s rollouts (in the queue group of its generators), refits
     /// and memory changes; they are heard once this returns.
     pub async fn subscribe(client: &async_nats::Client, subjects: &Subjects, run_id: &str) -> crate::Result<Self> {
-        let subscribe = |subject: String| {
-            let client = client.clone();
-            async move {
-                let failed = |e: async_nats::SubscribeError| keel_service::Error::Subscribe {
-                    subject: subject.clone(),
-                    reason: e.to_string(),
-                };
-                Ok::<_, keel_service::Error>(client.subscribe(subject.clone()).await.map_err(failed)?)
-            }
+        let failed = |subject: &str| {
+            let subject = subject.to_string();
+            move |e: async_nats::SubscribeError| keel_service::Error::Subscribe { subject, reason: e.to_string() }
         };
         let generate = subjects.generate(run_id);
         let requests = client
             .queue_subscribe(generate.clone(), GENERATOR_QUEUE_GROUP.to_string())
             .await
-            .map_err(|e| keel_service::Error::Subscribe { subject: generate.clone(), reason: e.to_string() })?;
-        let updates = subscribe(subjects.weights_updated(run_id)).await?;
-        let memory = subscribe(subjects.generator_memory(run_id)).await?;
+            .map_err(failed(&generate))?;
+        let (weights, memory) = (subjects.weights_updated(run_id), subjects.generator_memory(run_id));
+        let updates = client.subscribe(weights.clone()).await.map_err(failed(&weights))?;
+        let memory = client.subscribe(memory.clone()).await.map_err(failed(&memory))?;
         client.flush().await.map_err(|e| Error::Flush(e.to_string()))?;
         info!(subject = %generate, "serving the run's rollouts");
         Ok(Self { run_id: run_id.to_string(), requests, updates, memory })

@@ -212,17 +212,8 @@ impl Scheduler {
     }
 
     async fn drive(&self, ctx: RunContext) {
-        let heartbeat = driver::heartbeat(
-            self.pool.clone(),
-            ctx.id,
-            ctx.owner,
-            ctx.trainer.clone(),
-            ctx.generators.clone(),
-            ctx.stop.clone(),
-            ctx.waits.clone(),
-            (self.run_lease / 3).min(self.trainer_lease / 3),
-            self.trainer_lease,
-        );
+        let every = (self.run_lease / 3).min(self.trainer_lease / 3);
+        let heartbeat = driver::heartbeat(self.pool.clone(), &ctx, every, self.trainer_lease);
         let result = driver::drive(&ctx).await;
         heartbeat.abort();
         // A call that stopped waiting because the run was cancelled or lost fails with the

@@ -390,17 +390,9 @@ pub fn outcome(result: &Result<()>) -> Option<(RunStatus, Option<String>)> {
 /// claim, or has not answered for a whole `lease`: restarted, or dead);
 /// shows the run `waiting` while its calls wait for a dependency, `running` when they no
 /// longer do.
-pub fn heartbeat(
-    pool: PgPool,
-    run_id: Uuid,
-    owner: Uuid,
-    trainer: Option<Trainer>,
-    generators: Vec<Generator>,
-    stop: StopFlag,
-    waits: Arc<Waits>,
-    every: Duration,
-    lease: Duration,
-) -> tokio::task::JoinHandle<()> {
+pub fn heartbeat(pool: PgPool, ctx: &RunContext, every: Duration, lease: Duration) -> tokio::task::JoinHandle<()> {
+    let (run_id, owner, trainer, generators) = (ctx.id, ctx.owner, ctx.trainer.clone(), ctx.generators.clone());
+    let (stop, waits) = (ctx.stop.clone(), ctx.waits.clone());
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         // Since when each generator's heartbeats have failed.
