@@ -8,11 +8,12 @@
 #   stack_check_infra             NATS (when KEEL_NATS_URL is given) and PostgreSQL reachable
 #                                 (the user's own, scripts/local-postgres, started when
 #                                 scripts/setup made one and KEEL_DATABASE_URL is unset)
-#   stack_start PREFIX MODEL_DIR  starts, unless KEEL_NATS_URL was given, a nats-server of the
+#   stack_start PREFIX [MODEL_DIR]  starts, unless KEEL_NATS_URL was given, a nats-server of the
 #                                 stack's own with authentication (docker/nats.conf: each
 #                                 service a user allowed only its subjects; passwords made
 #                                 here) on KEEL_STACK_NATS_PORT (4223), then the services;
-#                                 sets KEEL_API_URL
+#                                 sets KEEL_API_URL; MODEL_DIR is what a free generator
+#                                 serves (none: nothing until a run loads its model)
 #   stack_stop                    SIGTERM to everything started here, waits (then SIGKILL)
 # The functions use `say` when the caller defines it. OTEL_EXPORTER_OTLP_ENDPOINT, when set,
 # is passed on to every service (traces over OTLP/HTTP, e.g. to Jaeger on :4318).
@@ -35,7 +36,10 @@ stack_nats_host=
 # subject prefix, paths, URLs of the other services) are given where the stack runs:
 # stack_start below, and compose.yaml.
 stack_names=(checkpoint trainer generator reward orchestrator)
-declare -gA stack_port=([orchestrator]=8080 [generator]=8081 [reward]=8082 [checkpoint]=8083 [trainer]=8084)
+# KEEL_STACK_PORTS_FROM moves them all (orchestrator there, the others after it).
+stack_port_base=${KEEL_STACK_PORTS_FROM:-8080}
+declare -gA stack_port=([orchestrator]=$stack_port_base [generator]=$((stack_port_base + 1))
+  [reward]=$((stack_port_base + 2)) [checkpoint]=$((stack_port_base + 3)) [trainer]=$((stack_port_base + 4)))
 declare -gA stack_command=(
   [orchestrator]="keel-orchestrator"
   [generator]="keel-generator"
@@ -208,7 +212,7 @@ stack_service() {
 }
 
 stack_start() {
-  local prefix=$1 model=$2 name
+  local prefix=$1 model=${2:-} name
   for name in "${stack_names[@]}"; do
     if stack_reachable 127.0.0.1 "${stack_port[$name]}"; then
       echo "port ${stack_port[$name]} (keel-$name) is taken: stop what listens there first" >&2
@@ -233,7 +237,7 @@ stack_start() {
   stack_service checkpoint KEEL_CHECKPOINT__SUBJECT_PREFIX="$prefix" \
     KEEL_CHECKPOINT__STORAGE__ROOT="$KEEL_STATE/checkpoints"
   stack_service trainer KEEL_TRAINER__SUBJECT_PREFIX="$prefix"
-  stack_service generator KEEL_GENERATOR__SUBJECT_PREFIX="$prefix" KEEL_GENERATOR__MODEL="$model"
+  stack_service generator KEEL_GENERATOR__SUBJECT_PREFIX="$prefix" ${model:+KEEL_GENERATOR__MODEL="$model"}
   stack_service reward KEEL_REWARD__SUBJECT_PREFIX="$prefix"
   stack_service orchestrator KEEL_ORCHESTRATOR__SUBJECT_PREFIX="$prefix" \
     KEEL_ORCHESTRATOR__CHECKPOINT_URL="http://127.0.0.1:${stack_port[checkpoint]}" \

@@ -290,3 +290,61 @@ async fn every_example_runs_as_the_readme_shows_it() {
         eprintln!("{}: succeeded, {} = {:?}", journey.spec, journey.metric, points.last().unwrap());
     }
 }
+
+/// `keel stack up` starts the local stack without the demo and leaves it running; a shell
+/// that has none of its settings (only where its state is) lists runs with `keel run list`,
+/// its URL and token read from the stack's settings file; `keel stack down` stops it.
+/// (The services come from this build: `keel` passes its own directory as `KEEL_BIN`.)
+#[tokio::test]
+async fn keel_stack_up_then_keel_run_list_in_a_new_shell() {
+    let database = keel_testkit::TestDatabase::new("keel_stack");
+    let state = tempfile::tempdir().unwrap();
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // Five ports in a row for the services, away from the defaults.
+    let base = 20000 + (std::process::id() % 2000) as u16 * 5;
+    let nats_port = free().to_string();
+    let base_text = base.to_string();
+    let stack_env = [
+        ("KEEL_STATE", state.path().to_str().unwrap()),
+        ("KEEL_STACK_PORTS_FROM", base_text.as_str()),
+        ("KEEL_STACK_NATS_PORT", nats_port.as_str()),
+        ("KEEL_DATABASE_URL", database.url.as_str()),
+    ];
+    let keel_in = |args: &[&str], env: &[(&str, &str)]| {
+        Command::new(keel_testkit::binary("keel"))
+            .args(args)
+            .current_dir(keel_testkit::workspace_root())
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", std::env::var("HOME").unwrap_or_default())
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    };
+    let up = keel_in(&["stack", "up"], &stack_env);
+    let said = format!("{}{}", String::from_utf8_lossy(&up.stdout), String::from_utf8_lossy(&up.stderr));
+    // Stopped however the test ends.
+    struct Down<'a>(Box<dyn Fn() + 'a>);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            (self.0)();
+        }
+    }
+    let _down = Down(Box::new(|| drop(keel_in(&["stack", "down"], &stack_env))));
+    assert!(up.status.success(), "keel stack up: {said}");
+    assert!(said.contains("the stack is up"), "{said}");
+
+    // A new shell: nothing but where the stack's state is.
+    let list = keel_in(&["run", "list"], &[("KEEL_STATE", state.path().to_str().unwrap())]);
+    let out = String::from_utf8_lossy(&list.stdout);
+    assert!(list.status.success(), "keel run list: {out}{}", String::from_utf8_lossy(&list.stderr));
+    assert!(out.starts_with("ID "), "{out}");
+    let status = keel_in(&["stack", "status"], &stack_env);
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stdout));
+
+    let down = keel_in(&["stack", "down"], &stack_env);
+    assert!(String::from_utf8_lossy(&down.stdout).contains("the stack is down"));
+    assert!(!state.path().join("stack.env").exists(), "the stack is gone, and so is its settings file");
+    let status = keel_in(&["stack", "status"], &stack_env);
+    assert!(!status.status.success(), "{}", String::from_utf8_lossy(&status.stdout));
+}

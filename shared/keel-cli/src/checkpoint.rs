@@ -63,17 +63,20 @@ pub enum CheckpointCommand {
 
 #[derive(Debug, Args)]
 pub struct Service {
-    /// The checkpoint service.
-    #[arg(long, env = "KEEL_CHECKPOINT_URL", default_value = "http://127.0.0.1:8083")]
-    url: String,
-    /// The store's API token, when it has one.
+    /// The checkpoint service (default: the local stack's, from `.keel/stack.env`, else
+    /// http://127.0.0.1:8083).
+    #[arg(long, env = "KEEL_CHECKPOINT_URL")]
+    url: Option<String>,
+    /// The store's API token, when it has one (default: the local stack's).
     #[arg(long, env = "KEEL_CHECKPOINT_TOKEN", hide_env_values = true)]
     token: Option<String>,
 }
 
 impl Service {
     fn client(&self) -> CheckpointClient {
-        CheckpointClient::new(&self.url).with_token(self.token.as_deref())
+        let url = crate::stack::or_local(self.url.clone(), "KEEL_CHECKPOINT_URL", "http://127.0.0.1:8083");
+        let token = self.token.clone().or_else(|| crate::stack::setting("KEEL_CHECKPOINT_TOKEN"));
+        CheckpointClient::new(&url).with_token(token.as_deref())
     }
 }
 

@@ -7,7 +7,8 @@
 //! OpenAI-compatible servers; [`reward`] holds `keel reward bench`; [`checkpoint`] holds
 //! `keel checkpoint list|upload|download|export`; [`run`] holds
 //! `keel run submit|validate|list|show|watch|cancel|samples`, and [`spec`] reads the spec files
-//! they send (`${VAR}` from the environment, `--set` overrides).
+//! they send (`${VAR}` from the environment, `--set` overrides); [`stack`] holds
+//! `keel stack up|status|down` and the local stack's settings the REST commands fall back on.
 //! Commands return `anyhow` errors whose chain reads as one line. The engine commands
 //! (`model`, `train`, `generate`, `reward`) need the `engines` feature (on by default), which
 //! links libtorch; without it `keel` is the REST client alone.
@@ -27,6 +28,7 @@ pub mod runtime;
 #[cfg(feature = "engines")]
 pub mod serve;
 pub mod spec;
+pub mod stack;
 #[cfg(feature = "engines")]
 pub mod train;
 
@@ -62,6 +64,10 @@ pub enum Command {
     Train(train::TrainCommand),
     /// Runs on the orchestrator: submit, list, show, watch, cancel, samples.
     Run(run::RunArgs),
+    /// The local stack without the demo: up, status, down (`.keel/stack.env` holds its URLs
+    /// and tokens, which the other commands read).
+    #[command(subcommand)]
+    Stack(stack::StackCommand),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -76,6 +82,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Reward(command) => reward::run(command),
         Command::Checkpoint(command) => checkpoint::run(command),
         Command::Run(args) => run::run(args),
+        Command::Stack(command) => stack::run(command),
     }
 }
 

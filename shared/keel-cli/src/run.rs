@@ -20,10 +20,11 @@ use uuid::Uuid;
 
 #[derive(Debug, Args)]
 pub struct Api {
-    /// The orchestrator.
-    #[arg(long, env = "KEEL_API_URL", default_value = "http://127.0.0.1:8080", global = true)]
-    url: String,
-    /// The orchestrator's API token, when it has one.
+    /// The orchestrator (default: the local stack's, from `.keel/stack.env`, else
+    /// http://127.0.0.1:8080).
+    #[arg(long, env = "KEEL_API_URL", global = true)]
+    url: Option<String>,
+    /// The orchestrator's API token, when it has one (default: the local stack's).
     #[arg(long, env = "KEEL_API_TOKEN", global = true, hide_env_values = true)]
     token: Option<String>,
 }
@@ -131,7 +132,9 @@ pub enum RunCommand {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let client = RunsClient::new(&args.api.url, args.api.token);
+    let url = crate::stack::or_local(args.api.url, "KEEL_API_URL", "http://127.0.0.1:8080");
+    let token = args.api.token.or_else(|| crate::stack::setting("KEEL_API_TOKEN"));
+    let client = RunsClient::new(&url, token);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let mut out = std::io::stdout().lock();
