@@ -288,6 +288,17 @@ async fn every_example_runs_as_the_readme_shows_it() {
         let points = stack.series(&id, journey.metric).await;
         assert!(!points.is_empty(), "{}: no {} in {run}", journey.spec, journey.metric);
         eprintln!("{}: succeeded, {} = {:?}", journey.spec, journey.metric, points.last().unwrap());
+        if journey.spec.starts_with("reward-service") {
+            // The plugin read each record's `topic` from the sample's metadata (its `info`
+            // says which) and the topic is the one its prompt names.
+            let samples = stack.get(&format!("/v1/runs/{id}/samples?split=train&limit=100")).await;
+            let samples = samples["samples"].as_array().unwrap();
+            assert!(!samples.is_empty());
+            for sample in samples {
+                let topic = sample["info"]["topic"].as_str().unwrap_or_default();
+                assert!(!topic.is_empty() && sample["prompt"].as_str().unwrap().contains(topic), "{sample}");
+            }
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //! position ([`Position`]), saved with every checkpoint so a resumed run takes the next
 //! prompts, not the same ones again.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use keel_protocol::FieldError;
 use keel_protocol::reward::Message;
@@ -37,8 +37,148 @@ pub struct Record {
     pub metadata: serde_json::Map<String, Value>,
 }
 
-/// Loads a dataset, checking that every record has what `algorithm` needs. Errors name
-/// `field` (`data.train`) and the line.
+/// Where a record of a file dataset is: the byte offset of its JSONL line, or the Parquet
+/// file (by number) and row group it is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Line(u64),
+    Group { file: usize, group: usize },
+}
+
+/// A dataset as a run reads it: its records by number, without holding them. A file
+/// dataset is read once through (every record checked) to find where each record is — 8
+/// bytes a record for JSONL (its line's offset), 12 for Parquet (its row group and row) — and the
+/// records a batch needs are read again from the files; the built-in generator's are made
+/// up front.
+#[derive(Debug)]
+pub struct Source {
+    keys: DataKeys,
+    field: String,
+    kind: SourceKind,
+}
+
+#[derive(Debug)]
+enum SourceKind {
+    Memory(Vec<Record>),
+    Jsonl {
+        path: PathBuf,
+        offsets: Vec<u64>,
+    },
+    /// Each record's (file, row group) in `files`, and its row within the group.
+    Parquet {
+        files: Vec<PathBuf>,
+        rows: Vec<(u32, u32, u32)>,
+    },
+}
+
+impl Source {
+    pub fn len(&self) -> usize {
+        match &self.kind {
+            SourceKind::Memory(records) => records.len(),
+            SourceKind::Jsonl { offsets, .. } => offsets.len(),
+            SourceKind::Parquet { rows, .. } => rows.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The records numbered `indices`, in that order (read from the files: blocking).
+    pub fn records(&self, indices: &[usize]) -> Result<Vec<Record>, FieldError> {
+        let at = format!("{}.path", self.field);
+        let out_of_range = |i: usize| FieldError::new(&self.field, format!("record {i} is past the dataset's end"));
+        match &self.kind {
+            SourceKind::Memory(records) => {
+                indices.iter().map(|&i| records.get(i).cloned().ok_or_else(|| out_of_range(i))).collect()
+            }
+            SourceKind::Jsonl { path, offsets } => {
+                use std::io::{BufRead, Seek};
+                let cannot_read =
+                    |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
+                let mut reader = std::io::BufReader::new(std::fs::File::open(path).map_err(cannot_read)?);
+                let mut line = Vec::new();
+                indices
+                    .iter()
+                    .map(|&i| {
+                        let offset = *offsets.get(i).ok_or_else(|| out_of_range(i))?;
+                        reader.seek(std::io::SeekFrom::Start(offset)).map_err(cannot_read)?;
+                        line.clear();
+                        reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
+                        jsonl_record(&line, &self.keys, &at, i + 1)
+                    })
+                    .collect()
+            }
+            SourceKind::Parquet { files, rows } => {
+                // Each row group a batch needs is read once.
+                let mut groups: std::collections::BTreeMap<(u32, u32), Vec<Record>> = Default::default();
+                for &i in indices {
+                    let &(file, group, _) = rows.get(i).ok_or_else(|| out_of_range(i))?;
+                    if let std::collections::btree_map::Entry::Vacant(slot) = groups.entry((file, group)) {
+                        let path = &files[file as usize];
+                        let reader = parquet_reader(path, &at)?;
+                        slot.insert(
+                            parquet_group(&reader, path, group as usize, &self.keys, &at)?
+                                .into_iter()
+                                .collect::<Result<_, _>>()?,
+                        );
+                    }
+                }
+                indices
+                    .iter()
+                    .map(|&i| {
+                        let (file, group, row) = rows[i];
+                        groups[&(file, group)].get(row as usize).cloned().ok_or_else(|| {
+                            FieldError::new(
+                                &at,
+                                format!("{} changed since the run started", files[file as usize].display()),
+                            )
+                        })
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Opens a dataset for a run: every record checked for what `algorithm` needs (as at
+/// submit), and where each is found ([`Source`]). Errors name `field` (`data.train`) and the
+/// line or row.
+pub fn open(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Source, FieldError> {
+    let (keys, kind) = match spec {
+        // The built-in generator's records have every field.
+        DatasetSpec::Arithmetic { size, max_operand, operations, seed, split } => {
+            check_split(*max_operand, operations, *split, field)?;
+            (DataKeys::default(), SourceKind::Memory(arithmetic(*size, *max_operand, operations, *seed, *split)))
+        }
+        DatasetSpec::Jsonl { path, keys } => {
+            let mut offsets = Vec::new();
+            check_each(spec, algorithm, field, &mut Vec::new(), |_, place| {
+                if let Place::Line(offset) = place {
+                    offsets.push(offset);
+                }
+            })?;
+            (keys.clone(), SourceKind::Jsonl { path: PathBuf::from(path), offsets })
+        }
+        DatasetSpec::Parquet { keys, .. } => {
+            let (mut files, mut rows) = (Vec::new(), Vec::new());
+            let mut last: Option<(usize, usize)> = None;
+            let mut row = 0u32;
+            check_each(spec, algorithm, field, &mut files, |_, place| {
+                if let Place::Group { file, group } = place {
+                    row = if last == Some((file, group)) { row + 1 } else { 0 };
+                    last = Some((file, group));
+                    rows.push((file as u32, group as u32, row));
+                }
+            })?;
+            (keys.clone(), SourceKind::Parquet { files, rows })
+        }
+    };
+    Ok(Source { keys, field: field.to_string(), kind })
+}
+
+/// Loads a dataset whole, checking that every record has what `algorithm` needs (validation
+/// sets, which are read through every time). Errors name `field` (`data.train`) and the line.
 pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
     match spec {
         // The built-in generator's records have every field.
@@ -48,7 +188,7 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
         }
         DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
             let mut records = Vec::new();
-            check_each(spec, algorithm, field, |record| records.push(record))?;
+            check_each(spec, algorithm, field, &mut Vec::new(), |record, _| records.push(record))?;
             Ok(records)
         }
     }
@@ -61,29 +201,33 @@ pub fn check(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<()
         DatasetSpec::Arithmetic { max_operand, operations, split, .. } => {
             check_split(*max_operand, operations, *split, field)
         }
-        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => check_each(spec, algorithm, field, drop),
+        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
+            check_each(spec, algorithm, field, &mut Vec::new(), |_, _| ())
+        }
     }
 }
 
 /// Every record of a file dataset, in order, checked for what `algorithm` needs and handed
-/// to `keep`; an empty dataset is a problem.
+/// to `keep` with its place (`files` gets the Parquet files read); an empty dataset is a
+/// problem.
 fn check_each(
     spec: &DatasetSpec,
     algorithm: Algorithm,
     field: &str,
-    mut keep: impl FnMut(Record),
+    files: &mut Vec<PathBuf>,
+    mut keep: impl FnMut(Record, Place),
 ) -> Result<(), FieldError> {
     let mut count = 0;
-    let mut each = |record: Record| {
+    let mut each = |record: Record, place: Place| {
         count += 1;
         lacks(algorithm, &record, count, field)?;
-        keep(record);
+        keep(record, place);
         Ok(())
     };
     match spec {
         DatasetSpec::Jsonl { path, keys } => for_each_jsonl(Path::new(path), keys, field, &mut each)?,
         DatasetSpec::Parquet { path, split, keys } => {
-            for_each_parquet(Path::new(path), split.as_deref(), keys, field, &mut each)?
+            for_each_parquet(Path::new(path), split.as_deref(), keys, field, files, &mut each)?
         }
         DatasetSpec::Arithmetic { .. } => {}
     }
@@ -135,6 +279,19 @@ pub fn validation_algorithm(spec: &keel_protocol::run::RunSpec) -> Algorithm {
     }
 }
 
+/// [`open`] on a blocking thread.
+pub async fn open_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Source, FieldError> {
+    off_the_workers(spec, algorithm, field, open).await
+}
+
+/// [`Source::records`] on a blocking thread.
+pub async fn records_async(source: &std::sync::Arc<Source>, indices: Vec<usize>) -> Result<Vec<Record>, FieldError> {
+    let source = source.clone();
+    tokio::task::spawn_blocking(move || source.records(&indices))
+        .await
+        .map_err(|e| FieldError::new("data", format!("reading the dataset stopped: {e}")))?
+}
+
 /// [`load`] on a blocking thread (files are read and records made off the async workers).
 pub async fn load_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec<Record>, FieldError> {
     off_the_workers(spec, algorithm, field, load).await
@@ -157,53 +314,102 @@ async fn off_the_workers<T: Send + 'static>(
         .map_err(|e| FieldError::new("data", format!("reading the dataset stopped: {e}")))?
 }
 
-/// Reads a JSONL file line by line, handing each record to `each` (which may stop the read
-/// with a problem); only one line is held at a time.
+/// Reads a JSONL file line by line, handing each record and where its line starts to `each`
+/// (which may stop the read with a problem); only one line is held at a time.
 fn for_each_jsonl(
     path: &Path,
     keys: &DataKeys,
     field: &str,
-    mut each: impl FnMut(Record) -> Result<(), FieldError>,
+    mut each: impl FnMut(Record, Place) -> Result<(), FieldError>,
 ) -> Result<(), FieldError> {
     use std::io::BufRead;
     let at = format!("{field}.path");
     let cannot_read = |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
     let file = std::fs::File::open(path).map_err(cannot_read)?;
-    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(cannot_read)?;
-        if line.trim().is_empty() {
+    let mut reader = std::io::BufReader::new(file);
+    let (mut line, mut offset) = (Vec::new(), 0u64);
+    for n in 1.. {
+        line.clear();
+        let read = reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
+        if read == 0 {
+            break;
+        }
+        let start = offset;
+        offset += read as u64;
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let value: Value = serde_json::from_str(&line)
-            .map_err(|e| FieldError::new(&at, format!("line {} is not JSON: {e}", n + 1)))?;
-        each(record_of(&value, keys, &at, &format!("line {}", n + 1))?)?;
+        let record = jsonl_record(&line, keys, &at, n)?;
+        each(record, Place::Line(start))?;
     }
     Ok(())
 }
 
-/// Reads Parquet files row by row (a row group at a time), handing each record to `each`:
-/// `path` itself, or the files of `split` under it ([`parquet_files`]).
+/// Line `n` (from 1) of a JSONL file as a record.
+fn jsonl_record(line: &[u8], keys: &DataKeys, at: &str, n: usize) -> Result<Record, FieldError> {
+    let value: Value =
+        serde_json::from_slice(line).map_err(|e| FieldError::new(at, format!("line {n} is not JSON: {e}")))?;
+    record_of(&value, keys, at, &format!("line {n}"))
+}
+
+/// Reads Parquet files row by row (a row group at a time), handing each record and its
+/// place (file and row group) to `each`: `path` itself, or the files of `split` under it
+/// ([`parquet_files`]). `files` gets the files read, which places number.
 fn for_each_parquet(
     path: &Path,
     split: Option<&str>,
     keys: &DataKeys,
     field: &str,
-    mut each: impl FnMut(Record) -> Result<(), FieldError>,
+    files: &mut Vec<PathBuf>,
+    mut each: impl FnMut(Record, Place) -> Result<(), FieldError>,
 ) -> Result<(), FieldError> {
-    use parquet::file::reader::FileReader;
     let at = format!("{field}.path");
     for file in parquet_files(path, split, field)? {
-        let name = file.display();
-        let bad = |e: &dyn std::fmt::Display| FieldError::new(&at, format!("{name}: {e}"));
-        let opened = std::fs::File::open(&file).map_err(|e| bad(&format!("cannot read it: {e}")))?;
-        let reader = parquet::file::serialized_reader::SerializedFileReader::new(opened)
-            .map_err(|e| bad(&format!("not a Parquet file: {e}")))?;
-        for (n, row) in reader.get_row_iter(None).map_err(|e| bad(&e))?.enumerate() {
-            let row = row.map_err(|e| bad(&format!("row {}: {e}", n + 1)))?;
-            each(record_of(&row.to_json_value(), keys, &at, &format!("{name}: row {}", n + 1))?)?;
+        let index = files.len();
+        let reader = parquet_reader(&file, &at)?;
+        let groups = parquet::file::reader::FileReader::num_row_groups(&reader);
+        for group in 0..groups {
+            for record in parquet_group(&reader, &file, group, keys, &at)? {
+                each(record?, Place::Group { file: index, group })?;
+            }
         }
+        files.push(file);
     }
     Ok(())
+}
+
+fn parquet_reader(
+    file: &Path,
+    at: &str,
+) -> Result<parquet::file::serialized_reader::SerializedFileReader<std::fs::File>, FieldError> {
+    let name = file.display();
+    let opened = std::fs::File::open(file).map_err(|e| FieldError::new(at, format!("{name}: cannot read it: {e}")))?;
+    parquet::file::serialized_reader::SerializedFileReader::new(opened)
+        .map_err(|e| FieldError::new(at, format!("{name}: not a Parquet file: {e}")))
+}
+
+/// The records of row group `group` of `file`, in order (a problem names the row's number in
+/// the file). One row group is held at a time.
+fn parquet_group(
+    reader: &parquet::file::serialized_reader::SerializedFileReader<std::fs::File>,
+    file: &Path,
+    group: usize,
+    keys: &DataKeys,
+    at: &str,
+) -> Result<Vec<Result<Record, FieldError>>, FieldError> {
+    use parquet::file::reader::FileReader;
+    let bad = |e: &dyn std::fmt::Display| FieldError::new(at, format!("{}: {e}", file.display()));
+    let before: usize = (0..group).map(|g| reader.metadata().row_group(g).num_rows() as usize).sum();
+    let row_group = reader.get_row_group(group).map_err(|e| bad(&e))?;
+    let rows = row_group.get_row_iter(None).map_err(|e| bad(&e))?;
+    Ok(rows
+        .enumerate()
+        .map(|(n, row)| {
+            let n = before + n + 1;
+            let row = row.map_err(|e| bad(&format!("row {n}: {e}")))?;
+            record_of(&row.to_json_value(), keys, at, &format!("{}: row {n}", file.display()))
+        })
+        .collect())
 }
 
 /// The Parquet files a dataset reads: `path` when it is a file; under a directory (searched
@@ -524,6 +730,11 @@ mod tests {
         let records = load(&spec(dir.path(), Some("train")), Algorithm::Grpo, "data.train").unwrap();
         let prompts: Vec<_> = records.iter().map(|r| r.prompt.clone().unwrap()).collect();
         assert_eq!(prompts, ["Q1", "Q2", "Q3", "Q4", "Q5"], "every file of the split, in name order, every row group");
+        // A run reads the same records by number, from their row groups.
+        let source = open(&spec(dir.path(), Some("train")), Algorithm::Grpo, "data.train").unwrap();
+        assert_eq!(source.len(), 5);
+        let picked = source.records(&[4, 0, 2, 3, 2]).unwrap();
+        assert_eq!(picked, [&records[4], &records[0], &records[2], &records[3], &records[2]].map(Clone::clone));
         assert_eq!(
             Value::Object(records[4].metadata.clone()),
             serde_json::json!({"tests": [{"stdin": "", "stdout": "5"}], "source": "x"}),
@@ -582,6 +793,24 @@ mod tests {
             "a `metadata` object's fields are merged in"
         );
         assert_eq!(records[1].task.as_deref(), Some("code"));
+    }
+
+    /// A run reads a JSONL file's records by number from their lines (blank lines and
+    /// lines without a final newline included), the same records a whole load gives.
+    #[test]
+    fn jsonl_records_are_read_by_number_from_their_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("train.jsonl");
+        let lines =
+            ["{\"prompt\": \"a\", \"x\": 1}", "", "  ", "{\"prompt\": \"b\"}", "{\"prompt\": \"c\", \"answer\": 3}"];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let spec = DatasetSpec::Jsonl { path: path.display().to_string(), keys: DataKeys::default() };
+        let whole = load(&spec, Algorithm::Grpo, "data.train").unwrap();
+        let source = open(&spec, Algorithm::Grpo, "data.train").unwrap();
+        assert_eq!(source.len(), 3);
+        assert_eq!(source.records(&[2, 0, 1]).unwrap(), [whole[2].clone(), whole[0].clone(), whole[1].clone()]);
+        assert_eq!(source.records(&[2]).unwrap()[0].answer.as_deref(), Some("3"));
+        assert!(source.records(&[3]).is_err(), "past the end");
     }
 
     #[test]

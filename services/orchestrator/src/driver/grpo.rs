@@ -48,7 +48,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
 /// What the run reads from step to step.
 pub(super) struct Inputs {
     pub prompting: Prompting,
-    pub train: Vec<Record>,
+    /// The training records, read from their files as batches need them.
+    pub train: std::sync::Arc<data::Source>,
     pub validation: Vec<Record>,
     pub has_reference: bool,
     pub total: u64,
@@ -160,7 +161,7 @@ pub(super) fn step_span(ctx: &RunContext, inputs: &Inputs, step: u64) -> tracing
 /// starts after.
 async fn prepare(ctx: &RunContext) -> Result<(Inputs, Grpo, Dataloader)> {
     let spec = &ctx.spec;
-    let train = data::load_async(&spec.data.train, Algorithm::Grpo, "data.train").await?;
+    let train = std::sync::Arc::new(data::open_async(&spec.data.train, Algorithm::Grpo, "data.train").await?);
     let validation = match &spec.data.validation {
         Some(d) => data::load_async(d, Algorithm::Grpo, "data.validation").await?,
         None => Vec::new(),
@@ -464,7 +465,8 @@ pub(super) async fn collect_groups(
     for round in 0..rounds {
         let need = g.num_prompts_per_step - kept.len();
         let Some(indices) = loader.next_batch(need) else { break };
-        let records: Vec<&Record> = indices.iter().map(|&i| &train[i]).collect();
+        let records = data::records_async(train, indices).await?;
+        let records: Vec<&Record> = records.iter().collect();
         let seed = spec.seed.wrapping_mul(1_000_003).wrapping_add(step * 10_007).wrapping_add(u64::from(round));
         let (mut episodes, timing) = rollout::rollout(ctx, prompting, &records, &settings, seed).await?;
         generation += timing.generation;

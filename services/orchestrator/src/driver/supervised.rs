@@ -23,7 +23,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let spec = &ctx.spec;
     let algorithm = spec.algorithm;
     let training = spec.training.as_ref().ok_or_else(|| Stop::Failed("this run has no training section".into()))?;
-    let train = data::load_async(&spec.data.train, algorithm, "data.train").await?;
+    let train = std::sync::Arc::new(data::open_async(&spec.data.train, algorithm, "data.train").await?);
     let held_out = match &spec.data.validation {
         Some(d) => data::load_async(d, data::validation_algorithm(spec), "data.validation").await?,
         None => Vec::new(),
@@ -73,7 +73,8 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
         let more = async {
             let started = Instant::now();
             let Some(indices) = loader.next_batch(per_step) else { return Ok(false) };
-            let records: Vec<&Record> = indices.iter().map(|&i| &train[i]).collect();
+            let records = data::records_async(&train, indices).await?;
+            let records: Vec<&Record> = records.iter().collect();
             let rows = rows_of(&prompting, &records, pairwise)?;
             let tokens: usize = rows.iter().map(|r| r.ids.len()).sum();
             tracing::Span::current().record("sequences", rows.len()).record("tokens", tokens);
