@@ -288,6 +288,29 @@ async fn every_example_runs_as_the_readme_shows_it() {
         let points = stack.series(&id, journey.metric).await;
         assert!(!points.is_empty(), "{}: no {} in {run}", journey.spec, journey.metric);
         eprintln!("{}: succeeded, {} = {:?}", journey.spec, journey.metric, points.last().unwrap());
+        if journey.spec.starts_with("sliding-puzzle") {
+            // Each game was made from its record's metadata (`size: 2`): every board the
+            // environment shows is 2×2 (rows of tiles, `_` the blank).
+            let samples = stack.get(&format!("/v1/runs/{id}/samples?split=train&limit=100")).await;
+            let mut boards = 0;
+            for sample in samples["samples"].as_array().unwrap() {
+                for turn in sample["turns"].as_array().unwrap().iter().filter(|t| t["role"] == "user") {
+                    let rows: Vec<usize> = turn["content"]
+                        .as_str()
+                        .unwrap()
+                        .lines()
+                        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+                        .filter(|cells| {
+                            !cells.is_empty() && cells.iter().all(|c| *c == "_" || c.parse::<u32>().is_ok())
+                        })
+                        .map(|cells| cells.len())
+                        .collect();
+                    assert_eq!(rows, [2, 2], "a 2x2 board: {turn}");
+                    boards += 1;
+                }
+            }
+            assert!(boards > 0, "the environment showed boards: {samples}");
+        }
         if journey.spec.starts_with("reward-service") {
             // The plugin read each record's `topic` from the sample's metadata (its `info`
             // says which) and the topic is the one its prompt names.

@@ -243,11 +243,14 @@ impl Generator {
         Ok(Released { worker_id: self.id().to_string() })
     }
 
-    /// Releases the claim when its lease ran out with nothing in flight.
-    async fn expire(&self) {
+    /// Releases the claim when its lease ran out with nothing in flight; the start-up model
+    /// comes back in a task of its own, so claims are answered meanwhile (a load waits for
+    /// it).
+    fn expire(self: &Arc<Self>) {
         if let Some(held) = self.leases.take_expired() {
             warn!(run_id = %held.run_id, "lease expired; releasing the generator");
-            self.restore().await;
+            let me = self.clone();
+            tokio::spawn(async move { me.restore().await });
         }
     }
 
@@ -352,7 +355,7 @@ impl Generator {
                         self.respond(message, GeneratorOp::Claim);
                     }
                 }
-                _ = tick.tick() => self.expire().await,
+                _ = tick.tick() => self.expire(),
             }
             // Free generators are in the claim group; held ones are not.
             match (self.leases.is_claimed(), group.is_some()) {
