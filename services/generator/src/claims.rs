@@ -35,6 +35,9 @@ const LEASE_CHECK: Duration = Duration::from_millis(200);
 /// A run's model, loaded and served on the run's subjects.
 struct RunModel {
     run_id: String,
+    state: AppState,
+    /// The engine is the start-up model's, used as loaded.
+    shared: bool,
     /// Stops the serving of the run's subjects.
     stop: tokio::sync::oneshot::Sender<()>,
     served: tokio::task::JoinHandle<()>,
@@ -142,6 +145,7 @@ impl Generator {
             }
             _ => None,
         };
+        let shared = reusable.is_some();
         let state = match reusable {
             Some(state) => {
                 info!(run_id = %request.run_id, "the run's model is the start-up model: serving it as loaded");
@@ -150,7 +154,9 @@ impl Generator {
             None => {
                 // The start-up model leaves memory before the run's arrives.
                 self.serving.set(None);
-                slot.startup = None;
+                if let Some((startup, _)) = slot.startup.take() {
+                    give_back_device(&startup).await;
+                }
                 info!(run_id = %request.run_id, model = %dir.display(), "loading the run's model");
                 crate::load_blocking(config.clone(), dir.clone(), self.leading.clone())
                     .await
@@ -176,7 +182,7 @@ impl Generator {
                 warn!(%run_id, "serving the run's subjects ended: {e}");
             }
         });
-        slot.run = Some(RunModel { run_id: request.run_id.clone(), stop, served });
+        slot.run = Some(RunModel { run_id: request.run_id.clone(), state: state.clone(), shared, stop, served });
         self.serving.set(Some(&state));
         self.leases.set_loaded(&request.run_id, true);
         let loaded = ModelLoaded {
@@ -200,6 +206,9 @@ impl Generator {
                 warn!(run_id = %run.run_id, "serving the run's subjects failed: {e}");
             }
             self.serving.set(slot.startup.as_ref().map(|(state, _)| state));
+            if !run.shared {
+                give_back_device(&run.state).await;
+            }
             info!(run_id = %run.run_id, "the run's model is dropped");
         }
     }
@@ -212,6 +221,12 @@ impl Generator {
         if let (Some((state, pristine)), Some(dir)) = (slot.startup.as_mut(), self.config.model.clone())
             && !*pristine
         {
+            // A colocated run may have left it asleep.
+            if state.engine.stats.asleep.load(std::sync::atomic::Ordering::Relaxed) != 0
+                && let Err(e) = state.engine.change_memory(keel_generation::engine::Memory::Wake).await
+            {
+                warn!("cannot wake the start-up model: {e}");
+            }
             let weights = keel_generation::backend::Weights::Dir(dir);
             match state.engine.refit(weights, 0, None).await {
                 Ok(_) => *pristine = true,
@@ -373,6 +388,20 @@ impl Generator {
         }
         info!("generator stopping");
         Ok(())
+    }
+}
+
+/// On a GPU, a model about to be dropped gives its memory back first (its KV pool freed, its
+/// weights moved to host memory, libtorch's cache returned to the driver), so the next
+/// model's KV cache is sized from memory that is really free: the engine itself goes only
+/// when the last request holding it ends.
+async fn give_back_device(state: &AppState) {
+    if state.device == tch::Device::Cpu {
+        return;
+    }
+    let sleep = keel_generation::engine::Memory::Sleep { offload_weights: true };
+    if let Err(e) = state.engine.change_memory(sleep).await {
+        warn!("cannot free the model's GPU memory before dropping it: {e}");
     }
 }
 

@@ -240,16 +240,24 @@ pub async fn serve(
     let RunSubjects { run_id, mut requests, mut updates, mut memory } = subscribed;
     let refused = RefusedRefit::default();
     let in_flight = InFlight::default();
+    // Every request's task: aborted when the run lets the generator go, so that no refit
+    // of this run's weights lands after the next model (or the start-up one) is in place.
+    let mut tasks = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
     loop {
+        while tasks.try_join_next().is_some() {}
         tokio::select! {
-            () = &mut shutdown => return Ok(()),
+            () = &mut shutdown => {
+                tasks.abort_all();
+                while tasks.join_next().await.is_some() {}
+                return Ok(());
+            }
             message = requests.next() => {
                 let Some(message) = message else { return Err(Error::SubscriptionEnded("rollout")) };
                 let (state, client, refused, in_flight) =
                     (state.clone(), client.clone(), refused.clone(), in_flight.clone());
                 let deadline = keel_service::nats::caller_timeout(&message).map(|t| tokio::time::Instant::now() + t);
-                tokio::spawn(async move {
+                tasks.spawn(async move {
                     let id = request_id(&message.payload);
                     let body = keel_service::nats::served(&client, "generator.generate", &message, async {
                         deduplicated(&in_flight, id, deadline, async {
@@ -269,7 +277,7 @@ pub async fn serve(
             message = memory.next() => {
                 let Some(message) = message else { return Err(Error::SubscriptionEnded("memory")) };
                 let (engine, client) = (state.engine.clone(), client.clone());
-                tokio::spawn(async move { change_memory(&engine, &client, message).await });
+                tasks.spawn(async move { change_memory(&engine, &client, message).await });
             }
             message = updates.next() => {
                 let Some(message) = message else { return Err(Error::SubscriptionEnded("weights")) };
@@ -283,7 +291,7 @@ pub async fn serve(
                         span.record("run_id", update.run_id.as_str());
                         let (client, roots, dtype, device) = (client.clone(), roots.clone(), state.dtype, state.device);
                         let links = state.links.clone();
-                        tokio::spawn(tracing::Instrument::instrument(async move {
+                        tasks.spawn(tracing::Instrument::instrument(async move {
                             let arrived = std::time::Instant::now();
                             let refit = async {
                                 let weights = new_weights(&client, &roots, &update, device, &links).await?;

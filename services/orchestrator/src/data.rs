@@ -105,7 +105,12 @@ impl Source {
                         reader.seek(std::io::SeekFrom::Start(offset)).map_err(cannot_read)?;
                         line.clear();
                         reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
-                        jsonl_record(&line, &self.keys, &at, i + 1)
+                        jsonl_record(
+                            &line,
+                            &self.keys,
+                            &at,
+                            &format!("record {} (changed since the run started?)", i + 1),
+                        )
                     })
                     .collect()
             }
@@ -339,17 +344,17 @@ fn for_each_jsonl(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let record = jsonl_record(&line, keys, &at, n)?;
+        let record = jsonl_record(&line, keys, &at, &format!("line {n}"))?;
         each(record, Place::Line(start))?;
     }
     Ok(())
 }
 
-/// Line `n` (from 1) of a JSONL file as a record.
-fn jsonl_record(line: &[u8], keys: &DataKeys, at: &str, n: usize) -> Result<Record, FieldError> {
+/// A line of a JSONL file as a record; `place` names it in a problem (`line 7`).
+fn jsonl_record(line: &[u8], keys: &DataKeys, at: &str, place: &str) -> Result<Record, FieldError> {
     let value: Value =
-        serde_json::from_slice(line).map_err(|e| FieldError::new(at, format!("line {n} is not JSON: {e}")))?;
-    record_of(&value, keys, at, &format!("line {n}"))
+        serde_json::from_slice(line).map_err(|e| FieldError::new(at, format!("{place} is not JSON: {e}")))?;
+    record_of(&value, keys, at, place)
 }
 
 /// Reads Parquet files row by row (a row group at a time), handing each record and its

@@ -61,20 +61,23 @@ pub async fn upload(
     let failed = |what: &str, e: &dyn std::fmt::Display| Failure::Internal(format!("{what}: {e}"));
     let dir = &state.datasets;
     tokio::fs::create_dir_all(dir).await.map_err(|e| failed("cannot make the datasets directory", &e))?;
-    let partial = dir.join(format!(".upload-{}", uuid::Uuid::new_v4().simple()));
-    let written = receive(body, &partial, state.max_dataset_bytes).await;
-    let (sha256, bytes) = match written {
-        Ok(done) => done,
-        Err(e) => {
-            let _ = tokio::fs::remove_file(&partial).await;
-            return Err(e);
-        }
-    };
+    // Removed however the upload ends (refused, broken off, or the client gone), unless kept.
+    let partial = Partial(dir.join(format!(".upload-{}", uuid::Uuid::new_v4().simple())));
+    let (sha256, bytes) = receive(body, &partial.0, state.max_dataset_bytes).await?;
     let path = dir.join(format!("{sha256}.{extension}"));
-    tokio::fs::rename(&partial, &path).await.map_err(|e| failed("cannot keep the upload", &e))?;
+    tokio::fs::rename(&partial.0, &path).await.map_err(|e| failed("cannot keep the upload", &e))?;
     tracing::info!(path = %path.display(), bytes, name = %query.name, "dataset uploaded");
     let path = path.to_string_lossy().into_owned();
     Ok((StatusCode::CREATED, Json(DatasetUploaded { path, sha256, bytes })))
+}
+
+/// A file being uploaded, removed when dropped (after a rename it is gone already).
+struct Partial(PathBuf);
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Writes `body` to `to` as it arrives, hashing it; refused past `limit` bytes.

@@ -208,17 +208,23 @@ pub async fn request_cancel(db: &mut PgConnection, run_id: Uuid) -> sqlx::Result
 
 /// The oldest run waiting to start, or a running (or waiting) one whose owner stopped
 /// renewing its lease, locked for this transaction (other instances skip it); with the
-/// times it was started.
-pub async fn next_claimable(db: &mut PgConnection, lease_seconds: f64) -> sqlx::Result<Option<(Run, i32)>> {
+/// times it was started. Runs in `skip` (those that cannot start now) are passed over.
+pub async fn next_claimable(
+    db: &mut PgConnection,
+    lease_seconds: f64,
+    skip: &[Uuid],
+) -> sqlx::Result<Option<(Run, i32)>> {
     let row = sqlx::query(concat!(
         "SELECT ",
         run_columns!(),
-        ", attempts FROM runs WHERE status = 'queued' OR (",
+        ", attempts FROM runs WHERE (status = 'queued' OR (",
         active!(),
         " AND ",
-        "heartbeat_at < now() - make_interval(secs => $1)) ORDER BY created_at FOR UPDATE SKIP LOCKED LIMIT 1"
+        "heartbeat_at < now() - make_interval(secs => $1))) AND NOT (id = ANY($2)) ",
+        "ORDER BY created_at FOR UPDATE SKIP LOCKED LIMIT 1"
     ))
     .bind(lease_seconds)
+    .bind(skip)
     .fetch_optional(&mut *db)
     .await?;
     match row {

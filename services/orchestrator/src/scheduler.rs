@@ -28,6 +28,16 @@ use crate::driver::weights::WeightPublisher;
 use crate::driver::{self, RunContext, Stop, StopFlag, Waits};
 use crate::loggers::Loggers;
 
+/// What [`Scheduler::claim_next`] found.
+enum Next {
+    /// A run whose driver is to start.
+    Start(Box<RunContext>),
+    /// A run that cannot start now (no free workers, or it ran out of attempts).
+    Pass(Uuid),
+    /// No run to start.
+    Idle,
+}
+
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     pub pool: PgPool,
@@ -59,13 +69,17 @@ impl Scheduler {
                 _ = tick.tick() => {}
                 Some(_) = drivers.join_next(), if !drivers.is_empty() => continue,
             }
+            // A run that cannot start now (its workers are not free) does not hold up the
+            // runs behind it: it is passed over until the next tick.
+            let mut passed = Vec::new();
             while drivers.len() < self.max_concurrent_runs {
-                match self.claim_next().await {
-                    Ok(Some(ctx)) => {
+                match self.claim_next(&passed).await {
+                    Ok(Next::Start(ctx)) => {
                         let scheduler = self.clone();
-                        drivers.spawn(async move { scheduler.drive(ctx).await });
+                        drivers.spawn(async move { scheduler.drive(*ctx).await });
                     }
-                    Ok(None) => break,
+                    Ok(Next::Pass(run_id)) => passed.push(run_id),
+                    Ok(Next::Idle) => break,
                     Err(e) => {
                         tracing::warn!("cannot start a run: {e}");
                         break;
@@ -81,11 +95,12 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Takes the next run that can start now.
-    async fn claim_next(&self) -> Result<Option<RunContext>, sqlx::Error> {
+    /// Takes the next run, other than those in `passed`, and starts it if its workers are
+    /// free.
+    async fn claim_next(&self, passed: &[Uuid]) -> Result<Next, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let Some((run, attempts)) = db::next_claimable(&mut tx, self.run_lease.as_secs_f64()).await? else {
-            return Ok(None);
+        let Some((run, attempts)) = db::next_claimable(&mut tx, self.run_lease.as_secs_f64(), passed).await? else {
+            return Ok(Next::Idle);
         };
         // Queued runs have attempts left (`settle` checked); a run whose driver vanished
         // (its orchestrator crashed or hung) may not.
@@ -99,7 +114,7 @@ impl Scheduler {
             tracing::error!(run_id = %run.id, "run failed: {reason}");
             db::abandon(&mut tx, run.id, &reason).await?;
             tx.commit().await?;
-            return Ok(None);
+            return Ok(Next::Pass(run.id));
         }
         let run_key = run.id.to_string();
         let owner = Uuid::new_v4();
@@ -107,7 +122,7 @@ impl Scheduler {
         // once, and no trainer is claimed and let go on every poll.
         let previous = db::generators(&mut tx, run.id).await?;
         let Some(generators) = self.claim_generators(&run_key, &run.spec, &previous, owner).await else {
-            return Ok(None);
+            return Ok(Next::Pass(run.id));
         };
         let trainer = if run.algorithm.loss_name().is_some() {
             let previous = db::trainer_worker(&mut tx, run.id).await?;
@@ -115,7 +130,7 @@ impl Scheduler {
                 Some(trainer) => Some(trainer),
                 None => {
                     futures::future::join_all(generators.iter().map(Generator::release)).await;
-                    return Ok(None);
+                    return Ok(Next::Pass(run.id));
                 }
             }
         } else {
@@ -142,7 +157,7 @@ impl Scheduler {
         let mut nats = self.nats.clone();
         nats.patience = nats.patience.watched_by(waits.clone());
         let weights = WeightPublisher::new(run.id, &nats, stop.clone(), &run.spec);
-        Ok(Some(RunContext {
+        Ok(Next::Start(Box::new(RunContext {
             id: run.id,
             owner,
             store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name())
@@ -156,7 +171,7 @@ impl Scheduler {
             run_dir: self.work_dir.join("runs").join(run.id.to_string()),
             stop,
             waits,
-        }))
+        })))
     }
 
     /// The worker the run held before (it renews the claim for the same run, and from now
@@ -279,65 +294,27 @@ mod tests {
 
     use super::*;
 
+    fn started(next: Next) -> RunContext {
+        match next {
+            Next::Start(ctx) => *ctx,
+            Next::Pass(id) => panic!("run {id} was passed over"),
+            Next::Idle => panic!("no run to start"),
+        }
+    }
+
     /// The report's case: an orchestrator stalled past its lease claims its own live run
     /// again. The second claim gets an owner of its own, so the first driver's next step,
     /// heartbeat and end are refused (it stops) while the second driver's step is recorded:
     /// no step is recorded twice.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_second_claim_fences_out_the_first_driver_even_on_the_same_instance() {
-        let database = keel_testkit::TestDatabase::new("keel_orch_fence");
-        let pool = db::connect(&database.url).await.unwrap();
-        let spec = crate::spec::parse(
-            b"algorithm: eval\nmodel: {path: /m}\ndata: {train: {kind: arithmetic, size: 4}}\n",
-            Some("application/yaml"),
+        let fixture = Fixture::start(
+            "keel_orch_fence",
+            &["algorithm: eval\nmodel: {path: /m}\ndata: {train: {kind: arithmetic, size: 4}}\n"],
         )
-        .unwrap();
-        let run = db::insert_run(&mut pool.acquire().await.unwrap(), &spec).await.unwrap();
-        let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
-        let bulk = keel_service::nats::Bulk::open(client.clone(), "keel-test-bulk").await.unwrap();
-        let nats = Nats {
-            client,
-            subjects: keel_protocol::Subjects::new(&format!("keeltest.fence{}", Uuid::new_v4().simple())).unwrap(),
-            bulk,
-            timeout: Duration::from_secs(5),
-            retries: 0,
-            patience: keel_client::retry::Patience::none(),
-        };
-        // An eval run holds a generator: one that takes every claim.
-        let generator = {
-            use futures::StreamExt;
-            let (client, subjects) = (nats.client.clone(), nats.subjects.clone());
-            let mut free = client.subscribe(subjects.generator_claim()).await.unwrap();
-            let mut own = client.subscribe(subjects.generator_all("g1")).await.unwrap();
-            client.flush().await.unwrap();
-            tokio::spawn(async move {
-                loop {
-                    let message = tokio::select! {
-                        Some(m) = free.next() => m,
-                        Some(m) = own.next() => m,
-                        else => break,
-                    };
-                    let reply = serde_json::json!({"ok": {"worker_id": "g1", "lease_seconds": 60.0}});
-                    if let Some(to) = message.reply {
-                        client.publish(to, reply.to_string().into()).await.unwrap();
-                    }
-                }
-            })
-        };
-        let work_dir = tempfile::tempdir().unwrap();
-        let scheduler = Scheduler {
-            pool: pool.clone(),
-            nats,
-            checkpoints: CheckpointClient::new("http://127.0.0.1:9"),
-            work_dir: work_dir.path().to_path_buf(),
-            claims: Arc::default(),
-            run_lease: Duration::from_secs(20),
-            trainer_lease: Duration::from_secs(60),
-            poll: Duration::from_secs(1),
-            max_concurrent_runs: 1,
-            max_attempts: 3,
-        };
-        let first = scheduler.claim_next().await.unwrap().unwrap();
+        .await;
+        let (scheduler, pool, run) = (&fixture.scheduler, &fixture.scheduler.pool, &fixture.runs[0]);
+        let first = started(scheduler.claim_next(&[]).await.unwrap());
         assert_eq!(first.id, run.id);
         let step = |n: u64| db::StepRecord {
             step: n,
@@ -349,10 +326,10 @@ mod tests {
         // The first driver stalls past its lease; the same instance claims the run again.
         sqlx::query("UPDATE runs SET heartbeat_at = now() - interval '1 day' WHERE id = $1")
             .bind(run.id)
-            .execute(&pool)
+            .execute(pool)
             .await
             .unwrap();
-        let second = scheduler.claim_next().await.unwrap().unwrap();
+        let second = started(scheduler.claim_next(&[]).await.unwrap());
         assert_eq!(second.id, run.id);
         assert_ne!(second.owner, first.owner, "every claim has an owner of its own");
         let mut db = pool.acquire().await.unwrap();
@@ -365,11 +342,99 @@ mod tests {
         );
         let losses: Vec<i64> = sqlx::query_scalar("SELECT step::bigint FROM metrics WHERE run_id = $1 ORDER BY step")
             .bind(run.id)
-            .fetch_all(&pool)
+            .fetch_all(pool)
             .await
             .unwrap();
         assert_eq!(losses, [1, 2], "each step recorded once");
         assert_eq!(second.generators.iter().map(|g| g.id()).collect::<Vec<_>>(), ["g1"], "the same generator again");
-        generator.abort();
+    }
+
+    /// A run that cannot get its generators (it wants two; the one there answers every
+    /// claim) is passed over, and the run behind it starts.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_run_waiting_for_generators_does_not_hold_up_the_next() {
+        let eval = "algorithm: eval\nmodel: {path: /m}\ndata: {train: {kind: arithmetic, size: 4}}\n";
+        let wants_two = format!("{eval}generation: {{replicas: 2}}\n");
+        let fixture = Fixture::start("keel_orch_pass", &[&wants_two, eval]).await;
+        let scheduler = &fixture.scheduler;
+        let (first, second) = (fixture.runs[0].id, fixture.runs[1].id);
+        match scheduler.claim_next(&[]).await.unwrap() {
+            Next::Pass(id) => assert_eq!(id, first, "the oldest is passed over"),
+            _ => panic!("the run that wants two generators started"),
+        }
+        assert_eq!(started(scheduler.claim_next(&[first]).await.unwrap()).id, second);
+        assert!(matches!(scheduler.claim_next(&[first]).await.unwrap(), Next::Idle));
+    }
+
+    /// A scheduler on a database and subjects of its own, with `specs` submitted (oldest
+    /// first) and one generator, `g1`, that takes every claim.
+    struct Fixture {
+        scheduler: Scheduler,
+        runs: Vec<keel_protocol::run::Run>,
+        generator: tokio::task::JoinHandle<()>,
+        _database: keel_testkit::TestDatabase,
+        _work_dir: tempfile::TempDir,
+    }
+
+    impl Drop for Fixture {
+        fn drop(&mut self) {
+            self.generator.abort();
+        }
+    }
+
+    impl Fixture {
+        async fn start(name: &str, specs: &[&str]) -> Self {
+            let database = keel_testkit::TestDatabase::new(name);
+            let pool = db::connect(&database.url).await.unwrap();
+            let mut runs = Vec::new();
+            for spec in specs {
+                let spec = crate::spec::parse(spec.as_bytes(), Some("application/yaml")).unwrap();
+                runs.push(db::insert_run(&mut pool.acquire().await.unwrap(), &spec).await.unwrap());
+            }
+            let client = keel_service::nats::connect(&keel_service::nats::default_url()).await.unwrap();
+            let bulk = keel_service::nats::Bulk::open(client.clone(), "keel-test-bulk").await.unwrap();
+            let nats = Nats {
+                client,
+                subjects: keel_protocol::Subjects::new(&format!("keeltest.sched{}", Uuid::new_v4().simple())).unwrap(),
+                bulk,
+                timeout: Duration::from_secs(5),
+                retries: 0,
+                patience: keel_client::retry::Patience::none(),
+            };
+            let generator = {
+                use futures::StreamExt;
+                let (client, subjects) = (nats.client.clone(), nats.subjects.clone());
+                let mut free = client.subscribe(subjects.generator_claim()).await.unwrap();
+                let mut own = client.subscribe(subjects.generator_all("g1")).await.unwrap();
+                client.flush().await.unwrap();
+                tokio::spawn(async move {
+                    loop {
+                        let message = tokio::select! {
+                            Some(m) = free.next() => m,
+                            Some(m) = own.next() => m,
+                            else => break,
+                        };
+                        let reply = serde_json::json!({"ok": {"worker_id": "g1", "lease_seconds": 60.0}});
+                        if let Some(to) = message.reply {
+                            client.publish(to, reply.to_string().into()).await.unwrap();
+                        }
+                    }
+                })
+            };
+            let work_dir = tempfile::tempdir().unwrap();
+            let scheduler = Scheduler {
+                pool,
+                nats,
+                checkpoints: CheckpointClient::new("http://127.0.0.1:9"),
+                work_dir: work_dir.path().to_path_buf(),
+                claims: Arc::default(),
+                run_lease: Duration::from_secs(20),
+                trainer_lease: Duration::from_secs(60),
+                poll: Duration::from_secs(1),
+                max_concurrent_runs: 1,
+                max_attempts: 3,
+            };
+            Self { scheduler, runs, generator, _database: database, _work_dir: work_dir }
+        }
     }
 }

@@ -74,8 +74,8 @@ pub struct Service {
 
 impl Service {
     fn client(&self) -> CheckpointClient {
-        let url = crate::stack::or_local(self.url.clone(), "KEEL_CHECKPOINT_URL", "http://127.0.0.1:8083");
-        let token = self.token.clone().or_else(|| crate::stack::setting("KEEL_CHECKPOINT_TOKEN"));
+        let (url, token) =
+            crate::stack::endpoint(self.url.clone(), self.token.clone(), "KEEL_CHECKPOINT", "http://127.0.0.1:8083");
         CheckpointClient::new(&url).with_token(token.as_deref())
     }
 }

@@ -60,8 +60,8 @@ impl SpecFile {
         let mut spec = crate::spec::load_value(&self.file, &self.sets)?;
         if !self.no_upload {
             let base = self.file.parent().unwrap_or(std::path::Path::new("."));
-            for (pointer, local) in crate::spec::local_datasets(&spec, base) {
-                let uploaded = client.upload_dataset(&local).await?;
+            for (pointer, local, kind) in crate::spec::local_datasets(&spec, base) {
+                let uploaded = client.upload_dataset(&local, &kind).await?;
                 eprintln!("uploaded {} ({} bytes) as {}", local.display(), uploaded.bytes, uploaded.path);
                 if let Some(path) = spec.pointer_mut(&pointer) {
                     *path = serde_json::Value::String(uploaded.path);
@@ -132,8 +132,7 @@ pub enum RunCommand {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let url = crate::stack::or_local(args.api.url, "KEEL_API_URL", "http://127.0.0.1:8080");
-    let token = args.api.token.or_else(|| crate::stack::setting("KEEL_API_TOKEN"));
+    let (url, token) = crate::stack::endpoint(args.api.url, args.api.token, "KEEL_API", "http://127.0.0.1:8080");
     let client = RunsClient::new(&url, token);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {

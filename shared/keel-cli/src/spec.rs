@@ -32,10 +32,10 @@ pub fn load_value(file: &Path, sets: &[String]) -> anyhow::Result<Value> {
     resolve(&text, json, sets, &|name| std::env::var(name).ok()).with_context(|| format!("spec {}", file.display()))
 }
 
-/// The dataset files of `spec` that are here: each as the JSON pointer of its `path` and the
+/// The dataset files of `spec` that are here: each as the JSON pointer of its `path`, the
 /// file (a relative path is looked for in `base`, the spec file's directory, then in the
-/// working directory).
-pub fn local_datasets(spec: &Value, base: &Path) -> Vec<(String, PathBuf)> {
+/// working directory) and its `kind` (`jsonl`, `parquet`).
+pub fn local_datasets(spec: &Value, base: &Path) -> Vec<(String, PathBuf, String)> {
     let mut found = Vec::new();
     for split in ["train", "validation"] {
         let dataset = &spec["data"][split];
@@ -48,7 +48,7 @@ pub fn local_datasets(spec: &Value, base: &Path) -> Vec<(String, PathBuf)> {
             vec![base.join(written), written.to_path_buf()]
         };
         if let Some(file) = candidates.into_iter().find(|c| c.is_file()) {
-            found.push((format!("/data/{split}/path"), file));
+            found.push((format!("/data/{split}/path"), file, kind.to_string()));
         }
     }
     found
@@ -379,7 +379,7 @@ mod tests {
             "validation": {"kind": "parquet", "path": "hf"},
         }});
         let found = local_datasets(&spec, dir.path());
-        assert_eq!(found, [("/data/train/path".to_string(), dir.path().join("train.jsonl"))]);
+        assert_eq!(found, [("/data/train/path".to_string(), dir.path().join("train.jsonl"), "jsonl".to_string())]);
         let elsewhere = json!({"data": {"train": {"kind": "jsonl", "path": "/var/lib/keel/nowhere.jsonl"},
             "validation": {"kind": "arithmetic", "size": 4}}});
         assert!(local_datasets(&elsewhere, dir.path()).is_empty());

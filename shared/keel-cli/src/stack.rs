@@ -1,7 +1,8 @@
 //! `keel stack up|down|status`: the local stack of this checkout without the demo, left
 //! running (the repository's `scripts/stack`, found from the working directory up), and the
 //! settings file it writes (`.keel/stack.env`: the API URL and every token), which the other
-//! commands read for a URL or token given neither as a flag nor in the environment. So after
+//! commands read for a URL given neither as a flag nor in the environment (and then for its
+//! token). So after
 //! `keel stack up`, `keel run list` works in any shell of the checkout.
 
 use std::path::{Path, PathBuf};
@@ -44,9 +45,17 @@ fn parse(text: &str, name: &str) -> Option<String> {
         .find_map(|line| line.strip_prefix(name)?.strip_prefix('=').map(str::to_string))
 }
 
-/// A flag or variable's value, else the local stack's, else `default`.
-pub fn or_local(given: Option<String>, name: &str, default: &str) -> String {
-    given.or_else(|| setting(name)).unwrap_or_else(|| default.to_string())
+/// A service's URL and token (`<PREFIX>_URL`, `<PREFIX>_TOKEN`): as given (a flag or the
+/// environment), else the local stack's, else `default` and none. The stack's token goes
+/// only to the stack's URL, never to a URL given elsewhere.
+pub fn endpoint(url: Option<String>, token: Option<String>, prefix: &str, default: &str) -> (String, Option<String>) {
+    match url {
+        Some(url) => (url, token),
+        None => match setting(&format!("{prefix}_URL")) {
+            Some(url) => (url, token.or_else(|| setting(&format!("{prefix}_TOKEN")))),
+            None => (default.to_string(), token),
+        },
+    }
 }
 
 pub fn run(command: StackCommand) -> anyhow::Result<()> {

@@ -42,11 +42,12 @@ impl RunsClient {
         self.post_spec("/v1/runs/validate", spec, "validate").await
     }
 
-    /// Uploads a dataset file (`.jsonl` or `.parquet`), streamed: the path a spec names it by
-    /// on the orchestrator.
-    pub async fn upload_dataset(&self, file: &std::path::Path) -> Result<DatasetUploaded> {
+    /// Uploads a dataset file of `kind` (`jsonl` or `parquet`, whatever the file's name),
+    /// streamed: the path a spec names it by on the orchestrator.
+    pub async fn upload_dataset(&self, file: &std::path::Path, kind: &str) -> Result<DatasetUploaded> {
         let what = format!("upload {}", file.display());
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let stem = file.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = format!("{stem}.{kind}");
         let opened = tokio::fs::File::open(file).await.map_err(crate::io(&what))?;
         let response = self
             .request(reqwest::Method::POST, "/v1/datasets")

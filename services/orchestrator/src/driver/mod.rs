@@ -431,9 +431,12 @@ pub fn heartbeat(pool: PgPool, ctx: &RunContext, every: Duration, lease: Duratio
             {
                 tracing::warn!(%run_id, worker = %trainer.worker(), "trainer heartbeat failed: {e}");
             }
-            for generator in &generators {
+            // All at once: a generator that does not answer holds up no other, nor the
+            // run's own lease.
+            let beats = futures::future::join_all(generators.iter().map(Generator::heartbeat)).await;
+            for (generator, beat) in generators.iter().zip(beats) {
                 let id = generator.id().to_string();
-                match generator.heartbeat().await {
+                match beat {
                     Ok(_) => {
                         silent.remove(&id);
                     }
