@@ -68,6 +68,10 @@ pub struct Generator {
     /// What the OpenAI API serves.
     serving: Serving,
     slot: tokio::sync::Mutex<Slot>,
+    /// Set from a run's release (or expiry) until the start-up model is back: the generator
+    /// stays out of the claim group meanwhile, so the next run does not wait behind the
+    /// reload of a model it is about to replace.
+    restoring: std::sync::atomic::AtomicBool,
     /// When this generator leads a group of generator processes.
     leading: Option<group::Leading>,
 }
@@ -99,6 +103,7 @@ impl Generator {
             leases,
             serving,
             slot: tokio::sync::Mutex::new(slot),
+            restoring: std::sync::atomic::AtomicBool::new(false),
             leading,
         })
     }
@@ -252,9 +257,14 @@ impl Generator {
     }
 
     async fn release(&self, request: ReleaseRequest, holder: Option<&str>) -> Answer<Released> {
-        self.leases.release(&request.run_id, holder)?;
+        self.restoring.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Err(refused) = self.leases.release(&request.run_id, holder) {
+            self.restoring.store(false, std::sync::atomic::Ordering::SeqCst);
+            return Err(refused);
+        }
         info!(run_id = %request.run_id, "released");
         self.restore().await;
+        self.restoring.store(false, std::sync::atomic::Ordering::SeqCst);
         Ok(Released { worker_id: self.id().to_string() })
     }
 
@@ -264,8 +274,12 @@ impl Generator {
     fn expire(self: &Arc<Self>) {
         if let Some(held) = self.leases.take_expired() {
             warn!(run_id = %held.run_id, "lease expired; releasing the generator");
+            self.restoring.store(true, std::sync::atomic::Ordering::SeqCst);
             let me = self.clone();
-            tokio::spawn(async move { me.restore().await });
+            tokio::spawn(async move {
+                me.restore().await;
+                me.restoring.store(false, std::sync::atomic::Ordering::SeqCst);
+            });
         }
     }
 
@@ -372,8 +386,10 @@ impl Generator {
                 }
                 _ = tick.tick() => self.expire(),
             }
-            // Free generators are in the claim group; held ones are not.
-            match (self.leases.is_claimed(), group.is_some()) {
+            // Free generators are in the claim group; held ones, and one still bringing its
+            // start-up model back, are not.
+            let busy = self.leases.is_claimed() || self.restoring.load(std::sync::atomic::Ordering::SeqCst);
+            match (busy, group.is_some()) {
                 (true, true) => {
                     if let Some(mut sub) = group.take() {
                         let _ = sub.unsubscribe().await;
