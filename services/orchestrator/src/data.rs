@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// One example, whatever the algorithm needs of it.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Record {
     pub prompt: Option<String>,
     /// The ground truth an environment checks (`metadata.ground_truth`).
@@ -37,19 +37,20 @@ pub struct Record {
     pub metadata: serde_json::Map<String, Value>,
 }
 
-/// Where a record of a file dataset is: the byte offset of its JSONL line, or the Parquet
-/// file (by number) and row group it is in.
+/// Where a record of a file dataset is: the byte offset of its JSONL line, or a Parquet row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
     Line(u64),
-    Group { file: usize, group: usize },
+    Row,
 }
 
 /// A dataset as a run reads it: its records by number, without holding them. A file
-/// dataset is read once through (every record checked) to find where each record is — 8
-/// bytes a record for JSONL (its line's offset), 12 for Parquet (its row group and row) — and the
-/// records a batch needs are read again from the files; the built-in generator's are made
-/// up front.
+/// dataset is read once through (every record checked) to find where each record is, 8
+/// bytes a record, and the records a batch needs are read again from disk: a JSONL file's
+/// lines where they are; a Parquet dataset's records from a JSONL copy of them written in
+/// the run's scratch directory on that first pass (Parquet reads whole row groups, often the
+/// whole file, so rows are not read one by one from it). The built-in generator's records
+/// are made up front.
 #[derive(Debug)]
 pub struct Source {
     keys: DataKeys,
@@ -60,14 +61,15 @@ pub struct Source {
 #[derive(Debug)]
 enum SourceKind {
     Memory(Vec<Record>),
+    /// The dataset's own JSONL file and where each record's line starts.
     Jsonl {
         path: PathBuf,
         offsets: Vec<u64>,
     },
-    /// Each record's (file, row group) in `files`, and its row within the group.
-    Parquet {
-        files: Vec<PathBuf>,
-        rows: Vec<(u32, u32, u32)>,
+    /// Records as JSON lines in a file of the run's, and where each starts.
+    Copied {
+        path: PathBuf,
+        offsets: Vec<u64>,
     },
 }
 
@@ -75,8 +77,7 @@ impl Source {
     pub fn len(&self) -> usize {
         match &self.kind {
             SourceKind::Memory(records) => records.len(),
-            SourceKind::Jsonl { offsets, .. } => offsets.len(),
-            SourceKind::Parquet { rows, .. } => rows.len(),
+            SourceKind::Jsonl { offsets, .. } | SourceKind::Copied { offsets, .. } => offsets.len(),
         }
     }
 
@@ -84,72 +85,43 @@ impl Source {
         self.len() == 0
     }
 
-    /// The records numbered `indices`, in that order (read from the files: blocking).
+    /// The records numbered `indices`, in that order (read from disk: blocking).
     pub fn records(&self, indices: &[usize]) -> Result<Vec<Record>, FieldError> {
         let at = format!("{}.path", self.field);
         let out_of_range = |i: usize| FieldError::new(&self.field, format!("record {i} is past the dataset's end"));
-        match &self.kind {
+        let (path, offsets) = match &self.kind {
             SourceKind::Memory(records) => {
-                indices.iter().map(|&i| records.get(i).cloned().ok_or_else(|| out_of_range(i))).collect()
+                return indices.iter().map(|&i| records.get(i).cloned().ok_or_else(|| out_of_range(i))).collect();
             }
-            SourceKind::Jsonl { path, offsets } => {
-                use std::io::{BufRead, Seek};
-                let cannot_read =
-                    |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
-                let mut reader = std::io::BufReader::new(std::fs::File::open(path).map_err(cannot_read)?);
-                let mut line = Vec::new();
-                indices
-                    .iter()
-                    .map(|&i| {
-                        let offset = *offsets.get(i).ok_or_else(|| out_of_range(i))?;
-                        reader.seek(std::io::SeekFrom::Start(offset)).map_err(cannot_read)?;
-                        line.clear();
-                        reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
-                        jsonl_record(
-                            &line,
-                            &self.keys,
-                            &at,
-                            &format!("record {} (changed since the run started?)", i + 1),
-                        )
-                    })
-                    .collect()
-            }
-            SourceKind::Parquet { files, rows } => {
-                // Each row group a batch needs is read once.
-                let mut groups: std::collections::BTreeMap<(u32, u32), Vec<Record>> = Default::default();
-                for &i in indices {
-                    let &(file, group, _) = rows.get(i).ok_or_else(|| out_of_range(i))?;
-                    if let std::collections::btree_map::Entry::Vacant(slot) = groups.entry((file, group)) {
-                        let path = &files[file as usize];
-                        let reader = parquet_reader(path, &at)?;
-                        slot.insert(
-                            parquet_group(&reader, path, group as usize, &self.keys, &at)?
-                                .into_iter()
-                                .collect::<Result<_, _>>()?,
-                        );
-                    }
+            SourceKind::Jsonl { path, offsets } | SourceKind::Copied { path, offsets } => (path, offsets),
+        };
+        use std::io::{BufRead, Seek};
+        let cannot_read = |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
+        let mut reader = std::io::BufReader::new(std::fs::File::open(path).map_err(cannot_read)?);
+        let mut line = Vec::new();
+        indices
+            .iter()
+            .map(|&i| {
+                let offset = *offsets.get(i).ok_or_else(|| out_of_range(i))?;
+                reader.seek(std::io::SeekFrom::Start(offset)).map_err(cannot_read)?;
+                line.clear();
+                reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
+                let place = format!("record {} (changed since the run started?)", i + 1);
+                match &self.kind {
+                    SourceKind::Copied { .. } => serde_json::from_slice(&line)
+                        .map_err(|e| FieldError::new(&at, format!("{place}: {e} in {}", path.display()))),
+                    _ => jsonl_record(&line, &self.keys, &at, &place),
                 }
-                indices
-                    .iter()
-                    .map(|&i| {
-                        let (file, group, row) = rows[i];
-                        groups[&(file, group)].get(row as usize).cloned().ok_or_else(|| {
-                            FieldError::new(
-                                &at,
-                                format!("{} changed since the run started", files[file as usize].display()),
-                            )
-                        })
-                    })
-                    .collect()
-            }
-        }
+            })
+            .collect()
     }
 }
 
 /// Opens a dataset for a run: every record checked for what `algorithm` needs (as at
-/// submit), and where each is found ([`Source`]). Errors name `field` (`data.train`) and the
-/// line or row.
-pub fn open(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Source, FieldError> {
+/// submit), and where each is found ([`Source`]); a Parquet dataset's records are copied
+/// into `scratch` (the run's directory). Errors name `field` (`data.train`) and the line or
+/// row.
+pub fn open(spec: &DatasetSpec, algorithm: Algorithm, field: &str, scratch: &Path) -> Result<Source, FieldError> {
     let (keys, kind) = match spec {
         // The built-in generator's records have every field.
         DatasetSpec::Arithmetic { size, max_operand, operations, seed, split } => {
@@ -158,25 +130,33 @@ pub fn open(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Sou
         }
         DatasetSpec::Jsonl { path, keys } => {
             let mut offsets = Vec::new();
-            check_each(spec, algorithm, field, &mut Vec::new(), |_, place| {
+            check_each(spec, algorithm, field, |_, place| {
                 if let Place::Line(offset) = place {
                     offsets.push(offset);
                 }
+                Ok(())
             })?;
             (keys.clone(), SourceKind::Jsonl { path: PathBuf::from(path), offsets })
         }
         DatasetSpec::Parquet { keys, .. } => {
-            let (mut files, mut rows) = (Vec::new(), Vec::new());
-            let mut last: Option<(usize, usize)> = None;
-            let mut row = 0u32;
-            check_each(spec, algorithm, field, &mut files, |_, place| {
-                if let Place::Group { file, group } = place {
-                    row = if last == Some((file, group)) { row + 1 } else { 0 };
-                    last = Some((file, group));
-                    rows.push((file as u32, group as u32, row));
-                }
+            use std::io::Write;
+            let path = scratch.join(format!("{field}.records.jsonl"));
+            let cannot_write = |e: &dyn std::fmt::Display| {
+                FieldError::new(field, format!("cannot copy the records to {}: {e}", path.display()))
+            };
+            std::fs::create_dir_all(scratch).map_err(|e| cannot_write(&e))?;
+            let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|e| cannot_write(&e))?);
+            let (mut offsets, mut written) = (Vec::new(), 0u64);
+            check_each(spec, algorithm, field, |record, _| {
+                let mut line = serde_json::to_vec(&record).map_err(|e| cannot_write(&e))?;
+                line.push(b'\n');
+                out.write_all(&line).map_err(|e| cannot_write(&e))?;
+                offsets.push(written);
+                written += line.len() as u64;
+                Ok(())
             })?;
-            (keys.clone(), SourceKind::Parquet { files, rows })
+            out.flush().map_err(|e| cannot_write(&e))?;
+            (keys.clone(), SourceKind::Copied { path, offsets })
         }
     };
     Ok(Source { keys, field: field.to_string(), kind })
@@ -193,7 +173,10 @@ pub fn load(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Vec
         }
         DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
             let mut records = Vec::new();
-            check_each(spec, algorithm, field, &mut Vec::new(), |record, _| records.push(record))?;
+            check_each(spec, algorithm, field, |record, _| {
+                records.push(record);
+                Ok(())
+            })?;
             Ok(records)
         }
     }
@@ -206,33 +189,29 @@ pub fn check(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<()
         DatasetSpec::Arithmetic { max_operand, operations, split, .. } => {
             check_split(*max_operand, operations, *split, field)
         }
-        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => {
-            check_each(spec, algorithm, field, &mut Vec::new(), |_, _| ())
-        }
+        DatasetSpec::Jsonl { .. } | DatasetSpec::Parquet { .. } => check_each(spec, algorithm, field, |_, _| Ok(())),
     }
 }
 
 /// Every record of a file dataset, in order, checked for what `algorithm` needs and handed
-/// to `keep` with its place (`files` gets the Parquet files read); an empty dataset is a
+/// to `keep` with its place (which may stop the read with a problem); an empty dataset is a
 /// problem.
 fn check_each(
     spec: &DatasetSpec,
     algorithm: Algorithm,
     field: &str,
-    files: &mut Vec<PathBuf>,
-    mut keep: impl FnMut(Record, Place),
+    mut keep: impl FnMut(Record, Place) -> Result<(), FieldError>,
 ) -> Result<(), FieldError> {
     let mut count = 0;
     let mut each = |record: Record, place: Place| {
         count += 1;
         lacks(algorithm, &record, count, field)?;
-        keep(record, place);
-        Ok(())
+        keep(record, place)
     };
     match spec {
         DatasetSpec::Jsonl { path, keys } => for_each_jsonl(Path::new(path), keys, field, &mut each)?,
         DatasetSpec::Parquet { path, split, keys } => {
-            for_each_parquet(Path::new(path), split.as_deref(), keys, field, files, &mut each)?
+            for_each_parquet(Path::new(path), split.as_deref(), keys, field, &mut each)?
         }
         DatasetSpec::Arithmetic { .. } => {}
     }
@@ -285,8 +264,16 @@ pub fn validation_algorithm(spec: &keel_protocol::run::RunSpec) -> Algorithm {
 }
 
 /// [`open`] on a blocking thread.
-pub async fn open_async(spec: &DatasetSpec, algorithm: Algorithm, field: &str) -> Result<Source, FieldError> {
-    off_the_workers(spec, algorithm, field, open).await
+pub async fn open_async(
+    spec: &DatasetSpec,
+    algorithm: Algorithm,
+    field: &str,
+    scratch: &Path,
+) -> Result<Source, FieldError> {
+    let (spec, field, scratch) = (spec.clone(), field.to_string(), scratch.to_path_buf());
+    tokio::task::spawn_blocking(move || open(&spec, algorithm, &field, &scratch))
+        .await
+        .map_err(|e| FieldError::new("data", format!("reading the dataset stopped: {e}")))?
 }
 
 /// [`Source::records`] on a blocking thread.
@@ -357,28 +344,24 @@ fn jsonl_record(line: &[u8], keys: &DataKeys, at: &str, place: &str) -> Result<R
     record_of(&value, keys, at, place)
 }
 
-/// Reads Parquet files row by row (a row group at a time), handing each record and its
-/// place (file and row group) to `each`: `path` itself, or the files of `split` under it
-/// ([`parquet_files`]). `files` gets the files read, which places number.
+/// Reads Parquet files row by row (a row group at a time), handing each record to `each`:
+/// `path` itself, or the files of `split` under it ([`parquet_files`]).
 fn for_each_parquet(
     path: &Path,
     split: Option<&str>,
     keys: &DataKeys,
     field: &str,
-    files: &mut Vec<PathBuf>,
     mut each: impl FnMut(Record, Place) -> Result<(), FieldError>,
 ) -> Result<(), FieldError> {
     let at = format!("{field}.path");
     for file in parquet_files(path, split, field)? {
-        let index = files.len();
         let reader = parquet_reader(&file, &at)?;
         let groups = parquet::file::reader::FileReader::num_row_groups(&reader);
         for group in 0..groups {
             for record in parquet_group(&reader, &file, group, keys, &at)? {
-                each(record?, Place::Group { file: index, group })?;
+                each(record?, Place::Row)?;
             }
         }
-        files.push(file);
     }
     Ok(())
 }
@@ -736,7 +719,8 @@ mod tests {
         let prompts: Vec<_> = records.iter().map(|r| r.prompt.clone().unwrap()).collect();
         assert_eq!(prompts, ["Q1", "Q2", "Q3", "Q4", "Q5"], "every file of the split, in name order, every row group");
         // A run reads the same records by number, from their row groups.
-        let source = open(&spec(dir.path(), Some("train")), Algorithm::Grpo, "data.train").unwrap();
+        let source =
+            open(&spec(dir.path(), Some("train")), Algorithm::Grpo, "data.train", &dir.path().join("run")).unwrap();
         assert_eq!(source.len(), 5);
         let picked = source.records(&[4, 0, 2, 3, 2]).unwrap();
         assert_eq!(picked, [&records[4], &records[0], &records[2], &records[3], &records[2]].map(Clone::clone));
@@ -811,7 +795,7 @@ mod tests {
         std::fs::write(&path, lines.join("\n")).unwrap();
         let spec = DatasetSpec::Jsonl { path: path.display().to_string(), keys: DataKeys::default() };
         let whole = load(&spec, Algorithm::Grpo, "data.train").unwrap();
-        let source = open(&spec, Algorithm::Grpo, "data.train").unwrap();
+        let source = open(&spec, Algorithm::Grpo, "data.train", dir.path()).unwrap();
         assert_eq!(source.len(), 3);
         assert_eq!(source.records(&[2, 0, 1]).unwrap(), [whole[2].clone(), whole[0].clone(), whole[1].clone()]);
         assert_eq!(source.records(&[2]).unwrap()[0].answer.as_deref(), Some("3"));

@@ -161,7 +161,8 @@ pub(super) fn step_span(ctx: &RunContext, inputs: &Inputs, step: u64) -> tracing
 /// starts after.
 async fn prepare(ctx: &RunContext) -> Result<(Inputs, Grpo, Dataloader)> {
     let spec = &ctx.spec;
-    let train = std::sync::Arc::new(data::open_async(&spec.data.train, Algorithm::Grpo, "data.train").await?);
+    let train =
+        std::sync::Arc::new(data::open_async(&spec.data.train, Algorithm::Grpo, "data.train", &ctx.run_dir).await?);
     let validation = match &spec.data.validation {
         Some(d) => data::load_async(d, Algorithm::Grpo, "data.validation").await?,
         None => Vec::new(),

@@ -23,7 +23,7 @@ pub async fn run(ctx: &RunContext) -> Result<()> {
     let spec = &ctx.spec;
     let algorithm = spec.algorithm;
     let training = spec.training.as_ref().ok_or_else(|| Stop::Failed("this run has no training section".into()))?;
-    let train = std::sync::Arc::new(data::open_async(&spec.data.train, algorithm, "data.train").await?);
+    let train = std::sync::Arc::new(data::open_async(&spec.data.train, algorithm, "data.train", &ctx.run_dir).await?);
     let held_out = match &spec.data.validation {
         Some(d) => data::load_async(d, data::validation_algorithm(spec), "data.validation").await?,
         None => Vec::new(),
