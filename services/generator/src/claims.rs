@@ -16,13 +16,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::{Client, Message, Subscriber};
+use async_nats::{Client, Message};
 use futures::StreamExt;
 use keel_protocol::generator::{GeneratorCall, LoadModel, ModelLoaded, error_types};
 use keel_protocol::lease::{ClaimRequest, HeartbeatRequest, ReleaseRequest, Released};
 use keel_protocol::subjects::{GENERATOR_QUEUE_GROUP, GeneratorOp};
 use keel_protocol::{ErrorBody, Reply, Subjects};
-use keel_service::lease::Leases;
+use keel_service::lease::{ClaimGroup, Leases};
 use keel_service::paths::PathRoots;
 use tracing::{info, warn};
 
@@ -347,29 +347,26 @@ impl Generator {
         });
     }
 
-    async fn join_group(&self) -> Result<Subscriber, async_nats::SubscribeError> {
-        self.client.queue_subscribe(self.subjects.generator_claim(), GENERATOR_QUEUE_GROUP.to_string()).await
+    /// Whether the generator can take a run: nobody holds it and its start-up model is back.
+    fn is_free(&self) -> bool {
+        !self.leases.is_claimed() && !self.restoring.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Serves claims and the claiming runs until `shutdown` completes.
     pub async fn serve(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()>) -> crate::Result<()> {
-        let subscribe_failed = |subject: String| {
-            move |e: async_nats::SubscribeError| keel_service::Error::Subscribe { subject, reason: e.to_string() }
-        };
         let own_subjects = self.subjects.generator_all(self.id());
-        let mut own = self.client.subscribe(own_subjects.clone()).await.map_err(subscribe_failed(own_subjects))?;
-        let mut group = Some(self.join_group().await.map_err(subscribe_failed(self.subjects.generator_claim()))?);
+        let mut own = self
+            .client
+            .subscribe(own_subjects.clone())
+            .await
+            .map_err(|e| keel_service::Error::Subscribe { subject: own_subjects.clone(), reason: e.to_string() })?;
+        let mut group = ClaimGroup::new(self.client.clone(), self.subjects.generator_claim(), GENERATOR_QUEUE_GROUP);
+        group.set_free(true).await?;
         self.client.flush().await.map_err(|e| crate::Error::Flush(e.to_string()))?;
         info!(generator_id = %self.id(), claim = %self.subjects.generator_claim(), "generator ready for runs");
         let mut tick = tokio::time::interval(LEASE_CHECK);
         tokio::pin!(shutdown);
         loop {
-            let group_next = async {
-                match group.as_mut() {
-                    Some(sub) => sub.next().await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 () = &mut shutdown => break,
                 message = own.next() => {
@@ -379,27 +376,11 @@ impl Generator {
                         None => warn!(subject = %message.subject, "unknown generator operation"),
                     }
                 }
-                message = group_next => {
-                    if let Some(message) = message {
-                        self.respond(message, GeneratorOp::Claim);
-                    }
-                }
+                Some(message) = group.next() => self.respond(message, GeneratorOp::Claim),
                 _ = tick.tick() => self.expire(),
             }
-            // Free generators are in the claim group; held ones, and one still bringing its
-            // start-up model back, are not.
-            let busy = self.leases.is_claimed() || self.restoring.load(std::sync::atomic::Ordering::SeqCst);
-            match (busy, group.is_some()) {
-                (true, true) => {
-                    if let Some(mut sub) = group.take() {
-                        let _ = sub.unsubscribe().await;
-                    }
-                }
-                (false, false) => match self.join_group().await {
-                    Ok(sub) => group = Some(sub),
-                    Err(e) => warn!("cannot rejoin the generator claim group: {e}"),
-                },
-                _ => {}
+            if let Err(e) = group.set_free(self.is_free()).await {
+                warn!("cannot rejoin the generator claim group: {e}");
             }
         }
         info!("generator stopping");

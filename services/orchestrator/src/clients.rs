@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use keel_protocol::generator::{GeneratorCall, LoadModel, ModelLoaded, RolloutReply, RolloutRequest};
-use keel_protocol::lease::{ClaimReply, ClaimRequest, HeartbeatReply, HeartbeatRequest, ReleaseRequest};
+use keel_protocol::lease::{ClaimReply, ClaimRequest, HeartbeatReply, HeartbeatRequest, ReleaseRequest, Released};
 use keel_protocol::subjects::{GeneratorOp, QueueCall, TrainerOp};
 use keel_protocol::trainer::TrainerCall;
 use keel_protocol::{ErrorBody, Reply, Subjects};
@@ -213,7 +213,13 @@ impl Nats {
         let own = previous.map(|w| self.subjects.trainer(w, TrainerOp::Claim));
         let claimed =
             self.claim_again_or_any(own, self.subjects.trainer_claim(), run_id, lease_seconds, holder).await?;
-        Ok(claimed.map(|worker| Trainer(Held::new(self.clone(), worker, run_id, holder))))
+        Ok(claimed.map(|worker| {
+            let (heartbeat, release) = (
+                self.subjects.trainer(&worker, TrainerOp::Heartbeat),
+                self.subjects.trainer(&worker, TrainerOp::Release),
+            );
+            Trainer(Held::new(self.clone(), worker, run_id, holder, heartbeat, release))
+        }))
     }
 
     /// Claims a generator for `run_id` as `holder`, as [`Nats::claim_trainer`] does a trainer.
@@ -227,7 +233,13 @@ impl Nats {
         let own = previous.map(|g| self.subjects.generator(g, GeneratorOp::Claim));
         let claimed =
             self.claim_again_or_any(own, self.subjects.generator_claim(), run_id, lease_seconds, holder).await?;
-        Ok(claimed.map(|id| Generator(Held::new(self.clone(), id, run_id, holder))))
+        Ok(claimed.map(|id| {
+            let (heartbeat, release) = (
+                self.subjects.generator(&id, GeneratorOp::Heartbeat),
+                self.subjects.generator(&id, GeneratorOp::Release),
+            );
+            Generator(Held::new(self.clone(), id, run_id, holder, heartbeat, release))
+        }))
     }
 
     /// A rollout from the generators run `request.run_id` holds.
@@ -246,11 +258,26 @@ pub struct Held {
     /// The claim of the run this is (every request carries it; the worker refuses a claim
     /// that a newer one replaced).
     pub holder: uuid::Uuid,
+    /// The worker's heartbeat and release subjects.
+    heartbeat: String,
+    release: String,
 }
 
 impl Held {
-    fn new(nats: Nats, worker: String, run_id: &str, holder: uuid::Uuid) -> Self {
-        Self { nats, worker, run_id: run_id.to_string(), holder }
+    fn new(nats: Nats, worker: String, run_id: &str, holder: uuid::Uuid, heartbeat: String, release: String) -> Self {
+        Self { nats, worker, run_id: run_id.to_string(), holder, heartbeat, release }
+    }
+
+    async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
+        let request = HeartbeatRequest { run_id: self.run_id.clone() };
+        self.call(self.heartbeat.clone(), &request, Duration::from_secs(10)).await
+    }
+
+    async fn release(&self) {
+        let request = ReleaseRequest { run_id: self.run_id.clone() };
+        if let Err(e) = self.call::<_, Released>(self.release.clone(), &request, Duration::from_secs(10)).await {
+            tracing::warn!(worker = %self.worker, "release failed (the lease will expire): {e}");
+        }
     }
 
     fn call<Req: Serialize, Rep: DeserializeOwned>(
@@ -293,14 +320,11 @@ impl Trainer {
     }
 
     pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
-        self.call(&HeartbeatRequest { run_id: self.0.run_id.clone() }, Duration::from_secs(10)).await
+        self.0.heartbeat().await
     }
 
     pub async fn release(&self) {
-        let request = ReleaseRequest { run_id: self.0.run_id.clone() };
-        if let Err(e) = self.call(&request, Duration::from_secs(10)).await {
-            tracing::warn!(worker = %self.0.worker, "release failed (the lease will expire): {e}");
-        }
+        self.0.release().await
     }
 
     pub fn bulk(&self) -> &Bulk {
@@ -336,13 +360,10 @@ impl Generator {
     }
 
     pub async fn heartbeat(&self) -> Result<HeartbeatReply, CallError> {
-        self.call(&HeartbeatRequest { run_id: self.0.run_id.clone() }, Duration::from_secs(10)).await
+        self.0.heartbeat().await
     }
 
     pub async fn release(&self) {
-        let request = ReleaseRequest { run_id: self.0.run_id.clone() };
-        if let Err(e) = self.call(&request, Duration::from_secs(10)).await {
-            tracing::warn!(generator = %self.0.worker, "release failed (the lease will expire): {e}");
-        }
+        self.0.release().await
     }
 }

@@ -14,9 +14,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::{Client, Message, Subscriber};
+use async_nats::{Client, Message};
 use bytes::Bytes;
 use futures::StreamExt;
+use keel_service::lease::ClaimGroup;
 use keel_service::paths::PathRoots;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -860,10 +861,6 @@ impl Worker {
         move || shared.is_claimed()
     }
 
-    async fn join_group(&self) -> std::result::Result<Subscriber, async_nats::SubscribeError> {
-        self.shared.client.queue_subscribe(self.subjects.trainer_claim(), TRAINER_QUEUE_GROUP.to_string()).await
-    }
-
     fn respond(&self, message: Message, op: TrainerOp) {
         let Some(reply_to) = message.reply.clone() else {
             warn!(subject = %message.subject, "request without a reply subject ignored");
@@ -936,22 +933,13 @@ impl Worker {
         let keeper = self.shared.group.as_ref().map(|(leader, meeting)| {
             tokio::spawn(group::keep(leader.clone(), meeting.clone(), self.shared.engine.clone()))
         });
-        let mut group = if self.shared.is_ready() {
-            Some(self.join_group().await.map_err(subscribe_failed(self.subjects.trainer_claim()))?)
-        } else {
-            None
-        };
+        let mut group = ClaimGroup::new(client.clone(), self.subjects.trainer_claim(), TRAINER_QUEUE_GROUP);
+        group.set_free(self.shared.is_ready()).await?;
         client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
         info!(worker_id = %self.id(), claim = %self.subjects.trainer_claim(), "trainer worker ready");
         let mut tick = tokio::time::interval(LEASE_CHECK);
         tokio::pin!(shutdown);
         loop {
-            let group_next = async {
-                match group.as_mut() {
-                    Some(sub) => sub.next().await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 () = &mut shutdown => break,
                 message = own.next() => {
@@ -966,26 +954,13 @@ impl Worker {
                         None => warn!(subject = %message.subject, "unknown trainer operation"),
                     }
                 }
-                message = group_next => {
-                    if let Some(message) = message {
-                        self.respond(message, TrainerOp::Claim);
-                    }
-                }
+                Some(message) = group.next() => self.respond(message, TrainerOp::Claim),
                 _ = tick.tick() => self.shared.expire().await,
             }
             // Free workers are in the claim group; held ones, and leaders of a group that is
             // not whole, are not.
-            match (self.shared.is_claimed() || !self.shared.is_ready(), group.is_some()) {
-                (true, true) => {
-                    if let Some(mut sub) = group.take() {
-                        let _ = sub.unsubscribe().await;
-                    }
-                }
-                (false, false) => match self.join_group().await {
-                    Ok(sub) => group = Some(sub),
-                    Err(e) => warn!("cannot rejoin the trainer queue group: {e}"),
-                },
-                _ => {}
+            if let Err(e) = group.set_free(!self.shared.is_claimed() && self.shared.is_ready()).await {
+                warn!("cannot rejoin the trainer queue group: {e}");
             }
         }
         if let Some(keeper) = keeper {

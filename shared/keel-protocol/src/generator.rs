@@ -83,8 +83,6 @@ pub mod error_types {
     pub const INVALID_REQUEST: &str = "invalid_request";
     /// The run's model could not be loaded (the loader's reason follows).
     pub const LOAD_FAILED: &str = "load_failed";
-    /// A rollout came before the run's model was loaded.
-    pub const NOT_LOADED: &str = "not_loaded";
     pub const STALE_WEIGHTS: &str = "stale_weights";
     /// The run's weights of the version asked for were refused by this generator (another
     /// architecture or shape): waiting will not help.

@@ -180,6 +180,54 @@ fn stale_holder(held: &Claim, holder: Option<&str>) -> Result<(), ErrorBody> {
     }
 }
 
+/// A worker's place in its kind's claim queue group (`<prefix>.trainer.claim`,
+/// `<prefix>.generator.claim`): in it while free, so a claim reaches exactly one free
+/// worker; out of it while held (or otherwise unable to take a run).
+#[derive(Debug)]
+pub struct ClaimGroup {
+    client: async_nats::Client,
+    subject: String,
+    queue: String,
+    subscription: Option<async_nats::Subscriber>,
+}
+
+impl ClaimGroup {
+    /// Out of the group until [`ClaimGroup::set_free`] says the worker is free.
+    pub fn new(client: async_nats::Client, subject: String, queue: &str) -> Self {
+        Self { client, subject, queue: queue.to_string(), subscription: None }
+    }
+
+    /// Joins the group when `free` and the worker is out of it, leaves it when not.
+    pub async fn set_free(&mut self, free: bool) -> Result<(), crate::Error> {
+        match (free, self.subscription.is_some()) {
+            (false, true) => {
+                if let Some(mut subscription) = self.subscription.take() {
+                    let _ = subscription.unsubscribe().await;
+                }
+            }
+            (true, false) => {
+                let joined = self.client.queue_subscribe(self.subject.clone(), self.queue.clone()).await;
+                let failed = |e: async_nats::SubscribeError| crate::Error::Subscribe {
+                    subject: self.subject.clone(),
+                    reason: e.to_string(),
+                };
+                self.subscription = Some(joined.map_err(failed)?);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The next claim, while in the group (never, while out of it).
+    pub async fn next(&mut self) -> Option<async_nats::Message> {
+        use futures::StreamExt;
+        match self.subscription.as_mut() {
+            Some(subscription) => subscription.next().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
 /// The holder named in a request's [`keel_protocol::lease::HOLDER_HEADER`].
 pub fn holder_of(message: &async_nats::Message) -> Option<String> {
     message.headers.as_ref().and_then(|h| h.get(keel_protocol::lease::HOLDER_HEADER)).map(|v| v.as_str().to_string())
