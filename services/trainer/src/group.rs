@@ -14,14 +14,13 @@
 //!   own: rank r is tensor-parallel rank r mod TP of replica r div TP; NCCL between GPUs,
 //!   TCP through each group's first rank on the CPU.
 //! - A rank that dies closes its connections: the leader's next command, or its next ping
-//!   (every [`PING`] while idle), fails. The leader answers the run's request with an error
+//!   (every [`process::PING`] while idle), fails. The leader answers the run's request with an error
 //!   naming the rank, drops the models, leaves the claim queue group and waits for the
 //!   group to form again; the run fails that attempt, waits in the queue, and resumes from
 //!   its latest checkpoint once the leader takes claims again. Followers whose leader is
 //!   gone drop their models and wait for the group likewise.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 pub use keel_collective::process::Meeting;
 use keel_collective::process::{self, GroupConfig};
@@ -31,16 +30,12 @@ use keel_training::actor::EngineThread;
 use keel_training::engine::Engine;
 use keel_training::{Error, Result, Trainer};
 use serde::{Deserialize, Serialize};
+use tokio::runtime::Handle;
 use tracing::warn;
-
-/// How often an idle leader checks that every rank is still there.
-pub const PING: Duration = Duration::from_secs(5);
 
 /// What the leader has every rank do, in the order it sends them.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Command {
-    /// Nothing: the leader checks that every rank is still there.
-    Ping,
     /// Load the run's models; the run's collectives are joined under `session`.
     Load {
         request: Box<LoadRequest>,
@@ -78,12 +73,6 @@ pub enum Command {
         weights: bool,
     },
     Onload,
-}
-
-impl Command {
-    pub fn encode(&self) -> Result<Vec<u8>> {
-        serde_json::to_vec(self).map_err(|e| Error::Internal(format!("cannot encode a group command: {e}")))
-    }
 }
 
 /// Runs `work` on this rank's engine; when a collective failed in it, drops the models, so
@@ -149,20 +138,12 @@ impl Leader {
     /// Sends `command` to the other ranks, runs `local` here, and gathers how every rank
     /// did (on the engine thread, with [`Leader::turn`] held). A failed channel breaks the
     /// group.
-    pub fn lead<T>(&self, control: &TcpCollective, command: &[u8], local: impl FnOnce() -> Result<T>) -> Result<T> {
-        match process::lead(control, command, local) {
-            Ok(outcome) => outcome,
-            Err((channel, mine)) => {
-                let error = lost(&channel);
-                self.lose(&error.to_string());
-                // This rank's own failure says more than the channel's, unless it only
-                // followed from the rank that left.
-                match mine {
-                    Err(own) if !own.is_consequence() => Err(own),
-                    _ => Err(error),
-                }
-            }
-        }
+    pub fn lead<T>(&self, control: &TcpCollective, command: &Command, local: impl FnOnce() -> Result<T>) -> Result<T> {
+        process::lead_command(control, command, local, |channel| {
+            let error = lost(&channel);
+            self.lose(&error.to_string());
+            error
+        })
     }
 }
 
@@ -241,7 +222,7 @@ pub async fn lead_load<S: Send + 'static>(
     let _turn = leader.turn.lock().await;
     let control = leader.control()?;
     let session = uuid::Uuid::new_v4().simple().to_string();
-    let command = Command::Load { request: Box::new(request.clone()), session: session.clone() }.encode()?;
+    let command = process::encode(&Command::Load { request: Box::new(request.clone()), session: session.clone() })?;
     let sent = control.clone();
     let handed = engine
         .call(move |slot| {
@@ -280,23 +261,20 @@ pub async fn lead_load<S: Send + 'static>(
 /// Keeps the leader's group: forms it, pings it while idle, and forms it again (dropping the
 /// models) when it breaks. Runs until the process stops.
 pub async fn keep(leader: Arc<Leader>, meeting: Meeting, engine: EngineThread) {
-    let ping = Command::Ping.encode().unwrap_or_default();
     loop {
         let control = meeting.form().await;
         *leader.slot() = Some(control);
         loop {
             tokio::select! {
-                () = tokio::time::sleep(PING) => {}
+                () = tokio::time::sleep(process::PING) => {}
                 () = leader.lost.notified() => {}
             }
             let _turn = leader.turn.lock().await;
             let Ok(control) = leader.control() else { break };
-            let ping = ping.clone();
-            let pinged =
-                tokio::task::spawn_blocking(move || control.broadcast_bytes(&ping, 0).map_err(|e| e.to_string()))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|pinged| pinged);
+            let pinged = tokio::task::spawn_blocking(move || process::ping(&control).map_err(|e| e.to_string()))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|pinged| pinged);
             if let Err(why) = pinged {
                 leader.lose(&why);
                 break;
@@ -306,7 +284,7 @@ pub async fn keep(leader: Arc<Leader>, meeting: Meeting, engine: EngineThread) {
     }
 }
 
-/// A follower's part of `command` on its engine (every command but `Load` and `Ping`).
+/// A follower's part of `command` on its engine (every command but `Load`).
 fn execute(command: Command, slot: &mut Option<Trainer>) -> Result<()> {
     if let Command::Drop = command {
         *slot = None;
@@ -314,7 +292,7 @@ fn execute(command: Command, slot: &mut Option<Trainer>) -> Result<()> {
     }
     let engine = slot.as_mut().ok_or(Error::NotLoaded)?;
     match command {
-        Command::Ping | Command::Load { .. } | Command::Drop => Ok(()),
+        Command::Load { .. } | Command::Drop => Ok(()),
         Command::Logprobs { scorer, sequences, temperature } => {
             engine.logprobs(scorer, sequences, temperature).map(drop)
         }
@@ -352,55 +330,34 @@ pub async fn drop_models(engine: &EngineThread) {
 pub async fn follow(meeting: Meeting, engine: EngineThread, own_device: String) {
     loop {
         let control = meeting.form().await;
-        if let Err(why) = follow_commands(&meeting, &engine, &own_device, &control).await {
-            warn!(group = %meeting.config.name, rank = meeting.config.rank, "left the trainer group: {why}");
+        let (at, on, device) = (meeting.clone(), engine.clone(), own_device.clone());
+        let handle = Handle::current();
+        let following = tokio::task::spawn_blocking(move || {
+            let run = |command, _: &TcpCollective| handle.block_on(run_command(&at, &on, &device, command));
+            let why = process::follow(&control, run, |_| false);
+            warn!(group = %at.config.name, rank = at.config.rank, "left the trainer group: {why}");
+        });
+        if let Err(e) = following.await {
+            warn!("the trainer group's follower stopped: {e}");
         }
         drop_models(&engine).await;
     }
 }
 
-/// Runs the leader's commands until the control channel fails; returns why it did.
-async fn follow_commands(
-    meeting: &Meeting,
-    engine: &EngineThread,
-    own_device: &str,
-    control: &Arc<TcpCollective>,
-) -> std::result::Result<(), String> {
-    loop {
-        let listening = control.clone();
-        let bytes = tokio::task::spawn_blocking(move || listening.broadcast_bytes(&[], 0))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        let command: Result<Command> = serde_json::from_slice(&bytes)
-            .map_err(|e| Error::Group(format!("the leader sent a command this rank cannot read: {e}")));
-        let reply = control.clone();
-        let answered = match command {
-            Ok(Command::Ping) => continue,
-            Ok(Command::Load { request, session }) => {
-                drop_models(engine).await;
-                let (device, comms) = join_for(meeting, &request, &session, own_device).await;
-                engine
-                    .call(move |slot| {
-                        let mine = device.and_then(|device| load_rank(&request, device, comms));
-                        let reported = process::report(&reply, &mine).map_err(|e| lost(&e));
-                        if let Ok(trainer) = mine {
-                            *slot = Some(trainer);
-                        }
-                        reported
-                    })
-                    .await
-            }
-            command => {
-                engine
-                    .call(move |slot| {
-                        let mine = command.and_then(|command| run_rank(slot, |slot| execute(command, slot)));
-                        process::report(&reply, &mine).map_err(|e| lost(&e))
-                    })
-                    .await
-            }
-        };
-        answered.map_err(|e| e.to_string())?;
+/// A follower's part of the leader's `command`: a load joins the run's collectives first.
+async fn run_command(meeting: &Meeting, engine: &EngineThread, own_device: &str, command: Command) -> Result<()> {
+    match command {
+        Command::Load { request, session } => {
+            drop_models(engine).await;
+            let (device, comms) = join_for(meeting, &request, &session, own_device).await;
+            engine
+                .call(move |slot| {
+                    *slot = Some(device.and_then(|device| load_rank(&request, device, comms))?);
+                    Ok(())
+                })
+                .await
+        }
+        command => engine.call(move |slot| run_rank(slot, |slot| execute(command, slot))).await,
     }
 }
 

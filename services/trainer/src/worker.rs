@@ -132,20 +132,17 @@ impl Shared {
         self.group.as_ref().is_none_or(|(leader, _)| leader.is_whole())
     }
 
-    /// `make()` encoded for the other ranks of this worker's group (`None`: no group, and
-    /// `make` is not called).
-    fn command(&self, make: impl FnOnce() -> Command) -> Answer<Option<Vec<u8>>> {
-        match &self.group {
-            Some(_) => Ok(Some(make().encode()?)),
-            None => Ok(None),
-        }
+    /// `make()` for the other ranks of this worker's group (`None`: no group, and `make` is
+    /// not called).
+    fn command(&self, make: impl FnOnce() -> Command) -> Option<Command> {
+        self.group.as_ref().map(|_| make())
     }
 
     /// Runs `work` on the engine thread; in a group, every other rank runs `command` (made
     /// by [`Shared::command`]) alongside it and the leader answers for all of them.
     async fn on_ranks<R: Send + 'static>(
         &self,
-        command: Option<Vec<u8>>,
+        command: Option<Command>,
         work: impl FnOnce(&mut Option<Trainer>) -> Result<R> + Send + 'static,
     ) -> Result<R> {
         match (&self.group, command) {
@@ -214,16 +211,12 @@ impl Shared {
         if !whole {
             return group::drop_models(&self.engine).await;
         }
-        let dropped = match Command::Drop.encode() {
-            Ok(command) => {
-                self.on_ranks(Some(command), |engine| {
-                    *engine = None;
-                    Ok(())
-                })
-                .await
-            }
-            Err(e) => Err(e),
-        };
+        let dropped = self
+            .on_ranks(Some(Command::Drop), |engine| {
+                *engine = None;
+                Ok(())
+            })
+            .await;
         if let Err(e) = dropped {
             warn!("could not drop the models on every rank: {e}");
             group::drop_models(&self.engine).await;
@@ -359,8 +352,7 @@ async fn logprobs(shared: Arc<Shared>, request: LogprobsRequest) -> Answer<Logpr
     let started = Instant::now();
     let sequences = fetch(&shared, request.batch).await?;
     let (scorer, temperature) = (request.model, request.temperature);
-    let command =
-        shared.command(|| Command::Logprobs { scorer, sequences: sequences.input_ids.clone(), temperature })?;
+    let command = shared.command(|| Command::Logprobs { scorer, sequences: sequences.input_ids.clone(), temperature });
     let rows = shared
         .on_ranks(command, move |slot| loaded(slot)?.logprobs(scorer, sequences.input_ids, temperature))
         .instrument(info_span!("logprobs", run_id = %request.run_id))
@@ -382,7 +374,7 @@ fn positive_temperature(temperature: f64) -> Answer<f64> {
 async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply> {
     let batch = fetch(&shared, request.batch).await?;
     let temperature = positive_temperature(request.temperature)?;
-    let command = shared.command(|| Command::Train { batch: batch.clone(), temperature })?;
+    let command = shared.command(|| Command::Train { batch: batch.clone(), temperature });
     let trained = shared
         .on_ranks(command, move |slot| loaded(slot)?.train(batch, temperature))
         .instrument(info_span!("train", run_id = %request.run_id))
@@ -393,7 +385,7 @@ async fn train(shared: Arc<Shared>, request: TrainRequest) -> Answer<TrainReply>
 async fn evaluate(shared: Arc<Shared>, request: EvaluateRequest) -> Answer<EvaluateReply> {
     let batch = fetch(&shared, request.batch).await?;
     let temperature = positive_temperature(request.temperature)?;
-    let command = shared.command(|| Command::Evaluate { batch: batch.clone(), temperature })?;
+    let command = shared.command(|| Command::Evaluate { batch: batch.clone(), temperature });
     let evaluated = shared
         .on_ranks(command, move |slot| loaded(slot)?.evaluate(batch, temperature))
         .instrument(info_span!("evaluate", run_id = %request.run_id))
@@ -409,7 +401,7 @@ async fn evaluate(shared: Arc<Shared>, request: EvaluateRequest) -> Answer<Evalu
 async fn score(shared: Arc<Shared>, request: ScoreRequest) -> Answer<ScoreReply> {
     let started = Instant::now();
     let sequences = fetch(&shared, request.batch).await?;
-    let command = shared.command(|| Command::Scores { sequences: sequences.input_ids.clone() })?;
+    let command = shared.command(|| Command::Scores { sequences: sequences.input_ids.clone() });
     let scores = shared
         .on_ranks(command, move |slot| loaded(slot)?.scores(&sequences.input_ids))
         .instrument(info_span!("score", run_id = %request.run_id))
@@ -422,7 +414,7 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
     shared.roots.check("path", &request.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
     let started = Instant::now();
     let path = request.path.clone();
-    let command = shared.command(|| Command::Save { path: request.path.clone(), info: request.info.clone() })?;
+    let command = shared.command(|| Command::Save { path: request.path.clone(), info: request.info.clone() });
     let (step, files) = shared
         .on_ranks(command, move |slot| loaded(slot)?.save(std::path::PathBuf::from(&request.path), request.info))
         .instrument(info_span!("save", path = %path))
@@ -435,7 +427,7 @@ async fn save(shared: Arc<Shared>, request: SaveRequest) -> Answer<SaveReply> {
 async fn offload(shared: Arc<Shared>, request: OffloadRequest) -> Answer<MemoryMoved> {
     let started = Instant::now();
     let weights = request.weights;
-    let command = shared.command(|| Command::Offload { weights })?;
+    let command = shared.command(|| Command::Offload { weights });
     let bytes = shared
         .on_ranks(command, move |slot| loaded(slot)?.offload(weights))
         .instrument(info_span!("offload", weights))
@@ -446,7 +438,7 @@ async fn offload(shared: Arc<Shared>, request: OffloadRequest) -> Answer<MemoryM
 /// What `offload` moved, back on the training device.
 async fn onload(shared: Arc<Shared>, _request: OnloadRequest) -> Answer<MemoryMoved> {
     let started = Instant::now();
-    let command = shared.command(|| Command::Onload)?;
+    let command = shared.command(|| Command::Onload);
     let bytes = shared.on_ranks(command, |slot| loaded(slot)?.onload()).instrument(info_span!("onload")).await?;
     Ok(MemoryMoved { bytes, seconds: started.elapsed().as_secs_f64() })
 }
@@ -497,7 +489,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         (None, false, false) => PackTarget::Memory,
     };
     let cuda_ipc = request.cuda_ipc;
-    let command = shared.command(|| Command::Export { dtype: request.dtype.clone(), bucket_bytes })?;
+    let command = shared.command(|| Command::Export { dtype: request.dtype.clone(), bucket_bytes });
     let (step, kind, packed, lora, handles) = shared
         .on_ranks(command, move |slot| {
             let trainer = loaded(slot)?;

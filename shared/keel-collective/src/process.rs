@@ -5,16 +5,18 @@
 //!   configuration says them.
 //! - [`Meeting`]: where the ranks find each other over NATS; [`form`]: the group's control
 //!   channel, a [`TcpCollective`] whose hub is the leader.
-//! - The lockstep protocol on it: the leader sends each command's bytes
-//!   ([`TcpCollective::broadcast_bytes`]), every rank runs it, and every rank reports how it
-//!   went ([`report`], an all-gather of [`status`]es); [`lead`] is the leader's whole turn and
-//!   [`settle`] picks its answer: its own result, or the error that started a failure (the
-//!   first, in rank order, that is not only a consequence of another rank's failure).
+//! - The lockstep protocol on it, for any service's command type: the leader sends each
+//!   command ([`lead_command`]; [`ping`] while idle), every rank runs it ([`follow`] on the
+//!   others), and every rank reports how it went ([`report`], an all-gather of [`status`]es);
+//!   [`settle`] picks the leader's answer: its own result, or the error that started a
+//!   failure (the first, in rank order, that is not only a consequence of another rank's
+//!   failure). A service keeps only its command enum and what each command does.
 
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::tcp::TcpCollective;
@@ -220,23 +222,106 @@ pub fn report<T, E: RankError>(control: &TcpCollective, outcome: &std::result::R
 
 /// The leader's turn: the answer to the command, or why the control channel failed with this
 /// rank's own outcome.
-pub type Led<T, E> = std::result::Result<std::result::Result<T, E>, (Error, std::result::Result<T, E>)>;
+pub type Led<T, E> = std::result::Result<std::result::Result<T, E>, (Error, Option<std::result::Result<T, E>>)>;
 
 /// The leader's turn: sends `command` to the other ranks, runs `local`, and gathers how every
 /// rank did. `Err` when the control channel failed (the group is over), with this rank's own
-/// outcome.
+/// outcome when it ran (not when the command never reached the others).
 pub fn lead<T, E: RankError>(
     control: &TcpCollective,
     command: &[u8],
     local: impl FnOnce() -> std::result::Result<T, E>,
 ) -> Led<T, E> {
     if let Err(e) = control.broadcast_bytes(command, 0) {
-        return Err((e, Err(E::from(Error::Invalid("the command did not reach every rank".into())))));
+        return Err((e, None));
     }
     let mine = local();
     match control.all_gather_bytes(&status(&mine)) {
         Ok(statuses) => Ok(settle(mine, &statuses)),
-        Err(e) => Err((e, mine)),
+        Err(e) => Err((e, Some(mine))),
+    }
+}
+
+/// How often an idle leader checks that every rank is still there ([`ping`]).
+pub const PING: Duration = Duration::from_secs(5);
+
+/// What a group's control channel carries: the leader's ping (no rank answers it), or one of
+/// the service's commands, which every rank runs and reports on.
+#[derive(Serialize, Deserialize)]
+enum Message<C> {
+    Ping,
+    Command(C),
+}
+
+/// `command` as it travels on the control channel, for a leader whose turn is not one
+/// [`lead_command`] (it sends the bytes itself, then reports like the other ranks).
+pub fn encode<C: Serialize>(command: &C) -> Result<Vec<u8>> {
+    serde_json::to_vec(&Message::Command(command))
+        .map_err(|e| Error::Invalid(format!("cannot encode a group command: {e}")))
+}
+
+/// The leader's check, while idle, that every rank is still there: a failure means the
+/// group is over.
+pub fn ping(control: &TcpCollective) -> Result<()> {
+    let bytes = serde_json::to_vec(&Message::<()>::Ping).map_err(|e| Error::Invalid(e.to_string()))?;
+    control.broadcast_bytes(&bytes, 0).map(drop)
+}
+
+/// The leader's turn for `command` ([`lead`] with the command encoded). When the control
+/// channel fails the group is over: `lose` is told why and makes the error that says so,
+/// and the answer is this rank's own failure instead when it has one that did not only
+/// follow from the rank that left (it says more).
+pub fn lead_command<C: Serialize, T, E: RankError>(
+    control: &TcpCollective,
+    command: &C,
+    local: impl FnOnce() -> std::result::Result<T, E>,
+    lose: impl FnOnce(Error) -> E,
+) -> std::result::Result<T, E> {
+    let bytes = encode(command)?;
+    match lead(control, &bytes, local) {
+        Ok(outcome) => outcome,
+        Err((channel, mine)) => {
+            let lost = lose(channel);
+            match mine {
+                Some(Err(own)) if !own.is_consequence() => Err(own),
+                _ => Err(lost),
+            }
+        }
+    }
+}
+
+/// A rank other than the leader: runs each of the leader's commands with `execute` (given
+/// the control channel, for a command that needs a round of its own) and reports how it went,
+/// until the control channel fails, a command cannot be read (this rank is out of step), or
+/// `execute` fails with an error that `must_leave`. Returns why it left.
+pub fn follow<C: DeserializeOwned, E: RankError>(
+    control: &TcpCollective,
+    mut execute: impl FnMut(C, &TcpCollective) -> std::result::Result<(), E>,
+    must_leave: impl Fn(&E) -> bool,
+) -> String {
+    loop {
+        let bytes = match control.broadcast_bytes(&[], 0) {
+            Ok(bytes) => bytes,
+            Err(e) => return e.to_string(),
+        };
+        let (outcome, leave) = match serde_json::from_slice::<Message<C>>(&bytes) {
+            Ok(Message::Ping) => continue,
+            Ok(Message::Command(command)) => {
+                let outcome = execute(command, control);
+                let leave = outcome.as_ref().is_err_and(&must_leave);
+                (outcome, leave)
+            }
+            Err(e) => {
+                let unread = Error::Invalid(format!("the leader sent a command this rank cannot read: {e}"));
+                (Err(E::from(unread)), true)
+            }
+        };
+        if let Err(e) = report(control, &outcome) {
+            return e.to_string();
+        }
+        if let (Err(e), true) = (&outcome, leave) {
+            return e.to_string();
+        }
     }
 }
 
@@ -302,6 +387,52 @@ mod tests {
         assert!(e.1, "only consequences: one of them");
         let bad = settle::<i32, Failed>(Ok(1), &[vec![], b"{".to_vec()]).unwrap_err();
         assert!(bad.0.contains("rank 1 sent a malformed status"), "{bad}");
+    }
+
+    /// The typed protocol: a ping no rank answers, commands every rank runs through
+    /// [`follow`], a rank's failure answered by the leader, and a command a rank cannot read,
+    /// after which the ranks leave and the leader's next turn reports the group lost.
+    #[test]
+    fn typed_commands_reach_every_follower_and_an_unreadable_one_ends_the_group() {
+        #[derive(Serialize, Deserialize)]
+        enum Command {
+            Add(usize),
+            Fail,
+        }
+        let results = crate::tcp::tests::on_ranks(3, |c| {
+            if c.rank() == 0 {
+                let lose = |e: Error| Failed(format!("lost: {e}"), false);
+                ping(&c).unwrap();
+                let added = lead_command(&c, &Command::Add(2), || Ok::<_, Failed>(1), lose);
+                let failed = lead_command(&c, &Command::Fail, || Ok::<_, Failed>(1), lose);
+                let garbled = lead::<(), Failed>(&c, b"garbled", || Ok(())).map_err(|(e, _)| e.to_string());
+                let after = lead_command(&c, &Command::Add(1), || Ok::<_, Failed>(1), lose);
+                vec![format!("{added:?}"), format!("{failed:?}"), format!("{garbled:?}"), format!("{after:?}")]
+            } else {
+                let mut total = 0;
+                let why = follow(
+                    &c,
+                    |command, _| match command {
+                        Command::Add(n) => {
+                            total += n;
+                            Ok(())
+                        }
+                        Command::Fail if c.rank() == 2 => Err(Failed("no".into(), false)),
+                        Command::Fail => Ok(()),
+                    },
+                    |_| false,
+                );
+                vec![total.to_string(), why]
+            }
+        });
+        assert_eq!(results[0][0], "Ok(1)");
+        assert!(results[0][1].contains("rank 2: no: no"), "{:?}", results[0]);
+        assert!(results[0][2].contains("rank 1: the leader sent a command this rank cannot read"), "{:?}", results[0]);
+        assert!(results[0][3].contains("lost: "), "the ranks left: {:?}", results[0]);
+        for rank in [1, 2] {
+            assert_eq!(results[rank][0], "2", "rank {rank} ran the one Add(2)");
+            assert!(results[rank][1].contains("cannot read"), "{:?}", results[rank]);
+        }
     }
 
     #[test]

@@ -334,7 +334,7 @@ impl Scheduler {
         loop {
             let idle = self.asleep || (self.running.is_empty() && self.waiting.is_empty());
             if idle && self.refit.is_none() && self.memory.is_none() {
-                match intake.recv_timeout(crate::group::PING) {
+                match intake.recv_timeout(keel_collective::process::PING) {
                     Ok(command) => self.take(command),
                     Err(mpsc::RecvTimeoutError::Timeout) => self.model.keep_alive(),
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,

@@ -18,7 +18,7 @@
 //! - The other ranks take no request of their own: the service runs [`execute`] for each
 //!   command (and joins the tensor-parallel communicator for [`Command::Load`]).
 //! - A rank that dies closes its connections: the leader's next command, or its next ping
-//!   (every [`PING`] while idle), fails, and the group is over: every later call fails with
+//!   (every [`process::PING`] while idle), fails, and the group is over: every later call fails with
 //!   [`Error::GroupLost`] and the leader's `lost` signal fires, so that the service exits
 //!   and its supervisor starts it again, once every rank is back, on the start-up weights
 //!   (the orchestrator announces the run's weights again to a generator that serves others).
@@ -26,9 +26,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use keel_collective::process::{self, RankError};
+use keel_collective::process;
 use keel_collective::tcp::TcpCollective;
 use keel_collective::{Collective, SharedComm};
 use keel_model::{Error, Result, SeqChunk};
@@ -37,14 +37,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::backend::{Rank, Weights};
 
-/// How often an idle leader checks that every rank is still there.
-pub const PING: Duration = Duration::from_secs(5);
-
 /// What the leader has every rank do, in the order it sends them.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Command {
-    /// Nothing: the leader checks that every rank is still there (no answer).
-    Ping,
     /// Check that this rank can load `load`; when every rank can, join the
     /// tensor-parallel communicator of `load.session` and load this rank's slices.
     Load(Load),
@@ -68,17 +63,6 @@ pub enum Command {
     Commit {
         commit: bool,
     },
-}
-
-impl Command {
-    pub fn encode(&self) -> Result<Vec<u8>> {
-        serde_json::to_vec(self).map_err(|e| Error::InvalidInput(format!("cannot encode a group command: {e}")))
-    }
-
-    pub fn decode(bytes: &[u8]) -> Result<Self> {
-        serde_json::from_slice(bytes)
-            .map_err(|e| Error::GroupLost(format!("the leader sent a command this rank cannot read: {e}")))
-    }
 }
 
 /// The model every rank loads its slices of, and where the ranks meet.
@@ -205,13 +189,13 @@ fn receive(rank: &Rank, incoming: &Incoming) -> Result<Ordered> {
     Ok(tensors)
 }
 
-/// A rank's part of `command` (every command but `Ping` and `Load`, which the service runs:
-/// a load joins the communicator over NATS). A failure to receive broadcast weights is a
+/// A rank's part of `command` (every command but `Load`, which [`follow`] runs: a load
+/// joins the communicator over NATS). A failure to receive broadcast weights is a
 /// [`Error::GroupLost`]: that rank is out of step with the others and must leave.
 pub fn execute(command: Command, slot: &mut Option<Rank>) -> Result<()> {
     let rank = slot.as_mut().ok_or_else(|| Error::GroupLost("this rank has no model loaded, the leader has".into()))?;
     match command {
-        Command::Ping | Command::Load(_) => Ok(()),
+        Command::Load(_) => Ok(()),
         Command::Forward { chunks } => rank.forward(&chunks).map(drop),
         Command::CopyBlock { from, to } => rank.copy_block(from, to),
         Command::Sleep { offload_weights } => rank.sleep(offload_weights).map(drop),
@@ -235,49 +219,42 @@ pub fn follow(
     mut join: impl FnMut(&str) -> Result<SharedComm>,
     slot: &mut Option<Rank>,
 ) -> String {
-    loop {
-        let bytes = match control.broadcast_bytes(&[], 0) {
-            Ok(bytes) => bytes,
-            Err(e) => return e.to_string(),
-        };
-        let outcome = match Command::decode(&bytes) {
-            Ok(Command::Ping) => continue,
-            Ok(Command::Load(load)) => {
+    let mut run = |command: Command, control: &TcpCollective| {
+        let outcome = match command {
+            Command::Load(load) => {
                 *slot = None;
-                let checked = load.check(device);
-                let statuses = match control.all_gather_bytes(&process::status(&checked)) {
-                    Ok(statuses) => statuses,
-                    Err(e) => return e.to_string(),
-                };
-                // Every rank goes on only when all can (the leader saw the same statuses).
-                if !process::all_succeeded(&statuses) {
-                    continue;
-                }
-                tracing::info!(model = %load.model.display(), "loading this rank's slices");
-                let kind = keel_model::device::parse_kind(&load.dtype);
-                kind.and_then(|kind| {
-                    let comm = join(&load.session)?;
-                    *slot = Some(Rank::load(&load.model, comm, device, kind, load.blocks)?);
-                    Ok(())
-                })
+                load_share(control, &load, device, &mut join).map(|rank| *slot = rank)
             }
-            Ok(command) => execute(command, slot),
-            Err(e) => Err(e),
+            command => execute(command, slot),
         };
         // A rank that must leave drops its share first: its communicator closes, and the
         // other ranks waiting in a collective with it learn it at once.
         if outcome.as_ref().is_err_and(must_leave) {
             *slot = None;
         }
-        if let Err(e) = process::report(control, &outcome) {
-            return e.to_string();
-        }
-        if let Err(e) = &outcome
-            && must_leave(e)
-        {
-            return e.to_string();
-        }
+        outcome
+    };
+    process::follow(control, &mut run, must_leave)
+}
+
+/// A rank's part of a load: it tells every rank whether it can take part, and only when all
+/// can does it join the load's communicator and load its slices (`None`: another rank
+/// cannot, and this one's own check is what it reports).
+fn load_share(
+    control: &TcpCollective,
+    load: &Load,
+    device: Device,
+    join: &mut impl FnMut(&str) -> Result<SharedComm>,
+) -> Result<Option<Rank>> {
+    let checked = load.check(device);
+    let statuses = control.all_gather_bytes(&process::status(&checked)).map_err(|e| Error::GroupLost(e.to_string()))?;
+    if !process::all_succeeded(&statuses) {
+        return checked.map(|()| None);
     }
+    tracing::info!(model = %load.model.display(), "loading this rank's slices");
+    let kind = keel_model::device::parse_kind(&load.dtype)?;
+    let comm = join(&load.session)?;
+    Ok(Some(Rank::load(&load.model, comm, device, kind, load.blocks)?))
 }
 
 /// Whether a rank that failed with `error` must leave the group (its communicators are
@@ -320,11 +297,19 @@ impl Grouped {
             cuda: device.is_cuda(),
         };
         let channel = |e: keel_collective::Error| Error::GroupLost(e.to_string());
-        let command = Command::Load(load.clone()).encode()?;
-        process::lead(&control, &command, || load.check(device)).map_err(|(e, _)| channel(e))??;
-        let mine = join(&load.session).and_then(|comm| Rank::load(model, comm, device, kind, blocks));
-        let statuses = control.all_gather_bytes(&process::status(&mine)).map_err(channel)?;
-        let rank = process::settle(mine, &statuses)?;
+        // Every rank checks that it can take part, and all go on only when all can (as
+        // `load_share` does on the others).
+        let rank = process::lead_command(
+            &control,
+            &Command::Load(load.clone()),
+            || {
+                let checked = load.check(device);
+                let statuses = control.all_gather_bytes(&process::status(&checked)).map_err(channel)?;
+                process::settle(checked, &statuses)?;
+                Rank::load(model, join(&load.session)?, device, kind, blocks)
+            },
+            channel,
+        )?;
         Ok(Self { rank, control, blocks, broken: None, last: Instant::now(), lost })
     }
 
@@ -351,28 +336,26 @@ impl Grouped {
         if let Some(why) = &self.broken {
             return Err(Error::GroupLost(why.clone()));
         }
-        let bytes = command.encode()?;
         self.last = Instant::now();
         let rank = &mut self.rank;
-        let outcome = match process::lead(&self.control, &bytes, || local(rank)) {
-            Ok(outcome) => outcome,
-            Err((channel, mine)) => {
+        let mut channel_failed = None;
+        let outcome = process::lead_command(
+            &self.control,
+            command,
+            || local(rank),
+            |channel| {
                 let why = channel.to_string();
-                self.lose(why.clone());
-                // This rank's own failure says more than the channel's, unless it only
-                // followed from the rank that left.
-                return match mine {
-                    Err(own) if !own.is_consequence() => Err(own),
-                    _ => Err(Error::GroupLost(why)),
-                };
-            }
-        };
-        // A collective that failed here, or a rank that had to leave, ends the group.
-        // (A rank that had to leave reported why first: the next command finds it gone.)
-        if let Err(e) = &outcome
-            && must_leave(e)
-        {
-            self.lose(e.to_string());
+                channel_failed = Some(why.clone());
+                Error::GroupLost(why)
+            },
+        );
+        // A failed control channel, a collective that failed here, or a rank that had to
+        // leave ends the group. (A rank that had to leave reported why first: the next
+        // command finds it gone.)
+        match (channel_failed, &outcome) {
+            (Some(why), _) => self.lose(why),
+            (None, Err(e)) if must_leave(e) => self.lose(e.to_string()),
+            _ => {}
         }
         outcome
     }
@@ -409,17 +392,13 @@ impl Grouped {
         staged.and(committed)
     }
 
-    /// While idle, checks every [`PING`] that every rank is still there.
+    /// While idle, checks every [`process::PING`] that every rank is still there.
     pub fn keep_alive(&mut self) {
-        if self.broken.is_some() || self.last.elapsed() < PING {
+        if self.broken.is_some() || self.last.elapsed() < process::PING {
             return;
         }
         self.last = Instant::now();
-        let ping = match Command::Ping.encode() {
-            Ok(ping) => ping,
-            Err(e) => return tracing::warn!("{e}"),
-        };
-        if let Err(e) = self.control.broadcast_bytes(&ping, 0) {
+        if let Err(e) = process::ping(&self.control) {
             self.lose(e.to_string());
         }
     }
@@ -434,6 +413,7 @@ mod tests {
     use crate::backend::tests::{chunk, random_model};
     use keel_model::CausalLm;
     use std::net::TcpListener;
+    use std::time::Duration;
 
     const TIMEOUT: Duration = Duration::from_secs(30);
 
