@@ -13,10 +13,10 @@
 
 use std::time::{Duration, Instant};
 
-use keel_protocol::generator::{WeightsLoaded, WeightsUpdated};
+use keel_protocol::generator::{BucketAt, WeightsLoaded, WeightsUpdated};
 use keel_protocol::subjects::{GeneratorOp, TrainerOp};
 use keel_protocol::trainer::{
-    ExportReply, ExportRequest, LogprobsReply, LogprobsRequest, Scorer, SendAccepted, SendWeights, Sequences,
+    ExportReply, ExportRequest, ExportTo, LogprobsReply, LogprobsRequest, Scorer, SendAccepted, SendWeights, Sequences,
     TrainBatch, TrainRequest,
 };
 use keel_protocol::{Payload, Reply, Subjects};
@@ -171,20 +171,18 @@ async fn refit_matches_the_trainer(
     let _: Value = pair.trainer(TrainerOp::Train, &train).await;
     let shared_dir = (through == Through::SharedMemory)
         .then(|| format!("{}/test-{}", keel_service::paths::SHARED_WEIGHTS_DIR, uuid::Uuid::new_v4().simple()));
-    let export = ExportRequest {
-        run_id: "r".into(),
-        dtype: Some("f32".into()),
-        bucket_bytes: 64 << 10,
-        shared_dir: shared_dir.clone(),
-        cuda_ipc: false,
-        collective: through == Through::Collective,
+    let to = match (&shared_dir, through) {
+        (Some(dir), _) => ExportTo::SharedMemory { dir: dir.clone() },
+        (None, Through::Collective) => ExportTo::Collective,
+        (None, _) => ExportTo::ObjectStore,
     };
+    let export = ExportRequest { run_id: "r".into(), dtype: Some("f32".into()), bucket_bytes: 64 << 10, to };
     let mut export = export;
     if lora {
         export.bucket_bytes = 8 << 10;
     }
     // CUDA IPC shares GPU memory: a trainer on the CPU says so.
-    let ipc = ExportRequest { cuda_ipc: true, shared_dir: None, collective: false, ..export.clone() };
+    let ipc = ExportRequest { to: ExportTo::CudaIpc, ..export.clone() };
     let refused = pair.call::<ExportReply>(pair.subjects.trainer(&pair.worker, TrainerOp::Export), &ipc).await;
     let refused = refused.expect_err("a CPU trainer refuses a CUDA IPC export");
     assert!(refused.to_string().contains("CUDA IPC") && refused.to_string().contains("Cpu"), "{refused}");
@@ -211,14 +209,14 @@ async fn refit_matches_the_trainer(
     if through == Through::Collective {
         // An export the trainer does not keep: it refuses to send it.
         for bucket in &mut broken.buckets {
-            bucket.collective.as_mut().expect("a bucket of a collective export").export = "gone".into();
+            let BucketAt::Collective(sent) = &mut bucket.at else { panic!("a bucket of a collective export") };
+            sent.export = "gone".into();
         }
     } else {
-        let second = &mut broken.buckets[1];
-        match (&mut second.object, &mut second.file) {
-            (Some(object), _) => object.name = "gone".into(),
-            (_, Some(file)) => file.push_str(".gone"),
-            _ => panic!("a bucket is an object or a file"),
+        match &mut broken.buckets[1].at {
+            BucketAt::Object(object) => object.name = "gone".into(),
+            BucketAt::File(file) => file.push_str(".gone"),
+            other => panic!("a bucket is an object or a file, not {other:?}"),
         }
     }
     let report = pair
@@ -247,7 +245,7 @@ async fn refit_matches_the_trainer(
     let (still, _) = pair.rollout(0).await;
     assert_eq!(still, base_tokens, "the old version serves after a failed refit");
 
-    let collective = exported.weights.buckets[0].collective.clone();
+    let collective = exported.weights.buckets[0].at.collective().cloned();
     let event = WeightsUpdated {
         run_id: "r".into(),
         version: 2,
@@ -338,7 +336,7 @@ async fn after_a_weights_only_refit_the_generator_scores_as_the_trainer() {
 /// generator on another kind of device, a range outside the export, a session that is not a
 /// subject token.
 async fn refuses_what_it_cannot_send(pair: &Pair, exported: &ExportReply) {
-    let first = exported.weights.buckets[0].collective.clone().expect("a bucket of a collective export");
+    let first = exported.weights.buckets[0].at.collective().cloned().expect("a bucket of a collective export");
     assert_eq!(first.device, "cpu");
     let subject = pair.subjects.trainer_send_weights(&pair.worker);
     assert_eq!(first.subject, subject);
@@ -385,9 +383,7 @@ async fn a_generator_forms_a_new_communicator_with_a_restarted_trainer() {
             run_id: "r".into(),
             dtype: Some("f32".into()),
             bucket_bytes: 64 << 10,
-            shared_dir: None,
-            cuda_ipc: false,
-            collective: true,
+            to: ExportTo::Collective,
         };
         let exported: ExportReply = pair.trainer(TrainerOp::Export, &export).await;
         // Twice: over a new communicator (or a kept one the trainer no longer has), then the

@@ -34,8 +34,8 @@ pub enum Error {
     Flush(String),
     #[error("weight bucket `{name}` has {got} bytes, not {expected}")]
     BucketSize { name: String, got: usize, expected: u64 },
-    #[error("a weight bucket names an object, a file, a CUDA IPC buffer or a collective buffer, one of them")]
-    BucketSource,
+    #[error("fewer weight buckets arrived than the export lists")]
+    BucketMissing,
     #[error("receiving the weights from the trainer: {0}")]
     Receive(String),
     #[error("`{0}` is in the weight buckets twice")]

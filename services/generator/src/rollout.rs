@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use keel_model::sampling::SamplingParams;
 use keel_protocol::generator::{
-    MemoryAction, MemoryChange, MemoryReport, RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded,
+    BucketAt, MemoryAction, MemoryChange, MemoryReport, RolloutReply, RolloutRequest, RolloutSample, WeightsLoaded,
     WeightsUpdated, error_types,
 };
 use keel_protocol::subjects::GENERATOR_QUEUE_GROUP;
@@ -403,7 +403,7 @@ async fn receive(
     buckets: &[keel_protocol::generator::WeightBucket],
     device: tch::Device,
 ) -> crate::Result<Vec<tch::Tensor>> {
-    let sent: Vec<_> = buckets.iter().filter_map(|b| b.collective.as_ref().map(|c| (c, b.bytes))).collect();
+    let sent: Vec<_> = buckets.iter().filter_map(|b| b.at.collective().map(|c| (c, b.bytes))).collect();
     let Some(&(first, _)) = sent.first() else { return Ok(Vec::new()) };
     if sent.iter().any(|(c, _)| (&c.export, &c.subject, &c.meeting) != (&first.export, &first.subject, &first.meeting))
     {
@@ -529,8 +529,8 @@ async fn new_weights(
     let mut received = receive(client, links, &weights.buckets, device).await?.into_iter();
     let mut fetched = Vec::with_capacity(weights.buckets.len());
     for bucket in &weights.buckets {
-        fetched.push(match (&bucket.object, &bucket.file, &bucket.cuda_ipc, &bucket.collective) {
-            (Some(object), None, None, None) => {
+        fetched.push(match &bucket.at {
+            BucketAt::Object(object) => {
                 if !stores.contains_key(&object.bucket) {
                     let store = keel_service::nats::Bulk::open(client.clone(), &object.bucket).await?;
                     stores.insert(object.bucket.clone(), store);
@@ -545,10 +545,9 @@ async fn new_weights(
                 }
                 Fetched::Bytes(bytes)
             }
-            (None, Some(file), None, None) => Fetched::File(file.clone()),
-            (None, None, Some(_), None) => Fetched::Device,
-            (None, None, None, Some(_)) => Fetched::Received(received.next().ok_or(Error::BucketSource)?),
-            _ => return Err(Error::BucketSource),
+            BucketAt::File(file) => Fetched::File(file.clone()),
+            BucketAt::CudaIpc(_) => Fetched::Device,
+            BucketAt::Collective(_) => Fetched::Received(received.next().ok_or(Error::BucketMissing)?),
         });
     }
     let lora = match &weights.lora {
@@ -558,7 +557,7 @@ async fn new_weights(
     let (buckets, roots) = (weights.buckets.clone(), roots.clone());
     tokio::task::spawn_blocking(move || {
         // Every bucket in GPU memory copied at once: each allocation is mapped once.
-        let shared: Vec<_> = buckets.iter().filter_map(|b| b.cuda_ipc.as_ref().map(|ipc| (ipc, b.bytes))).collect();
+        let shared: Vec<_> = buckets.iter().filter_map(|b| b.at.cuda_ipc().map(|ipc| (ipc, b.bytes))).collect();
         let mut copies = keel_model::cuda::ipc::fetch(&shared)?.into_iter();
         let mut tensors = std::collections::HashMap::new();
         for (bucket, bytes) in buckets.iter().zip(fetched) {
@@ -567,7 +566,7 @@ async fn new_weights(
                 Fetched::Received(flat) => keel_model::packing::unpack_tensor(&flat, &bucket.tensors, kind),
                 Fetched::Device => match copies.next() {
                     Some(copy) => keel_model::packing::unpack_tensor(&copy, &bucket.tensors, kind),
-                    None => return Err(Error::BucketSource),
+                    None => return Err(Error::BucketMissing),
                 },
                 // A file in shared memory is mapped, not read: its bytes are copied once,
                 // into the model.

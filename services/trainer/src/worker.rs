@@ -24,10 +24,10 @@ use serde::de::DeserializeOwned;
 use tracing::{Instrument, info, info_span, warn};
 
 use keel_model::packing::{PackTarget, Packed};
-use keel_protocol::generator::{AdapterRefit, CollectiveBuffer, WeightBucket, WeightBuckets};
+use keel_protocol::generator::{AdapterRefit, BucketAt, CollectiveBuffer, WeightBucket, WeightBuckets};
 use keel_protocol::subjects::{TRAINER_QUEUE_GROUP, TrainerOp};
 use keel_protocol::trainer::{
-    ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, HeartbeatReply,
+    ClaimReply, ClaimRequest, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, ExportTo, HeartbeatReply,
     HeartbeatRequest, LoadReply, LoadRequest, Logprobs, LogprobsReply, LogprobsRequest, Memory, MemoryMoved,
     OffloadRequest, OnloadRequest, ReleaseRequest, Released, SaveReply, SaveRequest, ScoreReply, ScoreRequest,
     SendAccepted, SendWeights, Timing, TrainReply, TrainRequest, TrainerCall, error_types,
@@ -457,18 +457,11 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
         return Err(refuse(error_types::INVALID_REQUEST, "bucket_bytes must be positive"));
     }
     let bucket_bytes = request.bucket_bytes;
-    let transfers = [request.cuda_ipc, request.collective, request.shared_dir.is_some()];
-    if transfers.iter().filter(|t| **t).count() > 1 {
-        return Err(refuse(
-            error_types::INVALID_REQUEST,
-            "cuda_ipc, collective and shared_dir are three transfers: ask for one",
-        ));
-    }
     // Shared memory: the buckets are written in place into files of a fresh directory,
     // which is renamed into view once whole.
-    let shared_dir = match &request.shared_dir {
-        Some(dir) => {
-            let dir = shared.roots.check("shared_dir", dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+    let shared_dir = match &request.to {
+        ExportTo::SharedMemory { dir } => {
+            let dir = shared.roots.check("to.dir", dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
             {
                 let mut exports = shared.exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 if !exports.contains(&dir) {
@@ -480,15 +473,15 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
                 .map_err(|e| refuse(error_types::INTERNAL, e.to_string()))?;
             Some(begun.map_err(|e| refuse(error_types::PAYLOAD, e))?)
         }
-        None => None,
+        _ => None,
     };
-    let to = match (&shared_dir, request.cuda_ipc, request.collective) {
-        (Some(export), _, _) => PackTarget::Files(export.partial.clone()),
-        (None, true, _) => PackTarget::Device,
-        (None, false, true) => PackTarget::Buffer,
-        (None, false, false) => PackTarget::Memory,
+    let to = match (&shared_dir, &request.to) {
+        (Some(export), _) => PackTarget::Files(export.partial.clone()),
+        (None, ExportTo::CudaIpc) => PackTarget::Device,
+        (None, ExportTo::Collective) => PackTarget::Buffer,
+        (None, _) => PackTarget::Memory,
     };
-    let cuda_ipc = request.cuda_ipc;
+    let cuda_ipc = request.to == ExportTo::CudaIpc;
     let command = shared.command(|| Command::Export { dtype: request.dtype.clone(), bucket_bytes });
     let (step, kind, packed, lora, handles) = shared
         .on_ranks(command, move |slot| {
@@ -507,7 +500,7 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
             };
             Ok((step, kind, packed, lora, handles))
         })
-        .instrument(info_span!("export", dtype = ?request.dtype, cuda_ipc, collective = request.collective))
+        .instrument(info_span!("export", dtype = ?request.dtype, to = ?request.to))
         .await?;
     let packing = started.elapsed().as_secs_f64();
     let buckets = match (shared_dir, packed) {
@@ -523,20 +516,19 @@ async fn export(shared: Arc<Shared>, request: ExportRequest) -> Answer<ExportRep
             let buckets = device
                 .buckets
                 .into_iter()
-                .map(|(offset, size, entries)| WeightBucket {
-                    object: None,
-                    file: None,
-                    cuda_ipc: handles.next(),
-                    collective: request.collective.then(|| CollectiveBuffer {
-                        export: id.clone(),
-                        offset,
-                        subject: subject.clone(),
-                        meeting: meeting.clone(),
-                        device: place.into(),
-                        gpu_uuid: gpu_uuid.clone(),
-                    }),
-                    bytes: size,
-                    tensors: entries,
+                .map(|(offset, size, entries)| {
+                    let at = match handles.next() {
+                        Some(handle) => BucketAt::CudaIpc(handle),
+                        None => BucketAt::Collective(CollectiveBuffer {
+                            export: id.clone(),
+                            offset,
+                            subject: subject.clone(),
+                            meeting: meeting.clone(),
+                            device: place.into(),
+                            gpu_uuid: gpu_uuid.clone(),
+                        }),
+                    };
+                    WeightBucket { at, bytes: size, tensors: entries }
                 })
                 .collect();
             let mut kept = shared.device_exports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -682,15 +674,12 @@ async fn store_objects(
     for bucket in packed {
         match bulk.put(&bucket.bytes).await {
             Ok(object) => buckets.push(WeightBucket {
-                object: Some(object),
-                file: None,
-                cuda_ipc: None,
-                collective: None,
+                at: BucketAt::Object(object),
                 bytes: bucket.bytes.len() as u64,
                 tensors: bucket.entries,
             }),
             Err(e) => {
-                for stored in buckets.iter().filter_map(|b| b.object.as_ref()) {
+                for stored in buckets.iter().filter_map(|b| b.at.object()) {
                     let _ = bulk.delete(stored).await;
                 }
                 return Err(e);
@@ -770,10 +759,7 @@ impl SharedExport {
             .map(|f| {
                 let name = f.path.file_name().map(std::path::PathBuf::from).unwrap_or_default();
                 WeightBucket {
-                    object: None,
-                    file: Some(self.export.join(name).to_string_lossy().into_owned()),
-                    cuda_ipc: None,
-                    collective: None,
+                    at: BucketAt::File(self.export.join(name).to_string_lossy().into_owned()),
                     bytes: f.bytes,
                     tensors: f.entries,
                 }
@@ -997,7 +983,8 @@ mod tests {
             std::fs::write(export.partial.join(bucket), [i; 8]).unwrap();
             let file = keel_model::packing::FileBucket { path: export.partial.join(bucket), bytes: 8, entries: vec![] };
             let buckets = export.finish(vec![file]).unwrap();
-            assert_eq!(std::fs::read(buckets[0].file.as_ref().unwrap()).unwrap(), [i; 8]);
+            let BucketAt::File(file) = &buckets[0].at else { panic!("a shared-memory export's bucket is a file") };
+            assert_eq!(std::fs::read(file).unwrap(), [i; 8]);
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         let exports = SharedExport::exports(dir.path()).unwrap();

@@ -388,14 +388,17 @@ async fn a_generator_that_leaves_midway_fails_its_transfer_alone_and_the_next_ar
     h.ok(TrainerOp::Claim, json!({"run_id": "run-x"})).await;
     h.ok(TrainerOp::Load, json!({"run_id": "run-x", "policy": {"path": model}, "training": sft_training()})).await;
     let exported = h
-        .ok(TrainerOp::Export, json!({"run_id": "run-x", "dtype": "f32", "bucket_bytes": 64 << 10, "collective": true}))
+        .ok(
+            TrainerOp::Export,
+            json!({"run_id": "run-x", "dtype": "f32", "bucket_bytes": 64 << 10, "to": {"kind": "collective"}}),
+        )
         .await;
     let weights: keel_protocol::generator::WeightBuckets = serde_json::from_value(exported["weights"].clone()).unwrap();
     assert!(weights.buckets.len() > 2, "small buckets split the export");
-    let first = weights.buckets[0].collective.clone().expect("a collective export's bucket says where it is");
+    let first = weights.buckets[0].at.collective().cloned().expect("a collective export's bucket says where it is");
     assert_eq!((first.device.as_str(), first.gpu_uuid.as_ref()), ("cpu", None));
     let ranges: Vec<(u64, u64)> =
-        weights.buckets.iter().map(|b| (b.collective.as_ref().unwrap().offset, b.bytes)).collect();
+        weights.buckets.iter().map(|b| (b.at.collective().unwrap().offset, b.bytes)).collect();
     let total: u64 = ranges.iter().map(|(_, bytes)| bytes).sum();
 
     // Asking to reuse a communicator the worker does not keep is refused, naming it.

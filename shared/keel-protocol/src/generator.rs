@@ -272,25 +272,50 @@ pub struct AdapterRefit {
     pub base: String,
 }
 
-/// One buffer of packed tensors: an object of the JetStream object store, a file in shared
-/// memory (`/dev/shm`) when trainer and generators are on one host, a range of the
-/// trainer's GPU memory shared through CUDA IPC (generators on the same host's GPUs), or a
-/// range of a buffer the trainer keeps and sends over a communicator (the collective
-/// transfer).
+/// One buffer of packed tensors, wherever the export left it ([`BucketAt`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightBucket {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub object: Option<crate::ObjectRef>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cuda_ipc: Option<CudaIpcBuffer>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub collective: Option<CollectiveBuffer>,
+    pub at: BucketAt,
     /// Its size in bytes (the sum of its tensors').
     pub bytes: u64,
     pub tensors: Vec<PackedTensor>,
+}
+
+/// Where a bucket's bytes are: an object of the JetStream object store, a file in shared
+/// memory (`/dev/shm`) when trainer and generators are on one host, a range of the trainer's
+/// GPU memory shared through CUDA IPC (generators on the same host's GPUs), or a range of a
+/// buffer the trainer keeps and sends over a communicator (the collective transfer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BucketAt {
+    Object(crate::ObjectRef),
+    File(String),
+    CudaIpc(CudaIpcBuffer),
+    Collective(CollectiveBuffer),
+}
+
+impl BucketAt {
+    pub fn object(&self) -> Option<&crate::ObjectRef> {
+        match self {
+            Self::Object(object) => Some(object),
+            _ => None,
+        }
+    }
+
+    pub fn cuda_ipc(&self) -> Option<&CudaIpcBuffer> {
+        match self {
+            Self::CudaIpc(buffer) => Some(buffer),
+            _ => None,
+        }
+    }
+
+    pub fn collective(&self) -> Option<&CollectiveBuffer> {
+        match self {
+            Self::Collective(buffer) => Some(buffer),
+            _ => None,
+        }
+    }
 }
 
 /// A bucket in the GPU memory of the trainer's process, for a process on the same host to

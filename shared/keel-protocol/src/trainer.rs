@@ -269,7 +269,7 @@ pub struct SaveReply {
 }
 
 /// Exports the policy's weights (never the optimiser's state) for the generators: cast to
-/// `dtype`, packed into objects of at most `bucket_bytes` in the run's bulk bucket.
+/// `dtype`, packed into buckets of at most `bucket_bytes`, left where `to` says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExportRequest {
@@ -279,25 +279,33 @@ pub struct ExportRequest {
     pub dtype: Option<String>,
     #[serde(default = "default_bucket_bytes")]
     pub bucket_bytes: u64,
-    /// Write the buckets as files under this directory (shared memory on the trainer's
-    /// host, e.g. `/dev/shm/keel-weights/<run>`) instead of the object store; the worker
-    /// keeps the three newest exports there untouched, reuses the files of the one before
-    /// for the next export, and deletes older ones; the directory goes when the run
-    /// releases the worker.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shared_dir: Option<String>,
-    /// Leave the buckets in the trainer's GPU memory, one buffer shared with the generators
-    /// on the same host through CUDA IPC, instead of the object store: the worker keeps its
-    /// two newest such exports (a generator may still be copying the older) and frees them
-    /// when the run lets it go. Refused on a CPU trainer and together with `shared_dir`.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub cuda_ipc: bool,
-    /// Leave the buckets in one buffer in the trainer's memory (its GPU's, or host memory
-    /// for a CPU trainer), for generators to receive over a communicator they form with the
-    /// trainer ([`SendWeights`]): kept and freed as `cuda_ipc`'s are. Refused together with
-    /// another transfer.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub collective: bool,
+    /// Where the buckets go (default: the object store).
+    #[serde(default)]
+    pub to: ExportTo,
+}
+
+/// Where an export leaves its buckets, as `generation.weight_transfer` chooses (the
+/// `directory` transfer saves a checkpoint instead of exporting).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ExportTo {
+    /// Objects of the run's bulk bucket in the JetStream object store.
+    #[default]
+    ObjectStore,
+    /// Files under `dir` (shared memory on the trainer's host, e.g.
+    /// `/dev/shm/keel-weights/<run>`): the worker keeps the three newest exports there
+    /// untouched, reuses the files of the one before for the next export, and deletes older
+    /// ones; the directory goes when the run releases the worker.
+    SharedMemory { dir: String },
+    /// One buffer in the trainer's GPU memory, shared with the generators on the same host
+    /// through CUDA IPC: the worker keeps its two newest such exports (a generator may still
+    /// be copying the older) and frees them when the run lets it go. Refused on a CPU
+    /// trainer.
+    CudaIpc,
+    /// One buffer in the trainer's memory (its GPU's, or host memory for a CPU trainer), for
+    /// generators to receive over a communicator they form with the trainer
+    /// ([`SendWeights`]): kept and freed as `cuda_ipc`'s are.
+    Collective,
 }
 
 /// A generator's request, on [`crate::Subjects::trainer_send_weights`], to receive an

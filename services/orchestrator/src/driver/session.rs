@@ -6,9 +6,9 @@ use std::path::Path;
 
 use keel_protocol::run::{RunSpec, WeightTransfer};
 use keel_protocol::trainer::{
-    EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, LoadReply, LoadRequest, LogprobsReply, LogprobsRequest,
-    MemoryMoved, ModelSource, OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer, Sequences, TrainBatch,
-    TrainReply, TrainRequest,
+    EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, ExportTo, LoadReply, LoadRequest, LogprobsReply,
+    LogprobsRequest, MemoryMoved, ModelSource, OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer,
+    Sequences, TrainBatch, TrainReply, TrainRequest,
 };
 
 use super::{EXPORT_BUCKET_BYTES, Result, Start, Stop};
@@ -102,15 +102,19 @@ impl<'a> TrainerSession<'a> {
     /// memory for CUDA IPC. `serving_dtype` (what the generators said they serve in) wins
     /// over the run's dtype.
     pub async fn export(&self, transfer: WeightTransfer, serving_dtype: Option<&str>) -> Result<ExportReply> {
-        let shared_dir = (transfer == WeightTransfer::SharedMemory)
-            .then(|| format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.run_id));
+        let to = match transfer {
+            WeightTransfer::SharedMemory => {
+                ExportTo::SharedMemory { dir: format!("{}/{}", keel_service::paths::SHARED_WEIGHTS_DIR, self.run_id) }
+            }
+            WeightTransfer::CudaIpc => ExportTo::CudaIpc,
+            WeightTransfer::Collective => ExportTo::Collective,
+            WeightTransfer::Memory | WeightTransfer::Directory => ExportTo::ObjectStore,
+        };
         let request = ExportRequest {
             run_id: self.run_id(),
             dtype: serving_dtype.map(str::to_string).or_else(|| self.spec.dtype.clone()),
             bucket_bytes: EXPORT_BUCKET_BYTES,
-            shared_dir,
-            cuda_ipc: transfer == WeightTransfer::CudaIpc,
-            collective: transfer == WeightTransfer::Collective,
+            to,
         };
         Ok(self.trainer.op(&request).await?)
     }

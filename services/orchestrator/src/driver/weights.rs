@@ -94,7 +94,7 @@ impl WeightPublisher {
     pub async fn delete_exported(&self, weights: &WeightBuckets) {
         // Files in shared memory and buffers in GPU memory are the trainer's to free (it keeps
         // the newest few).
-        for object in weights.buckets.iter().filter_map(|b| b.object.as_ref()) {
+        for object in weights.buckets.iter().filter_map(|b| b.at.object()) {
             if let Err(e) = self.bulk.delete(object).await {
                 tracing::warn!(run_id = %self.run_id, "cannot delete exported weights: {e}");
             }
