@@ -96,7 +96,7 @@ fn with_integral_numbers(body: &[u8], yaml: bool) -> Option<RunSpec> {
 
 /// The directory of the model `name` (a Hub id) at `revision` in this host's Hugging Face
 /// cache, or why there is none.
-pub fn model_by_name(name: &str, revision: Option<&str>) -> Result<std::path::PathBuf, String> {
+pub fn model_by_name(name: &str, revision: Option<&str>) -> Result<std::path::PathBuf, keel_service::hub::NotCached> {
     keel_service::hub::snapshot(&keel_service::hub::cache_dir(), name, revision)
 }
 
@@ -156,7 +156,7 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         Some(name) => match model_by_name(name, spec.model.revision.as_deref()) {
             Ok(dir) => Some(dir.display().to_string()),
             Err(e) => {
-                problems.push(FieldError::new("model.name", e));
+                problems.push(FieldError::new("model.name", e.to_string()));
                 None
             }
         },

@@ -64,7 +64,7 @@ struct Shared {
     device_exports: Mutex<std::collections::VecDeque<(String, tch::Tensor)>>,
     /// Where a generator receiving an export over TCP reaches this worker (or why no address
     /// towards NATS was found: the collective transfer on the CPU is then refused with it).
-    send_ip: std::result::Result<std::net::IpAddr, String>,
+    send_ip: std::result::Result<std::net::IpAddr, keel_collective::Error>,
     /// This worker's subjects for the collective transfer: where generators ask, and the
     /// prefix the two sides meet under.
     send_subjects: (String, String),
@@ -619,7 +619,7 @@ fn accept(shared: &Shared, payload: &[u8]) -> Answer<(SendAccepted, Transfer)> {
         links.remove(at).map(|(_, _, comm)| comm)
     } else {
         if let Err(e) = &shared.send_ip {
-            return Err(refuse(error_types::INTERNAL, e));
+            return Err(refuse(error_types::INTERNAL, e.to_string()));
         }
         None
     };
@@ -628,35 +628,48 @@ fn accept(shared: &Shared, payload: &[u8]) -> Answer<(SendAccepted, Transfer)> {
     Ok((SendAccepted { bytes }, transfer))
 }
 
+/// Why a collective transfer the worker accepted failed (it is logged; the generator's own
+/// side fails too and reports the refit).
+#[derive(Debug, thiserror::Error)]
+enum SendFailed {
+    #[error("joining the generator: {0}")]
+    Join(keel_collective::Error),
+    #[error("sending the weights: {0}")]
+    Send(keel_collective::Error),
+    #[error("cutting a range out of the export: {0}")]
+    Range(#[from] tch::TchError),
+    #[error("the sending task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// Runs an accepted transfer: joins the generator on a new communicator (unless one was
 /// kept), broadcasts every range on the blocking pool, and keeps the communicator for the
 /// generator's next transfer. A communicator whose transfer failed is dropped.
-async fn send_weights(shared: Arc<Shared>, transfer: Transfer) -> std::result::Result<(), String> {
+async fn send_weights(shared: Arc<Shared>, transfer: Transfer) -> std::result::Result<(), SendFailed> {
     let Transfer { buffer, ranges, session, link, .. } = transfer;
     let device = buffer.device();
     let comm = match link {
         Some(comm) => comm,
         None => {
-            let ip = shared.send_ip.clone()?;
+            let ip = shared.send_ip.clone().map_err(SendFailed::Join)?;
             let subject = format!("{}.{session}", shared.send_subjects.1);
             keel_collective::join_process_group(&shared.client, &subject, 0, 2, device, ip, SEND_TIMEOUT)
                 .await
-                .map_err(|e| format!("joining the generator: {e}"))?
+                .map_err(SendFailed::Join)?
         }
     };
     let comm = tokio::task::spawn_blocking(move || {
         for (offset, bytes) in ranges {
-            let mut range = buffer.f_narrow(0, offset as i64, bytes as i64).map_err(|e| e.to_string())?;
-            comm.broadcast(&mut range, 0).map_err(|e| format!("sending the weights: {e}"))?;
+            let mut range = buffer.f_narrow(0, offset as i64, bytes as i64)?;
+            comm.broadcast(&mut range, 0).map_err(SendFailed::Send)?;
         }
         // NCCL's broadcasts are queued on the GPU: the communicator is kept once they are done.
         if let tch::Device::Cuda(ordinal) = device {
             tch::Cuda::synchronize(ordinal as i64);
         }
-        Ok::<_, String>(comm)
+        Ok::<_, SendFailed>(comm)
     })
-    .await
-    .map_err(|e| e.to_string())??;
+    .await??;
     let mut links = shared.links.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     links.push_back((session, device, comm));
     while links.len() > KEPT_LINKS {
@@ -807,7 +820,7 @@ impl Worker {
         let (exports, device_exports) = (Mutex::default(), Mutex::default());
         let send_ip = match &group {
             Some(meeting) => Ok(meeting.ip),
-            None => keel_collective::process::ip_towards_nats(&config.nats_url).map_err(|e| e.to_string()),
+            None => keel_collective::process::ip_towards_nats(&config.nats_url),
         };
         let send_subjects = (subjects.trainer_send_weights(&worker_id), subjects.trainer_weights_meeting(&worker_id));
         let group = group.map(|meeting| (Arc::new(Leader::new(meeting.config.clone())), meeting));

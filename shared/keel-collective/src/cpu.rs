@@ -246,7 +246,7 @@ impl Collective for CpuCollective {
         self.same_shapes("reduce_scatter", &tensors)?;
         // Every rank sees the same shape, so every rank takes the same branch.
         let result = scatter_chunk(&reduce(&tensors, op), dim, self.rank, self.shared.world_size)
-            .map_err(|message| Error::Mismatch { rank: self.rank, message });
+            .map_err(|e| Error::Mismatch { rank: self.rank, message: e.to_string() });
         drop(tensors);
         self.done("reduce_scatter")?;
         result

@@ -78,7 +78,7 @@ pub(crate) fn scatter_chunk(
     dim: i64,
     rank: usize,
     world_size: usize,
-) -> std::result::Result<Tensor, String> {
+) -> std::result::Result<Tensor, BadSplit> {
     let (ndim, world) = (tensor.dim() as i64, world_size as i64);
     let length = (-ndim..ndim).contains(&dim).then(|| tensor.size()[dim.rem_euclid(ndim) as usize]);
     match length {
@@ -87,10 +87,19 @@ pub(crate) fn scatter_chunk(
             tensor
                 .f_narrow(dim, rank as i64 * part, part)
                 .map(|c| c.contiguous())
-                .map_err(|e| format!("reduce_scatter along {dim}: {e}"))
+                .map_err(|e| BadSplit::Tensor { dim, reason: e.to_string() })
         }
-        _ => Err(format!("reduce_scatter: dimension {dim} of {:?} does not split into {world}", tensor.size())),
+        _ => Err(BadSplit::Uneven { dim, shape: tensor.size(), world_size }),
     }
+}
+
+/// Why a reduce-scatter's result cannot be cut into the ranks' chunks.
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum BadSplit {
+    #[error("reduce_scatter: dimension {dim} of {shape:?} does not split into {world_size}")]
+    Uneven { dim: i64, shape: Vec<i64>, world_size: usize },
+    #[error("reduce_scatter along {dim}: {reason}")]
+    Tensor { dim: i64, reason: String },
 }
 
 /// A shared library (NCCL, libtorch's CUDA library, a shim) that cannot be used on this

@@ -447,14 +447,14 @@ impl TcpCollective {
             let mut out = BufWriter::new(peer);
             let sent = match &result {
                 Ok(payload) => out.write_all(&[OK]).and_then(|()| payload.write(&mut out)),
-                Err(message) => out
+                Err(incompatible) => out
                     .write_all(&[MISMATCH])
-                    .and_then(|()| Payload::bytes(message.clone().into_bytes()).write(&mut out)),
+                    .and_then(|()| Payload::bytes(incompatible.to_string().into_bytes()).write(&mut out)),
             };
             sent.and_then(|()| out.flush()).map_err(|e| Failure::peer(rank, e))?;
         }
-        let own = own.unwrap_or_else(|| Err("no result for rank 0".into()));
-        Ok(own.map_err(|message| Error::Mismatch { rank: 0, message }))
+        let own = own.unwrap_or_else(|| Err(Incompatible::Tensor("no result for rank 0".into())));
+        Ok(own.map_err(|incompatible| Error::Mismatch { rank: 0, message: incompatible.to_string() }))
     }
 }
 
@@ -489,27 +489,46 @@ fn configure(stream: &TcpStream, timeout: Duration) -> Result<()> {
     stream.set_write_timeout(Some(timeout)).map_err(invalid)
 }
 
-fn read_hello(stream: &mut TcpStream, world_size: usize, token: &str) -> std::result::Result<usize, String> {
+/// Why rank 0 refuses a connection's hello (the connection is told, and the wait goes on).
+#[derive(Debug, thiserror::Error)]
+enum BadHello {
+    #[error("no hello: {0}")]
+    Missing(std::io::Error),
+    #[error("not a Keel rank")]
+    NotKeel,
+    #[error("a token longer than 4096 bytes")]
+    LongToken,
+    #[error("no token: {0}")]
+    NoToken(std::io::Error),
+    #[error("rank {0} belongs to another group")]
+    OtherGroup(usize),
+    #[error("rank {rank} thinks the group has {size} ranks, not {world_size}")]
+    OtherSize { rank: usize, size: usize, world_size: usize },
+    #[error("rank {rank} is not in 1..{world_size}")]
+    OutOfRange { rank: usize, world_size: usize },
+}
+
+fn read_hello(stream: &mut TcpStream, world_size: usize, token: &str) -> std::result::Result<usize, BadHello> {
     let mut head = [0u8; 20];
-    stream.read_exact(&mut head).map_err(|e| format!("no hello: {e}"))?;
+    stream.read_exact(&mut head).map_err(BadHello::Missing)?;
     if &head[..8] != MAGIC {
-        return Err("not a Keel rank".into());
+        return Err(BadHello::NotKeel);
     }
     let word = |at: usize| u32::from_le_bytes(head[at..at + 4].try_into().unwrap_or_default()) as usize;
     let (rank, size, length) = (word(8), word(12), word(16));
     if length > 4096 {
-        return Err("a token longer than 4096 bytes".into());
+        return Err(BadHello::LongToken);
     }
     let mut theirs = vec![0u8; length];
-    stream.read_exact(&mut theirs).map_err(|e| format!("no token: {e}"))?;
+    stream.read_exact(&mut theirs).map_err(BadHello::NoToken)?;
     if theirs != token.as_bytes() {
-        return Err(format!("rank {rank} belongs to another group"));
+        return Err(BadHello::OtherGroup(rank));
     }
     if size != world_size {
-        return Err(format!("rank {rank} thinks the group has {size} ranks, not {world_size}"));
+        return Err(BadHello::OtherSize { rank, size, world_size });
     }
     if rank == 0 || rank >= world_size {
-        return Err(format!("rank {rank} is not in 1..{world_size}"));
+        return Err(BadHello::OutOfRange { rank, world_size });
     }
     Ok(rank)
 }
@@ -570,31 +589,27 @@ impl Failure {
 
 /// Every rank's result of one operation from every rank's (operation, contribution), in rank
 /// order: what the thread backend computes, or why the ranks' calls cannot be combined.
-fn combine(parts: &[(Op, Payload)], world_size: usize) -> Vec<std::result::Result<Payload, String>> {
-    let all = |result: std::result::Result<Payload, String>| vec![result; world_size];
+fn combine(parts: &[(Op, Payload)], world_size: usize) -> Vec<std::result::Result<Payload, Incompatible>> {
+    let all = |result: std::result::Result<Payload, Incompatible>| vec![result; world_size];
     let op = parts[0].0;
     if let Some((rank, (theirs, _))) = parts.iter().enumerate().find(|(_, (o, _))| *o != op) {
-        return all(Err(format!("rank {rank} called {theirs:?}, rank 0 {op:?}")));
+        return all(Err(Incompatible::Operation { rank, theirs: format!("{theirs:?}"), ours: format!("{op:?}") }));
     }
     if let Some((rank, (_, p))) = parts.iter().enumerate().find(|(_, (_, p))| p.kind != parts[0].1.kind) {
-        return all(Err(format!(
-            "{}: rank {rank} passed {}, rank 0 {}",
-            op.name(),
-            kind_name(p.kind),
-            kind_name(parts[0].1.kind)
-        )));
+        let (theirs, ours) = (kind_name(p.kind), kind_name(parts[0].1.kind));
+        return all(Err(Incompatible::Kind { op: op.name(), rank, theirs, ours }));
     }
     let same_shapes = || match parts.iter().position(|(_, p)| p.shape != parts[0].1.shape) {
         None => Ok(()),
-        Some(rank) => Err(format!(
-            "{}: rank {rank} passed shape {:?}, rank 0 {:?}",
-            op.name(),
-            parts[rank].1.shape,
-            parts[0].1.shape
-        )),
+        Some(rank) => Err(Incompatible::Shape {
+            op: op.name(),
+            rank,
+            theirs: parts[rank].1.shape.clone(),
+            ours: parts[0].1.shape.clone(),
+        }),
     };
-    let tensors = || parts.iter().map(|(_, p)| p.tensor()).collect::<Result<Vec<_>>>().map_err(|e| e.to_string());
-    let outcome = (|| -> std::result::Result<Vec<Payload>, String> {
+    let tensors = || parts.iter().map(|(_, p)| p.tensor()).collect::<Result<Vec<_>>>().map_err(Incompatible::tensor);
+    let outcome = (|| -> std::result::Result<Vec<Payload>, Incompatible> {
         match op {
             Op::Barrier => Ok(vec![Payload::bytes(Vec::new()); world_size]),
             Op::Bytes(root) => Ok(vec![parts[root].1.clone(); world_size]),
@@ -605,20 +620,22 @@ fn combine(parts: &[(Op, Payload)], world_size: usize) -> Vec<std::result::Resul
             }
             Op::AllReduce(reduce) => {
                 same_shapes()?;
-                let result = Payload::of(&crate::reduce(&tensors()?, reduce)).map_err(|e| e.to_string())?;
+                let result = Payload::of(&crate::reduce(&tensors()?, reduce)).map_err(Incompatible::tensor)?;
                 Ok(vec![result; world_size])
             }
             Op::AllGather(dim) => {
-                let gathered = Tensor::f_cat(&tensors()?, dim).map_err(|e| format!("all_gather along {dim}: {e}"))?;
-                Ok(vec![Payload::of(&gathered).map_err(|e| e.to_string())?; world_size])
+                let gathered = Tensor::f_cat(&tensors()?, dim)
+                    .map_err(|e| Incompatible::Tensor(format!("all_gather along {dim}: {e}")))?;
+                Ok(vec![Payload::of(&gathered).map_err(Incompatible::tensor)?; world_size])
             }
             Op::ReduceScatter(dim, reduce) => {
                 same_shapes()?;
                 let reduced = crate::reduce(&tensors()?, reduce);
                 (0..world_size)
                     .map(|rank| {
-                        let chunk = crate::scatter_chunk(&reduced, dim, rank, world_size)?;
-                        Payload::of(&chunk).map_err(|e| e.to_string())
+                        let chunk =
+                            crate::scatter_chunk(&reduced, dim, rank, world_size).map_err(Incompatible::Split)?;
+                        Payload::of(&chunk).map_err(Incompatible::tensor)
                     })
                     .collect()
             }
@@ -627,6 +644,29 @@ fn combine(parts: &[(Op, Payload)], world_size: usize) -> Vec<std::result::Resul
     match outcome {
         Ok(results) => results.into_iter().map(Ok).collect(),
         Err(message) => all(Err(message)),
+    }
+}
+
+/// Why the ranks' calls of one operation cannot be combined: every rank is told, as text,
+/// and fails with [`Error::Mismatch`].
+#[derive(Debug, Clone, thiserror::Error)]
+enum Incompatible {
+    #[error("rank {rank} called {theirs}, rank 0 {ours}")]
+    Operation { rank: usize, theirs: String, ours: String },
+    #[error("{op}: rank {rank} passed {theirs}, rank 0 {ours}")]
+    Kind { op: &'static str, rank: usize, theirs: String, ours: String },
+    #[error("{op}: rank {rank} passed shape {theirs:?}, rank 0 {ours:?}")]
+    Shape { op: &'static str, rank: usize, theirs: Vec<i64>, ours: Vec<i64> },
+    #[error(transparent)]
+    Split(crate::BadSplit),
+    /// libtorch failed combining the tensors.
+    #[error("{0}")]
+    Tensor(String),
+}
+
+impl Incompatible {
+    fn tensor(e: Error) -> Self {
+        Self::Tensor(e.to_string())
     }
 }
 

@@ -28,18 +28,35 @@ fn cache_dir_from(env: &dyn Fn(&str) -> Option<PathBuf>) -> PathBuf {
     base.join("huggingface").join("hub")
 }
 
+/// Why a model named as on the Hub cannot be found in the cache; the ones a download would
+/// fix say how.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotCached {
+    #[error("`{0}` is not a Hugging Face model id (`Org/Name`)")]
+    BadName(String),
+    #[error("revision `{0}` is not a branch, tag or commit")]
+    BadRevision(String),
+    #[error("{name} is not in the Hugging Face cache at {}: {}", cache.display(), fetch_hint(name))]
+    Missing { name: String, cache: PathBuf },
+    #[error("{name} has no snapshot for revision `{revision}` in {}: {}", repo.display(), fetch_hint(name))]
+    NoSnapshot { name: String, revision: String, repo: PathBuf },
+}
+
+fn fetch_hint(name: &str) -> String {
+    format!("fetch it into the cache first (`hf download {name}`), or set HF_HUB_CACHE or HF_HOME")
+}
+
 /// The snapshot directory of model `name` at `revision` (a branch or tag the cache has a ref
 /// for, or a commit; `main` when None) in `cache`, or why there is none, saying how to get it.
-pub fn snapshot(cache: &Path, name: &str, revision: Option<&str>) -> Result<PathBuf, String> {
+pub fn snapshot(cache: &Path, name: &str, revision: Option<&str>) -> Result<PathBuf, NotCached> {
     check_name(name)?;
     let revision = revision.unwrap_or("main");
     if revision.is_empty() || revision.contains("..") || revision.starts_with('/') {
-        return Err(format!("revision `{revision}` is not a branch, tag or commit"));
+        return Err(NotCached::BadRevision(revision.to_string()));
     }
     let repo = cache.join(format!("models--{}", name.replace('/', "--")));
-    let fetch = format!("fetch it into the cache first (`hf download {name}`), or set HF_HUB_CACHE or HF_HOME");
     if !repo.is_dir() {
-        return Err(format!("{name} is not in the Hugging Face cache at {}: {fetch}", cache.display()));
+        return Err(NotCached::Missing { name: name.to_string(), cache: cache.to_path_buf() });
     }
     let commit = match std::fs::read_to_string(repo.join("refs").join(revision)) {
         Ok(commit) => commit.trim().to_string(),
@@ -48,13 +65,13 @@ pub fn snapshot(cache: &Path, name: &str, revision: Option<&str>) -> Result<Path
     };
     let dir = repo.join("snapshots").join(&commit);
     if !dir.is_dir() {
-        return Err(format!("{name} has no snapshot for revision `{revision}` in {}: {fetch}", repo.display()));
+        return Err(NotCached::NoSnapshot { name: name.to_string(), revision: revision.to_string(), repo });
     }
     Ok(dir)
 }
 
 /// `Org/Name` or `Name`: the Hub's characters, no `..`.
-fn check_name(name: &str) -> Result<(), String> {
+fn check_name(name: &str) -> Result<(), NotCached> {
     let parts: Vec<&str> = name.split('/').collect();
     let valid_part = |p: &str| {
         !p.is_empty()
@@ -63,7 +80,7 @@ fn check_name(name: &str) -> Result<(), String> {
             && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     };
     if parts.len() > 2 || !parts.iter().all(|p| valid_part(p)) {
-        return Err(format!("`{name}` is not a Hugging Face model id (`Org/Name`)"));
+        return Err(NotCached::BadName(name.to_string()));
     }
     Ok(())
 }
@@ -100,15 +117,18 @@ mod tests {
         assert_eq!(snapshot(cache.path(), "Org/Tiny-1.5B", Some("v2")).unwrap(), repo.join("snapshots/def456"));
         assert_eq!(snapshot(cache.path(), "Org/Tiny-1.5B", Some("def456")).unwrap(), repo.join("snapshots/def456"));
 
-        let missing = snapshot(cache.path(), "Org/Other", None).unwrap_err();
+        let missing = snapshot(cache.path(), "Org/Other", None).unwrap_err().to_string();
         assert!(
             missing.contains("not in the Hugging Face cache") && missing.contains("hf download Org/Other"),
             "{missing}"
         );
-        let no_revision = snapshot(cache.path(), "Org/Tiny-1.5B", Some("v3")).unwrap_err();
+        let no_revision = snapshot(cache.path(), "Org/Tiny-1.5B", Some("v3")).unwrap_err().to_string();
         assert!(no_revision.contains("no snapshot for revision `v3`"), "{no_revision}");
         for bad in ["../etc", "a/b/c", "Org/", "/abs", "Org/na me"] {
-            assert!(snapshot(cache.path(), bad, None).unwrap_err().contains("not a Hugging Face model id"), "{bad}");
+            assert!(
+                snapshot(cache.path(), bad, None).unwrap_err().to_string().contains("not a Hugging Face model id"),
+                "{bad}"
+            );
         }
         assert!(snapshot(cache.path(), "Org/Tiny-1.5B", Some("../../x")).is_err());
     }
