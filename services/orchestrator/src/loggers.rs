@@ -490,7 +490,7 @@ const WANDB_CHUNK_HEADER: u64 = 7;
 
 /// `YYYYMMDD_HHMMSS` in UTC for `seconds` since the Unix epoch, as W&B names run folders.
 fn utc_stamp(seconds: u64) -> String {
-    keel_tokenizer::chat::format_utc(seconds as i64, "%Y%m%d_%H%M%S")
+    keel_tokenizer::chat::format_utc(seconds as i64, "%Y%m%d_%H%M%S").unwrap_or_default()
 }
 
 /// A metric's value as JSON (non-finite values as W&B's own `NaN` / `Infinity`).

@@ -60,66 +60,17 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
 }
 
-fn strftime_now(format: String) -> String {
+fn strftime_now(format: String) -> Result<String, minijinja::Error> {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
     format_utc(secs, &format)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now(`{format}`): {e}")))
 }
 
-/// `strftime` for the codes chat templates use (%d %m %Y %y %b %B %H %M %S %%), in UTC, of
-/// `secs` since the Unix epoch.
-pub fn format_utc(secs: i64, format: &str) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let name = MONTHS[(month - 1) as usize];
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year % 100)),
-            Some('b') => out.push_str(&name[..3]),
-            Some('B') => out.push_str(name),
-            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
-            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
+/// `strftime` in UTC of `secs` since the Unix epoch (the codes chat templates use, %d %m %Y
+/// %y %b %B %H %M %S %%, and the rest of jiff's); a code it does not know is an error.
+pub fn format_utc(secs: i64, format: &str) -> Result<String, jiff::Error> {
+    let at = jiff::Timestamp::from_second(secs)?.to_zoned(jiff::tz::TimeZone::UTC);
+    jiff::fmt::strtime::format(format, &at)
 }
 
 /// Python's `json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=sort_keys)`.
@@ -212,6 +163,10 @@ mod tests {
     #[test]
     fn strftime_formats_a_known_date() {
         // 2024-02-29 13:05:09 UTC
-        assert_eq!(format_utc(1_709_211_909, "%d %b %Y %H:%M:%S %B %m %y %%"), "29 Feb 2024 13:05:09 February 02 24 %");
+        assert_eq!(
+            format_utc(1_709_211_909, "%d %b %Y %H:%M:%S %B %m %y %%").unwrap(),
+            "29 Feb 2024 13:05:09 February 02 24 %"
+        );
+        assert!(format_utc(0, "%!").is_err(), "an unknown code is an error");
     }
 }
