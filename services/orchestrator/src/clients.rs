@@ -139,19 +139,26 @@ impl Nats {
         subject: String,
         body: &Req,
     ) -> Result<Rep, CallError> {
+        use backon::BackoffBuilder;
         let started = std::time::Instant::now();
         let (mut lost, mut busy) = (0u32, 0u32);
+        // A lost request waits 0.4 s, doubling to 6.4 s; a full group 0.1 s, doubling to 2 s.
+        let wait = |first: u64, last: u64| {
+            let (first, last) = (Duration::from_millis(first), Duration::from_millis(last));
+            backon::ExponentialBuilder::new().with_min_delay(first).with_max_delay(last).without_max_times().build()
+        };
+        let (mut lost_waits, mut busy_waits) = (wait(400, 6400), wait(100, 2000));
         loop {
             match self.call(subject.clone(), body, self.timeout).await {
                 Err(e @ CallError::NoAnswer { .. }) if lost < self.retries => {
                     lost += 1;
                     tracing::warn!(attempt = lost, "retrying: {e}");
-                    tokio::time::sleep(Duration::from_millis(200 * (1 << lost.min(5)))).await;
+                    tokio::time::sleep(lost_waits.next().unwrap_or(Duration::from_millis(6400))).await;
                 }
                 Err(e) if e.busy() && started.elapsed() < self.timeout => {
                     busy += 1;
                     tracing::debug!(attempt = busy, "waiting for a free replica: {e}");
-                    tokio::time::sleep(Duration::from_millis(100 * u64::from(busy.min(20)))).await;
+                    tokio::time::sleep(busy_waits.next().unwrap_or(Duration::from_secs(2))).await;
                 }
                 other => return other,
             }

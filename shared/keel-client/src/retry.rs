@@ -50,12 +50,17 @@ impl Patience {
         Self::new(Duration::ZERO)
     }
 
-    /// The delay before retry `attempt` (1 for the first): the capped exponential delay
-    /// scaled by `jitter` in [0, 1) to between half and all of it, so that many waiting
-    /// clients do not come back at the same instant.
-    pub fn delay(&self, attempt: u32, jitter: f64) -> Duration {
-        let exponential = self.first_delay.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
-        exponential.min(self.max_delay).mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+    /// The delays before the retries: from `first_delay` doubling up to `max_delay`, each
+    /// between half and all of that (jitter), so that many waiting clients do not come back
+    /// at the same instant.
+    pub fn delays(&self) -> impl Iterator<Item = Duration> + use<> {
+        use backon::BackoffBuilder;
+        backon::ExponentialBuilder::new()
+            .with_min_delay(self.first_delay / 2)
+            .with_max_delay(self.max_delay / 2)
+            .with_jitter()
+            .without_max_times()
+            .build()
     }
 
     /// Runs `op` until it succeeds, fails in a way `transient` does not forgive, or the
@@ -69,6 +74,7 @@ impl Patience {
     {
         let started = Instant::now();
         let mut attempt = 0;
+        let mut delays = self.delays();
         // Set while this call is one the watcher counts as waiting; ends the wait on drop,
         // so a call that is itself dropped (its caller went away) ends it too.
         let mut waiting: Option<WaitGuard<'_>> = None;
@@ -89,7 +95,7 @@ impl Patience {
                 }
             }
             attempt += 1;
-            let delay = self.delay(attempt, jitter());
+            let delay = delays.next().unwrap_or(self.max_delay);
             if waiting.is_none() {
                 tracing::warn!(
                     attempt,
@@ -111,15 +117,6 @@ impl Drop for WaitGuard<'_> {
     }
 }
 
-/// A number in [0, 1) that differs between calls and processes (no RNG state to share).
-fn jitter() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher
-        .write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
-    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -129,14 +126,20 @@ mod tests {
     #[test]
     fn delays_double_up_to_the_cap_with_jitter_between_half_and_all() {
         let p = Patience::new(Duration::from_secs(60));
-        assert!((199..=200).contains(&p.delay(1, 1.0 - f64::EPSILON).as_millis()));
-        assert_eq!(p.delay(1, 0.0), Duration::from_millis(100));
-        assert_eq!(p.delay(3, 0.0), Duration::from_millis(400));
-        assert_eq!(p.delay(12, 0.0), Duration::from_secs(5), "capped at 10 s, halved by the jitter");
-        assert_eq!(p.delay(40, 0.5), Duration::from_millis(7500), "no overflow far out");
-        let spread: Vec<f64> = (0..200).map(|_| jitter()).collect();
-        assert!(spread.iter().all(|j| (0.0..1.0).contains(j)));
-        assert!(spread.iter().any(|&j| j < 0.3) && spread.iter().any(|&j| j > 0.7), "jitter spreads");
+        let nominal = |attempt: u32| Duration::from_millis(200 << attempt.min(6)).min(Duration::from_secs(10));
+        for _ in 0..50 {
+            for (attempt, delay) in p.delays().take(40).enumerate() {
+                let full = nominal(attempt as u32);
+                assert!(
+                    delay >= full / 2 && delay <= full,
+                    "retry {attempt}: {delay:?} outside [{:?}, {full:?}]",
+                    full / 2
+                );
+            }
+        }
+        let firsts: Vec<Duration> = (0..200).map(|_| p.delays().next().unwrap()).collect();
+        let (low, high) = (Duration::from_millis(130), Duration::from_millis(170));
+        assert!(firsts.iter().any(|&d| d < low) && firsts.iter().any(|&d| d > high), "jitter spreads");
     }
 
     #[tokio::test(start_paused = true)]

@@ -46,7 +46,7 @@ pub async fn share_id(
         client.flush().await.map_err(|e| nats(&e))?;
         return Ok(id);
     }
-    let mut backoff = crate::Backoff::up_to(RETRY);
+    let mut backoff = crate::backoff(RETRY);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -56,7 +56,7 @@ pub async fn share_id(
         match tokio::time::timeout(left, asked).await {
             Ok(Ok(answer)) => return Ok(answer.payload.to_vec()),
             // Rank 0 is not listening yet (no responders) or did not answer in time: ask again.
-            Ok(Err(_)) => tokio::time::sleep(backoff.next().min(left)).await,
+            Ok(Err(_)) => tokio::time::sleep(backoff.next().unwrap_or(RETRY).min(left)).await,
             Err(_) => return Err(expired()),
         }
     }

@@ -199,26 +199,13 @@ macro_rules! delegate_collective {
 
 use std::sync::Arc;
 
-/// Waits between tries that grow from 1 ms to a ceiling: a peer that is nearly ready (the
-/// usual case when two processes meet) is found within a millisecond or two, one that is
-/// not is asked at most every ceiling.
-#[derive(Debug)]
-pub(crate) struct Backoff {
-    next: std::time::Duration,
-    ceiling: std::time::Duration,
-}
-
-impl Backoff {
-    pub(crate) fn up_to(ceiling: std::time::Duration) -> Self {
-        Self { next: std::time::Duration::from_millis(1).min(ceiling), ceiling }
-    }
-
-    /// The next wait.
-    pub(crate) fn next(&mut self) -> std::time::Duration {
-        let wait = self.next;
-        self.next = (self.next * 2).min(self.ceiling);
-        wait
-    }
+/// Waits between tries that double from 1 ms to `ceiling`, for ever: a peer that is nearly
+/// ready (the usual case when two processes meet) is found within a millisecond or two, one
+/// that is not is asked at most every `ceiling`.
+pub(crate) fn backoff(ceiling: std::time::Duration) -> impl Iterator<Item = std::time::Duration> {
+    use backon::BackoffBuilder;
+    let first = std::time::Duration::from_millis(1).min(ceiling);
+    backon::ExponentialBuilder::new().with_min_delay(first).with_max_delay(ceiling).without_max_times().build()
 }
 
 delegate_collective!(Box<T:>, Arc<T: Sync>);

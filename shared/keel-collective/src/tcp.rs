@@ -253,7 +253,7 @@ impl TcpCollective {
         let deadline = Instant::now() + timeout;
         listener.set_nonblocking(true).map_err(invalid)?;
         let mut peers: Vec<Option<TcpStream>> = (1..world_size).map(|_| None).collect();
-        let mut backoff = crate::Backoff::up_to(RETRY);
+        let mut backoff = crate::backoff(RETRY);
         while peers.iter().any(Option::is_none) {
             let (mut stream, from) = match listener.accept() {
                 Ok(accepted) => accepted,
@@ -266,7 +266,7 @@ impl TcpCollective {
                             timeout.as_secs_f64()
                         )));
                     }
-                    std::thread::sleep(backoff.next());
+                    std::thread::sleep(backoff.next().unwrap_or(RETRY));
                     continue;
                 }
                 Err(e) => return Err(invalid(e)),
@@ -298,14 +298,14 @@ impl TcpCollective {
             return Err(Error::Invalid(format!("rank {rank} cannot connect to rank 0 in a group of {world_size}")));
         }
         let deadline = Instant::now() + timeout;
-        let mut backoff = crate::Backoff::up_to(RETRY);
+        let mut backoff = crate::backoff(RETRY);
         let mut stream = loop {
             match TcpStream::connect_timeout(&hub, timeout) {
                 Ok(stream) => break stream,
                 Err(e) if Instant::now() >= deadline => {
                     return Err(Error::Invalid(format!("rank {rank}: cannot reach rank 0 at {hub}: {e}")));
                 }
-                Err(_) => std::thread::sleep(backoff.next()),
+                Err(_) => std::thread::sleep(backoff.next().unwrap_or(RETRY)),
             }
         };
         configure(&stream, timeout)?;

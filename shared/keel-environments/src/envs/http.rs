@@ -18,7 +18,6 @@ use keel_protocol::reward::{
     EnvSample, EnvStepResult, HttpRewardConfig, PluginBatchRequest, PluginBatchResponse, PluginRequest, PluginResponse,
     SampleError,
 };
-use rand::Rng;
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use serde::de::DeserializeOwned;
@@ -154,6 +153,8 @@ impl HttpEnv {
     async fn call<T: DeserializeOwned>(&self, body: &impl serde::Serialize) -> Result<T, SampleError> {
         let body = serde_json::to_vec(body).map_err(|e| SampleError::new("invalid_sample", e.to_string()))?;
         let mut attempt = 0;
+        let mut delays = self.delays();
+        let max_delay = Duration::from_millis(self.config.max_backoff_ms);
         loop {
             let result = {
                 let _permit = self.permits.acquire().await.map_err(|e| SampleError::new("internal", e.to_string()))?;
@@ -189,15 +190,22 @@ impl HttpEnv {
                 let tries = attempt + 1;
                 return Err(SampleError::new(&error.kind, format!("{} (after {tries} attempts)", error.message)));
             }
-            tokio::time::sleep(self.backoff(attempt)).await;
+            tokio::time::sleep(delays.next().unwrap_or(max_delay)).await;
             attempt += 1;
         }
     }
 
-    /// `backoff_ms · 2^attempt`, capped, times a random factor in [0.5, 1].
-    fn backoff(&self, attempt: u32) -> Duration {
-        let base = self.config.backoff_ms.saturating_mul(1u64 << attempt.min(20)).min(self.config.max_backoff_ms);
-        Duration::from_millis((base as f64 * rand::rng().random_range(0.5..=1.0)) as u64)
+    /// The waits before the retries: from `backoff_ms` doubling up to `max_backoff_ms`, each
+    /// between half and all of that (jitter, so that replicas do not come back together).
+    fn delays(&self) -> impl Iterator<Item = Duration> {
+        use backon::BackoffBuilder;
+        let half = |ms: u64| Duration::from_millis(ms) / 2;
+        backon::ExponentialBuilder::new()
+            .with_min_delay(half(self.config.backoff_ms))
+            .with_max_delay(half(self.config.max_backoff_ms))
+            .with_jitter()
+            .without_max_times()
+            .build()
     }
 
     /// The span of one request to the plugin (OpenTelemetry's HTTP client conventions; the
