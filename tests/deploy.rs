@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use serde_yaml::Value;
+use serde_yaml_ng::Value;
 
 const SERVICES: [&str; 5] = ["orchestrator", "generator", "reward", "checkpoint", "trainer"];
 
@@ -27,11 +27,11 @@ fn root() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
-/// compose.yaml with its `<<` merge keys applied. serde_yaml applies one level per pass (a
+/// compose.yaml with its `<<` merge keys applied. serde_yaml_ng applies one level per pass (a
 /// merged-in mapping that has a merge key of its own keeps it), so it runs until none is left.
 fn compose() -> Value {
     let text = std::fs::read_to_string(root().join("compose.yaml")).expect("read compose.yaml");
-    let mut value: Value = serde_yaml::from_str(&text).expect("compose.yaml is YAML");
+    let mut value: Value = serde_yaml_ng::from_str(&text).expect("compose.yaml is YAML");
     for _ in 0..8 {
         value.apply_merge().expect("compose.yaml's merge keys");
         if !has_merge_key(&value) {
@@ -417,7 +417,7 @@ fn kustomize(dir: &str) -> String {
 
 fn documents(stream: &str) -> Vec<Value> {
     use serde::Deserialize;
-    serde_yaml::Deserializer::from_str(stream).map(|d| Value::deserialize(d).unwrap()).collect()
+    serde_yaml_ng::Deserializer::from_str(stream).map(|d| Value::deserialize(d).unwrap()).collect()
 }
 
 /// Runs kubernetes-validate (PyPI; its JSON schemas are bundled, nothing is fetched) in

@@ -120,7 +120,7 @@ async fn validate_is_a_dry_run_and_unset_variables_are_named() {
     let output = keel(&stack, &["run", "validate", sft, "--set", "max_num_steps=7"], &[("MODEL_DIR", &model)]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
-    let resolved: serde_json::Value = serde_yaml::from_str(&stdout).unwrap();
+    let resolved: serde_json::Value = serde_yaml_ng::from_str(&stdout).unwrap();
     assert_eq!(resolved["max_num_steps"], 7, "{stdout}");
     assert_eq!(resolved["model"]["path"], model.as_str(), "{stdout}");
     assert!(resolved["training"]["optimizer"]["betas"].is_array(), "defaults are filled in: {stdout}");

@@ -429,7 +429,7 @@ pub struct InvalidSpecDetail {
 
 /// The OpenAPI document as YAML (`openapi/keel.yaml`).
 pub fn openapi_yaml() -> String {
-    serde_yaml::to_string(&keel_service::openapi::document(&ApiDoc::openapi())).unwrap_or_default()
+    serde_yaml_ng::to_string(&keel_service::openapi::document(&ApiDoc::openapi())).unwrap_or_default()
 }
 
 /// The run spec's JSON Schema (`openapi/run-spec.schema.json`): the OpenAPI components

@@ -29,7 +29,9 @@ fn path_of(path: &serde_path_to_error::Path) -> String {
 }
 
 /// Deepest nesting of `[` and `{` a spec may have (a real one has fewer than ten levels);
-/// deeper bodies are refused before the parser sees them.
+/// deeper bodies are refused before the parser sees them. The parsers' own recursion limit
+/// (128 levels, block YAML included) refuses them too, but only after libyaml has scanned
+/// the whole flow: 100,000 levels of `[` took it 40 s of CPU.
 const MAX_NESTING: usize = 64;
 
 /// How deep `[`/`{` nest in `body`, ignoring brackets inside quoted strings.
@@ -72,7 +74,7 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
     }
     let yaml = is_yaml(body, content_type);
     let parsed = if yaml {
-        let deserializer = serde_yaml::Deserializer::from_slice(body);
+        let deserializer = serde_yaml_ng::Deserializer::from_slice(body);
         serde_path_to_error::deserialize(deserializer)
             .map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
     } else {
@@ -87,7 +89,7 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
 /// which JSON Schema's `integer` (and so the run spec's schema) allows.
 fn with_integral_numbers(body: &[u8], yaml: bool) -> Option<RunSpec> {
     let mut value: serde_json::Value =
-        if yaml { serde_yaml::from_slice(body).ok()? } else { serde_json::from_slice(body).ok()? };
+        if yaml { serde_yaml_ng::from_slice(body).ok()? } else { serde_json::from_slice(body).ok()? };
     if !keel_service::json::integral_numbers(&mut value) {
         return None;
     }

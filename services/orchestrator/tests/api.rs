@@ -193,11 +193,18 @@ async fn hostile_specs_are_refused_before_any_work() {
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{field}: {body}");
         assert!(fields(&body).contains(&field.to_string()), "{field}: {body}");
     }
-    // 100,000 levels of nesting: refused before parsing.
-    let deep = format!("algorithm: sft\nname: {}{}\n", "[".repeat(100_000), "]".repeat(100_000));
-    let (status, body) = api.submit(&deep, "application/yaml").await;
+    // 100,000 levels of flow nesting, in YAML or JSON: refused before parsing. 1,000 levels
+    // of block YAML: refused by the parser.
+    let flow = format!("algorithm: sft\nname: {}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    let json = format!("{{\"algorithm\": \"sft\", \"name\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+    for (deep, content_type) in [(flow, "application/yaml"), (json, "application/json")] {
+        let (status, body) = api.submit(&deep, content_type).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{content_type}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("levels deep"), "{body}");
+    }
+    let block: String = (0..1_000).map(|depth| format!("{}- \n", "  ".repeat(depth))).collect();
+    let (status, body) = api.submit(&format!("algorithm: sft\nname:\n{block}"), "application/yaml").await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("levels deep"), "{body}");
     let (_, listed) = api.get("/v1/runs").await;
     assert_eq!(listed["runs"].as_array().unwrap().len(), 0, "nothing refused was stored");
 }

@@ -148,7 +148,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             RunCommand::Validate { spec } => {
                 let resolved = client.validate(spec.for_api(&client).await?).await?;
                 eprintln!("{}: valid", spec.file.display());
-                write!(out, "{}", serde_yaml::to_string(&resolved)?)?;
+                write!(out, "{}", serde_yaml_ng::to_string(&resolved)?)?;
             }
             RunCommand::List { status, limit } => {
                 writeln!(

@@ -64,7 +64,7 @@ pub fn resolve(text: &str, json: bool, sets: &[String], env: &dyn Fn(&str) -> Op
     let mut spec: Value = if json {
         serde_json::from_str(&marked).context("not valid JSON")?
     } else {
-        serde_yaml::from_str(&marked).context("not valid YAML")?
+        serde_yaml_ng::from_str(&marked).context("not valid YAML")?
     };
     let mut unset = Vec::new();
     let mut fill = |text: &str, at: &str| -> Option<(String, bool)> {
@@ -217,7 +217,7 @@ fn expand(
 
 /// `text` as YAML reads a plain scalar: a number, a boolean or null, else the string itself.
 fn scalar(text: &str) -> Value {
-    match serde_yaml::from_str::<Value>(text) {
+    match serde_yaml_ng::from_str::<Value>(text) {
         Ok(value @ (Value::Number(_) | Value::Bool(_))) => value,
         _ => Value::String(text.to_string()),
     }
@@ -232,7 +232,7 @@ fn apply(spec: &mut Value, set: &str) -> anyhow::Result<()> {
         bail!("--set `{set}`: `{path}` is not a dot-separated path of keys");
     }
     let value: Value =
-        serde_yaml::from_str(text).with_context(|| format!("--set `{set}`: the value is not valid YAML"))?;
+        serde_yaml_ng::from_str(text).with_context(|| format!("--set `{set}`: the value is not valid YAML"))?;
     let mut here = spec;
     let mut walked = String::new();
     let keys: Vec<&str> = path.split('.').collect();
