@@ -24,6 +24,7 @@ pub mod claims;
 pub mod error;
 pub mod group;
 pub mod openai;
+pub mod refit;
 pub mod rollout;
 pub mod wire;
 

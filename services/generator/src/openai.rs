@@ -43,7 +43,7 @@ pub struct AppState {
     /// a communicator are received.
     pub device: tch::Device,
     /// Communicators kept with trainers for the collective weight transfer.
-    pub links: Arc<crate::rollout::WeightLinks>,
+    pub links: Arc<crate::refit::WeightLinks>,
     pub limits: Limits,
     /// Requests in the system (running or queued); a request that finds none free gets 429.
     pub admission: Arc<Semaphore>,
