@@ -29,6 +29,7 @@ pub mod payload;
 pub mod reply;
 pub mod reward;
 pub mod run;
+pub mod runs_api;
 pub mod subjects;
 pub mod trainer;
 pub mod training;
