@@ -11,12 +11,23 @@ use keel_protocol::run::{MlflowSpec, RunSpec, RunStatus, WandbSpec};
 use prost::Message as _;
 use serde_json::{Value, json};
 
+/// One place a run's metrics go. A logger that fails is dropped with a warning; the run
+/// goes on.
+pub trait MetricsLogger: Send + std::fmt::Debug {
+    /// What the warnings call it: its name, and where it writes.
+    fn describe(&self) -> String;
+    /// Logs `metrics` of `step`.
+    fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> std::io::Result<()>;
+    /// The run ended with `status`.
+    fn finish(&mut self, _status: RunStatus) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// The run's enabled loggers.
 #[derive(Debug, Default)]
 pub struct Loggers {
-    tensorboard: Option<TensorBoard>,
-    mlflow: Option<Mlflow>,
-    wandb: Option<Wandb>,
+    loggers: Vec<Box<dyn MetricsLogger>>,
 }
 
 impl Loggers {
@@ -27,52 +38,44 @@ impl Loggers {
         let spec = &run.logger;
         let name = run.name.as_deref().unwrap_or(run_id);
         let root = spec.log_dir.as_ref().map_or_else(|| default_dir.to_path_buf(), PathBuf::from).join(run_id);
-        let tensorboard = spec.tensorboard_enabled.then(|| TensorBoard::create(&root.join("tensorboard")));
-        let tensorboard = tensorboard
-            .and_then(|opened| opened.map_err(|e| tracing::warn!(run_id, "TensorBoard logging is off: {e}")).ok());
-        let mlflow = spec.mlflow_enabled.then(|| Mlflow::start(&spec.mlflow, run_id, name));
-        let wandb = spec.wandb_enabled.then(|| {
+        let mut loggers: Vec<Box<dyn MetricsLogger>> = Vec::new();
+        if spec.tensorboard_enabled {
+            match TensorBoard::create(&root.join("tensorboard")) {
+                Ok(tensorboard) => loggers.push(Box::new(tensorboard)),
+                Err(e) => tracing::warn!(run_id, "TensorBoard logging is off: {e}"),
+            }
+        }
+        if spec.mlflow_enabled {
+            loggers.push(Box::new(Mlflow::start(&spec.mlflow, run_id, name)));
+        }
+        if spec.wandb_enabled {
             let config = serde_json::to_value(run).unwrap_or(Value::Null);
-            Wandb::create(&root, run_id, &spec.wandb, name, &config)
-        });
-        let wandb = wandb.and_then(|opened| opened.map_err(|e| tracing::warn!(run_id, "W&B logging is off: {e}")).ok());
-        Self { tensorboard, mlflow, wandb }
+            match Wandb::create(&root, run_id, &spec.wandb, name, &config) {
+                Ok(wandb) => loggers.push(Box::new(wandb)),
+                Err(e) => tracing::warn!(run_id, "W&B logging is off: {e}"),
+            }
+        }
+        Self { loggers }
     }
 
-    /// Logs `metrics` of `step`.
+    /// Logs `metrics` of `step` to every logger; one that fails stops.
     pub fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
-        if let Some(tensorboard) = &mut self.tensorboard
-            && let Err(e) = tensorboard.write(step, metrics)
-        {
-            tracing::warn!("TensorBoard logging stops: {}: {e}", tensorboard.path.display());
-            self.tensorboard = None;
-        }
-        if let Some(mlflow) = &self.mlflow {
-            mlflow.send(Entry::Metrics { step, metrics: metrics.clone(), at: millis() });
-        }
-        if let Some(wandb) = &mut self.wandb
-            && let Err(e) = wandb.write(step, metrics)
-        {
-            tracing::warn!("W&B logging stops: {}: {e}", wandb.path.display());
-            self.wandb = None;
-        }
+        self.loggers.retain_mut(|logger| match logger.log(step, metrics) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("{} logging stops: {e}", logger.describe());
+                false
+            }
+        });
     }
 
     /// The run ended with `status`: MLflow's run is marked so (and its task ends), W&B's
     /// files get their last row and the exit (code 0 for a run that succeeded).
     pub fn finish(&mut self, status: RunStatus) {
-        if let Some(mut wandb) = self.wandb.take()
-            && let Err(e) = wandb.finish(status == RunStatus::Succeeded)
-        {
-            tracing::warn!("W&B logging could not finish: {}: {e}", wandb.path.display());
-        }
-        if let Some(mlflow) = self.mlflow.take() {
-            let status = match status {
-                RunStatus::Succeeded => "FINISHED",
-                RunStatus::Cancelled => "KILLED",
-                _ => "FAILED",
-            };
-            mlflow.send(Entry::Finish(status));
+        for mut logger in self.loggers.drain(..) {
+            if let Err(e) = logger.finish(status) {
+                tracing::warn!("{} logging could not finish: {e}", logger.describe());
+            }
         }
     }
 }
@@ -132,6 +135,29 @@ impl Mlflow {
     fn send(&self, entry: Entry) {
         // The task ends only after a Finish, which is sent last.
         let _ = self.queue.send(entry);
+    }
+}
+
+impl MetricsLogger for Mlflow {
+    fn describe(&self) -> String {
+        "MLflow".into()
+    }
+
+    /// Queued for the MLflow task (which says itself when the server fails).
+    fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> std::io::Result<()> {
+        self.send(Entry::Metrics { step, metrics: metrics.clone(), at: millis() });
+        Ok(())
+    }
+
+    /// MLflow's run is marked finished, killed or failed, and the task ends.
+    fn finish(&mut self, status: RunStatus) -> std::io::Result<()> {
+        let status = match status {
+            RunStatus::Succeeded => "FINISHED",
+            RunStatus::Cancelled => "KILLED",
+            _ => "FAILED",
+        };
+        self.send(Entry::Finish(status));
+        Ok(())
     }
 }
 
@@ -637,6 +663,31 @@ impl Wandb {
         }
         self.file.write_all(&out)?;
         self.file.flush()
+    }
+}
+
+impl MetricsLogger for TensorBoard {
+    fn describe(&self) -> String {
+        format!("TensorBoard ({})", self.path.display())
+    }
+
+    fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> std::io::Result<()> {
+        self.write(step, metrics)
+    }
+}
+
+impl MetricsLogger for Wandb {
+    fn describe(&self) -> String {
+        format!("W&B ({})", self.path.display())
+    }
+
+    fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> std::io::Result<()> {
+        self.write(step, metrics)
+    }
+
+    /// The last row and the exit (code 0 for a run that succeeded).
+    fn finish(&mut self, status: RunStatus) -> std::io::Result<()> {
+        Wandb::finish(self, status == RunStatus::Succeeded)
     }
 }
 
