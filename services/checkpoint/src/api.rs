@@ -33,7 +33,7 @@ pub fn routes(state: Checkpoints) -> Router {
         .route("/v1/checkpoints/{id}/leases/{lease}", delete(release))
         .route("/v1/runs/{run_id}/checkpoints/latest", get(latest))
         .route("/v1/runs/{run_id}/checkpoints/best", get(best))
-        .route("/metrics", get(keel_service::metrics::shared_only))
+        .route("/metrics", get(keel_service::metrics::handler))
         .with_state(state)
 }
 

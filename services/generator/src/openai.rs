@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -671,155 +671,124 @@ pub async fn detokenize(
 /// Prometheus metrics: queue depth, running sequences, KV use, tokens, time to first token,
 /// decode time, weight version and refits.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
-pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    use keel_service::metrics::metric;
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let readings = readings(&state);
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        keel_service::metrics::install();
+        ::metrics::describe_histogram!(
+            keel_generation::engine::TIME_TO_FIRST_TOKEN,
+            "Time from arrival to the first token."
+        );
+        for (name, help, reading) in &readings {
+            match reading {
+                Reading::Gauge(_) => ::metrics::describe_gauge!(*name, *help),
+                Reading::Counter(_) => ::metrics::describe_counter!(*name, *help),
+            }
+        }
+    });
+    for (name, _, reading) in readings {
+        match reading {
+            Reading::Gauge(value) => keel_service::metrics::set_gauge(name, &[], value),
+            Reading::Counter(value) => keel_service::metrics::set_counter(name, &[], value),
+        }
+    }
+    keel_service::metrics::response()
+}
+
+/// A value the engine keeps, as it is exported.
+enum Reading {
+    Gauge(f64),
+    Counter(u64),
+}
+
+/// The engine's counters and levels now: name, help and value of each.
+fn readings(state: &AppState) -> Vec<(&'static str, &'static str, Reading)> {
+    use Reading::{Counter, Gauge};
     let s = &state.engine.stats;
-    let count = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let gauge = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
-    let mut out = String::new();
-    let p = "keel_generator";
-    metric(
-        &mut out,
-        &format!("{p}_queue_depth"),
-        "gauge",
-        "Requests and preempted sequences waiting.",
-        gauge(&s.waiting),
-    );
-    metric(&mut out, &format!("{p}_running_sequences"), "gauge", "Sequences running now.", gauge(&s.running));
-    metric(
-        &mut out,
-        &format!("{p}_cuda_kernels_on"),
-        "gauge",
-        "Keel CUDA kernels in use (checked against their tch path at start-up).",
-        gauge(&s.kernels_on),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_cuda_kernels_off"),
-        "gauge",
-        "Keel CUDA kernels switched off at start-up (failed to compile, load or match); their tch path runs.",
-        gauge(&s.kernels_off),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_cuda_graph_buckets"),
-        "gauge",
-        "Batch sizes whose decode step replays a CUDA graph (0: every step runs eagerly).",
-        gauge(&s.graph_buckets),
-    );
-    let (total, used) = (gauge(&s.blocks_total), gauge(&s.blocks_used));
-    metric(&mut out, &format!("{p}_kv_blocks_used"), "gauge", "KV-cache blocks held by sequences.", used);
-    metric(&mut out, &format!("{p}_kv_blocks_free"), "gauge", "KV-cache blocks free or evictable.", total - used);
-    metric(
-        &mut out,
-        &format!("{p}_kv_blocks_used_ratio"),
-        "gauge",
-        "Fraction of KV-cache blocks held.",
-        used / total.max(1.0),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_preemptions_total"),
-        "counter",
-        "Sequences preempted for lack of KV blocks (recomputed later).",
-        count(&s.preemptions),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_prefix_cache_queries_total"),
-        "counter",
-        "Full prompt blocks looked up in the prefix cache.",
-        count(&s.prefix_queried),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_prefix_cache_hits_total"),
-        "counter",
-        "Full prompt blocks found in the prefix cache.",
-        count(&s.prefix_hits),
-    );
-    let hit_rate = count(&s.prefix_hits) / count(&s.prefix_queried).max(1.0);
-    metric(
-        &mut out,
-        &format!("{p}_prefix_cache_hit_rate"),
-        "gauge",
-        "Prefix-cache hits per block looked up.",
-        hit_rate,
-    );
-    metric(&mut out, &format!("{p}_steps_total"), "counter", "Forward passes (engine steps).", count(&s.steps));
-    metric(
-        &mut out,
-        &format!("{p}_step_tokens_total"),
-        "counter",
-        "Tokens computed by all steps (decodes and prompt chunks).",
-        count(&s.step_tokens),
-    );
-    let per_step = count(&s.step_tokens) / count(&s.steps).max(1.0);
-    metric(&mut out, &format!("{p}_tokens_per_step"), "gauge", "Mean tokens computed per step.", per_step);
-    metric(
-        &mut out,
-        &format!("{p}_generated_tokens_total"),
-        "counter",
-        "Tokens generated.",
-        count(&s.generated_tokens),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_prompt_tokens_total"),
-        "counter",
-        "Prompt tokens prefilled.",
-        count(&s.prompt_tokens),
-    );
-    metric(
-        &mut out,
-        &format!("{p}_requests_finished_total"),
-        "counter",
-        "Requests finished.",
-        count(&s.requests_finished),
-    );
-    let ttft = format!("{p}_time_to_first_token_seconds");
-    keel_service::metrics::header(&mut out, &ttft, "summary", "Time from arrival to the first token.");
-    out.push_str(&format!("{ttft}_sum {}\n{ttft}_count {}\n", count(&s.ttft_micros) / 1e6, count(&s.ttft_count)));
-    metric(
-        &mut out,
-        &format!("{p}_decode_seconds_total"),
-        "counter",
-        "Time spent in engine steps.",
-        count(&s.decode_micros) / 1e6,
-    );
-    metric(
-        &mut out,
-        &format!("{p}_weight_version"),
-        "gauge",
-        "The weight version being served.",
-        count(&s.weight_version),
-    );
-    metric(&mut out, &format!("{p}_refits_total"), "counter", "Weight refits done.", count(&s.refits));
-    metric(
-        &mut out,
-        &format!("{p}_asleep"),
-        "gauge",
-        "1 while a colocated generator sleeps (KV pool freed for the trainer).",
-        gauge(&s.asleep),
-    );
-    metric(&mut out, &format!("{p}_sleeps_total"), "counter", "Sleeps of a colocated generator.", count(&s.sleeps));
-    metric(
-        &mut out,
-        &format!("{p}_weight_links_formed_total"),
-        "counter",
-        "Communicators formed with trainers for the collective weight transfer (a kept one is reused).",
-        count(&state.links.formed),
-    );
-    let refit = count(&s.last_refit_micros) / 1e6;
-    metric(
-        &mut out,
-        &format!("{p}_last_refit_seconds"),
-        "gauge",
-        "How long the last refit took, drain included.",
-        refit,
-    );
-    keel_service::metrics::render_shared(&mut out);
-    ([(header::CONTENT_TYPE, keel_service::metrics::CONTENT_TYPE)], out)
+    let count = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let level = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
+    let (total, used) = (level(&s.blocks_total), level(&s.blocks_used));
+    let ratio = |part: u64, whole: u64| part as f64 / whole.max(1) as f64;
+    vec![
+        ("keel_generator_queue_depth", "Requests and preempted sequences waiting.", Gauge(level(&s.waiting))),
+        ("keel_generator_running_sequences", "Sequences running now.", Gauge(level(&s.running))),
+        (
+            "keel_generator_cuda_kernels_on",
+            "Keel CUDA kernels in use (checked against their tch path at start-up).",
+            Gauge(level(&s.kernels_on)),
+        ),
+        (
+            "keel_generator_cuda_kernels_off",
+            "Keel CUDA kernels switched off at start-up (failed to compile, load or match); their tch path runs.",
+            Gauge(level(&s.kernels_off)),
+        ),
+        (
+            "keel_generator_cuda_graph_buckets",
+            "Batch sizes whose decode step replays a CUDA graph (0: every step runs eagerly).",
+            Gauge(level(&s.graph_buckets)),
+        ),
+        ("keel_generator_kv_blocks_used", "KV-cache blocks held by sequences.", Gauge(used)),
+        ("keel_generator_kv_blocks_free", "KV-cache blocks free or evictable.", Gauge(total - used)),
+        ("keel_generator_kv_blocks_used_ratio", "Fraction of KV-cache blocks held.", Gauge(used / total.max(1.0))),
+        (
+            "keel_generator_preemptions_total",
+            "Sequences preempted for lack of KV blocks (recomputed later).",
+            Counter(count(&s.preemptions)),
+        ),
+        (
+            "keel_generator_prefix_cache_queries_total",
+            "Full prompt blocks looked up in the prefix cache.",
+            Counter(count(&s.prefix_queried)),
+        ),
+        (
+            "keel_generator_prefix_cache_hits_total",
+            "Full prompt blocks found in the prefix cache.",
+            Counter(count(&s.prefix_hits)),
+        ),
+        (
+            "keel_generator_prefix_cache_hit_rate",
+            "Prefix-cache hits per block looked up.",
+            Gauge(ratio(count(&s.prefix_hits), count(&s.prefix_queried))),
+        ),
+        ("keel_generator_steps_total", "Forward passes (engine steps).", Counter(count(&s.steps))),
+        (
+            "keel_generator_step_tokens_total",
+            "Tokens computed by all steps (decodes and prompt chunks).",
+            Counter(count(&s.step_tokens)),
+        ),
+        (
+            "keel_generator_tokens_per_step",
+            "Mean tokens computed per step.",
+            Gauge(ratio(count(&s.step_tokens), count(&s.steps))),
+        ),
+        ("keel_generator_generated_tokens_total", "Tokens generated.", Counter(count(&s.generated_tokens))),
+        ("keel_generator_prompt_tokens_total", "Prompt tokens prefilled.", Counter(count(&s.prompt_tokens))),
+        ("keel_generator_requests_finished_total", "Requests finished.", Counter(count(&s.requests_finished))),
+        (
+            "keel_generator_decode_seconds_total",
+            "Time spent in engine steps (only grows).",
+            Gauge(count(&s.decode_micros) as f64 / 1e6),
+        ),
+        ("keel_generator_weight_version", "The weight version being served.", Gauge(count(&s.weight_version) as f64)),
+        ("keel_generator_refits_total", "Weight refits done.", Counter(count(&s.refits))),
+        (
+            "keel_generator_asleep",
+            "1 while a colocated generator sleeps (KV pool freed for the trainer).",
+            Gauge(level(&s.asleep)),
+        ),
+        ("keel_generator_sleeps_total", "Sleeps of a colocated generator.", Counter(count(&s.sleeps))),
+        (
+            "keel_generator_weight_links_formed_total",
+            "Communicators formed with trainers for the collective weight transfer (a kept one is reused).",
+            Counter(count(&state.links.formed)),
+        ),
+        (
+            "keel_generator_last_refit_seconds",
+            "How long the last refit took, drain included.",
+            Gauge(count(&s.last_refit_micros) as f64 / 1e6),
+        ),
+    ]
 }
 
 /// The OpenAPI document: the handlers above with the wire types. The paths name this
@@ -860,6 +829,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use axum::http::header;
 
     /// Every error kind: its status and OpenAI's error object (`type`, `param`, `code`), the
     /// engine's own failure hidden, and `Retry-After` on a full queue.

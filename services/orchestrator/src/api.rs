@@ -105,6 +105,7 @@ fn answer(failure: &Failure) -> ApiError {
 pub(crate) type Answer<T> = Result<T, Failure>;
 
 pub fn routes(state: AppState) -> Router {
+    describe_metrics();
     let api = Router::new()
         .route("/v1/runs", post(submit).get(list))
         .route("/v1/runs/validate", post(validate))
@@ -130,14 +131,25 @@ pub fn routes(state: AppState) -> Router {
 pub async fn prometheus(State(state): State<AppState>) -> Answer<Response> {
     use keel_service::metrics;
     let counts = db::count_by_status(&mut *state.pool.acquire().await?).await?;
-    let mut out = String::new();
-    metrics::header(&mut out, "keel_runs", "gauge", "Runs in the database, by status.");
+    describe_metrics();
     for status in RunStatus::ALL {
         let count = counts.iter().find(|(s, _)| s == status.name()).map_or(0, |(_, n)| *n);
-        metrics::sample(&mut out, "keel_runs", &[("status", status.name())], count as f64);
+        metrics::set_gauge("keel_runs", &[("status", status.name())], count as f64);
     }
-    metrics::render_shared(&mut out);
-    Ok(metrics::response(out))
+    Ok(metrics::response())
+}
+
+/// The HELP lines of the orchestrator's own metrics.
+fn describe_metrics() {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        keel_service::metrics::install();
+        ::metrics::describe_gauge!("keel_runs", "Runs in the database, by status.");
+        ::metrics::describe_histogram!(
+            crate::driver::store::STEP_PHASES,
+            "Time of each phase of a recorded training step (NeMo-RL's timing/train/* names)."
+        );
+    });
 }
 
 async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {

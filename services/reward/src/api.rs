@@ -10,7 +10,7 @@
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use keel_protocol::reward::{
@@ -18,7 +18,6 @@ use keel_protocol::reward::{
     ScoreRequest, error_types,
 };
 use keel_service::ApiError;
-use keel_service::metrics::{CONTENT_TYPE, header as metric_header, metric, sample};
 use keel_service::openapi::{BearerAuth, ErrorResponses};
 use utoipa::OpenApi;
 
@@ -131,29 +130,34 @@ pub async fn env_step(State(state): State<AppState>, body: Bytes) -> Response {
 /// Prometheus metrics: requests, samples, sample errors, reward and time per environment,
 /// and requests in flight.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
-pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let mut out = String::new();
-    let p = "keel_reward";
-    let in_flight = state.scorer.in_flight(state.max_in_flight) as f64;
-    metric(&mut out, &format!("{p}_requests_in_flight"), "gauge", "Requests being scored now.", in_flight);
-    let stats = state.scorer.stats();
-    type Value = fn(&keel_environments::scoring::EnvStats) -> f64;
-    let families: [(&str, &str, &str, Value); 5] = [
-        ("requests_total", "counter", "Requests per environment.", |s| s.requests as f64),
-        ("samples_total", "counter", "Samples scored per environment.", |s| s.samples as f64),
-        ("sample_errors_total", "counter", "Samples whose scoring failed.", |s| s.errors as f64),
-        ("reward_sum", "counter", "Sum of the rewards given.", |s| s.reward_sum),
-        ("seconds_total", "counter", "Time spent scoring.", |s| s.seconds),
-    ];
-    for (name, kind, help, value) in families {
-        let name = format!("{p}_{name}");
-        metric_header(&mut out, &name, kind, help);
-        for (env, s) in &stats {
-            sample(&mut out, &name, &[("env", env)], value(s));
-        }
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    use keel_service::metrics::{set_counter, set_gauge};
+    describe_metrics();
+    set_gauge("keel_reward_requests_in_flight", &[], state.scorer.in_flight(state.max_in_flight) as f64);
+    for (env, s) in &state.scorer.stats() {
+        let env = [("env", *env)];
+        set_counter("keel_reward_requests_total", &env, s.requests);
+        set_counter("keel_reward_samples_total", &env, s.samples);
+        set_counter("keel_reward_sample_errors_total", &env, s.errors);
+        set_gauge("keel_reward_reward_sum", &env, s.reward_sum);
+        set_gauge("keel_reward_seconds_total", &env, s.seconds);
     }
-    keel_service::metrics::render_shared(&mut out);
-    ([(header::CONTENT_TYPE, CONTENT_TYPE)], out)
+    keel_service::metrics::response()
+}
+
+/// The HELP lines of the reward service's metrics. Sums of fractions (rewards, seconds) are
+/// gauges that only grow: the exporter's counters count whole numbers.
+fn describe_metrics() {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        keel_service::metrics::install();
+        ::metrics::describe_gauge!("keel_reward_requests_in_flight", "Requests being scored now.");
+        ::metrics::describe_counter!("keel_reward_requests_total", "Requests per environment.");
+        ::metrics::describe_counter!("keel_reward_samples_total", "Samples scored per environment.");
+        ::metrics::describe_counter!("keel_reward_sample_errors_total", "Samples whose scoring failed.");
+        ::metrics::describe_gauge!("keel_reward_reward_sum", "Sum of the rewards given (only grows).");
+        ::metrics::describe_gauge!("keel_reward_seconds_total", "Time spent scoring (only grows).");
+    });
 }
 
 #[derive(Debug, OpenApi)]
@@ -219,6 +223,7 @@ mod tests {
     use keel_protocol::reward::SampleError;
 
     use super::*;
+    use axum::http::header;
 
     /// Every error kind: its status, its `type`, a message that names what went wrong (the
     /// replica's own failures hidden), and `Retry-After` where trying again helps.

@@ -136,20 +136,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         }
     };
     let claimed = worker.claimed_probe();
+    keel_service::metrics::install();
+    metrics::describe_gauge!("keel_trainer_claimed", "1 while a run holds this worker.");
     let metrics = move || {
         let claimed = claimed.clone();
         async move {
-            let mut out = String::new();
-            let help = "1 while a run holds this worker.";
-            keel_service::metrics::metric(
-                &mut out,
-                "keel_trainer_claimed",
-                "gauge",
-                help,
-                f64::from(u8::from(claimed())),
-            );
-            keel_service::metrics::render_shared(&mut out);
-            keel_service::metrics::response(out)
+            keel_service::metrics::set_gauge("keel_trainer_claimed", &[], f64::from(u8::from(claimed())));
+            keel_service::metrics::response()
         }
     };
     let metrics = keel_service::require_bearer(
@@ -194,14 +187,7 @@ async fn follow(
         let _ = stop_rx.wait_for(|stop| *stop).await;
     };
     let metrics = keel_service::require_bearer(
-        axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(|| async {
-                let mut out = String::new();
-                keel_service::metrics::render_shared(&mut out);
-                keel_service::metrics::response(out)
-            }),
-        ),
+        axum::Router::new().route("/metrics", axum::routing::get(keel_service::metrics::handler)),
         config.api_token.clone(),
     );
     let app = metrics.merge(keel_service::health_routes(SERVICE));

@@ -59,9 +59,6 @@ pub struct Stats {
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub requests_finished: AtomicU64,
-    /// Sum of time-to-first-token, microseconds, and how many requests it covers.
-    pub ttft_micros: AtomicU64,
-    pub ttft_count: AtomicU64,
     /// Time spent in steps, microseconds.
     pub decode_micros: AtomicU64,
     /// The weight version being served.
@@ -80,6 +77,10 @@ pub struct Stats {
 }
 
 pub use keel_protocol::generator::RefitMode;
+
+/// The histogram of the time from a request's arrival to its first token, recorded through
+/// the `metrics` facade (the generator's `/metrics`).
+pub const TIME_TO_FIRST_TOKEN: &str = "keel_generator_time_to_first_token_seconds";
 
 /// The scheduler's limits.
 #[derive(Debug, Clone, Copy)]
@@ -726,8 +727,7 @@ impl Scheduler {
         if !running.first_token {
             running.first_token = true;
             self.stats.prompt_tokens.fetch_add(sample.prompt_len as u64, Ordering::Relaxed);
-            self.stats.ttft_micros.fetch_add(running.arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
-            self.stats.ttft_count.fetch_add(1, Ordering::Relaxed);
+            metrics::histogram!(TIME_TO_FIRST_TOKEN).record(running.arrived.elapsed().as_secs_f64());
         }
         let request = &running.request;
         sample.tokens.push(token.token);

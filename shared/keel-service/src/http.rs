@@ -189,8 +189,7 @@ const UNTRACED_ROUTES: &[&str] = &["/healthz", "/metrics"];
 
 fn record_latency(method: &str, route: &str, status: u16, started: std::time::Instant) {
     crate::metrics::observe(
-        "keel_http_request_duration_seconds",
-        "HTTP requests served, by route and status, and their latency.",
+        crate::metrics::HTTP_REQUESTS,
         &[("method", method), ("route", route), ("status", &status.to_string())],
         started.elapsed().as_secs_f64(),
     );

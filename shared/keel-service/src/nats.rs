@@ -236,8 +236,7 @@ where
         }
     }
     crate::metrics::observe(
-        "keel_nats_request_duration_seconds",
-        "NATS requests served, by operation and outcome, and their latency.",
+        crate::metrics::NATS_REQUESTS,
         &[("operation", operation), ("outcome", if failed { "error" } else { "ok" })],
         started.elapsed().as_secs_f64(),
     );

@@ -11,6 +11,9 @@ use super::{Result, Stop};
 use crate::db;
 use crate::loggers::Loggers;
 
+/// The histogram of recorded steps' phases on the orchestrator's `/metrics`.
+pub(crate) const STEP_PHASES: &str = "keel_step_phase_seconds";
+
 #[derive(Debug, Clone)]
 pub struct RunStore {
     pool: PgPool,
@@ -66,8 +69,7 @@ impl RunStore {
         for (name, seconds) in &record.metrics {
             if let Some(phase) = name.strip_prefix("timing/train/") {
                 keel_service::metrics::observe(
-                    "keel_step_phase_seconds",
-                    "Time of each phase of a recorded training step (NeMo-RL's timing/train/* names).",
+                    STEP_PHASES,
                     &[("algorithm", self.algorithm), ("phase", phase)],
                     *seconds,
                 );
