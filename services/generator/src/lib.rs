@@ -290,7 +290,11 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
         max_num_batched_tokens: config.max_num_batched_tokens,
         max_model_len: max_model_len as usize,
         refit_mode: config.refit_mode,
+        model_name: model_name.clone(),
     };
+    // Before the engine starts: it records its request metrics from the first request on.
+    keel_service::metrics::install();
+    keel_generation::served::describe();
     let engine = engine::Engine::start_with(backend, Some(tokenizer.clone()), engine_config)?;
     engine.stats.kernels_on.store(counts[0].load(Ordering::Relaxed), Ordering::Relaxed);
     engine.stats.kernels_off.store(counts[1].load(Ordering::Relaxed), Ordering::Relaxed);
@@ -438,7 +442,8 @@ async fn dispatch(
     }
 }
 
-/// The HTTP routes: the OpenAI API (behind `api_key` when set) and `/healthz`.
+/// The HTTP routes: the OpenAI API (behind `api_key` when set), and `/healthz` and vLLM's
+/// `/health` (open, like vLLM's).
 pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
     let serving = Serving::default();
     serving.set(Some(&state));
@@ -447,7 +452,8 @@ pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
 
 /// [`app`] for whatever `serving` serves when each request arrives.
 pub fn serving_app(serving: Serving, api_key: Option<String>) -> axum::Router {
-    keel_service::require_bearer(serving.routes(), api_key).merge(keel_service::health_routes(SERVICE))
+    let health = axum::Router::new().route("/health", axum::routing::get(|| async { axum::http::StatusCode::OK }));
+    keel_service::require_bearer(serving.routes(), api_key).merge(health).merge(keel_service::health_routes(SERVICE))
 }
 
 /// Serves until `shutdown` completes: HTTP always (the OpenAI API for the model loaded);

@@ -97,14 +97,22 @@ fn answer(error: &ApiError) -> keel_service::ApiError {
 type ApiResult<T> = Result<T, ApiError>;
 
 /// The paths [`routes`] serves.
-pub const PATHS: [&str; 6] =
-    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/metrics"];
+pub const PATHS: [&str; 7] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/models/{model}",
+    "/tokenize",
+    "/detokenize",
+    "/metrics",
+];
 
 pub fn routes(state: AppState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
@@ -621,14 +629,30 @@ fn stream(
 /// The served model.
 #[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
-    let card = ModelCard {
+    Json(ModelList { object: "list".into(), data: vec![card(&state)] })
+}
+
+/// The model served, by its name (`served_model_name`).
+#[utoipa::path(get, path = "/v1/models/{model}", params(("model" = String, Path, description = "The model's name")),
+    responses((status = 200, body = ModelCard), (status = 404, description = "Not the model served", body = ErrorResponse)))]
+pub async fn model(
+    State(state): State<AppState>,
+    axum::extract::Path(params): axum::extract::Path<Vec<(String, String)>>,
+) -> ApiResult<Json<ModelCard>> {
+    // The serving router matched the path first (`crate::Serving`): the last capture is ours.
+    let name = params.last().map_or("", |(_, name)| name.as_str());
+    state.check_model(name)?;
+    Ok(Json(card(&state)))
+}
+
+fn card(state: &AppState) -> ModelCard {
+    ModelCard {
         id: state.model_name.clone(),
         object: "model".into(),
         created: now(),
         owned_by: "keel".into(),
         max_model_len: state.engine.max_model_len,
-    };
-    Json(ModelList { object: "list".into(), data: vec![card] })
+    }
 }
 
 /// Token ids of a prompt, or of messages through the chat template.
@@ -668,125 +692,84 @@ pub async fn detokenize(
     Ok(Json(DetokenizeResponse { prompt }))
 }
 
-/// Prometheus metrics: queue depth, running sequences, KV use, tokens, time to first token,
-/// decode time, weight version and refits.
+/// Prometheus metrics, each labelled with the served model's name (`model_name`): queue depth,
+/// running sequences, KV use, tokens, requests finished by reason, latency histograms (time
+/// to first token, per output token, between tokens, end to end), decode time, weight
+/// version and refits.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", body = String)))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let readings = readings(&state);
+    let levels = levels(&state);
     static DESCRIBED: std::sync::Once = std::sync::Once::new();
     DESCRIBED.call_once(|| {
         keel_service::metrics::install();
-        ::metrics::describe_histogram!(
-            keel_generation::engine::TIME_TO_FIRST_TOKEN,
-            "Time from arrival to the first token."
+        for (name, help, _) in &levels {
+            ::metrics::describe_gauge!(*name, *help);
+        }
+        ::metrics::describe_counter!(
+            LINKS_FORMED,
+            "Communicators formed with trainers for the collective weight transfer (a kept one is reused)."
         );
-        for (name, help, reading) in &readings {
-            match reading {
-                Reading::Gauge(_) => ::metrics::describe_gauge!(*name, *help),
-                Reading::Counter(_) => ::metrics::describe_counter!(*name, *help),
-            }
-        }
     });
-    for (name, _, reading) in readings {
-        match reading {
-            Reading::Gauge(value) => keel_service::metrics::set_gauge(name, &[], value),
-            Reading::Counter(value) => keel_service::metrics::set_counter(name, &[], value),
-        }
+    let labels = [("model_name", state.model_name.as_str())];
+    for (name, _, value) in levels {
+        keel_service::metrics::set_gauge(name, &labels, value);
     }
+    // The generator's, whatever model it serves.
+    keel_service::metrics::set_counter(LINKS_FORMED, &[], state.links.formed.load(Ordering::Relaxed));
     keel_service::metrics::response()
 }
 
-/// A value the engine keeps, as it is exported.
-enum Reading {
-    Gauge(f64),
-    Counter(u64),
-}
+const LINKS_FORMED: &str = "keel_generator_weight_links_formed_total";
 
-/// The engine's counters and levels now: name, help and value of each.
-fn readings(state: &AppState) -> Vec<(&'static str, &'static str, Reading)> {
-    use Reading::{Counter, Gauge};
+/// The engine's levels now, set on the recorder when it is scraped: name, help and value of
+/// each. (Its counters and latencies are recorded as they happen: [`keel_generation::served`].)
+fn levels(state: &AppState) -> Vec<(&'static str, &'static str, f64)> {
     let s = &state.engine.stats;
     let count = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let level = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
     let (total, used) = (level(&s.blocks_total), level(&s.blocks_used));
     let ratio = |part: u64, whole: u64| part as f64 / whole.max(1) as f64;
     vec![
-        ("keel_generator_queue_depth", "Requests and preempted sequences waiting.", Gauge(level(&s.waiting))),
-        ("keel_generator_running_sequences", "Sequences running now.", Gauge(level(&s.running))),
+        ("keel_generator_queue_depth", "Requests and preempted sequences waiting.", level(&s.waiting)),
+        ("keel_generator_running_sequences", "Sequences running now.", level(&s.running)),
         (
             "keel_generator_cuda_kernels_on",
             "Keel CUDA kernels in use (checked against their tch path at start-up).",
-            Gauge(level(&s.kernels_on)),
+            level(&s.kernels_on),
         ),
         (
             "keel_generator_cuda_kernels_off",
             "Keel CUDA kernels switched off at start-up (failed to compile, load or match); their tch path runs.",
-            Gauge(level(&s.kernels_off)),
+            level(&s.kernels_off),
         ),
         (
             "keel_generator_cuda_graph_buckets",
             "Batch sizes whose decode step replays a CUDA graph (0: every step runs eagerly).",
-            Gauge(level(&s.graph_buckets)),
+            level(&s.graph_buckets),
         ),
-        ("keel_generator_kv_blocks_used", "KV-cache blocks held by sequences.", Gauge(used)),
-        ("keel_generator_kv_blocks_free", "KV-cache blocks free or evictable.", Gauge(total - used)),
-        ("keel_generator_kv_blocks_used_ratio", "Fraction of KV-cache blocks held.", Gauge(used / total.max(1.0))),
-        (
-            "keel_generator_preemptions_total",
-            "Sequences preempted for lack of KV blocks (recomputed later).",
-            Counter(count(&s.preemptions)),
-        ),
-        (
-            "keel_generator_prefix_cache_queries_total",
-            "Full prompt blocks looked up in the prefix cache.",
-            Counter(count(&s.prefix_queried)),
-        ),
-        (
-            "keel_generator_prefix_cache_hits_total",
-            "Full prompt blocks found in the prefix cache.",
-            Counter(count(&s.prefix_hits)),
-        ),
+        ("keel_generator_kv_blocks_used", "KV-cache blocks held by sequences.", used),
+        ("keel_generator_kv_blocks_free", "KV-cache blocks free or evictable.", total - used),
+        ("keel_generator_kv_blocks_used_ratio", "Fraction of KV-cache blocks held.", used / total.max(1.0)),
         (
             "keel_generator_prefix_cache_hit_rate",
             "Prefix-cache hits per block looked up.",
-            Gauge(ratio(count(&s.prefix_hits), count(&s.prefix_queried))),
-        ),
-        ("keel_generator_steps_total", "Forward passes (engine steps).", Counter(count(&s.steps))),
-        (
-            "keel_generator_step_tokens_total",
-            "Tokens computed by all steps (decodes and prompt chunks).",
-            Counter(count(&s.step_tokens)),
+            ratio(count(&s.prefix_hits), count(&s.prefix_queried)),
         ),
         (
             "keel_generator_tokens_per_step",
             "Mean tokens computed per step.",
-            Gauge(ratio(count(&s.step_tokens), count(&s.steps))),
+            ratio(count(&s.step_tokens), count(&s.steps)),
         ),
-        ("keel_generator_generated_tokens_total", "Tokens generated.", Counter(count(&s.generated_tokens))),
-        ("keel_generator_prompt_tokens_total", "Prompt tokens prefilled.", Counter(count(&s.prompt_tokens))),
-        ("keel_generator_requests_finished_total", "Requests finished.", Counter(count(&s.requests_finished))),
-        (
-            "keel_generator_decode_seconds_total",
-            "Time spent in engine steps (only grows).",
-            Gauge(count(&s.decode_micros) as f64 / 1e6),
-        ),
-        ("keel_generator_weight_version", "The weight version being served.", Gauge(count(&s.weight_version) as f64)),
-        ("keel_generator_refits_total", "Weight refits done.", Counter(count(&s.refits))),
+        ("keel_generator_weight_version", "The weight version being served.", count(&s.weight_version) as f64),
         (
             "keel_generator_asleep",
             "1 while a colocated generator sleeps (KV pool freed for the trainer).",
-            Gauge(level(&s.asleep)),
-        ),
-        ("keel_generator_sleeps_total", "Sleeps of a colocated generator.", Counter(count(&s.sleeps))),
-        (
-            "keel_generator_weight_links_formed_total",
-            "Communicators formed with trainers for the collective weight transfer (a kept one is reused).",
-            Counter(count(&state.links.formed)),
+            level(&s.asleep),
         ),
         (
             "keel_generator_last_refit_seconds",
             "How long the last refit took, drain included.",
-            Gauge(count(&s.last_refit_micros) as f64 / 1e6),
+            count(&s.last_refit_micros) as f64 / 1e6,
         ),
     ]
 }
@@ -804,6 +787,7 @@ fn readings(state: &AppState) -> Vec<(&'static str, &'static str, Reading)> {
         crate::openai::completions,
         crate::openai::chat_completions,
         crate::openai::models,
+        crate::openai::model,
         crate::openai::tokenize,
         crate::openai::detokenize,
         crate::openai::metrics,

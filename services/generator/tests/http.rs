@@ -68,6 +68,13 @@ impl Server {
         data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
     }
 
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let response = self.client.get(format!("{}{path}", self.url)).send().await.unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {status} {text:?}: {e}")))
+    }
+
     async fn ok(&self, path: &str, body: Value) -> Value {
         let (status, body) = self.post(path, body).await;
         assert_eq!(status, 200, "{body}");
@@ -368,11 +375,31 @@ async fn streaming_chat_stops_and_the_openai_surface() {
     let tokens = server.ok("/tokenize", json!({"prompt": "12 + 30"})).await;
     let back = server.ok("/detokenize", json!({"tokens": tokens["tokens"]})).await;
     assert_eq!(back["prompt"], "12 + 30");
+    let (status, card) = server.get("/v1/models/tiny").await;
+    assert_eq!((status, &card["id"], &card["object"]), (200, &json!("tiny"), &json!("model")));
+    let (status, error) = server.get("/v1/models/other").await;
+    assert_eq!((status, &error["error"]["code"]), (404, &json!("model_not_found")), "{error}");
+    let health = server.client.get(format!("{}/health", server.url)).send().await.unwrap();
+    assert_eq!(health.status(), 200, "vLLM's health route");
+
+    // Metrics, labelled with the model's name: every request so far finished, and each is
+    // in the end-to-end histogram and among the finished requests by reason.
     let metrics = server.client.get(format!("{}/metrics", server.url)).send().await.unwrap().text().await.unwrap();
-    assert!(
-        metrics.contains("keel_generator_generated_tokens_total") && metrics.contains("keel_generator_queue_depth 0"),
-        "{metrics}"
-    );
+    let value = |series: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '));
+        line.unwrap_or_else(|| panic!("no `{series}` in:\n{metrics}")).rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(value(r#"keel_generator_queue_depth{model_name="tiny"}"#), 0.0);
+    assert!(value(r#"keel_generator_generated_tokens_total{model_name="tiny"}"#) > 0.0);
+    let requests = value(r#"keel_generator_e2e_request_latency_seconds_count{model_name="tiny"}"#);
+    let stopped = value(r#"keel_generator_requests_finished_total{model_name="tiny",finished_reason="stop"}"#);
+    let cut = value(r#"keel_generator_requests_finished_total{model_name="tiny",finished_reason="length"}"#);
+    assert!(stopped >= 1.0 && cut >= 1.0 && stopped + cut == requests, "{metrics}");
+    assert_eq!(value(r#"keel_generator_time_to_first_token_seconds_count{model_name="tiny"}"#), requests);
+    for histogram in ["time_per_output_token", "inter_token_latency"] {
+        let series = format!(r#"keel_generator_{histogram}_seconds_bucket{{model_name="tiny",le="+Inf"}}"#);
+        assert!(value(&series) > 0.0, "{series}");
+    }
 }
 
 /// For stop strings that end inside a token, span tokens or start the text, with the stop

@@ -113,6 +113,7 @@ fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: length,
         refit_mode: RefitMode::Drain,
+        model_name: args.model.display().to_string(),
     };
     // The engine loads the model on its own thread (see `Engine::start_with`).
     let dir = args.model.clone();

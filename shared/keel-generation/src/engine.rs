@@ -38,6 +38,7 @@ use tokio::sync::oneshot;
 use crate::backend::Backend;
 use crate::blocks::{BlockId, BlockManager, extend_keys};
 use crate::request::{Event, Finish, GenRequest, TokenOut};
+use crate::served;
 use crate::text::{Detokenizer, first_stop};
 
 /// Counters the metrics endpoint reads.
@@ -78,12 +79,8 @@ pub struct Stats {
 
 pub use keel_protocol::generator::RefitMode;
 
-/// The histogram of the time from a request's arrival to its first token, recorded through
-/// the `metrics` facade (the generator's `/metrics`).
-pub const TIME_TO_FIRST_TOKEN: &str = "keel_generator_time_to_first_token_seconds";
-
-/// The scheduler's limits.
-#[derive(Debug, Clone, Copy)]
+/// The scheduler's limits, and the name its metrics carry.
+#[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// Sequences running at once.
     pub max_num_seqs: usize,
@@ -92,6 +89,8 @@ pub struct EngineConfig {
     /// Tokens of one sequence, prompt included.
     pub max_model_len: usize,
     pub refit_mode: RefitMode,
+    /// The served model's name: the `model_name` label of the engine's metrics.
+    pub model_name: String,
 }
 
 struct Refit {
@@ -161,6 +160,8 @@ struct Sequence {
     cacheable: bool,
     /// The generated text, kept only when the request has stop strings.
     text: Detokenizer,
+    /// When its last token came out.
+    last_token: Option<Instant>,
 }
 
 impl Sequence {
@@ -180,7 +181,8 @@ struct Running {
     arrived: Instant,
     /// Samples not finished.
     live: usize,
-    first_token: bool,
+    /// When the request's first token came out.
+    first_token: Option<Instant>,
 }
 
 /// Why blocks could not be reserved.
@@ -203,6 +205,8 @@ struct Scheduler {
     memory: Option<MemoryChange>,
     /// Sleeping (colocated, the trainer's turn): nothing runs until woken.
     asleep: bool,
+    /// Request latencies and outcomes, into the process's metrics.
+    served: served::Served,
 }
 
 /// Blocks needed to hold `tokens` tokens.
@@ -240,6 +244,7 @@ impl Engine {
             ));
         }
         let threads = tch::get_num_threads();
+        let (max_num_seqs, max_model_len) = (config.max_num_seqs, config.max_model_len as i64);
         let stats = Arc::new(Stats::default());
         let (submit, intake) = mpsc::channel::<Command>();
         let (ready, started) = mpsc::sync_channel::<keel_model::Result<()>>(1);
@@ -271,6 +276,7 @@ impl Engine {
                 };
                 shared.blocks_total.store(backend.blocks(), Ordering::Relaxed);
                 let mut scheduler = Scheduler {
+                    served: served::Served::new(&config.model_name),
                     blocks: BlockManager::new(backend.blocks()),
                     model: backend,
                     tokenizer,
@@ -290,7 +296,7 @@ impl Engine {
         started
             .recv()
             .map_err(|_| keel_model::Error::InvalidInput("the scheduler thread stopped while loading".into()))??;
-        Ok(Self { submit, stats, max_num_seqs: config.max_num_seqs, max_model_len: config.max_model_len as i64 })
+        Ok(Self { submit, stats, max_num_seqs, max_model_len })
     }
 
     /// Queues `request`; its events arrive on `events`.
@@ -393,6 +399,7 @@ impl Scheduler {
                 }
                 self.stats.weight_version.store(refit.version, Ordering::Relaxed);
                 self.stats.refits.fetch_add(1, Ordering::Relaxed);
+                self.served.count(served::REFITS, 1);
                 self.stats.last_refit_micros.store((seconds * 1e6) as u64, Ordering::Relaxed);
                 tracing::info!(version = refit.version, seconds, "refit done");
             }
@@ -410,6 +417,7 @@ impl Scheduler {
                 self.blocks.clear_cache();
                 self.asleep = true;
                 self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+                self.served.count(served::SLEEPS, 1);
             }),
             Memory::Wake => self.model.wake().inspect(|_| self.asleep = false),
         };
@@ -427,8 +435,10 @@ impl Scheduler {
         self.stats.waiting.store(waiting, Ordering::Relaxed);
         self.stats.running.store(self.running.len(), Ordering::Relaxed);
         self.stats.blocks_used.store(self.blocks.used(), Ordering::Relaxed);
-        self.stats.prefix_queried.store(self.blocks.stats.queried, Ordering::Relaxed);
-        self.stats.prefix_hits.store(self.blocks.stats.hits, Ordering::Relaxed);
+        let queried = self.stats.prefix_queried.swap(self.blocks.stats.queried, Ordering::Relaxed);
+        self.served.count(served::PREFIX_QUERIES, self.blocks.stats.queried.saturating_sub(queried));
+        let hits = self.stats.prefix_hits.swap(self.blocks.stats.hits, Ordering::Relaxed);
+        self.served.count(served::PREFIX_HITS, self.blocks.stats.hits.saturating_sub(hits));
     }
 
     /// Makes room in `seq`'s blocks for its next `take` tokens: a shared block about to be
@@ -465,6 +475,7 @@ impl Scheduler {
         seq.computed = 0;
         seq.registered = 0;
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        self.served.count(served::PREEMPTIONS, 1);
         tracing::debug!(request = seq.request, sample = seq.index, tokens = seq.tokens.len(), "preempted");
         self.waiting.push_front(Waiting::Preempted(seq));
     }
@@ -518,6 +529,8 @@ impl Scheduler {
         let outcome = self.model.forward(&chunks).and_then(|logits| self.draw(&logits, &chunks));
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.stats.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+        self.served.count(served::STEPS, 1);
+        self.served.count(served::STEP_TOKENS, tokens as u64);
         match outcome {
             Ok(drawn) => self.advance(&plan, drawn),
             Err(e) => {
@@ -529,6 +542,7 @@ impl Scheduler {
             }
         }
         self.stats.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.served.step_time(started.elapsed().as_secs_f64());
     }
 
     /// Admits waiting work in order while the budget, the sequence limit and free blocks
@@ -564,6 +578,7 @@ impl Scheduler {
                         registered: 0,
                         cacheable: true,
                         text: Detokenizer::default(),
+                        last_token: None,
                     }
                 }
                 Waiting::Preempted(seq) => {
@@ -615,7 +630,7 @@ impl Scheduler {
 
     fn open_request(&mut self, submission: Submission) -> usize {
         let Submission { request, events, arrived } = submission;
-        let running = Running { live: request.n, request, events, arrived, first_token: false };
+        let running = Running { live: request.n, request, events, arrived, first_token: None };
         match self.requests.iter().position(Option::is_none) {
             Some(id) => {
                 self.requests[id] = Some(running);
@@ -724,14 +739,19 @@ impl Scheduler {
     /// Appends `token` to `sample`, reports it, and says whether (and why) the sample ends.
     fn take_token(&mut self, sample: &mut Sequence, token: Sampled) -> Option<(Finish, Option<String>)> {
         let Some(running) = self.requests[sample.request].as_mut() else { return Some((Finish::Abort, None)) };
-        if !running.first_token {
-            running.first_token = true;
+        if running.first_token.is_none() {
+            running.first_token = Some(Instant::now());
             self.stats.prompt_tokens.fetch_add(sample.prompt_len as u64, Ordering::Relaxed);
-            metrics::histogram!(TIME_TO_FIRST_TOKEN).record(running.arrived.elapsed().as_secs_f64());
+            self.served.count(served::PROMPT_TOKENS, sample.prompt_len as u64);
+            self.served.first_token(running.arrived);
+        }
+        if let Some(previous) = sample.last_token.replace(Instant::now()) {
+            self.served.next_token(previous);
         }
         let request = &running.request;
         sample.tokens.push(token.token);
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        self.served.count(served::GENERATED_TOKENS, 1);
         let out = TokenOut { index: sample.index, token: token.token, logprob: token.logprob, top: token.top };
         if running.events.send(Event::Token(out)).is_err() {
             return Some((Finish::Abort, None));
@@ -771,8 +791,12 @@ impl Scheduler {
         let version = self.stats.weight_version.load(Ordering::Relaxed);
         running.live = running.live.saturating_sub(sample.forks);
         let done = running.live == 0;
+        if let Some(first) = running.first_token {
+            self.served.sample_done(first, sample.generated().len());
+        }
         if done {
             self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
+            self.served.request_done(running.arrived, reason);
         }
         for index in sample.index..sample.index + sample.forks {
             let _ = running.events.send(Event::Finished { index, reason, stop: stop.clone(), version });

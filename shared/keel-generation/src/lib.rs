@@ -20,6 +20,7 @@ pub mod engine;
 pub mod error;
 pub mod group;
 pub mod request;
+pub mod served;
 pub mod text;
 
 pub use error::{Error, Result};

@@ -24,7 +24,13 @@ fn model() -> CausalLm {
 }
 
 fn engine(blocks: usize, max_num_seqs: usize, max_num_batched_tokens: usize) -> Engine {
-    let config = EngineConfig { max_num_seqs, max_num_batched_tokens, max_model_len: 96, refit_mode: RefitMode::Drain };
+    let config = EngineConfig {
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len: 96,
+        refit_mode: RefitMode::Drain,
+        model_name: "tiny".into(),
+    };
     Engine::start(model(), None, blocks, config).unwrap()
 }
 
@@ -153,8 +159,13 @@ fn seeded_output_does_not_depend_on_the_batch() {
 
 #[test]
 fn a_pool_too_small_for_one_sequence_is_refused() {
-    let config =
-        EngineConfig { max_num_seqs: 4, max_num_batched_tokens: 64, max_model_len: 96, refit_mode: RefitMode::Drain };
+    let config = EngineConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 64,
+        max_model_len: 96,
+        refit_mode: RefitMode::Drain,
+        model_name: "tiny".into(),
+    };
     let error = Engine::start(model(), None, 5, config).unwrap_err().to_string();
     assert!(error.contains("fewer than one sequence of max_model_len 96 needs (6 blocks)"), "{error}");
 }
@@ -217,6 +228,7 @@ fn a_refit_in_pause_mode_swaps_under_running_samples_and_a_drain_refit_waits_for
             max_num_batched_tokens: 512,
             max_model_len: 256,
             refit_mode: RefitMode::Drain,
+            model_name: "tiny".into(),
         };
         let engine = Engine::start(model(), None, 512, config).unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

@@ -185,7 +185,7 @@ pub async fn observe(request: Request, next: Next) -> Response {
 /// Routes polled by health checks and metric scrapers every few seconds: served without a
 /// span, so they do not bury the traces of real work (a compose stack's health checks alone
 /// would make most of the traces in Jaeger). Their latency is still measured.
-const UNTRACED_ROUTES: &[&str] = &["/healthz", "/metrics"];
+const UNTRACED_ROUTES: &[&str] = &["/healthz", "/health", "/metrics"];
 
 fn record_latency(method: &str, route: &str, status: u16, started: std::time::Instant) {
     crate::metrics::observe(
