@@ -305,10 +305,11 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
         max_num_seqs: config.max_num_seqs,
         eos_token_ids,
     };
-    let admission = Arc::new(tokio::sync::Semaphore::new(config.max_num_seqs + config.max_waiting));
+    let capacity = config.max_num_seqs + config.max_waiting;
+    let admission = Arc::new(tokio::sync::Semaphore::new(capacity));
     let dtype = keel_model::weights::dtype_name(kind);
     let links = Arc::default();
-    Ok(openai::AppState { engine, tokenizer, model_name, dtype, device, links, limits, admission })
+    Ok(openai::AppState { engine, tokenizer, model_name, dtype, device, links, limits, admission, capacity })
 }
 
 /// Default KV-cache bytes on the CPU.

@@ -47,6 +47,8 @@ pub struct AppState {
     pub limits: Limits,
     /// Requests in the system (running or queued); a request that finds none free gets 429.
     pub admission: Arc<Semaphore>,
+    /// Requests the server holds at once (running and waiting): `admission`'s permits.
+    pub capacity: usize,
 }
 
 /// What an OpenAI request can fail with.
@@ -223,8 +225,18 @@ impl AppState {
         self.limits.check(draft).map_err(|e| ApiError::bad(e.message, Some(e.param)))
     }
 
-    fn admit(&self) -> ApiResult<OwnedSemaphorePermit> {
-        self.admission.clone().try_acquire_owned().map_err(|_| ApiError::QueueFull)
+    /// Places in the queue for `requests` requests, or 429.
+    fn admit(&self, requests: usize) -> ApiResult<OwnedSemaphorePermit> {
+        if requests > self.capacity {
+            let message = format!(
+                "{requests} prompts are more than this server holds at once ({}: max_num_seqs + max_waiting); \
+                 send them in smaller requests",
+                self.capacity
+            );
+            return Err(ApiError::bad(message, Some("prompt")));
+        }
+        let requests = u32::try_from(requests).map_err(|_| ApiError::QueueFull)?;
+        self.admission.clone().try_acquire_many_owned(requests).map_err(|_| ApiError::QueueFull)
     }
 }
 
@@ -291,8 +303,10 @@ fn chat_logprobs(state: &AppState, s: &SampleOut, from: usize) -> ChatLogprobs {
     ChatLogprobs { content }
 }
 
-/// Validates a completion request into the prompt's generation request.
-fn completion_request(state: &AppState, body: &CompletionRequest) -> ApiResult<GenRequest> {
+/// Validates a completion request into one generation request per prompt: a list of
+/// prompts is served as that many independent requests (each with the request's `n` and
+/// `seed`), as vLLM serves it.
+fn completion_requests(state: &AppState, body: &CompletionRequest) -> ApiResult<Vec<GenRequest>> {
     state.check_model(&body.common.model)?;
     let prompts: Vec<Vec<i64>> = match &body.prompt {
         Prompt::Text(text) => vec![state.encode(text, true)?],
@@ -300,9 +314,11 @@ fn completion_request(state: &AppState, body: &CompletionRequest) -> ApiResult<G
         Prompt::Ids(ids) => vec![ids.clone()],
         Prompt::IdLists(lists) => lists.clone(),
     };
-    let [prompt] = <[Vec<i64>; 1]>::try_from(prompts)
-        .map_err(|_| ApiError::bad("one prompt per request is supported; send several requests", Some("prompt")))?;
-    state.gen_request(&body.common, prompt, body.logprobs.unwrap_or(0), Some(16))
+    if prompts.is_empty() {
+        return Err(ApiError::bad("prompt must not be an empty list", Some("prompt")));
+    }
+    let top = body.logprobs.unwrap_or(0);
+    prompts.into_iter().map(|prompt| state.gen_request(&body.common, prompt, top, Some(16))).collect()
 }
 
 /// Validates a chat request: the messages through the chat template.
@@ -332,38 +348,41 @@ pub async fn completions(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<CompletionRequest>,
 ) -> ApiResult<Response> {
-    let request = completion_request(&state, &body)?;
-    let permit = state.admit()?;
+    let requests = completion_requests(&state, &body)?;
+    let permit = state.admit(requests.len())?;
     let id = request_id("cmpl");
     if body.common.stream {
         let options = StreamSettings::of(&body.common, body.logprobs.is_some(), false);
-        return Ok(stream(state, request, options, id, permit));
+        return Ok(stream(state, requests, options, id, permit));
     }
-    let prompt_ids = request.prompt.clone();
-    let include = request.include_stop_str_in_output;
-    let samples = run_to_end(&state, request).await?;
+    let prompts: Vec<Vec<i64>> = requests.iter().map(|r| r.prompt.clone()).collect();
+    let (include, n) = (requests[0].include_stop_str_in_output, requests[0].n);
+    let outputs = futures::future::try_join_all(requests.into_iter().map(|r| run_to_end(&state, r))).await?;
     drop(permit);
-    let choices = samples
-        .iter()
-        .enumerate()
-        .map(|(index, s)| CompletionChoice {
-            index,
-            text: final_text(&state.decode(&s.tokens), s.stop(), include),
-            logprobs: body.logprobs.map(|_| completion_logprobs(&state, s, 0, 0)),
-            finish_reason: s.finish_reason(),
-            stop_reason: s.stop().map(str::to_string),
-            token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
-            prompt_token_ids: body.common.return_token_ids.then(|| prompt_ids.clone()),
-        })
-        .collect();
-    let completion_tokens = samples.iter().map(|s| s.tokens.len()).sum();
+    // Prompt p's sample i is choice p·n + i.
+    let mut choices = Vec::new();
+    for (p, samples) in outputs.iter().enumerate() {
+        for (i, s) in samples.iter().enumerate() {
+            choices.push(CompletionChoice {
+                index: p * n + i,
+                text: final_text(&state.decode(&s.tokens), s.stop(), include),
+                logprobs: body.logprobs.map(|_| completion_logprobs(&state, s, 0, 0)),
+                finish_reason: s.finish_reason(),
+                stop_reason: s.stop().map(str::to_string),
+                token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
+                prompt_token_ids: body.common.return_token_ids.then(|| prompts[p].clone()),
+            });
+        }
+    }
+    let completion_tokens = outputs.iter().flatten().map(|s| s.tokens.len()).sum();
+    let prompt_tokens = prompts.iter().map(Vec::len).sum();
     Ok(Json(CompletionResponse {
         id,
         object: "text_completion".into(),
         created: now(),
         model: state.model_name.clone(),
         choices,
-        usage: Some(Usage::new(prompt_ids.len(), completion_tokens)),
+        usage: Some(Usage::new(prompt_tokens, completion_tokens)),
     })
     .into_response())
 }
@@ -381,11 +400,11 @@ pub async fn chat_completions(
     ApiJson(body): ApiJson<ChatRequest>,
 ) -> ApiResult<Response> {
     let request = chat_request(&state, &body)?;
-    let permit = state.admit()?;
+    let permit = state.admit(1)?;
     let id = request_id("chatcmpl");
     if body.common.stream {
         let options = StreamSettings::of(&body.common, body.logprobs, true);
-        return Ok(stream(state, request, options, id, permit));
+        return Ok(stream(state, vec![request], options, id, permit));
     }
     let prompt_ids = request.prompt.clone();
     let include = request.include_stop_str_in_output;
@@ -564,61 +583,72 @@ impl Chunks {
     }
 }
 
-/// Streams a request as SSE chunks ending with `data: [DONE]`; the permit is held until the
+/// Streams requests (one per prompt, all with the same `n`) as SSE chunks ending with
+/// `data: [DONE]`, prompt p's sample i as choice p·n + i; the permit is held until the
 /// stream ends.
 fn stream(
     state: AppState,
-    request: GenRequest,
+    requests: Vec<GenRequest>,
     settings: StreamSettings,
     id: String,
     permit: OwnedSemaphorePermit,
 ) -> Response {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let n = request.n;
+    let n = requests.first().map_or(1, |r| r.n);
     let chunks = Chunks {
         state: state.clone(),
         settings,
         id,
         created: now(),
-        prompt_len: request.prompt.len(),
-        stops: request.stop.clone(),
-        include_stop: request.include_stop_str_in_output,
+        prompt_len: requests.iter().map(|r| r.prompt.len()).sum(),
+        stops: requests.first().map(|r| r.stop.clone()).unwrap_or_default(),
+        include_stop: requests.first().is_some_and(|r| r.include_stop_str_in_output),
     };
-    if let Err(e) = state.engine.submit(request, tx) {
-        return ApiError::EngineUnavailable(e).into_response();
-    }
-    let opening = chunks.opening(n);
-    let samples = vec![StreamSample::default(); n];
-    let events = futures::stream::unfold((rx, samples, false, permit), move |(mut rx, mut samples, ended, permit)| {
-        let chunks = chunks.clone();
-        async move {
-            if ended {
-                return None;
-            }
-            let Some(event) = rx.recv().await else {
-                let closing = chunks.closing(&samples);
-                return Some((closing, (rx, samples, true, permit)));
-            };
-            let chunk = match event {
-                Event::Token(t) => {
-                    let index = t.index;
-                    samples[index].out.push(t);
-                    chunks.update(index, &mut samples[index])
-                }
-                Event::Finished { index, reason, stop, .. } => {
-                    samples[index].out.finish = Some((reason, stop));
-                    samples[index].done = true;
-                    chunks.update(index, &mut samples[index])
-                }
-                Event::Failed(message) => {
-                    let error = ErrorDetail { message, kind: "server_error".into(), param: None, code: None };
-                    serde_json::to_value(ErrorResponse { error }).ok()
-                }
-            };
-            Some((chunk, (rx, samples, false, permit)))
+    let total = n * requests.len();
+    let mut receivers = Vec::new();
+    for (p, request) in requests.into_iter().enumerate() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        // A request not submitted drops the receivers of those that were: the engine drops them.
+        if let Err(e) = state.engine.submit(request, tx) {
+            return ApiError::EngineUnavailable(e).into_response();
         }
-    })
-    .filter_map(|chunk| async move { chunk });
+        let events = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+        receivers.push(events.map(move |event| (p * n, event)).boxed());
+    }
+    let merged = futures::stream::select_all(receivers);
+    let opening = chunks.opening(total);
+    let samples = vec![StreamSample::default(); total];
+    let events =
+        futures::stream::unfold((merged, samples, false, permit), move |(mut rx, mut samples, ended, permit)| {
+            let chunks = chunks.clone();
+            async move {
+                if ended {
+                    return None;
+                }
+                let Some((first, event)) = rx.next().await else {
+                    let closing = chunks.closing(&samples);
+                    return Some((closing, (rx, samples, true, permit)));
+                };
+                let chunk = match event {
+                    Event::Token(t) => {
+                        let index = first + t.index;
+                        samples[index].out.push(t);
+                        chunks.update(index, &mut samples[index])
+                    }
+                    Event::Finished { index, reason, stop, .. } => {
+                        let index = first + index;
+                        samples[index].out.finish = Some((reason, stop));
+                        samples[index].done = true;
+                        chunks.update(index, &mut samples[index])
+                    }
+                    Event::Failed(message) => {
+                        let error = ErrorDetail { message, kind: "server_error".into(), param: None, code: None };
+                        serde_json::to_value(ErrorResponse { error }).ok()
+                    }
+                };
+                Some((chunk, (rx, samples, false, permit)))
+            }
+        })
+        .filter_map(|chunk| async move { chunk });
     let data = futures::stream::iter(opening)
         .chain(events)
         .map(|chunk| Ok::<_, Infallible>(SseEvent::default().data(chunk.to_string())))

@@ -14,7 +14,8 @@ pub enum OneOrMany {
     Many(Vec<String>),
 }
 
-/// Text, texts, token ids or lists of token ids (one prompt per request is served).
+/// Text, texts, token ids or lists of token ids: a list is that many prompts, served as
+/// independent requests (prompt p's sample i is choice p·n + i).
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Prompt {

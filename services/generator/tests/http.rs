@@ -306,6 +306,72 @@ fn sse_data(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// A list of prompts (texts or token-id lists, as lm-eval batches them) is served as that many
+/// independent requests: prompt p's sample i is choice p·n + i and equals sample i of the
+/// prompt sent alone, streamed or not; usage adds up; an empty list and more prompts than the
+/// server holds are 400s naming `prompt`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_list_of_prompts_is_served_as_independent_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let ids = prompt_ids();
+    let base = json!({"model": "tiny", "max_tokens": 6, "temperature": 0.9, "seed": 7, "n": 2, "ignore_eos": true,
+        "return_token_ids": true});
+    let with = |prompt: Value| {
+        let mut body = base.clone();
+        body["prompt"] = prompt;
+        body
+    };
+    let texts = json!(["12 + 30 =", "7 - 2 ="]);
+    let lists = json!([ids[..3], ids, ids[1..4]]);
+    for prompts in [texts, lists] {
+        let alone: Vec<Value> = futures::future::join_all(
+            prompts.as_array().unwrap().iter().map(|p| server.ok("/v1/completions", with(p.clone()))),
+        )
+        .await;
+        let together = server.ok("/v1/completions", with(prompts.clone())).await;
+        let choices = together["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2 * alone.len());
+        for (p, single) in alone.iter().enumerate() {
+            for i in 0..2 {
+                let choice = &choices[p * 2 + i];
+                assert_eq!(choice["index"], p * 2 + i);
+                assert_eq!(choice["token_ids"], single["choices"][i]["token_ids"], "prompt {p} sample {i}");
+                assert_eq!(choice["text"], single["choices"][i]["text"]);
+                assert_eq!(choice["prompt_token_ids"], single["choices"][i]["prompt_token_ids"]);
+            }
+        }
+        let sum = |field: &str| alone.iter().map(|b| b["usage"][field].as_u64().unwrap()).sum::<u64>();
+        assert_eq!(together["usage"]["prompt_tokens"], sum("prompt_tokens"));
+        assert_eq!(together["usage"]["completion_tokens"], sum("completion_tokens"));
+
+        // Streamed: each choice's pieces in order make its whole text, and each ends once.
+        let mut streamed = with(prompts.clone());
+        streamed["stream"] = json!(true);
+        let mut texts = vec![String::new(); choices.len()];
+        let mut finished = vec![0; choices.len()];
+        for chunk in server.stream("/v1/completions", &streamed).await {
+            for choice in chunk["choices"].as_array().unwrap() {
+                let index = choice["index"].as_u64().unwrap() as usize;
+                texts[index].push_str(choice["text"].as_str().unwrap());
+                finished[index] += usize::from(!choice["finish_reason"].is_null());
+            }
+        }
+        for (index, choice) in choices.iter().enumerate() {
+            assert_eq!(texts[index], choice["text"].as_str().unwrap(), "streamed choice {index}");
+        }
+        assert!(finished.iter().all(|f| *f == 1), "{finished:?}");
+    }
+
+    let (status, body) = server.post("/v1/completions", with(json!([]))).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("prompt")), "{body}");
+    let many: Vec<Vec<i64>> = vec![ids.clone(); 200];
+    let (status, body) = server.post("/v1/completions", with(json!(many))).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("prompt")), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("more than this server holds"), "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn streaming_chat_stops_and_the_openai_surface() {
     let dir = tempfile::tempdir().unwrap();

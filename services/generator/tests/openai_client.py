@@ -2,7 +2,7 @@
 
 Usage: openai_client.py BASE_URL MODEL. Exits non-zero (with the failed check on stderr)
 unless completions and chat, streaming and not, n > 1, stop strings, logprobs, Keel's extra
-fields and the error types all behave as OpenAI's API does.
+fields, lists of prompts, the model routes and the error types all behave as OpenAI's API does.
 """
 
 import sys
@@ -86,6 +86,20 @@ def main():
         pass
     models = client.models.list()
     check([m.id for m in models.data] == [model], "models list")
+    check(client.models.retrieve(model).id == model, "the model by its name")
+
+    # A list of prompts in one request: prompt p's samples are choices p*n .. p*n + n - 1, each
+    # what the prompt gets alone.
+    prompts = ["What is 2 + 3?", "Add 4 and 5."]
+    batch = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=3,
+                                      extra_body={"ignore_eos": True})
+    check(sorted(c.index for c in batch.choices) == [0, 1, 2, 3], "four choices")
+    for p, single_prompt in enumerate(prompts):
+        single = client.completions.create(model=model, prompt=single_prompt, n=2, max_tokens=5, temperature=0.8,
+                                           seed=3, extra_body={"ignore_eos": True})
+        for i in range(2):
+            got = next(c.text for c in batch.choices if c.index == p * 2 + i)
+            check(got == single.choices[i].text, f"prompt {p} sample {i}: {got!r} vs {single.choices[i].text!r}")
     print("ok")
 
 
