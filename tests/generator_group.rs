@@ -1,6 +1,6 @@
 //! A generator whose two tensor-parallel ranks are processes of their own (a generator
 //! group), against one generator process with the whole model: the same greedy completions
-//! and logprobs. A rank killed ends the group: the leader exits with an error instead of
+//! and logprobs, and the same echoed prompt logprobs. A rank killed ends the group: the leader exits with an error instead of
 //! hanging; started again once every rank is back, the group serves the same completions.
 
 #![allow(clippy::unwrap_used)]
@@ -44,6 +44,12 @@ async fn complete(http: &reqwest::Client, server: &ServiceProcess) -> Vec<(Vec<i
         assert_eq!(tokens.len(), 16, "{body}");
         out.push((tokens, logprobs));
     }
+    // A prompt scored by echo (lm-eval's loglikelihood request): every rank runs the pass.
+    let body = json!({"model": "model", "prompt": prompts[2], "max_tokens": 0, "echo": true, "logprobs": 1});
+    let response = http.post(format!("{}/v1/completions", server.url)).json(&body).send().await.unwrap();
+    let body: Value = response.error_for_status().unwrap().json().await.unwrap();
+    let scored = body["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap()[1..].to_vec();
+    out.push((Vec::new(), serde_json::from_value(Value::Array(scored)).unwrap()));
     out
 }
 

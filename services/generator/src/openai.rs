@@ -20,15 +20,16 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
+use keel_model::PromptLogprobs as Scores;
 use keel_model::Tokenizer;
 use keel_model::sampling::SamplingParams;
 use keel_service::openapi::BearerAuth;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::wire::*;
+use crate::wire::{self, *};
 use keel_generation::engine::Engine;
-use keel_generation::request::{Draft, Event, GenRequest, Limits, SampleOut, collect};
+use keel_generation::request::{Draft, Event, Finish, GenRequest, Limits, SampleOut, collect};
 use keel_generation::text::{Detokenizer, final_text, streamable_len};
 
 /// What the handlers share.
@@ -266,8 +267,47 @@ fn completion_logprobs(state: &AppState, s: &SampleOut, from: usize, offset: usi
         at += t.len();
     }
     let top_logprobs =
-        (from..s.tokens.len()).map(|i| top_logprob_map(state, &s.top[i], s.tokens[i], s.logprobs[i])).collect();
-    CompletionLogprobs { tokens, token_logprobs: s.logprobs[from..].to_vec(), top_logprobs, text_offset }
+        (from..s.tokens.len()).map(|i| Some(top_logprob_map(state, &s.top[i], s.tokens[i], s.logprobs[i]))).collect();
+    let token_logprobs = s.logprobs[from..].iter().copied().map(Some).collect();
+    CompletionLogprobs { tokens, token_logprobs, top_logprobs, text_offset }
+}
+
+/// An echoed prompt's part of completion logprobs: its tokens from the first (whose logprob
+/// and alternatives are null), each with its `top` most likely alternatives.
+fn echoed_logprobs(state: &AppState, prompt: &[i64], scores: &Scores, top: usize) -> CompletionLogprobs {
+    let tokens: Vec<String> = prompt.iter().map(|&t| state.token_text(t)).collect();
+    let text_offset = tokens.iter().scan(0, |at, t| Some(std::mem::replace(at, *at + t.len()))).collect();
+    let mut token_logprobs = vec![None];
+    let mut top_logprobs = vec![None];
+    for (i, &logprob) in scores.logprobs.iter().enumerate() {
+        token_logprobs.push(Some(logprob));
+        let alternatives = &scores.top[i][..top.min(scores.top[i].len())];
+        top_logprobs.push(Some(top_logprob_map(state, alternatives, prompt[i + 1], logprob)));
+    }
+    CompletionLogprobs { tokens, token_logprobs, top_logprobs, text_offset }
+}
+
+/// vLLM's `prompt_logprobs`: per prompt token (the first null) the token itself and its
+/// `top` most likely alternatives, keyed by token id.
+fn vllm_prompt_logprobs(state: &AppState, prompt: &[i64], scores: &Scores, top: usize) -> wire::PromptLogprobs {
+    let entry = |id: i64, logprob: f32, rank: i64| {
+        (id.to_string(), wire::PromptLogprob { logprob, rank, decoded_token: state.token_text(id) })
+    };
+    let mut out = vec![None];
+    for (i, &logprob) in scores.logprobs.iter().enumerate() {
+        let mut map = std::collections::BTreeMap::new();
+        for (rank, &(id, lp)) in scores.top[i].iter().take(top).enumerate() {
+            map.extend([entry(id, lp, rank as i64 + 1)]);
+        }
+        map.extend([entry(prompt[i + 1], logprob, scores.ranks[i])]);
+        out.push(Some(map));
+    }
+    out
+}
+
+/// The prompt's tokens scored by the engine (see [`keel_generation::engine::Engine::prompt_logprobs`]).
+async fn score(state: &AppState, prompt: &[i64], top: usize) -> ApiResult<Scores> {
+    state.engine.prompt_logprobs(prompt.to_vec(), top).await.map_err(ApiError::EngineUnavailable)
 }
 
 /// One token's top logprobs as completions return them: most likely first, with the sampled
@@ -317,8 +357,34 @@ fn completion_requests(state: &AppState, body: &CompletionRequest) -> ApiResult<
     if prompts.is_empty() {
         return Err(ApiError::bad("prompt must not be an empty list", Some("prompt")));
     }
+    if body.common.stream {
+        for (field, asked) in [("echo", body.echo), ("prompt_logprobs", body.prompt_logprobs.is_some())] {
+            if asked {
+                return Err(ApiError::bad(format!("{field} is not served with stream"), Some(field)));
+            }
+        }
+    }
+    // Echo with max_tokens 0 scores the prompt only: checked as if for one token.
+    let mut common = body.common.clone();
+    if !generates(body) {
+        (common.max_tokens, common.max_completion_tokens) = (Some(1), None);
+    }
     let top = body.logprobs.unwrap_or(0);
-    prompts.into_iter().map(|prompt| state.gen_request(&body.common, prompt, top, Some(16))).collect()
+    prompts.into_iter().map(|prompt| state.gen_request(&common, prompt, top, Some(16))).collect()
+}
+
+/// Whether a completion request generates (echo with `max_tokens` 0 only scores its prompt).
+fn generates(body: &CompletionRequest) -> bool {
+    !(body.echo && body.common.max_completion_tokens.or(body.common.max_tokens) == Some(0))
+}
+
+/// The text an echoed prompt comes back as: as sent, or its token ids decoded.
+fn echoed_texts(state: &AppState, prompt: &Prompt, requests: &[GenRequest]) -> Vec<String> {
+    match prompt {
+        Prompt::Text(text) => vec![text.clone()],
+        Prompt::Texts(texts) => texts.clone(),
+        Prompt::Ids(_) | Prompt::IdLists(_) => requests.iter().map(|r| state.decode(&r.prompt)).collect(),
+    }
 }
 
 /// Validates a chat request: the messages through the chat template.
@@ -357,20 +423,48 @@ pub async fn completions(
     }
     let prompts: Vec<Vec<i64>> = requests.iter().map(|r| r.prompt.clone()).collect();
     let (include, n) = (requests[0].include_stop_str_in_output, requests[0].n);
-    let outputs = futures::future::try_join_all(requests.into_iter().map(|r| run_to_end(&state, r))).await?;
+    let echoed = if body.echo { echoed_texts(&state, &body.prompt, &requests) } else { Vec::new() };
+    // The prompts' scores, for echo with logprobs and for prompt_logprobs.
+    let scored = (body.echo && body.logprobs.is_some()) || body.prompt_logprobs.is_some();
+    let top = body.prompt_logprobs.unwrap_or(0).max(if body.echo { body.logprobs.unwrap_or(0) } else { 0 });
+    let scores = if scored {
+        futures::future::try_join_all(prompts.iter().map(|p| score(&state, p, top))).await?
+    } else {
+        Vec::new()
+    };
+    let outputs = if generates(&body) {
+        futures::future::try_join_all(requests.into_iter().map(|r| run_to_end(&state, r))).await?
+    } else {
+        let nothing = SampleOut { finish: Some((Finish::Length, None)), ..SampleOut::default() };
+        vec![vec![nothing; n]; prompts.len()]
+    };
     drop(permit);
     // Prompt p's sample i is choice p·n + i.
     let mut choices = Vec::new();
     for (p, samples) in outputs.iter().enumerate() {
+        let echo = echoed.get(p).map_or("", String::as_str);
         for (i, s) in samples.iter().enumerate() {
+            let logprobs = body.logprobs.map(|k| {
+                let generated = completion_logprobs(&state, s, 0, echo.len());
+                if !body.echo {
+                    return generated;
+                }
+                let mut all = echoed_logprobs(&state, &prompts[p], &scores[p], k);
+                all.tokens.extend(generated.tokens);
+                all.token_logprobs.extend(generated.token_logprobs);
+                all.top_logprobs.extend(generated.top_logprobs);
+                all.text_offset.extend(generated.text_offset);
+                all
+            });
             choices.push(CompletionChoice {
                 index: p * n + i,
-                text: final_text(&state.decode(&s.tokens), s.stop(), include),
-                logprobs: body.logprobs.map(|_| completion_logprobs(&state, s, 0, 0)),
+                text: format!("{echo}{}", final_text(&state.decode(&s.tokens), s.stop(), include)),
+                logprobs,
                 finish_reason: s.finish_reason(),
                 stop_reason: s.stop().map(str::to_string),
                 token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
                 prompt_token_ids: body.common.return_token_ids.then(|| prompts[p].clone()),
+                prompt_logprobs: body.prompt_logprobs.map(|k| vllm_prompt_logprobs(&state, &prompts[p], &scores[p], k)),
             });
         }
     }
@@ -408,6 +502,13 @@ pub async fn chat_completions(
     }
     let prompt_ids = request.prompt.clone();
     let include = request.include_stop_str_in_output;
+    if body.common.stream && body.prompt_logprobs.is_some() {
+        return Err(ApiError::bad("prompt_logprobs is not served with stream", Some("prompt_logprobs")));
+    }
+    let prompt_logprobs = match body.prompt_logprobs {
+        Some(k) => Some(vllm_prompt_logprobs(&state, &prompt_ids, &score(&state, &prompt_ids, k).await?, k)),
+        None => None,
+    };
     let samples = run_to_end(&state, request).await?;
     drop(permit);
     let choices = samples
@@ -435,6 +536,7 @@ pub async fn chat_completions(
         choices,
         usage: Some(Usage::new(prompt_ids.len(), completion_tokens)),
         prompt_token_ids: body.common.return_token_ids.then_some(prompt_ids),
+        prompt_logprobs,
     })
     .into_response())
 }
@@ -499,6 +601,7 @@ impl Chunks {
             choices,
             usage,
             prompt_token_ids: None,
+            prompt_logprobs: None,
         };
         serde_json::to_value(chunk).unwrap_or_default()
     }
@@ -577,6 +680,7 @@ impl Chunks {
                 stop_reason,
                 token_ids: None,
                 prompt_token_ids: None,
+                prompt_logprobs: None,
             };
             self.completion(vec![choice], None)
         })

@@ -90,6 +90,15 @@ pub struct CompletionRequest {
     /// Top logprobs per token (0 = only the sampled token's).
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Return the prompt before the completion: its text, and with `logprobs` its tokens'
+    /// logprobs (the first token's null). `max_tokens` may then be 0 (score the prompt only).
+    /// Not with `stream`.
+    #[serde(default)]
+    pub echo: bool,
+    /// vLLM's extension: each prompt token's logprob, rank and this many most likely
+    /// alternatives, in the choice's `prompt_logprobs`. Not with `stream`.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -106,6 +115,10 @@ pub struct ChatRequest {
     pub top_logprobs: Option<usize>,
     #[serde(default = "default_true")]
     pub add_generation_prompt: bool,
+    /// vLLM's extension: each prompt token's logprob, rank and this many most likely
+    /// alternatives, in the response's `prompt_logprobs`. Not with `stream`.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -128,15 +141,29 @@ impl Usage {
 }
 
 /// Legacy completion logprobs: per token its text, logprob, the top alternatives by text,
-/// and its offset in the completion text.
+/// and its offset in the completion text. With `echo` the prompt's tokens come first, the
+/// first with a null logprob and null alternatives.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    #[schema(value_type = Vec<Object>)]
-    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    #[schema(value_type = Vec<Option<Object>>)]
+    pub top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
     pub text_offset: Vec<usize>,
 }
+
+/// One candidate at a prompt position (vLLM's `prompt_logprobs` entries, keyed by token id).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PromptLogprob {
+    pub logprob: f32,
+    /// 1 for the most likely token.
+    pub rank: i64,
+    pub decoded_token: String,
+}
+
+/// Per prompt token, the token itself and the most likely alternatives by token id; the
+/// first token's entry is null.
+pub type PromptLogprobs = Vec<Option<std::collections::BTreeMap<String, PromptLogprob>>>;
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CompletionChoice {
@@ -152,6 +179,9 @@ pub struct CompletionChoice {
     pub token_ids: Option<Vec<i64>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<i64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<Option<Object>>>)]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// A completion, or (object `text_completion` too) one chunk of a stream.
@@ -229,6 +259,9 @@ pub struct ChatResponse {
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<i64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<Option<Object>>>)]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

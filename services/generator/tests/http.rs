@@ -151,10 +151,24 @@ async fn greedy_output_at_tensor_parallel_2_and_4_equals_tp_1() {
         for per_prompt in &tokens {
             assert!(per_prompt.iter().all(|t| t.len() == 24 && *t == per_prompt[0]), "TP={tp}: greedy samples agree");
         }
-        outputs.push((tp, tokens));
+        // The ranks score a prompt together too (echo, as lm-eval asks).
+        let echoed = server
+            .ok(
+                "/v1/completions",
+                json!({"model": "tiny", "prompt": prompts[0], "max_tokens": 0, "echo": true,
+                "logprobs": 2}),
+            )
+            .await;
+        let scored: Vec<f64> = echoed["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap()[1..]
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        outputs.push((tp, tokens, scored));
     }
-    for (tp, tokens) in &outputs[1..] {
+    for (tp, tokens, scored) in &outputs[1..] {
         assert_eq!(tokens, &outputs[0].1, "greedy output at TP={tp} differs from TP=1");
+        let diff = scored.iter().zip(&outputs[0].2).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(scored.len() == outputs[0].2.len() && diff < 1e-5, "echoed logprobs at TP={tp}: {diff:e}");
     }
     let error = match load(&Config { tensor_parallel_size: 3, ..serve_config() }, &model, None) {
         Ok(_) => panic!("4 heads do not split over 3 ranks"),
@@ -304,6 +318,96 @@ fn sse_data(text: &str) -> Vec<String> {
         .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
         .map(str::to_string)
         .collect()
+}
+
+/// `echo` returns the prompt before the completion, with its tokens' logprobs first (the
+/// first null) — what lm-eval's loglikelihood requests send, `max_tokens` 0 included — and
+/// vLLM's `prompt_logprobs` give each prompt token's logprob, rank and alternatives on
+/// completions and chat. The prompt logprobs are transformers' (f32, temperature 1).
+#[tokio::test(flavor = "multi_thread")]
+async fn echo_and_prompt_logprobs_score_the_prompt_as_transformers_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let prompt = prompt_ids();
+    let reference = keel_testkit::reference_logprobs(&model, std::slice::from_ref(&prompt), 1.0, dir.path());
+    let close = |got: &Value, want: f64, what: &str| {
+        let got = got.as_f64().unwrap_or_else(|| panic!("{what}: {got}"));
+        assert!((got - want).abs() < 1e-4, "{what}: {got} vs transformers' {want}");
+    };
+
+    // lm-eval's loglikelihood request: a batch of token-id prompts, echo, no new tokens.
+    let scored = server
+        .ok(
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": [prompt, prompt[..5]], "max_tokens": 0, "echo": true,
+            "logprobs": 1, "temperature": 0}),
+        )
+        .await;
+    let choices = scored["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    let first = &choices[0]["logprobs"];
+    assert_eq!(first["tokens"].as_array().unwrap().len(), prompt.len());
+    assert!(first["token_logprobs"][0].is_null() && first["top_logprobs"][0].is_null(), "{first}");
+    for i in 1..prompt.len() {
+        close(&first["token_logprobs"][i], reference[0][i], &format!("echoed token {i}"));
+        assert!(first["top_logprobs"][i].as_object().unwrap().len() >= 1);
+    }
+    assert_eq!(choices[1]["logprobs"]["token_logprobs"].as_array().unwrap().len(), 5);
+    assert_eq!(choices[0]["finish_reason"], "length");
+    assert_eq!(scored["usage"]["completion_tokens"], 0);
+    let text = server.ok("/detokenize", json!({"tokens": prompt})).await;
+    assert_eq!(choices[0]["text"], text["prompt"]);
+
+    // Echo with generation: the prompt then the very completion asked for without echo.
+    let ask = json!({"model": "tiny", "prompt": "12 + 30 =", "max_tokens": 5, "seed": 3, "logprobs": 2,
+        "ignore_eos": true});
+    let plain = server.ok("/v1/completions", ask.clone()).await;
+    let mut echo = ask.clone();
+    echo["echo"] = json!(true);
+    let echoed = server.ok("/v1/completions", echo).await;
+    let (plain, echoed) = (&plain["choices"][0], &echoed["choices"][0]);
+    assert_eq!(echoed["text"].as_str().unwrap(), format!("12 + 30 ={}", plain["text"].as_str().unwrap()));
+    let generated = plain["logprobs"]["token_logprobs"].as_array().unwrap();
+    let all = echoed["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(&all[all.len() - generated.len()..], generated.as_slice());
+    assert!(all[0].is_null());
+
+    // vLLM's prompt_logprobs: the prompt token itself with its rank, and the top 3.
+    let vllm = server
+        .ok("/v1/completions", json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3}))
+        .await;
+    let entries = vllm["choices"][0]["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(entries.len(), prompt.len());
+    assert!(entries[0].is_null());
+    for i in 1..prompt.len() {
+        let entry = entries[i].as_object().unwrap();
+        let own = &entry[&prompt[i].to_string()];
+        close(&own["logprob"], reference[0][i], &format!("prompt_logprobs token {i}"));
+        assert!(own["rank"].as_i64().unwrap() >= 1);
+        let ranked: Vec<i64> = entry.values().map(|e| e["rank"].as_i64().unwrap()).filter(|r| *r <= 3).collect();
+        assert!(ranked.len() >= 3 && (1..=3).all(|r| ranked.contains(&r)), "{entry:?}");
+    }
+    let chat = server
+        .ok(
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "Add 4 and 5."}],
+            "max_tokens": 2, "prompt_logprobs": 1}),
+        )
+        .await;
+    let chat_entries = chat["prompt_logprobs"].as_array().unwrap();
+    assert!(chat_entries.len() > 3 && chat_entries[0].is_null() && chat_entries[1].is_object(), "{chat}");
+
+    // Refused rather than ignored: echo or prompt_logprobs with stream.
+    for field in ["echo", "prompt_logprobs"] {
+        let mut body = json!({"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": true});
+        body[field] = if field == "echo" { json!(true) } else { json!(1) };
+        let (status, error) = server.post("/v1/completions", body).await;
+        assert_eq!((status, error["error"]["param"].as_str()), (400, Some(field)), "{error}");
+    }
+    let (status, error) =
+        server.post("/v1/completions", json!({"model": "tiny", "prompt": "hi", "max_tokens": 0})).await;
+    assert_eq!((status, error["error"]["param"].as_str()), (400, Some("max_tokens")), "no echo, no tokens: {error}");
 }
 
 /// A list of prompts (texts or token-id lists, as lm-eval batches them) is served as that many

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use keel_collective::process::RankError;
 use keel_collective::{RankGroup, SharedComm, rank_zero};
 use keel_model::model::tp::{StagedWeights, TpCausalLm};
-use keel_model::{BLOCK_SIZE, CausalLm, DecodeGraphs, Error, ModelConfig, PagedCache, Result, SeqChunk};
+use keel_model::{
+    BLOCK_SIZE, CausalLm, DecodeGraphs, Error, ModelConfig, PagedCache, PromptLogprobs, Result, SeqChunk,
+};
 use tch::{Device, Kind, Tensor};
 
 use crate::group::Grouped;
@@ -120,6 +122,11 @@ impl Rank {
 
     pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
         self.cache.copy_block(from, to)
+    }
+
+    /// Scores `prompt`'s tokens (every rank has the same result).
+    pub fn prompt_logprobs(&mut self, prompt: &[i64], top: usize) -> Result<PromptLogprobs> {
+        self.model.prompt_logprobs(prompt, top)
     }
 
     /// Frees the pool (and, with `offload`, moves the weights to host memory); the bytes freed.
@@ -276,6 +283,19 @@ impl Backend {
             Self::Whole { cache, .. } => cache.copy_block(from, to),
             Self::Sharded(s) => first(s.group.run_all((from, to), |rank, (from, to)| rank.copy_block(from, to))),
             Self::Group(g) => g.copy_block(from, to),
+        }
+    }
+
+    /// The logprob, rank and most likely alternatives of each of `prompt`'s tokens after the
+    /// first (see [`PromptLogprobs`]), by a pass of its own outside the KV pool.
+    pub fn prompt_logprobs(&mut self, prompt: &[i64], top: usize) -> Result<PromptLogprobs> {
+        match self {
+            Self::Whole { model, .. } => model.prompt_logprobs(prompt, top),
+            Self::Sharded(s) => {
+                let prompt = prompt.to_vec();
+                first(s.group.run_all(prompt, move |rank, prompt| rank.prompt_logprobs(&prompt, top)))
+            }
+            Self::Group(g) => g.prompt_logprobs(prompt, top),
         }
     }
 

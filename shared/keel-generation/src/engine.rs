@@ -122,6 +122,14 @@ enum Command {
     Generate(Submission),
     Refit(Refit),
     Memory(MemoryChange),
+    Score(Score),
+}
+
+/// A prompt to score (`echo`, `prompt_logprobs`), between two steps.
+struct Score {
+    prompt: Vec<i64>,
+    top: usize,
+    done: oneshot::Sender<crate::Result<keel_model::PromptLogprobs>>,
 }
 
 struct Submission {
@@ -326,6 +334,15 @@ impl Engine {
         result.await.map_err(|_| crate::Error::Dropped("refit"))?
     }
 
+    /// The logprob, rank and `top` most likely alternatives of each of `prompt`'s tokens after
+    /// the first, under the weights served now (temperature 1), computed between two steps by
+    /// a pass of its own (the KV pool and the prefix cache are not used).
+    pub async fn prompt_logprobs(&self, prompt: Vec<i64>, top: usize) -> crate::Result<keel_model::PromptLogprobs> {
+        let (done, result) = oneshot::channel();
+        self.submit.send(Command::Score(Score { prompt, top, done })).map_err(|_| crate::Error::Stopped)?;
+        result.await.map_err(|_| crate::Error::Dropped("prompt scoring"))?
+    }
+
     /// Sleeps or wakes (see [`Memory`]); returns the seconds it took (a sleep waits for the
     /// running samples) and the bytes freed or taken back.
     pub async fn change_memory(&self, change: Memory) -> crate::Result<(f64, u64)> {
@@ -376,6 +393,14 @@ impl Scheduler {
                 if let Some(previous) = self.refit.replace(refit) {
                     let _ = previous.done.send(Err(crate::Error::RefitSuperseded(previous.version)));
                 }
+            }
+            Command::Score(score) => {
+                let outcome = if self.asleep {
+                    Err(crate::Error::Request("the generator is asleep (a colocated trainer's turn)".into()))
+                } else {
+                    self.model.prompt_logprobs(&score.prompt, score.top).map_err(crate::Error::from)
+                };
+                let _ = score.done.send(outcome);
             }
         }
     }

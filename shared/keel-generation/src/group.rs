@@ -31,7 +31,7 @@ use std::time::Instant;
 use keel_collective::process;
 use keel_collective::tcp::TcpCollective;
 use keel_collective::{Collective, SharedComm};
-use keel_model::{Error, Result, SeqChunk};
+use keel_model::{Error, PromptLogprobs, Result, SeqChunk};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -62,6 +62,11 @@ pub enum Command {
     /// Swap the staged weights in (`commit`: every rank staged its own), or drop them.
     Commit {
         commit: bool,
+    },
+    /// Score a prompt's tokens (`echo`, `prompt_logprobs`): every rank runs the pass.
+    PromptLogprobs {
+        prompt: Vec<i64>,
+        top: usize,
     },
 }
 
@@ -206,6 +211,7 @@ pub fn execute(command: Command, slot: &mut Option<Rank>) -> Result<()> {
             rank.stage(arrived(weights, tensors))
         }
         Command::Commit { commit } => rank.commit(commit),
+        Command::PromptLogprobs { prompt, top } => rank.prompt_logprobs(&prompt, top).map(drop),
     }
 }
 
@@ -366,6 +372,11 @@ impl Grouped {
 
     pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
         self.lead(&Command::CopyBlock { from, to }, |rank| rank.copy_block(from, to))
+    }
+
+    pub fn prompt_logprobs(&mut self, prompt: &[i64], top: usize) -> Result<PromptLogprobs> {
+        let command = Command::PromptLogprobs { prompt: prompt.to_vec(), top };
+        self.lead(&command, |rank| rank.prompt_logprobs(prompt, top))
     }
 
     /// The bytes the leader's rank freed (each rank frees its own share alike).

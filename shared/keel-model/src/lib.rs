@@ -41,6 +41,7 @@ pub use cache::{BLOCK_SIZE, KvCache, PagedCache, SeqChunk};
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
 pub use model::decode::{DecodeBatch, DecodeGraphs};
+pub use model::prompt::PromptLogprobs;
 pub use model::{CausalLm, Init, PagedModel};
 pub use tokenizer::Tokenizer;
 pub use weights::SaveOptions;

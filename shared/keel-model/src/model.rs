@@ -15,6 +15,7 @@ use tch::{Device, Kind, Tensor, nn};
 
 pub mod decode;
 pub mod paged;
+pub mod prompt;
 pub mod tp;
 
 pub use paged::PagedModel;

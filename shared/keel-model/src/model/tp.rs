@@ -582,6 +582,16 @@ impl<C: Collective> TpCausalLm<C> {
         Ok(picked.f_sub(&sum_exp.f_log()?)?)
     }
 
+    /// [`super::prompt::PromptLogprobs`] of `prompt`, as [`CausalLm::prompt_logprobs`]
+    /// computes them, on every rank (each must call it).
+    pub fn prompt_logprobs(&self, prompt: &[i64], top: usize) -> Result<super::prompt::PromptLogprobs> {
+        let _no_grad = tch::no_grad_guard();
+        let pass = self.padded_pass(&Tensor::from_slice(prompt).f_unsqueeze(0)?, &[prompt.len() as i64])?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        let logits = |chunk: &Tensor| self.gather_vocab(&chunk.f_linear::<Tensor>(&self.shards.lm_head, None)?);
+        super::prompt::prompt_logprobs_of(&hidden, &pass.ids, self.cfg.vocab_size, top, logits)
+    }
+
     /// A paged cache of `blocks` blocks of this rank's KV heads (see [`PagedCache`]).
     pub fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
         PagedCache::with_kv_heads(&self.cfg, self.kv_heads, blocks, self.kind, self.device)
@@ -1035,6 +1045,51 @@ mod tests {
                 (world, diff)
             })
             .collect()
+    }
+
+    /// Prompt logprobs (echo, `prompt_logprobs`) are the scorer's token logprobs at
+    /// temperature 1, with ranks and top tokens that agree with them, and every rank of TP 2
+    /// and 4 gives what the whole model gives.
+    #[test]
+    fn prompt_logprobs_agree_with_the_scorer_at_every_tp_size() {
+        tch::manual_seed(5);
+        let full = CausalLm::new(
+            config("Qwen2ForCausalLM", 4, 2, json!({})),
+            Device::Cpu,
+            Kind::Float,
+            Init::Random { std: 0.3 },
+        )
+        .expect("a model");
+        randomize_biases_and_norms(&full);
+        let prompt: Vec<i64> = (0..11).map(|i| (i * 29 + 3) % 101).collect();
+        let want = full.prompt_logprobs(&prompt, 4).expect("prompt logprobs");
+        assert_eq!((want.logprobs.len(), want.ranks.len(), want.top.len()), (10, 10, 10));
+        let scored = full
+            .token_logprobs(&Tensor::from_slice(&prompt).unsqueeze(0), &[prompt.len() as i64], 1.0)
+            .expect("the scorer");
+        let scored = Vec::<f32>::try_from(scored.get(0)).expect("floats");
+        for (i, logprob) in want.logprobs.iter().enumerate() {
+            assert!((logprob - scored[i + 1]).abs() < 1e-5, "position {}: {logprob} vs {}", i + 1, scored[i + 1]);
+            let top = &want.top[i];
+            assert_eq!(top.len(), 4);
+            assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "most likely first: {top:?}");
+            let above = top.iter().filter(|(_, l)| l > logprob).count() as i64;
+            assert!(want.ranks[i] > above && (want.ranks[i] > 4 || want.ranks[i] == above + 1));
+            if want.ranks[i] == 1 {
+                assert_eq!(top[0].0, prompt[i + 1]);
+            }
+        }
+        for world in [2, 4] {
+            let prompt = prompt.clone();
+            for got in on_shards(&full, world, move |model| model.prompt_logprobs(&prompt, 4).expect("TP")) {
+                assert_eq!(
+                    (&got.ranks, got.top.iter().map(|t| t[0].0).collect::<Vec<_>>()),
+                    (&want.ranks, want.top.iter().map(|t| t[0].0).collect())
+                );
+                let diff = got.logprobs.iter().zip(&want.logprobs).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                assert!(diff < 1e-5, "TP {world}: {diff:e}");
+            }
+        }
     }
 
     #[test]
