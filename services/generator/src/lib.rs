@@ -22,6 +22,7 @@
 
 pub mod claims;
 pub mod error;
+pub mod fields;
 pub mod group;
 pub mod openai;
 pub mod refit;

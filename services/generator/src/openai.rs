@@ -348,6 +348,7 @@ fn chat_logprobs(state: &AppState, s: &SampleOut, from: usize) -> ChatLogprobs {
 /// `seed`), as vLLM serves it.
 fn completion_requests(state: &AppState, body: &CompletionRequest) -> ApiResult<Vec<GenRequest>> {
     state.check_model(&body.common.model)?;
+    check_fields(&body.extra, &body.common)?;
     let prompts: Vec<Vec<i64>> = match &body.prompt {
         Prompt::Text(text) => vec![state.encode(text, true)?],
         Prompt::Texts(texts) => texts.iter().map(|t| state.encode(t, true)).collect::<ApiResult<_>>()?,
@@ -387,15 +388,50 @@ fn echoed_texts(state: &AppState, prompt: &Prompt, requests: &[GenRequest]) -> V
     }
 }
 
+/// Refuses what a request asks that is not served (see [`crate::fields`]).
+fn check_fields(extra: &serde_json::Map<String, Value>, common: &Common) -> ApiResult<()> {
+    crate::fields::check(extra, common.n.unwrap_or(1)).map_err(|r| ApiError::bad(r.message, Some(r.field)))
+}
+
+/// `messages` as chat templates read them: content given as a list of text parts joined
+/// into one string, and null content (an assistant turn that only calls tools) as "".
+fn plain_messages(messages: &Value) -> ApiResult<Value> {
+    let mut messages = messages.clone();
+    for message in messages.as_array_mut().into_iter().flatten() {
+        let Some(content) = message.get_mut("content") else { continue };
+        match content {
+            Value::Null => *content = Value::String(String::new()),
+            Value::Array(parts) => {
+                let mut text = String::new();
+                for part in parts.iter() {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(piece)) => text.push_str(piece),
+                        (kind, _) => {
+                            let kind = kind.unwrap_or("untyped");
+                            let message = format!("content parts of type {kind} are not served: text parts only");
+                            return Err(ApiError::bad(message, Some("messages")));
+                        }
+                    }
+                }
+                *content = Value::String(text);
+            }
+            _ => {}
+        }
+    }
+    Ok(messages)
+}
+
 /// Validates a chat request: the messages through the chat template.
 fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<GenRequest> {
     state.check_model(&body.common.model)?;
+    check_fields(&body.extra, &body.common)?;
     if body.messages.as_array().is_none_or(|m| m.is_empty()) {
         return Err(ApiError::bad("messages must be a non-empty list", Some("messages")));
     }
+    let kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
     let text = state
         .tokenizer
-        .apply_chat_template(&body.messages, body.add_generation_prompt)
+        .apply_chat_template_with(&plain_messages(&body.messages)?, body.add_generation_prompt, &kwargs)
         .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), Some("messages")))?;
     let prompt = state.encode(&text, false)?;
     let top = if body.logprobs { body.top_logprobs.unwrap_or(0) } else { 0 };

@@ -101,12 +101,17 @@ pub struct CompletionRequest {
     pub prompt_logprobs: Option<usize>,
     #[serde(flatten)]
     pub common: Common,
+    /// Every other field: checked by [`crate::fields::check`].
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatRequest {
     /// Chat messages (`role`, `content`), rendered with the model's chat template: at least
-    /// one.
+    /// one. `content` may be a string, a list of text parts (`{"type": "text", "text": ...}`)
+    /// or null.
     #[schema(value_type = Vec<Object>, min_items = 1)]
     pub messages: Value,
     #[serde(default)]
@@ -115,12 +120,21 @@ pub struct ChatRequest {
     pub top_logprobs: Option<usize>,
     #[serde(default = "default_true")]
     pub add_generation_prompt: bool,
+    /// Extra variables for the chat template (vLLM's extension), e.g. Qwen3's
+    /// `{"enable_thinking": false}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// vLLM's extension: each prompt token's logprob, rank and this many most likely
     /// alternatives, in the response's `prompt_logprobs`. Not with `stream`.
     #[serde(default)]
     pub prompt_logprobs: Option<usize>,
     #[serde(flatten)]
     pub common: Common,
+    /// Every other field: checked by [`crate::fields::check`].
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 pub fn default_true() -> bool {
@@ -291,6 +305,11 @@ pub struct TokenizeRequest {
     pub add_special_tokens: bool,
     #[serde(default = "default_true")]
     pub add_generation_prompt: bool,
+    /// Extra variables for the chat template (vLLM's extension), e.g. Qwen3's
+    /// `{"enable_thinking": false}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -410,6 +410,83 @@ async fn echo_and_prompt_logprobs_score_the_prompt_as_transformers_does() {
     assert_eq!((status, error["error"]["param"].as_str()), (400, Some("max_tokens")), "no echo, no tokens: {error}");
 }
 
+/// No field is ignored in silence: OpenAI's and vLLM's fields that are not served are 400s
+/// naming the field unless neutral, content given as text parts (or null) renders as text,
+/// and `chat_template_kwargs` reach the template.
+#[tokio::test(flavor = "multi_thread")]
+async fn fields_not_served_are_refused_by_name_and_chat_content_takes_every_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    // A template that reads a variable, as Qwen3's reads enable_thinking.
+    let config_path = model.join("tokenizer_config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let template = config["chat_template"].as_str().unwrap().to_string()
+        + "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}";
+    config["chat_template"] = json!(template);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let server = serve(&model, |_| {}).await;
+
+    for (field, value) in [
+        ("tools", json!([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])),
+        ("tool_choice", json!("required")),
+        ("response_format", json!({"type": "json_object"})),
+        ("logit_bias", json!({"5": 10})),
+        ("best_of", json!(3)),
+        ("repetition_penalty", json!(1.3)),
+        ("guided_choice", json!(["yes", "no"])),
+        ("echo", json!(true)),
+    ] {
+        let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        body[field] = value;
+        let (status, error) = server.post("/v1/chat/completions", body).await;
+        assert_eq!((status, error["error"]["param"].as_str()), (400, Some(field)), "{error}");
+    }
+    let (status, error) = server
+        .post("/v1/completions", json!({"model": "tiny", "prompt": "hi", "max_tokens": 2, "suffix": "end"}))
+        .await;
+    assert_eq!((status, error["error"]["param"].as_str()), (400, Some("suffix")), "{error}");
+    // Neutral values and fields that change nothing pass.
+    server
+        .ok(
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 2, "suffix": null, "logit_bias": {},
+            "tools": [], "best_of": 1, "user": "someone", "repetition_penalty": 1.0, "not_an_api_field": 3}),
+        )
+        .await;
+
+    let prompt_ids = |body: Value| async {
+        let mut body = body;
+        body["model"] = json!("tiny");
+        body["max_tokens"] = json!(1);
+        body["return_token_ids"] = json!(true);
+        let answer = server.ok("/v1/chat/completions", body).await;
+        serde_json::from_value::<Vec<i64>>(answer["prompt_token_ids"].clone()).unwrap()
+    };
+    let plain = prompt_ids(json!({"messages": [{"role": "user", "content": "Add 4 and 5."}]})).await;
+    let parts = prompt_ids(json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Add 4"},
+        {"type": "text", "text": " and 5."}]}]}))
+    .await;
+    assert_eq!(parts, plain, "text parts render as their text");
+    prompt_ids(json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null},
+        {"role": "user", "content": "again"}]}))
+    .await;
+    let (status, error) = server
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+        )
+        .await;
+    assert_eq!((status, error["error"]["param"].as_str()), (400, Some("messages")), "{error}");
+    let thinking_off = prompt_ids(json!({"messages": [{"role": "user", "content": "Add 4 and 5."}],
+        "chat_template_kwargs": {"enable_thinking": false}}))
+    .await;
+    assert!(
+        thinking_off.len() > plain.len() && thinking_off[..plain.len()] == plain[..],
+        "the kwargs reach the template"
+    );
+}
+
 /// A list of prompts (texts or token-id lists, as lm-eval batches them) is served as that many
 /// independent requests: prompt p's sample i is choice p·n + i and equals sample i of the
 /// prompt sent alone, streamed or not; usage adds up; an empty list and more prompts than the
