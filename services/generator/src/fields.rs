@@ -54,15 +54,15 @@ fn text_modality(value: &Value) -> bool {
     value.is_null() || *value == serde_json::json!(["text"])
 }
 
-const TOOLS: &str = "tool calling is not served yet";
+const TOOLS: &str = "tools are served on /v1/chat/completions";
 const STRUCTURED: &str = "structured output (constrained sampling) is not served yet";
 
 /// Every field of either API (or vLLM's) that the request types do not take.
 const FIELDS: &[(&str, Rule)] = &[
     ("tools", Rule::Refused { neutral: null_or_empty, served: TOOLS }),
     ("tool_choice", Rule::Refused { neutral: no_tool, served: TOOLS }),
-    ("functions", Rule::Refused { neutral: null_or_empty, served: TOOLS }),
-    ("function_call", Rule::Refused { neutral: no_tool, served: TOOLS }),
+    ("functions", Rule::Refused { neutral: null_or_empty, served: "use tools (functions is deprecated)" }),
+    ("function_call", Rule::Refused { neutral: no_tool, served: "use tool_choice (function_call is deprecated)" }),
     ("parallel_tool_calls", Rule::NoEffect),
     ("response_format", Rule::Refused { neutral: text_format, served: STRUCTURED }),
     ("guided_json", Rule::Refused { neutral: null, served: STRUCTURED }),

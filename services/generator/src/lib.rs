@@ -27,6 +27,7 @@ pub mod group;
 pub mod openai;
 pub mod refit;
 pub mod rollout;
+pub mod tools;
 pub mod wire;
 
 use keel_generation::{backend, engine, request};
@@ -106,6 +107,11 @@ pub struct Config {
     pub generator_id: Option<String>,
     /// The longest lease a run's claim may ask for, in seconds.
     pub max_lease_seconds: f64,
+    /// How the served model writes tool calls, for chat requests with `tools` (vLLM's
+    /// `--tool-call-parser`): `hermes` (Hermes, Qwen 2.5 and 3) or `llama3_json` (Llama 3.1
+    /// to 3.3). Unset: requests with tools are refused.
+    #[serde(default)]
+    pub tool_call_parser: Option<tools::ToolParser>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -208,6 +214,7 @@ pub fn default_config() -> Config {
         group: None,
         generator_id: None,
         max_lease_seconds: 3600.0,
+        tool_call_parser: None,
     }
 }
 
@@ -310,7 +317,19 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
     let admission = Arc::new(tokio::sync::Semaphore::new(capacity));
     let dtype = keel_model::weights::dtype_name(kind);
     let links = Arc::default();
-    Ok(openai::AppState { engine, tokenizer, model_name, dtype, device, links, limits, admission, capacity })
+    let tool_parser = config.tool_call_parser;
+    Ok(openai::AppState {
+        engine,
+        tokenizer,
+        model_name,
+        dtype,
+        device,
+        links,
+        limits,
+        admission,
+        capacity,
+        tool_parser,
+    })
 }
 
 /// Default KV-cache bytes on the CPU.

@@ -27,6 +27,7 @@ use keel_service::openapi::BearerAuth;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
+use crate::tools::ToolParser;
 use crate::wire::{self, *};
 use keel_generation::engine::Engine;
 use keel_generation::request::{Draft, Event, Finish, GenRequest, Limits, SampleOut, collect};
@@ -50,6 +51,8 @@ pub struct AppState {
     pub admission: Arc<Semaphore>,
     /// Requests the server holds at once (running and waiting): `admission`'s permits.
     pub capacity: usize,
+    /// How the model writes tool calls (none: requests with tools are refused).
+    pub tool_parser: Option<ToolParser>,
 }
 
 /// What an OpenAI request can fail with.
@@ -394,10 +397,19 @@ fn check_fields(extra: &serde_json::Map<String, Value>, common: &Common) -> ApiR
 }
 
 /// `messages` as chat templates read them: content given as a list of text parts joined
-/// into one string, and null content (an assistant turn that only calls tools) as "".
+/// into one string, null content (an assistant turn that only calls tools) as "", and the
+/// arguments of earlier tool calls, which clients send as JSON strings, as objects (as
+/// Hugging Face templates expect them).
 fn plain_messages(messages: &Value) -> ApiResult<Value> {
     let mut messages = messages.clone();
     for message in messages.as_array_mut().into_iter().flatten() {
+        for call in message.get_mut("tool_calls").and_then(Value::as_array_mut).into_iter().flatten() {
+            if let Some(arguments) = call.pointer_mut("/function/arguments")
+                && let Some(parsed) = arguments.as_str().and_then(|text| serde_json::from_str::<Value>(text).ok())
+            {
+                *arguments = parsed;
+            }
+        }
         let Some(content) = message.get_mut("content") else { continue };
         match content {
             Value::Null => *content = Value::String(String::new()),
@@ -422,20 +434,91 @@ fn plain_messages(messages: &Value) -> ApiResult<Value> {
 }
 
 /// Validates a chat request: the messages through the chat template.
-fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<GenRequest> {
+fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, Option<Calls>)> {
     state.check_model(&body.common.model)?;
     check_fields(&body.extra, &body.common)?;
     if body.messages.as_array().is_none_or(|m| m.is_empty()) {
         return Err(ApiError::bad("messages must be a non-empty list", Some("messages")));
     }
-    let kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
-    let text = state
+    let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
+    let calls = tool_use(state, body, &mut kwargs)?;
+    let mut text = state
         .tokenizer
         .apply_chat_template_with(&plain_messages(&body.messages)?, body.add_generation_prompt, &kwargs)
         .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), Some("messages")))?;
+    if let Some(calls) = &calls {
+        text.push_str(&calls.opening);
+    }
     let prompt = state.encode(&text, false)?;
     let top = if body.logprobs { body.top_logprobs.unwrap_or(0) } else { 0 };
-    state.gen_request(&body.common, prompt, top, None)
+    Ok((state.gen_request(&body.common, prompt, top, None)?, calls))
+}
+
+/// How a chat request's output is read for tool calls: the parser, and the call opening
+/// put at the end of the prompt (`tool_choice` `required` or named; empty for `auto`).
+#[derive(Debug, Clone)]
+struct Calls {
+    parser: ToolParser,
+    opening: String,
+}
+
+impl Calls {
+    /// The calls in a sample's text and the content around them.
+    fn parse(&self, text: &str) -> crate::tools::Parsed {
+        self.parser.parse(&format!("{}{text}", self.opening))
+    }
+
+    /// How much of `text` may be shown while the sample runs: what comes before a call.
+    fn shown(&self, text: &str) -> usize {
+        let whole = format!("{}{text}", self.opening);
+        self.parser.start(&whole).map_or(text.len(), |at| at.saturating_sub(self.opening.len()))
+    }
+}
+
+/// The tools of a chat request into the template's variables, and how its output is read
+/// (`None`: no tools, or `tool_choice: none`).
+fn tool_use(
+    state: &AppState,
+    body: &ChatRequest,
+    kwargs: &mut serde_json::Map<String, Value>,
+) -> ApiResult<Option<Calls>> {
+    let tools = body.tools.as_ref().filter(|t| t.as_array().is_none_or(|list| !list.is_empty()));
+    let choice = match &body.tool_choice {
+        None | Some(Value::Null) => None,
+        Some(Value::String(choice)) if choice == "auto" => None,
+        Some(Value::String(choice)) if choice == "none" => return Ok(None),
+        Some(Value::String(choice)) if choice == "required" => Some(None),
+        Some(named) => match named.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) if named.get("type").and_then(Value::as_str) == Some("function") => Some(Some(name)),
+            _ => {
+                let message =
+                    "tool_choice is auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}";
+                return Err(ApiError::bad(message, Some("tool_choice")));
+            }
+        },
+    };
+    let Some(tools) = tools else {
+        return match choice {
+            None => Ok(None),
+            Some(_) => {
+                Err(ApiError::bad("tool_choice asks for a call but the request has no tools", Some("tool_choice")))
+            }
+        };
+    };
+    let names = crate::tools::tool_names(tools).map_err(|e| ApiError::bad(e, Some("tools")))?;
+    let parser = state.tool_parser.ok_or_else(|| {
+        ApiError::bad("tools need the generator's tool_call_parser setting (hermes or llama3_json)", Some("tools"))
+    })?;
+    if let Some(Some(name)) = choice
+        && !names.iter().any(|n| n == name)
+    {
+        return Err(ApiError::bad(
+            format!("tool_choice names {name}, which is not among the tools"),
+            Some("tool_choice"),
+        ));
+    }
+    kwargs.insert("tools".into(), tools.clone());
+    Ok(Some(Calls { parser, opening: choice.map_or_else(String::new, |name| parser.opening(name)) }))
 }
 
 /// Text completion.
@@ -455,7 +538,7 @@ pub async fn completions(
     let id = request_id("cmpl");
     if body.common.stream {
         let options = StreamSettings::of(&body.common, body.logprobs.is_some(), false);
-        return Ok(stream(state, requests, options, id, permit));
+        return Ok(stream(state, requests, options, id, permit, None));
     }
     let prompts: Vec<Vec<i64>> = requests.iter().map(|r| r.prompt.clone()).collect();
     let (include, n) = (requests[0].include_stop_str_in_output, requests[0].n);
@@ -529,12 +612,12 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<ChatRequest>,
 ) -> ApiResult<Response> {
-    let request = chat_request(&state, &body)?;
+    let (request, calls) = chat_request(&state, &body)?;
     let permit = state.admit(1)?;
     let id = request_id("chatcmpl");
     if body.common.stream {
         let options = StreamSettings::of(&body.common, body.logprobs, true);
-        return Ok(stream(state, vec![request], options, id, permit));
+        return Ok(stream(state, vec![request], options, id, permit, calls));
     }
     let prompt_ids = request.prompt.clone();
     let include = request.include_stop_str_in_output;
@@ -550,17 +633,26 @@ pub async fn chat_completions(
     let choices = samples
         .iter()
         .enumerate()
-        .map(|(index, s)| ChatChoice {
-            index,
-            message: Some(ChatMessage {
-                role: "assistant".into(),
-                content: final_text(&state.decode(&s.tokens), s.stop(), include),
-            }),
-            delta: None,
-            logprobs: body.logprobs.then(|| chat_logprobs(&state, s, 0)),
-            finish_reason: s.finish_reason(),
-            stop_reason: s.stop().map(str::to_string),
-            token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
+        .map(|(index, s)| {
+            let text = final_text(&state.decode(&s.tokens), s.stop(), include);
+            let parsed = match &calls {
+                Some(calls) => calls.parse(&text),
+                None => crate::tools::Parsed { content: Some(text), calls: Vec::new() },
+            };
+            let called = !parsed.calls.is_empty();
+            ChatChoice {
+                index,
+                message: Some(ChatMessage {
+                    role: "assistant".into(),
+                    content: parsed.content,
+                    tool_calls: called.then_some(parsed.calls),
+                }),
+                delta: None,
+                logprobs: body.logprobs.then(|| chat_logprobs(&state, s, 0)),
+                finish_reason: if called { Some("tool_calls".into()) } else { s.finish_reason() },
+                stop_reason: s.stop().map(str::to_string),
+                token_ids: body.common.return_token_ids.then(|| s.tokens.clone()),
+            }
         })
         .collect();
     let completion_tokens = samples.iter().map(|s| s.tokens.len()).sum();
@@ -613,6 +705,9 @@ struct Chunks {
     prompt_len: usize,
     stops: Vec<String>,
     include_stop: bool,
+    /// A chat request's tool calls: text is shown up to where a call starts, and the calls
+    /// are sent whole when the sample ends.
+    calls: Option<Calls>,
 }
 
 impl Chunks {
@@ -649,7 +744,7 @@ impl Chunks {
                 .map(|index| ChatChoice {
                     index,
                     message: None,
-                    delta: Some(ChatDelta { role: Some("assistant".into()), content: String::new() }),
+                    delta: Some(ChatDelta { role: Some("assistant".into()), content: String::new(), tool_calls: None }),
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
@@ -671,13 +766,28 @@ impl Chunks {
 
     /// The chunk for sample `index` after its latest event, if there is anything new to show.
     fn update(&self, index: usize, sample: &mut StreamSample) -> Option<Value> {
+        let mut tool_calls = None;
         let (visible, finish) = if sample.done {
             let text = self.state.decode(&sample.out.tokens);
-            (final_text(&text, sample.out.stop(), self.include_stop), sample.out.finish_reason())
+            let text = final_text(&text, sample.out.stop(), self.include_stop);
+            match self.calls.as_ref().map(|calls| calls.parse(&text)) {
+                Some(parsed) if !parsed.calls.is_empty() => {
+                    let chunks = parsed.calls.into_iter().enumerate().map(|(index, call)| ToolCallChunk {
+                        index,
+                        id: call.id,
+                        kind: call.kind,
+                        function: call.function,
+                    });
+                    tool_calls = Some(chunks.collect());
+                    (parsed.content.unwrap_or_default(), Some("tool_calls".to_string()))
+                }
+                _ => (text, sample.out.finish_reason()),
+            }
         } else {
             sample.text.update(&self.state.tokenizer, &sample.out.tokens);
             let text = sample.text.text();
-            (text[..streamable_len(text, &self.stops)].to_string(), None)
+            let shown = self.calls.as_ref().map_or(text.len(), |calls| calls.shown(text));
+            (text[..streamable_len(&text[..shown], &self.stops)].to_string(), None)
         };
         // A finished sample always sends its finish reason, even with no text left to show.
         let delta = if visible.len() >= sample.sent_text && visible.is_char_boundary(sample.sent_text) {
@@ -699,7 +809,7 @@ impl Chunks {
             let choice = ChatChoice {
                 index,
                 message: None,
-                delta: Some(ChatDelta { role: None, content: delta }),
+                delta: Some(ChatDelta { role: None, content: delta, tool_calls }),
                 logprobs,
                 finish_reason: finish,
                 stop_reason,
@@ -732,6 +842,7 @@ fn stream(
     settings: StreamSettings,
     id: String,
     permit: OwnedSemaphorePermit,
+    calls: Option<Calls>,
 ) -> Response {
     let n = requests.first().map_or(1, |r| r.n);
     let chunks = Chunks {
@@ -742,6 +853,7 @@ fn stream(
         prompt_len: requests.iter().map(|r| r.prompt.len()).sum(),
         stops: requests.first().map(|r| r.stop.clone()).unwrap_or_default(),
         include_stop: requests.first().is_some_and(|r| r.include_stop_str_in_output),
+        calls,
     };
     let total = n * requests.len();
     let mut receivers = Vec::new();

@@ -120,6 +120,17 @@ pub struct ChatRequest {
     pub top_logprobs: Option<usize>,
     #[serde(default = "default_true")]
     pub add_generation_prompt: bool,
+    /// Functions the model may call (`{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`), given to the chat template; calls come back in `tool_calls` (needs
+    /// the generator's `tool_call_parser`).
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Value>,
+    /// `auto` (default with tools), `none`, `required`, or `{"type": "function", "function":
+    /// {"name": ...}}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
     /// Extra variables for the chat template (vLLM's extension), e.g. Qwen3's
     /// `{"enable_thinking": false}`.
     #[serde(default)]
@@ -233,15 +244,47 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatMessage {
     pub role: String,
-    pub content: String,
+    /// Null when the message is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
-/// In a stream: the role first, then pieces of content.
+/// A call of one of the request's tools, parsed from the model's output.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ToolCall {
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: ToolFunction,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ToolFunction {
+    pub name: String,
+    /// The arguments as a JSON string, as the model wrote them.
+    pub arguments: String,
+}
+
+/// A tool call in a stream chunk: whole, in one chunk, with its position among the calls.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallChunk {
+    pub index: usize,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: ToolFunction,
+}
+
+/// In a stream: the role first, then pieces of content, and tool calls once they are whole.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatDelta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
     pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallChunk>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -305,6 +348,17 @@ pub struct TokenizeRequest {
     pub add_special_tokens: bool,
     #[serde(default = "default_true")]
     pub add_generation_prompt: bool,
+    /// Functions the model may call (`{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`), given to the chat template; calls come back in `tool_calls` (needs
+    /// the generator's `tool_call_parser`).
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Value>,
+    /// `auto` (default with tools), `none`, `required`, or `{"type": "function", "function":
+    /// {"name": ...}}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
     /// Extra variables for the chat template (vLLM's extension), e.g. Qwen3's
     /// `{"enable_thinking": false}`.
     #[serde(default)]
