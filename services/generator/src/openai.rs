@@ -471,7 +471,7 @@ impl Calls {
     /// How much of `text` may be shown while the sample runs: what comes before a call.
     fn shown(&self, text: &str) -> usize {
         let whole = format!("{}{text}", self.opening);
-        self.parser.start(&whole).map_or(text.len(), |at| at.saturating_sub(self.opening.len()))
+        self.parser.shown(&whole).saturating_sub(self.opening.len())
     }
 }
 

@@ -56,6 +56,24 @@ impl ToolParser {
         }
     }
 
+    /// How much of `text`, a sample's output so far, may be streamed as content: what comes
+    /// before a call, less any tail that may be the start of one.
+    pub fn shown(self, text: &str) -> usize {
+        if let Some(at) = self.start(text) {
+            return at;
+        }
+        match self {
+            Self::Hermes => {
+                let partial = (1..HERMES_OPEN.len()).rev().find(|&n| text.ends_with(&HERMES_OPEN[..n]));
+                text.len() - partial.unwrap_or(0)
+            }
+            Self::Llama3Json => {
+                let at = text.len() - text.trim_start().len();
+                if PYTHON_TAG.starts_with(&text[at..]) { at } else { text.len() }
+            }
+        }
+    }
+
     /// The calls in `text` and the content around them; text that does not parse as calls is
     /// all content.
     pub fn parse(self, text: &str) -> Parsed {
@@ -184,6 +202,7 @@ mod tests {
             assert_eq!(parser.parse(broken), Parsed::content(broken), "{broken}");
         }
         assert_eq!(parser.start("abc <tool_call>"), Some(4));
+        assert_eq!((parser.shown("abc <tool_c"), parser.shown("abc <"), parser.shown("abc <b>")), (4, 4, 7));
     }
 
     #[test]
@@ -203,6 +222,7 @@ mod tests {
             assert_eq!(parser.parse(broken), Parsed::content(broken), "{broken}");
         }
         assert_eq!(parser.start("The answer"), None);
+        assert_eq!((parser.shown(" <|pyth"), parser.shown("The answer"), parser.shown("")), (1, 10, 0));
     }
 
     #[test]
