@@ -243,6 +243,10 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
     let tokenizer = keel_model::Tokenizer::load(model_dir)
         .or_else(|_| keel_model::Tokenizer::load(&config_dir))
         .map_err(keel_model::Error::from)?;
+    let tokenizer_info = Arc::new(openai::tokenizer_info(
+        [model_dir, config_dir.as_path()].iter().map(|dir| dir.join("tokenizer_config.json")).find(|p| p.is_file()),
+        config.max_model_len.unwrap_or(model_config.max_position_embeddings.min(4096)),
+    ));
     let context = model_config.max_position_embeddings;
     let max_model_len = config.max_model_len.unwrap_or(context.min(4096));
     if max_model_len > context {
@@ -329,6 +333,7 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
         admission,
         capacity,
         tool_parser,
+        tokenizer_info,
     })
 }
 

@@ -53,6 +53,8 @@ pub struct AppState {
     pub capacity: usize,
     /// How the model writes tool calls (none: requests with tools are refused).
     pub tool_parser: Option<ToolParser>,
+    /// What `/tokenizer_info` answers.
+    pub tokenizer_info: Arc<serde_json::Map<String, Value>>,
 }
 
 /// What an OpenAI request can fail with.
@@ -103,13 +105,14 @@ fn answer(error: &ApiError) -> keel_service::ApiError {
 type ApiResult<T> = Result<T, ApiError>;
 
 /// The paths [`routes`] serves.
-pub const PATHS: [&str; 7] = [
+pub const PATHS: [&str; 8] = [
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
     "/v1/models/{model}",
     "/tokenize",
     "/detokenize",
+    "/tokenizer_info",
     "/metrics",
 ];
 
@@ -121,6 +124,7 @@ pub fn routes(state: AppState) -> Router {
         .route("/v1/models/{model}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info_route))
         .route("/metrics", get(metrics))
         .with_state(state)
 }
@@ -974,6 +978,29 @@ pub async fn detokenize(
     Ok(Json(DetokenizeResponse { prompt }))
 }
 
+/// What `/tokenizer_info` says of the tokenizer, as vLLM's route: the model's
+/// `tokenizer_config.json` (its chat template and special tokens included; the added-token
+/// table left out), `tokenizer_class`, and `model_max_length` as served.
+pub fn tokenizer_info(config: Option<std::path::PathBuf>, max_model_len: i64) -> serde_json::Map<String, Value> {
+    let read = config.and_then(|path| std::fs::read_to_string(path).ok());
+    let mut info = match read.and_then(|text| serde_json::from_str::<Value>(&text).ok()) {
+        Some(Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    info.remove("added_tokens_decoder");
+    info.entry("tokenizer_class").or_insert_with(|| Value::from("PreTrainedTokenizerFast"));
+    info.insert("model_max_length".into(), Value::from(max_model_len));
+    info
+}
+
+/// The tokenizer's configuration (vLLM's `/tokenizer_info`, which lm-eval and other clients
+/// read to tokenize as the server does).
+#[utoipa::path(get, path = "/tokenizer_info",
+    responses((status = 200, description = "The model's tokenizer_config.json (without added_tokens_decoder), with tokenizer_class and model_max_length", body = Object)))]
+pub async fn tokenizer_info_route(State(state): State<AppState>) -> Json<serde_json::Map<String, Value>> {
+    Json(state.tokenizer_info.as_ref().clone())
+}
+
 /// Prometheus metrics, each labelled with the served model's name (`model_name`): queue depth,
 /// running sequences, KV use, tokens, requests finished by reason, latency histograms (time
 /// to first token, per output token, between tokens, end to end), decode time, weight
@@ -1072,6 +1099,7 @@ fn levels(state: &AppState) -> Vec<(&'static str, &'static str, f64)> {
         crate::openai::model,
         crate::openai::tokenize,
         crate::openai::detokenize,
+        crate::openai::tokenizer_info_route,
         crate::openai::metrics,
     ),
     components(schemas(ErrorResponse)),

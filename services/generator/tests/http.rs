@@ -628,6 +628,11 @@ async fn streaming_chat_stops_and_the_openai_surface() {
     assert_eq!((status, &error["error"]["code"]), (404, &json!("model_not_found")), "{error}");
     let health = server.client.get(format!("{}/health", server.url)).send().await.unwrap();
     assert_eq!(health.status(), 200, "vLLM's health route");
+    let (status, info) = server.get("/tokenizer_info").await;
+    assert_eq!(status, 200);
+    assert_eq!(info["model_max_length"], 256, "{info}");
+    assert!(info["tokenizer_class"].is_string() && info["chat_template"].is_string(), "{info}");
+    assert_eq!(info["eos_token"], "<|im_end|>", "{info}");
 
     // Metrics, labelled with the model's name: every request so far finished, and each is
     // in the end-to-end histogram and among the finished requests by reason.

@@ -20,7 +20,15 @@ fn the_committed_openapi_document_matches_the_code() {
         path.display()
     );
     let document: serde_json::Value = serde_json::from_str(&generated).unwrap();
-    for path in ["/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/metrics"] {
+    for path in [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/metrics",
+    ] {
         assert!(document["paths"].get(path).is_some(), "{path} is not documented");
     }
 }
