@@ -14,6 +14,8 @@ enum Rule {
     Refused { neutral: fn(&Value) -> bool, served: &'static str },
     /// Taken; it changes nothing the generator computes.
     NoEffect,
+    /// Served, read from the request's other fields elsewhere ([`crate::structured`]).
+    Served,
 }
 
 fn null(value: &Value) -> bool {
@@ -42,10 +44,6 @@ fn null_or_empty(value: &Value) -> bool {
     }
 }
 
-fn text_format(value: &Value) -> bool {
-    value.is_null() || value.get("type").and_then(Value::as_str) == Some("text")
-}
-
 fn no_tool(value: &Value) -> bool {
     value.is_null() || value.as_str() == Some("none")
 }
@@ -55,7 +53,6 @@ fn text_modality(value: &Value) -> bool {
 }
 
 const TOOLS: &str = "tools are served on /v1/chat/completions";
-const STRUCTURED: &str = "structured output (constrained sampling) is not served yet";
 
 /// Every field of either API (or vLLM's) that the request types do not take.
 const FIELDS: &[(&str, Rule)] = &[
@@ -64,14 +61,17 @@ const FIELDS: &[(&str, Rule)] = &[
     ("functions", Rule::Refused { neutral: null_or_empty, served: "use tools (functions is deprecated)" }),
     ("function_call", Rule::Refused { neutral: no_tool, served: "use tool_choice (function_call is deprecated)" }),
     ("parallel_tool_calls", Rule::NoEffect),
-    ("response_format", Rule::Refused { neutral: text_format, served: STRUCTURED }),
-    ("guided_json", Rule::Refused { neutral: null, served: STRUCTURED }),
-    ("guided_regex", Rule::Refused { neutral: null, served: STRUCTURED }),
-    ("guided_choice", Rule::Refused { neutral: null, served: STRUCTURED }),
-    ("guided_grammar", Rule::Refused { neutral: null, served: STRUCTURED }),
+    ("response_format", Rule::Served),
+    ("guided_json", Rule::Served),
+    ("guided_regex", Rule::Served),
+    ("guided_choice", Rule::Served),
+    ("guided_grammar", Rule::Served),
     ("guided_decoding_backend", Rule::NoEffect),
-    ("guided_whitespace_pattern", Rule::Refused { neutral: null, served: STRUCTURED }),
-    ("structured_outputs", Rule::Refused { neutral: null, served: STRUCTURED }),
+    (
+        "guided_whitespace_pattern",
+        Rule::Refused { neutral: null, served: "the JSON grammar's own whitespace is served" },
+    ),
+    ("structured_outputs", Rule::Served),
     (
         "logit_bias",
         Rule::Refused {
@@ -176,7 +176,7 @@ mod tests {
     #[test]
     fn neutral_values_pass_and_others_are_refused_by_name() {
         let neutral = json!({"tools": [], "tool_choice": "none", "logit_bias": {}, "suffix": null,
-            "repetition_penalty": 1.0, "response_format": {"type": "text"}, "best_of": 2, "user": "u-1",
+            "repetition_penalty": 1.0, "response_format": {"type": "json_object"}, "best_of": 2, "user": "u-1",
             "skip_special_tokens": true, "modalities": ["text"], "metadata": {"a": "b"}, "something_else": 3});
         assert_eq!(check(&extra(neutral), 2), Ok(()));
         for (field, value) in [
@@ -185,8 +185,6 @@ mod tests {
             ("logit_bias", json!({"50": 100})),
             ("suffix", json!("end")),
             ("repetition_penalty", json!(1.2)),
-            ("response_format", json!({"type": "json_object"})),
-            ("guided_json", json!({"type": "object"})),
             ("use_beam_search", json!(true)),
             ("echo", json!(true)),
             ("best_of", json!(3)),

@@ -27,6 +27,7 @@ pub mod group;
 pub mod openai;
 pub mod refit;
 pub mod rollout;
+pub mod structured;
 pub mod tools;
 pub mod wire;
 
@@ -322,6 +323,16 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
     let dtype = keel_model::weights::dtype_name(kind);
     let links = Arc::default();
     let tool_parser = config.tool_call_parser;
+    let eos = limits.eos_token_ids.first().copied().unwrap_or(0) as u32;
+    let guides = [model_dir, config_dir.as_path()]
+        .iter()
+        .map(|dir| dir.join("tokenizer.json"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| "no tokenizer.json".to_string())
+        .and_then(|path| structured::Guides::load(&path, model_config.vocab_size as usize, eos))
+        .inspect_err(|e| tracing::warn!("structured output is off for this model: {e}"))
+        .ok()
+        .map(Arc::new);
     Ok(openai::AppState {
         engine,
         tokenizer,
@@ -334,6 +345,7 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
         capacity,
         tool_parser,
         tokenizer_info,
+        guides,
     })
 }
 

@@ -55,6 +55,9 @@ pub struct AppState {
     pub tool_parser: Option<ToolParser>,
     /// What `/tokenizer_info` answers.
     pub tokenizer_info: Arc<serde_json::Map<String, Value>>,
+    /// The grammar engine for structured output (none: the tokenizer could not be read for
+    /// it, and structured output is refused).
+    pub guides: Option<Arc<crate::structured::Guides>>,
 }
 
 /// What an OpenAI request can fail with.
@@ -233,6 +236,12 @@ impl AppState {
         self.limits.check(draft).map_err(|e| ApiError::bad(e.message, Some(e.param)))
     }
 
+    /// The constraint of a request's structured output, if it asks for one.
+    fn guide(&self, extra: &serde_json::Map<String, Value>) -> ApiResult<Option<keel_generation::guide::Guide>> {
+        crate::structured::guide(self.guides.as_deref(), extra)
+            .map_err(|(field, message)| ApiError::bad(message, Some(field)))
+    }
+
     /// Places in the queue for `requests` requests, or 429.
     fn admit(&self, requests: usize) -> ApiResult<OwnedSemaphorePermit> {
         if requests > self.capacity {
@@ -378,7 +387,15 @@ fn completion_requests(state: &AppState, body: &CompletionRequest) -> ApiResult<
         (common.max_tokens, common.max_completion_tokens) = (Some(1), None);
     }
     let top = body.logprobs.unwrap_or(0);
-    prompts.into_iter().map(|prompt| state.gen_request(&common, prompt, top, Some(16))).collect()
+    let guide = state.guide(&body.extra)?;
+    prompts
+        .into_iter()
+        .map(|prompt| {
+            let mut request = state.gen_request(&common, prompt, top, Some(16))?;
+            request.guide = guide.clone();
+            Ok(request)
+        })
+        .collect()
 }
 
 /// Whether a completion request generates (echo with `max_tokens` 0 only scores its prompt).
@@ -445,7 +462,7 @@ fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, 
         return Err(ApiError::bad("messages must be a non-empty list", Some("messages")));
     }
     let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
-    let calls = tool_use(state, body, &mut kwargs)?;
+    let (calls, call_guide) = tool_use(state, body, &mut kwargs)?;
     let mut text = state
         .tokenizer
         .apply_chat_template_with(&plain_messages(&body.messages)?, body.add_generation_prompt, &kwargs)
@@ -455,7 +472,15 @@ fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, 
     }
     let prompt = state.encode(&text, false)?;
     let top = if body.logprobs { body.top_logprobs.unwrap_or(0) } else { 0 };
-    Ok((state.gen_request(&body.common, prompt, top, None)?, calls))
+    let mut request = state.gen_request(&body.common, prompt, top, None)?;
+    request.guide = match (call_guide, state.guide(&body.extra)?) {
+        (Some(_), Some(_)) => {
+            let message = "tool_choice required or named cannot be combined with structured output";
+            return Err(ApiError::bad(message, Some("tool_choice")));
+        }
+        (call, asked) => call.or(asked),
+    };
+    Ok((request, calls))
 }
 
 /// How a chat request's output is read for tool calls: the parser, and the call opening
@@ -479,18 +504,20 @@ impl Calls {
     }
 }
 
-/// The tools of a chat request into the template's variables, and how its output is read
-/// (`None`: no tools, or `tool_choice: none`).
+/// The tools of a chat request into the template's variables, how its output is read (`None`:
+/// no tools, or `tool_choice: none`), and for `required` or a named function the constraint
+/// that makes the model write such a call (without a grammar engine for the tokenizer, the
+/// call's opening is put at the end of the prompt instead).
 fn tool_use(
     state: &AppState,
     body: &ChatRequest,
     kwargs: &mut serde_json::Map<String, Value>,
-) -> ApiResult<Option<Calls>> {
+) -> ApiResult<(Option<Calls>, Option<keel_generation::guide::Guide>)> {
     let tools = body.tools.as_ref().filter(|t| t.as_array().is_none_or(|list| !list.is_empty()));
     let choice = match &body.tool_choice {
         None | Some(Value::Null) => None,
         Some(Value::String(choice)) if choice == "auto" => None,
-        Some(Value::String(choice)) if choice == "none" => return Ok(None),
+        Some(Value::String(choice)) if choice == "none" => return Ok((None, None)),
         Some(Value::String(choice)) if choice == "required" => Some(None),
         Some(named) => match named.pointer("/function/name").and_then(Value::as_str) {
             Some(name) if named.get("type").and_then(Value::as_str) == Some("function") => Some(Some(name)),
@@ -503,7 +530,7 @@ fn tool_use(
     };
     let Some(tools) = tools else {
         return match choice {
-            None => Ok(None),
+            None => Ok((None, None)),
             Some(_) => {
                 Err(ApiError::bad("tool_choice asks for a call but the request has no tools", Some("tool_choice")))
             }
@@ -522,7 +549,15 @@ fn tool_use(
         ));
     }
     kwargs.insert("tools".into(), tools.clone());
-    Ok(Some(Calls { parser, opening: choice.map_or_else(String::new, |name| parser.opening(name)) }))
+    let (guide, opening) = match (choice, state.guides.as_deref()) {
+        (None, _) => (None, String::new()),
+        (Some(name), Some(guides)) => {
+            let guide = guides.tool_call(parser, tools, name).map_err(|e| ApiError::bad(e, Some("tools")))?;
+            (Some(guide), String::new())
+        }
+        (Some(name), None) => (None, parser.opening(name)),
+    };
+    Ok((Some(Calls { parser, opening }), guide))
 }
 
 /// Text completion.

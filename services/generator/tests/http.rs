@@ -410,6 +410,76 @@ async fn echo_and_prompt_logprobs_score_the_prompt_as_transformers_does() {
     assert_eq!((status, error["error"]["param"].as_str()), (400, Some("max_tokens")), "no echo, no tokens: {error}");
 }
 
+/// Structured output: whatever a random model would write, the output matches the regex,
+/// is one of the choices, or parses under the JSON schema (llguidance masks every step's
+/// logits), for every sample of n, streamed or not, on completions and chat; a schema that
+/// does not compile and two kinds at once are 400s naming the field.
+#[tokio::test(flavor = "multi_thread")]
+async fn structured_output_always_parses() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let base =
+        json!({"model": "tiny", "prompt": "Is 4 + 5 = 9?", "max_tokens": 64, "temperature": 1.0, "seed": 5, "n": 3});
+    let texts = |body: &Value| -> Vec<String> {
+        body["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap().to_string()).collect()
+    };
+    let ask = |field: &str, value: Value| {
+        let mut body = base.clone();
+        body[field] = value;
+        body
+    };
+
+    let choices = server.ok("/v1/completions", ask("guided_choice", json!(["yes", "no", "maybe (a+b)"]))).await;
+    for text in texts(&choices) {
+        assert!(["yes", "no", "maybe (a+b)"].contains(&text.as_str()), "{text:?}");
+    }
+    let digits = server.ok("/v1/completions", ask("structured_outputs", json!({"regex": "[0-9]{2,3}-[a-c]"}))).await;
+    for text in texts(&digits) {
+        let (number, letter) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
+        assert!((2..=3).contains(&number.len()) && number.chars().all(|c| c.is_ascii_digit()), "{text:?}");
+        assert!(["a", "b", "c"].contains(&letter), "{text:?}");
+    }
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["ok", "color", "size"],
+        "additionalProperties": false});
+    let format = json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}});
+    let mut chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Answer in JSON."}],
+        "max_tokens": 96, "temperature": 1.0, "seed": 2, "n": 2, "response_format": format});
+    for (path, body) in
+        [("/v1/completions", ask("guided_json", schema.clone())), ("/v1/chat/completions", chat.clone())]
+    {
+        let answer = server.ok(path, body.clone()).await;
+        for choice in answer["choices"].as_array().unwrap() {
+            let text = choice["text"].as_str().or(choice["message"]["content"].as_str()).unwrap();
+            let value: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("{path}: {text:?} is not JSON: {e}"));
+            assert!(
+                value["ok"].is_boolean() && ["red", "green"].contains(&value["color"].as_str().unwrap()),
+                "{value}"
+            );
+            assert!(value["size"].as_i64().is_some_and(|s| (0..=99).contains(&s)), "{value}");
+            assert_eq!(value.as_object().unwrap().len(), 3, "{value}");
+        }
+    }
+    // Streamed: the pieces make JSON under the schema too.
+    chat["stream"] = json!(true);
+    chat["n"] = json!(1);
+    let mut text = String::new();
+    for chunk in server.stream("/v1/chat/completions", &chat).await {
+        text.push_str(chunk["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("streamed {text:?}: {e}"));
+    assert!(value["ok"].is_boolean(), "{value}");
+
+    let (status, error) = server.post("/v1/completions", ask("guided_regex", json!("[0-9"))).await;
+    assert_eq!((status, error["error"]["param"].as_str()), (400, Some("guided_regex")), "{error}");
+    let mut both = ask("guided_regex", json!("[0-9]+"));
+    both["guided_choice"] = json!(["a"]);
+    let (status, error) = server.post("/v1/completions", both).await;
+    assert_eq!(status, 400, "{error}");
+}
+
 /// No field is ignored in silence: OpenAI's and vLLM's fields that are not served are 400s
 /// naming the field unless neutral, content given as text parts (or null) renders as text,
 /// and `chat_template_kwargs` reach the template.
@@ -429,11 +499,11 @@ async fn fields_not_served_are_refused_by_name_and_chat_content_takes_every_form
     for (field, value) in [
         ("tools", json!([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])),
         ("tool_choice", json!("required")),
-        ("response_format", json!({"type": "json_object"})),
+        ("response_format", json!({"type": "xml"})),
         ("logit_bias", json!({"5": 10})),
         ("best_of", json!(3)),
         ("repetition_penalty", json!(1.3)),
-        ("guided_choice", json!(["yes", "no"])),
+        ("use_beam_search", json!(true)),
         ("echo", json!(true)),
     ] {
         let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});

@@ -66,6 +66,16 @@ def main():
     check(answer.choices[0].finish_reason == "stop", f"answer finish_reason {answer.choices[0].finish_reason}")
     check(not answer.choices[0].message.tool_calls, "no call in the answer")
 
+    # tool_choice required and named: the call is constrained to the tool's schema.
+    for tool_choice in ["required", {"type": "function", "function": {"name": "add"}}]:
+        forced = client.chat.completions.create(model=model, messages=messages[:1], tools=TOOLS,
+                                                tool_choice=tool_choice, temperature=0, max_tokens=128)
+        forced_calls = forced.choices[0].message.tool_calls
+        check(forced.choices[0].finish_reason == "tool_calls" and forced_calls and
+              forced_calls[0].function.name == "add", f"tool_choice {tool_choice}: {forced.choices[0]}")
+        check(json.loads(forced_calls[0].function.arguments) == {"a": 4, "b": 5},
+              f"tool_choice {tool_choice}: {forced_calls[0].function.arguments}")
+
     # tool_choice none: no tools in the prompt and no calls parsed.
     plain = client.chat.completions.create(model=model, messages=messages[:1], tools=TOOLS, tool_choice="none",
                                            temperature=0, max_tokens=8)

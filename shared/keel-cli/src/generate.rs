@@ -75,6 +75,7 @@ fn one_run(engine: &Engine, args: &GenerateBenchArgs, vocab: i64) -> anyhow::Res
             include_stop_str_in_output: false,
             top_logprobs: 0,
             min_tokens: 0,
+            guide: None,
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         engine.submit(request, tx).map_err(anyhow::Error::msg)?;

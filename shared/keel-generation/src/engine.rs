@@ -170,6 +170,8 @@ struct Sequence {
     text: Detokenizer,
     /// When its last token came out.
     last_token: Option<Instant>,
+    /// What it may write (structured output): its request's, forked for each sample.
+    guide: Option<crate::guide::Guide>,
 }
 
 impl Sequence {
@@ -604,6 +606,7 @@ impl Scheduler {
                         cacheable: true,
                         text: Detokenizer::default(),
                         last_token: None,
+                        guide: request.guide.clone(),
                     }
                 }
                 Waiting::Preempted(seq) => {
@@ -674,6 +677,9 @@ impl Scheduler {
         let mut rows = Vec::new();
         let mut draws = Vec::new();
         let mut row = 0i64;
+        // Rows of `draws` under a constraint, and what each allows.
+        let mut guided = Vec::new();
+        let mut allowed = Vec::new();
         for (seq, chunk) in self.running.iter().zip(chunks) {
             if !chunk.logits {
                 continue;
@@ -684,6 +690,15 @@ impl Scheduler {
             let request = &running.request;
             let generated = seq.tokens.len() - seq.prompt_len;
             let banned: &[i64] = if generated < request.min_tokens { &request.stop_token_ids } else { &[] };
+            if let Some(guide) = &seq.guide {
+                // A prompt's forks start in the same state: one mask serves them all.
+                let bits =
+                    guide.allowed().map_err(|e| keel_model::Error::InvalidInput(format!("structured output: {e}")))?;
+                for fork in 0..seq.forks {
+                    guided.push((draws.len() + fork) as i64);
+                    allowed.push(bits.clone());
+                }
+            }
             for fork in 0..seq.forks {
                 let index = seq.index + fork;
                 rows.push(row);
@@ -700,11 +715,20 @@ impl Scheduler {
         if draws.is_empty() {
             return Ok(Vec::new());
         }
-        let logits = if rows.len() as i64 == row {
+        let mut logits = if rows.len() as i64 == row {
             logits.shallow_clone()
         } else {
             logits.f_index_select(0, &Tensor::from_slice(&rows).f_to_device(logits.device())?)?
         };
+        if !guided.is_empty() {
+            // The constrained rows' disallowed tokens to -inf, in one operation on the device.
+            let vocab = logits.size()[1];
+            let mask = crate::guide::mask(&allowed, vocab as usize);
+            let mask = Tensor::from_slice(&mask).f_view([guided.len() as i64, vocab])?.f_to_device(logits.device())?;
+            let at = Tensor::from_slice(&guided).f_to_device(logits.device())?;
+            let masked = logits.f_index_select(0, &at)?.f_masked_fill(&mask.f_logical_not()?, f64::NEG_INFINITY)?;
+            logits = logits.f_index_copy(0, &at, &masked)?;
+        }
         sample(&logits, &draws)
     }
 
@@ -774,6 +798,12 @@ impl Scheduler {
             self.served.next_token(previous);
         }
         let request = &running.request;
+        if let Some(guide) = &sample.guide
+            && let Err(e) = guide.consume(token.token)
+        {
+            tracing::warn!(request = sample.request, "structured output ended the sample: {e}");
+            return Some((Finish::Stop, None));
+        }
         sample.tokens.push(token.token);
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
         self.served.count(served::GENERATED_TOKENS, 1);

@@ -19,6 +19,7 @@ pub mod blocks;
 pub mod engine;
 pub mod error;
 pub mod group;
+pub mod guide;
 pub mod request;
 pub mod served;
 pub mod text;

@@ -24,6 +24,8 @@ pub struct GenRequest {
     /// Tokens generated before a stop token or stop string may end a sample (stop tokens
     /// are masked until then).
     pub min_tokens: usize,
+    /// Structured output: what each sample may write (each sample forks its own).
+    pub guide: Option<crate::guide::Guide>,
 }
 
 /// Why a sample ended.
@@ -186,6 +188,7 @@ impl Limits {
             include_stop_str_in_output: draft.include_stop_str_in_output,
             top_logprobs: draft.top_logprobs,
             min_tokens: draft.min_tokens,
+            guide: None,
         })
     }
 }

@@ -45,6 +45,7 @@ fn request(prompt: Vec<i64>, n: usize, seed: u64, max_tokens: usize) -> GenReque
         include_stop_str_in_output: false,
         top_logprobs: 2,
         min_tokens: 0,
+        guide: None,
     }
 }
 
