@@ -462,6 +462,38 @@ async fn structured_output_always_parses() {
             assert_eq!(value.as_object().unwrap().len(), 3, "{value}");
         }
     }
+    // More shapes: arrays with bounds, nested objects, string patterns and lengths, unions.
+    let schemas = [
+        json!({"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}),
+        json!({"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "integer",
+            "minimum": -5, "maximum": 5}, "label": {"type": "string", "pattern": "^[a-z]{1,4}$"}},
+            "required": ["x", "label"], "additionalProperties": false}}, "required": ["point"],
+            "additionalProperties": false}),
+        json!({"anyOf": [{"type": "boolean"}, {"type": "null"}, {"enum": [1, 2, 3]}]}),
+        json!({"type": "string", "maxLength": 6}),
+    ];
+    for schema in &schemas {
+        let answer = server.ok("/v1/completions", ask("guided_json", schema.clone())).await;
+        for text in texts(&answer) {
+            let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{schema}: {text:?}: {e}"));
+            let fits = match schema.get("type").and_then(Value::as_str) {
+                Some("array") => value.as_array().is_some_and(|a| {
+                    (1..=3).contains(&a.len()) && a.iter().all(|v| ["a", "b", "c"].contains(&v.as_str().unwrap_or("")))
+                }),
+                Some("object") => {
+                    let x = value["point"]["x"].as_i64();
+                    let label = value["point"]["label"].as_str().unwrap_or("");
+                    x.is_some_and(|x| (-5..=5).contains(&x))
+                        && (1..=4).contains(&label.len())
+                        && label.chars().all(|c| c.is_ascii_lowercase())
+                }
+                Some("string") => value.as_str().is_some_and(|s| s.chars().count() <= 6),
+                _ => value.is_boolean() || value.is_null() || [1, 2, 3].contains(&value.as_i64().unwrap_or(0)),
+            };
+            assert!(fits, "{text:?} does not fit {schema}");
+        }
+    }
+
     // Streamed: the pieces make JSON under the schema too.
     chat["stream"] = json!(true);
     chat["n"] = json!(1);
