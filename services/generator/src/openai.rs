@@ -986,9 +986,13 @@ pub async fn tokenize(
     let tokens = match (&body.prompt, &body.messages) {
         (Some(prompt), None) => state.encode(prompt, body.add_special_tokens)?,
         (None, Some(messages)) => {
+            let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
+            if let Some(tools) = body.tools.as_ref().filter(|t| t.as_array().is_none_or(|list| !list.is_empty())) {
+                kwargs.insert("tools".into(), tools.clone());
+            }
             let text = state
                 .tokenizer
-                .apply_chat_template(messages, body.add_generation_prompt)
+                .apply_chat_template_with(&plain_messages(messages)?, body.add_generation_prompt, &kwargs)
                 .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), Some("messages")))?;
             state.encode(&text, false)?
         }

@@ -348,19 +348,11 @@ pub struct TokenizeRequest {
     pub add_special_tokens: bool,
     #[serde(default = "default_true")]
     pub add_generation_prompt: bool,
-    /// Functions the model may call (`{"type": "function", "function": {"name", "description",
-    /// "parameters"}}`), given to the chat template; calls come back in `tool_calls` (needs
-    /// the generator's `tool_call_parser`).
+    /// With `messages`: tools given to the chat template, as a chat request gives them.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Value>,
-    /// `auto` (default with tools), `none`, `required`, or `{"type": "function", "function":
-    /// {"name": ...}}`.
-    #[serde(default)]
-    #[schema(value_type = Option<Object>)]
-    pub tool_choice: Option<Value>,
-    /// Extra variables for the chat template (vLLM's extension), e.g. Qwen3's
-    /// `{"enable_thinking": false}`.
+    /// With `messages`: extra variables for the chat template, as a chat request gives them.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,

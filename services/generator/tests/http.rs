@@ -587,6 +587,15 @@ async fn fields_not_served_are_refused_by_name_and_chat_content_takes_every_form
         thinking_off.len() > plain.len() && thinking_off[..plain.len()] == plain[..],
         "the kwargs reach the template"
     );
+    // /tokenize renders messages as a chat request does, kwargs and text parts included.
+    let tokenized = server
+        .ok(
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Add 4 and 5."}]}],
+            "chat_template_kwargs": {"enable_thinking": false}}),
+        )
+        .await;
+    assert_eq!(serde_json::from_value::<Vec<i64>>(tokenized["tokens"].clone()).unwrap(), thinking_off);
 }
 
 /// A list of prompts (texts or token-id lists, as lm-eval batches them) is served as that many
