@@ -14,7 +14,8 @@ enum Rule {
     Refused { neutral: fn(&Value) -> bool, served: &'static str },
     /// Taken; it changes nothing the generator computes.
     NoEffect,
-    /// Served, read from the request's other fields elsewhere ([`crate::structured`]).
+    /// Served, read from the request's other fields elsewhere ([`crate::structured`],
+    /// `logit_bias` in [`crate::openai`]).
     Served,
 }
 
@@ -72,13 +73,7 @@ const FIELDS: &[(&str, Rule)] = &[
         Rule::Refused { neutral: null, served: "the JSON grammar's own whitespace is served" },
     ),
     ("structured_outputs", Rule::Served),
-    (
-        "logit_bias",
-        Rule::Refused {
-            neutral: null_or_empty,
-            served: "logit biases are not served; mask tokens with stop_token_ids",
-        },
-    ),
+    ("logit_bias", Rule::Served),
     ("allowed_token_ids", Rule::Refused { neutral: null, served: "restricting the vocabulary is not served" }),
     ("suffix", Rule::Refused { neutral: null_or_empty, served: "insertion (suffix) is not served" }),
     ("repetition_penalty", Rule::Refused { neutral: null_or_one, served: "only repetition_penalty 1 is served" }),
@@ -182,7 +177,6 @@ mod tests {
         for (field, value) in [
             ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
             ("tool_choice", json!("required")),
-            ("logit_bias", json!({"50": 100})),
             ("suffix", json!("end")),
             ("repetition_penalty", json!(1.2)),
             ("use_beam_search", json!(true)),

@@ -236,6 +236,26 @@ impl AppState {
         self.limits.check(draft).map_err(|e| ApiError::bad(e.message, Some(e.param)))
     }
 
+    /// OpenAI's `logit_bias`: token ids (as strings) to a bias from -100 to 100, added to their
+    /// logits before sampling.
+    fn logit_bias(&self, extra: &serde_json::Map<String, Value>) -> ApiResult<Vec<(i64, f32)>> {
+        let bad = |message: String| ApiError::bad(message, Some("logit_bias"));
+        let Some(value) = extra.get("logit_bias").filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+        let map = value.as_object().ok_or_else(|| bad("logit_bias maps token ids to biases".into()))?;
+        let vocab = self.limits.vocab_size;
+        map.iter()
+            .map(|(id, bias)| {
+                let token = id.parse::<i64>().ok().filter(|t| (0..vocab).contains(t));
+                let token =
+                    token.ok_or_else(|| bad(format!("{id} is not a token id of the vocabulary (size {vocab})")))?;
+                let bias = bias.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+                let bias =
+                    bias.ok_or_else(|| bad(format!("the bias of token {id} must be a number from -100 to 100")))?;
+                Ok((token, bias as f32))
+            })
+            .collect()
+    }
+
     /// The constraint of a request's structured output, if it asks for one.
     fn guide(&self, extra: &serde_json::Map<String, Value>) -> ApiResult<Option<keel_generation::guide::Guide>> {
         crate::structured::guide(self.guides.as_deref(), extra)
@@ -388,11 +408,13 @@ fn completion_requests(state: &AppState, body: &CompletionRequest) -> ApiResult<
     }
     let top = body.logprobs.unwrap_or(0);
     let guide = state.guide(&body.extra)?;
+    let bias = state.logit_bias(&body.extra)?;
     prompts
         .into_iter()
         .map(|prompt| {
             let mut request = state.gen_request(&common, prompt, top, Some(16))?;
             request.guide = guide.clone();
+            request.logit_bias = bias.clone();
             Ok(request)
         })
         .collect()
@@ -473,6 +495,7 @@ fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, 
     let prompt = state.encode(&text, false)?;
     let top = if body.logprobs { body.top_logprobs.unwrap_or(0) } else { 0 };
     let mut request = state.gen_request(&body.common, prompt, top, None)?;
+    request.logit_bias = state.logit_bias(&body.extra)?;
     request.guide = match (call_guide, state.guide(&body.extra)?) {
         (Some(_), Some(_)) => {
             let message = "tool_choice required or named cannot be combined with structured output";

@@ -512,6 +512,36 @@ async fn structured_output_always_parses() {
     assert_eq!(status, 400, "{error}");
 }
 
+/// `logit_bias` moves sampling as OpenAI's does: +100 on a token makes it every token drawn,
+/// -100 on the greedy choice makes greedy pick another; ids outside the vocabulary and biases
+/// outside -100..100 are 400s naming the field.
+#[tokio::test(flavor = "multi_thread")]
+async fn logit_bias_moves_sampling() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = serve(&model, |_| {}).await;
+    let ids = |body: &Value| -> Vec<i64> { serde_json::from_value(body["choices"][0]["token_ids"].clone()).unwrap() };
+    let ask = json!({"model": "tiny", "prompt": prompt_ids(), "max_tokens": 6, "temperature": 1.0, "seed": 4,
+        "ignore_eos": true, "return_token_ids": true});
+    let mut forced = ask.clone();
+    forced["logit_bias"] = json!({"42": 100});
+    assert_eq!(ids(&server.ok("/v1/completions", forced).await), vec![42; 6]);
+    let mut greedy = ask.clone();
+    greedy["temperature"] = json!(0);
+    let first = ids(&server.ok("/v1/completions", greedy.clone()).await)[0];
+    greedy["logit_bias"] = json!({ first.to_string(): -100 });
+    assert_ne!(ids(&server.ok("/v1/completions", greedy).await)[0], first, "-100 bans the greedy token");
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "logit_bias": {"7": 100}, "return_token_ids": true});
+    assert_eq!(ids(&server.ok("/v1/chat/completions", chat).await), vec![7; 3]);
+    for bad in [json!({"100000": 1}), json!({"x": 1}), json!({"5": -101})] {
+        let mut body = ask.clone();
+        body["logit_bias"] = bad;
+        let (status, error) = server.post("/v1/completions", body).await;
+        assert_eq!((status, error["error"]["param"].as_str()), (400, Some("logit_bias")), "{error}");
+    }
+}
+
 /// No field is ignored in silence: OpenAI's and vLLM's fields that are not served are 400s
 /// naming the field unless neutral, content given as text parts (or null) renders as text,
 /// and `chat_template_kwargs` reach the template.
@@ -532,7 +562,7 @@ async fn fields_not_served_are_refused_by_name_and_chat_content_takes_every_form
         ("tools", json!([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])),
         ("tool_choice", json!("required")),
         ("response_format", json!({"type": "xml"})),
-        ("logit_bias", json!({"5": 10})),
+        ("logit_bias", json!({"5": 101})),
         ("best_of", json!(3)),
         ("repetition_penalty", json!(1.3)),
         ("use_beam_search", json!(true)),

@@ -76,6 +76,7 @@ fn one_run(engine: &Engine, args: &GenerateBenchArgs, vocab: i64) -> anyhow::Res
             top_logprobs: 0,
             min_tokens: 0,
             guide: None,
+            logit_bias: Vec::new(),
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         engine.submit(request, tx).map_err(anyhow::Error::msg)?;

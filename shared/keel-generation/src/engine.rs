@@ -677,8 +677,9 @@ impl Scheduler {
         let mut rows = Vec::new();
         let mut draws = Vec::new();
         let mut row = 0i64;
-        // Rows of `draws` under a constraint, and what each allows.
+        // Rows of `draws` under a constraint, and what each allows; biased logits.
         let mut guided = Vec::new();
+        let mut biased: Vec<(i64, i64, f32)> = Vec::new();
         let mut allowed = Vec::new();
         for (seq, chunk) in self.running.iter().zip(chunks) {
             if !chunk.logits {
@@ -697,6 +698,11 @@ impl Scheduler {
                 for fork in 0..seq.forks {
                     guided.push((draws.len() + fork) as i64);
                     allowed.push(bits.clone());
+                }
+            }
+            for fork in 0..seq.forks {
+                for &(token, bias) in &request.logit_bias {
+                    biased.push(((draws.len() + fork) as i64, token, bias));
                 }
             }
             for fork in 0..seq.forks {
@@ -720,6 +726,15 @@ impl Scheduler {
         } else {
             logits.f_index_select(0, &Tensor::from_slice(&rows).f_to_device(logits.device())?)?
         };
+        if !biased.is_empty() {
+            let device = logits.device();
+            let rows = Tensor::from_slice(&biased.iter().map(|b| b.0).collect::<Vec<_>>()).f_to_device(device)?;
+            let tokens = Tensor::from_slice(&biased.iter().map(|b| b.1).collect::<Vec<_>>()).f_to_device(device)?;
+            let values = Tensor::from_slice(&biased.iter().map(|b| b.2).collect::<Vec<_>>())
+                .f_to_kind(logits.kind())?
+                .f_to_device(device)?;
+            logits = logits.f_index_put(&[Some(rows), Some(tokens)], &values, true)?;
+        }
         if !guided.is_empty() {
             // The constrained rows' disallowed tokens to -inf, in one operation on the device.
             let vocab = logits.size()[1];

@@ -26,6 +26,8 @@ pub struct GenRequest {
     pub min_tokens: usize,
     /// Structured output: what each sample may write (each sample forks its own).
     pub guide: Option<crate::guide::Guide>,
+    /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(i64, f32)>,
 }
 
 /// Why a sample ended.
@@ -189,6 +191,7 @@ impl Limits {
             top_logprobs: draft.top_logprobs,
             min_tokens: draft.min_tokens,
             guide: None,
+            logit_bias: Vec::new(),
         })
     }
 }

@@ -46,6 +46,7 @@ fn request(prompt: Vec<i64>, n: usize, seed: u64, max_tokens: usize) -> GenReque
         top_logprobs: 2,
         min_tokens: 0,
         guide: None,
+        logit_bias: Vec::new(),
     }
 }
 
