@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 use crate::backend::Backend;
 use crate::blocks::{BlockId, BlockManager, extend_keys};
 use crate::request::{Event, Finish, GenRequest, TokenOut};
-use crate::served;
+use crate::served::{self, Count};
 use crate::text::{Detokenizer, first_stop};
 
 /// Counters the metrics endpoint reads.
@@ -286,7 +286,7 @@ impl Engine {
                 };
                 shared.blocks_total.store(backend.blocks(), Ordering::Relaxed);
                 let mut scheduler = Scheduler {
-                    served: served::Served::new(&config.model_name),
+                    served: served::Served::new(&config.model_name, shared.clone()),
                     blocks: BlockManager::new(backend.blocks()),
                     model: backend,
                     tokenizer,
@@ -425,8 +425,7 @@ impl Scheduler {
                     seq.cacheable = false;
                 }
                 self.stats.weight_version.store(refit.version, Ordering::Relaxed);
-                self.stats.refits.fetch_add(1, Ordering::Relaxed);
-                self.served.count(served::REFITS, 1);
+                self.served.count(Count::Refits, 1);
                 self.stats.last_refit_micros.store((seconds * 1e6) as u64, Ordering::Relaxed);
                 tracing::info!(version = refit.version, seconds, "refit done");
             }
@@ -443,8 +442,7 @@ impl Scheduler {
             Memory::Sleep { offload_weights } => self.model.sleep(offload_weights).inspect(|_| {
                 self.blocks.clear_cache();
                 self.asleep = true;
-                self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-                self.served.count(served::SLEEPS, 1);
+                self.served.count(Count::Sleeps, 1);
             }),
             Memory::Wake => self.model.wake().inspect(|_| self.asleep = false),
         };
@@ -462,10 +460,8 @@ impl Scheduler {
         self.stats.waiting.store(waiting, Ordering::Relaxed);
         self.stats.running.store(self.running.len(), Ordering::Relaxed);
         self.stats.blocks_used.store(self.blocks.used(), Ordering::Relaxed);
-        let queried = self.stats.prefix_queried.swap(self.blocks.stats.queried, Ordering::Relaxed);
-        self.served.count(served::PREFIX_QUERIES, self.blocks.stats.queried.saturating_sub(queried));
-        let hits = self.stats.prefix_hits.swap(self.blocks.stats.hits, Ordering::Relaxed);
-        self.served.count(served::PREFIX_HITS, self.blocks.stats.hits.saturating_sub(hits));
+        self.served.count_to(Count::PrefixQueries, self.blocks.stats.queried);
+        self.served.count_to(Count::PrefixHits, self.blocks.stats.hits);
     }
 
     /// Makes room in `seq`'s blocks for its next `take` tokens: a shared block about to be
@@ -501,8 +497,7 @@ impl Scheduler {
         self.blocks.release_all(&mut seq.blocks);
         seq.computed = 0;
         seq.registered = 0;
-        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
-        self.served.count(served::PREEMPTIONS, 1);
+        self.served.count(Count::Preemptions, 1);
         tracing::debug!(request = seq.request, sample = seq.index, tokens = seq.tokens.len(), "preempted");
         self.waiting.push_front(Waiting::Preempted(seq));
     }
@@ -554,10 +549,8 @@ impl Scheduler {
         let tokens: usize = plan.iter().sum();
         let scheduled = plan.len();
         let outcome = self.model.forward(&chunks).and_then(|logits| self.draw(&logits, &chunks));
-        self.stats.steps.fetch_add(1, Ordering::Relaxed);
-        self.stats.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
-        self.served.count(served::STEPS, 1);
-        self.served.count(served::STEP_TOKENS, tokens as u64);
+        self.served.count(Count::Steps, 1);
+        self.served.count(Count::StepTokens, tokens as u64);
         match outcome {
             Ok(drawn) => self.advance(&plan, drawn),
             Err(e) => {
@@ -805,8 +798,7 @@ impl Scheduler {
         let Some(running) = self.requests[sample.request].as_mut() else { return Some((Finish::Abort, None)) };
         if running.first_token.is_none() {
             running.first_token = Some(Instant::now());
-            self.stats.prompt_tokens.fetch_add(sample.prompt_len as u64, Ordering::Relaxed);
-            self.served.count(served::PROMPT_TOKENS, sample.prompt_len as u64);
+            self.served.count(Count::PromptTokens, sample.prompt_len as u64);
             self.served.first_token(running.arrived);
         }
         if let Some(previous) = sample.last_token.replace(Instant::now()) {
@@ -820,8 +812,7 @@ impl Scheduler {
             return Some((Finish::Stop, None));
         }
         sample.tokens.push(token.token);
-        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        self.served.count(served::GENERATED_TOKENS, 1);
+        self.served.count(Count::GeneratedTokens, 1);
         let out = TokenOut { index: sample.index, token: token.token, logprob: token.logprob, top: token.top };
         if running.events.send(Event::Token(out)).is_err() {
             return Some((Finish::Abort, None));
