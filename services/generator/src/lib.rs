@@ -244,10 +244,6 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
     let tokenizer = keel_model::Tokenizer::load(model_dir)
         .or_else(|_| keel_model::Tokenizer::load(&config_dir))
         .map_err(keel_model::Error::from)?;
-    let tokenizer_info = Arc::new(openai::tokenizer_info(
-        [model_dir, config_dir.as_path()].iter().map(|dir| dir.join("tokenizer_config.json")).find(|p| p.is_file()),
-        config.max_model_len.unwrap_or(model_config.max_position_embeddings.min(4096)),
-    ));
     let context = model_config.max_position_embeddings;
     let max_model_len = config.max_model_len.unwrap_or(context.min(4096));
     if max_model_len > context {
@@ -324,10 +320,12 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
     let links = Arc::default();
     let tool_parser = config.tool_call_parser;
     let eos = limits.eos_token_ids.first().copied().unwrap_or(0) as u32;
-    let guides = [model_dir, config_dir.as_path()]
-        .iter()
-        .map(|dir| dir.join("tokenizer.json"))
-        .find(|p| p.is_file())
+    // The tokenizer's files, from the directory the tokenizer was loaded from (an adapter
+    // directory's own, else its base's).
+    let tokenizer_file =
+        |name: &str| [model_dir, config_dir.as_path()].map(|dir| dir.join(name)).into_iter().find(|p| p.is_file());
+    let tokenizer_info = Arc::new(openai::tokenizer_info(tokenizer_file("tokenizer_config.json"), max_model_len));
+    let guides = tokenizer_file("tokenizer.json")
         .ok_or_else(|| "no tokenizer.json".to_string())
         .and_then(|path| structured::Guides::load(&path, model_config.vocab_size as usize, eos))
         .inspect_err(|e| tracing::warn!("structured output is off for this model: {e}"))

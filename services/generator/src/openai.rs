@@ -477,7 +477,7 @@ fn plain_messages(messages: &Value) -> ApiResult<Value> {
 }
 
 /// Validates a chat request: the messages through the chat template.
-fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, Option<Calls>)> {
+fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, Option<ToolParser>)> {
     state.check_model(&body.common.model)?;
     check_fields(&body.extra, &body.common)?;
     if body.messages.as_array().is_none_or(|m| m.is_empty()) {
@@ -485,13 +485,10 @@ fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, 
     }
     let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
     let (calls, call_guide) = tool_use(state, body, &mut kwargs)?;
-    let mut text = state
+    let text = state
         .tokenizer
         .apply_chat_template_with(&plain_messages(&body.messages)?, body.add_generation_prompt, &kwargs)
         .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), Some("messages")))?;
-    if let Some(calls) = &calls {
-        text.push_str(&calls.opening);
-    }
     let prompt = state.encode(&text, false)?;
     let top = if body.logprobs { body.top_logprobs.unwrap_or(0) } else { 0 };
     let mut request = state.gen_request(&body.common, prompt, top, None)?;
@@ -506,36 +503,14 @@ fn chat_request(state: &AppState, body: &ChatRequest) -> ApiResult<(GenRequest, 
     Ok((request, calls))
 }
 
-/// How a chat request's output is read for tool calls: the parser, and the call opening
-/// put at the end of the prompt (`tool_choice` `required` or named; empty for `auto`).
-#[derive(Debug, Clone)]
-struct Calls {
-    parser: ToolParser,
-    opening: String,
-}
-
-impl Calls {
-    /// The calls in a sample's text and the content around them.
-    fn parse(&self, text: &str) -> crate::tools::Parsed {
-        self.parser.parse(&format!("{}{text}", self.opening))
-    }
-
-    /// How much of `text` may be shown while the sample runs: what comes before a call.
-    fn shown(&self, text: &str) -> usize {
-        let whole = format!("{}{text}", self.opening);
-        self.parser.shown(&whole).saturating_sub(self.opening.len())
-    }
-}
-
-/// The tools of a chat request into the template's variables, how its output is read (`None`:
-/// no tools, or `tool_choice: none`), and for `required` or a named function the constraint
-/// that makes the model write such a call (without a grammar engine for the tokenizer, the
-/// call's opening is put at the end of the prompt instead).
+/// The tools of a chat request into the template's variables, the parser its output is read
+/// with (`None`: no tools, or `tool_choice: none`), and for `required` or a named function the
+/// constraint that makes the model write such a call.
 fn tool_use(
     state: &AppState,
     body: &ChatRequest,
     kwargs: &mut serde_json::Map<String, Value>,
-) -> ApiResult<(Option<Calls>, Option<keel_generation::guide::Guide>)> {
+) -> ApiResult<(Option<ToolParser>, Option<keel_generation::guide::Guide>)> {
     let tools = body.tools.as_ref().filter(|t| t.as_array().is_none_or(|list| !list.is_empty()));
     let choice = match &body.tool_choice {
         None | Some(Value::Null) => None,
@@ -572,15 +547,17 @@ fn tool_use(
         ));
     }
     kwargs.insert("tools".into(), tools.clone());
-    let (guide, opening) = match (choice, state.guides.as_deref()) {
-        (None, _) => (None, String::new()),
+    let guide = match (choice, state.guides.as_deref()) {
+        (None, _) => None,
         (Some(name), Some(guides)) => {
-            let guide = guides.tool_call(parser, tools, name).map_err(|e| ApiError::bad(e, Some("tools")))?;
-            (Some(guide), String::new())
+            Some(guides.tool_call(parser, tools, name).map_err(|e| ApiError::bad(e, Some("tools")))?)
         }
-        (Some(name), None) => (None, parser.opening(name)),
+        (Some(_), None) => {
+            let message = "tool_choice required or named needs structured output, which this model's tokenizer lacks";
+            return Err(ApiError::bad(message, Some("tool_choice")));
+        }
     };
-    Ok((Some(Calls { parser, opening }), guide))
+    Ok((Some(parser), guide))
 }
 
 /// Text completion.
@@ -697,8 +674,8 @@ pub async fn chat_completions(
         .enumerate()
         .map(|(index, s)| {
             let text = final_text(&state.decode(&s.tokens), s.stop(), include);
-            let parsed = match &calls {
-                Some(calls) => calls.parse(&text),
+            let parsed = match calls {
+                Some(parser) => parser.parse(&text),
                 None => crate::tools::Parsed { content: Some(text), calls: Vec::new() },
             };
             let called = !parsed.calls.is_empty();
@@ -767,9 +744,9 @@ struct Chunks {
     prompt_len: usize,
     stops: Vec<String>,
     include_stop: bool,
-    /// A chat request's tool calls: text is shown up to where a call starts, and the calls
-    /// are sent whole when the sample ends.
-    calls: Option<Calls>,
+    /// A chat request's tool-call parser: text is shown up to where a call starts, and the
+    /// calls are sent whole when the sample ends.
+    calls: Option<ToolParser>,
 }
 
 impl Chunks {
@@ -832,7 +809,7 @@ impl Chunks {
         let (visible, finish) = if sample.done {
             let text = self.state.decode(&sample.out.tokens);
             let text = final_text(&text, sample.out.stop(), self.include_stop);
-            match self.calls.as_ref().map(|calls| calls.parse(&text)) {
+            match self.calls.map(|parser| parser.parse(&text)) {
                 Some(parsed) if !parsed.calls.is_empty() => {
                     let chunks = parsed.calls.into_iter().enumerate().map(|(index, call)| ToolCallChunk {
                         index,
@@ -848,7 +825,7 @@ impl Chunks {
         } else {
             sample.text.update(&self.state.tokenizer, &sample.out.tokens);
             let text = sample.text.text();
-            let shown = self.calls.as_ref().map_or(text.len(), |calls| calls.shown(text));
+            let shown = self.calls.map_or(text.len(), |parser| parser.shown(text));
             (text[..streamable_len(&text[..shown], &self.stops)].to_string(), None)
         };
         // A finished sample always sends its finish reason, even with no text left to show.
@@ -904,7 +881,7 @@ fn stream(
     settings: StreamSettings,
     id: String,
     permit: OwnedSemaphorePermit,
-    calls: Option<Calls>,
+    calls: Option<ToolParser>,
 ) -> Response {
     let n = requests.first().map_or(1, |r| r.n);
     let chunks = Chunks {

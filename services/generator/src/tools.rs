@@ -4,10 +4,8 @@
 //! vLLM's `--tool-call-parser`). Output that does not parse as calls is returned as content.
 //!
 //! `tool_choice` `auto` lets the model choose; `none` renders no tools and parses nothing;
-//! `required` and a named function open the call in the prompt for the model (the parser's
-//! opening, up to the function's name when one is named), so the model writes a call.
-//! Without constrained decoding the arguments are the model's: a call that then fails to
-//! parse comes back as content.
+//! `required` and a named function constrain sampling to a call in the parser's format
+//! ([`crate::structured::Guides::tool_call`]).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -88,18 +86,6 @@ impl ToolParser {
                 Parsed { content: (!before.is_empty()).then(|| before.to_string()), calls }
             }
             _ => Parsed::content(text),
-        }
-    }
-
-    /// What opens a call (to `name`, when given) in this format: put at the end of the
-    /// prompt, the model continues the call.
-    pub fn opening(self, name: Option<&str>) -> String {
-        let quoted = |name: &str| serde_json::to_string(name).unwrap_or_default();
-        match (self, name) {
-            (Self::Hermes, Some(name)) => format!("{HERMES_OPEN}\n{{\"name\": {}, \"arguments\": ", quoted(name)),
-            (Self::Hermes, None) => format!("{HERMES_OPEN}\n{{\"name\": \""),
-            (Self::Llama3Json, Some(name)) => format!("{{\"name\": {}, \"parameters\": ", quoted(name)),
-            (Self::Llama3Json, None) => "{\"name\": \"".to_string(),
         }
     }
 }
@@ -223,16 +209,5 @@ mod tests {
         }
         assert_eq!(parser.start("The answer"), None);
         assert_eq!((parser.shown(" <|pyth"), parser.shown("The answer"), parser.shown("")), (1, 10, 0));
-    }
-
-    #[test]
-    fn the_opening_of_a_named_call_parses_once_the_model_completes_it() {
-        for parser in [ToolParser::Hermes, ToolParser::Llama3Json] {
-            let text = format!("{}{{\"a\": 2}}}}", parser.opening(Some("add")));
-            let parsed = parser.parse(&text);
-            assert_eq!(calls(&parsed), [("add".to_string(), serde_json::json!({"a": 2}))], "{parser:?}: {text}");
-            let any = format!("{}now\", \"arguments\": {{}}}}", parser.opening(None));
-            assert_eq!(parser.parse(&any).calls[0].function.name, "now", "{parser:?}: {any}");
-        }
     }
 }

@@ -28,8 +28,8 @@ const UPKEEP: Duration = Duration::from_secs(5);
 /// The process's recorder, installed as the `metrics` facade's global recorder on first use.
 /// Call it before describing metrics (`metrics::describe_gauge!`, ...): a description made
 /// before any recorder is installed is lost.
-/// Where another recorder was installed first (a test harness, an embedding program), this
-/// one still renders, but holds only what is set on it at scrape time; a warning says so.
+/// Where another recorder was installed first (a test harness, an embedding program), every
+/// call of the facade goes to that one and `/metrics` stays empty; a warning says so.
 pub fn install() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
@@ -37,7 +37,7 @@ pub fn install() -> &'static PrometheusHandle {
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
         if let Err(e) = metrics::set_global_recorder(recorder) {
-            tracing::warn!(error = %e, "a metrics recorder was installed before Keel's: /metrics shows only scrape-time values");
+            tracing::warn!(error = %e, "a metrics recorder was installed before Keel's: it gets every metric and /metrics stays empty");
         }
         let upkeep = handle.clone();
         let spawned = std::thread::Builder::new().name("keel-metrics-upkeep".into()).spawn(move || loop {
