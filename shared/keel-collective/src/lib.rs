@@ -15,11 +15,12 @@
 //! [`RankGroup`] runs one thread per rank, each owning its state, and drives them in lockstep.
 //! [`process`] drives ranks that are processes of their own, from the group's leader.
 //!
-//! On the CPU backend, a rank that stops calling (it failed, or its thread ended) makes the
+//! On the CPU backends, a rank that stops calling (it failed, or its thread ended) makes the
 //! others' next operation fail with [`Error::Timeout`] or [`Error::Aborted`] instead of
-//! hanging. NCCL has no such guard here: a rank that fails alone leaves its peers waiting in
-//! their next collective (callers keep failures identical on every rank, as they are when
-//! every rank checks the same inputs).
+//! hanging. NCCL has no such guard of its own: a multi-process NCCL group
+//! ([`join_process_group`]) gets a [`watchdog::Watchdog`], which aborts each surviving rank's
+//! communicator when a rank process is lost, so their collectives end with an error. The
+//! GPUs of one process ([`nccl::NcclGroup`]) live and die together and need none.
 
 pub mod bootstrap;
 pub mod cpu;
@@ -27,6 +28,7 @@ pub mod group;
 pub mod nccl;
 pub mod process;
 pub mod tcp;
+pub mod watchdog;
 
 pub use group::{RankGroup, is_consequence, rank_zero};
 
@@ -263,6 +265,8 @@ pub fn new_group_on(devices: &[tch::Device]) -> Result<Vec<SharedComm>> {
 /// NCCL on GPU `ordinal` for `cuda:ordinal` (rank 0 makes the group's id and shares it on
 /// `subject`), TCP through rank 0 on the CPU (rank 0 listens on `ip`, an address the others
 /// reach). Every rank calls it; it returns once all have joined, or fails after `timeout`.
+/// An NCCL rank is watched ([`watchdog::Watchdog`], its channel on `subject`.watchdog): when
+/// another rank's process is lost, its communicator is aborted.
 pub async fn join_process_group(
     client: &async_nats::Client,
     subject: &str,
@@ -276,9 +280,14 @@ pub async fn join_process_group(
         tch::Device::Cpu => {
             Ok(Arc::new(tcp::TcpCollective::join(client, subject, rank, world_size, ip, timeout).await?))
         }
-        tch::Device::Cuda(ordinal) => Ok(Arc::new(
-            nccl::NcclCollective::join_over_nats(client, subject, rank, world_size, ordinal, timeout).await?,
-        )),
+        tch::Device::Cuda(ordinal) => {
+            let comm =
+                nccl::NcclCollective::join_over_nats(client, subject, rank, world_size, ordinal, timeout).await?;
+            let abort = comm.abort_handle();
+            let on_failure = move |reason: String| abort.abort(&format!("the watchdog lost the group: {reason}"));
+            let watchdog = watchdog::Watchdog::join(client, subject, rank, world_size, ip, timeout, on_failure).await?;
+            Ok(Arc::new(comm.watched_by(watchdog)))
+        }
         other => Err(Error::Invalid(format!("no collective backend for device {other:?}"))),
     }
 }

@@ -19,7 +19,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tch::{Device, Kind, Tensor};
 
@@ -217,11 +217,26 @@ impl NcclGroup {
                 rank,
                 world_size: devices.len(),
                 ordinal: devices[rank],
-                comm,
+                state: Arc::new(Mutex::new(CommState::Live(LiveComm(comm)))),
                 context,
+                watchdog: None,
             })
             .collect())
     }
+}
+
+/// A communicator handle that may cross threads: the watchdog aborts it from its own.
+#[derive(Clone, Copy)]
+struct LiveComm(Comm);
+
+// SAFETY: NCCL handles are plain pointers into NCCL's own state; ncclCommAbort is meant to be
+// called from a thread other than the one blocked in the communicator's operations.
+unsafe impl Send for LiveComm {}
+
+/// A communicator in use, or aborted (and freed by NCCL) with the reason.
+enum CommState {
+    Live(LiveComm),
+    Aborted(String),
 }
 
 /// One rank's NCCL communicator.
@@ -229,8 +244,10 @@ pub struct NcclCollective {
     rank: usize,
     world_size: usize,
     ordinal: usize,
-    comm: Comm,
+    state: Arc<Mutex<CommState>>,
     context: Arc<cudarc::driver::CudaContext>,
+    /// What aborts the communicator when a peer process is lost (multi-process groups).
+    watchdog: Option<crate::watchdog::Watchdog>,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -239,6 +256,7 @@ impl std::fmt::Debug for NcclCollective {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("device", &self.ordinal)
+            .field("watched", &self.watchdog.is_some())
             .finish()
     }
 }
@@ -252,10 +270,43 @@ unsafe impl Sync for NcclCollective {}
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        if let Ok(api) = api() {
-            // SAFETY: the handle came from NCCL and is destroyed once.
-            unsafe { (api.comm_destroy)(self.comm) };
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let (CommState::Live(comm), Ok(api)) = (&*state, api()) {
+            // SAFETY: the handle came from NCCL and is live (not aborted); it is destroyed
+            // once, under the lock the watchdog's abort takes.
+            unsafe { (api.comm_destroy)(comm.0) };
         }
+        *state = CommState::Aborted("the communicator was dropped".into());
+    }
+}
+
+/// Aborts the communicator it was made from, once, from any thread: what a
+/// [`crate::watchdog::Watchdog`] calls when a peer is lost.
+#[derive(Clone)]
+pub struct AbortHandle {
+    state: Arc<Mutex<CommState>>,
+}
+
+impl std::fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AbortHandle(..)")
+    }
+}
+
+impl AbortHandle {
+    /// `ncclCommAbort`: the kernels of this rank's pending operations end (their results are
+    /// garbage) so its stream moves on, and every later operation on the communicator is an
+    /// [`Error::Aborted`] naming `reason`. Nothing happens when it was aborted or dropped
+    /// already.
+    pub fn abort(&self, reason: &str) {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let (CommState::Live(comm), Ok(api)) = (&*state, api()) {
+            // SAFETY: the handle is live; NCCL frees it here, and the state below keeps
+            // every later operation (and the drop) from touching it again.
+            unsafe { (api.comm_abort)(comm.0) };
+            tracing::warn!("NCCL communicator aborted: {reason}");
+        }
+        *state = CommState::Aborted(reason.to_string());
     }
 }
 
@@ -272,7 +323,8 @@ impl NcclCollective {
         // SAFETY: `comm` receives one handle; the id is passed by value as NCCL expects.
         let status = unsafe { (api.comm_init_rank)(&mut comm, world_size as c_int, id, rank as c_int) };
         check(api, status, "ncclCommInitRank")?;
-        Ok(Self { rank, world_size, ordinal, comm, context })
+        let state = Arc::new(Mutex::new(CommState::Live(LiveComm(comm))));
+        Ok(Self { rank, world_size, ordinal, state, context, watchdog: None })
     }
 
     /// Joins a multi-process group: rank 0 makes the unique id and shares it over NATS
@@ -293,13 +345,21 @@ impl NcclCollective {
             .map_err(|e| Error::Invalid(format!("rank {rank}: joining the NCCL group: {e}")))?
     }
 
-    /// Aborts the communicator (pending operations of every rank fail instead of hanging).
-    pub fn abort(self) {
-        if let Ok(api) = api() {
-            // SAFETY: the handle came from NCCL; `self` is forgotten so it is not destroyed again.
-            unsafe { (api.comm_abort)(self.comm) };
-        }
-        std::mem::forget(self);
+    /// Aborts the communicator (this rank's pending operations end instead of hanging; the
+    /// others' end when their own watchdogs abort theirs).
+    pub fn abort(&self, reason: &str) {
+        self.abort_handle().abort(reason);
+    }
+
+    /// A handle that aborts this communicator from another thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle { state: self.state.clone() }
+    }
+
+    /// This communicator, kept with the watchdog that aborts it (stopped when it is dropped).
+    pub fn watched_by(mut self, watchdog: crate::watchdog::Watchdog) -> Self {
+        self.watchdog = Some(watchdog);
+        self
     }
 
     /// Checks that `tensor` is contiguous on this rank's GPU.
@@ -316,9 +376,17 @@ impl NcclCollective {
         data_type(tensor.kind())
     }
 
-    fn ready(&self) -> Result<&'static Api> {
+    /// The live communicator, with this rank's GPU made current; an error naming why once
+    /// the communicator was aborted.
+    fn ready(&self, operation: &'static str) -> Result<(&'static Api, LiveComm)> {
+        let comm = match &*self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            CommState::Live(comm) => *comm,
+            CommState::Aborted(reason) => {
+                return Err(Error::Aborted { rank: self.rank, operation, reason: reason.clone() });
+            }
+        };
         self.context.bind_to_thread().map_err(|e| Error::Invalid(format!("cuda:{}: {e}", self.ordinal)))?;
-        api()
+        Ok((api()?, comm))
     }
 
     fn torch_error(&self, e: tch::TchError) -> Error {
@@ -328,7 +396,7 @@ impl NcclCollective {
     /// All-gathers equal-size contiguous `tensor`s into a new [world, ...] tensor.
     fn gather_equal(&self, tensor: &Tensor) -> Result<Tensor> {
         let dtype = self.check_tensor(tensor, "all_gather")?;
-        let api = self.ready()?;
+        let (api, comm) = self.ready("all_gather")?;
         let mut shape = vec![self.world_size as i64];
         shape.extend(tensor.size());
         let out =
@@ -336,7 +404,7 @@ impl NcclCollective {
         // SAFETY: both buffers are contiguous on this rank's GPU; `out` holds world × numel
         // elements of the same dtype; the null stream is the device's default stream.
         let status = unsafe {
-            (api.all_gather)(tensor.data_ptr(), out.data_ptr(), tensor.numel(), dtype, self.comm, std::ptr::null_mut())
+            (api.all_gather)(tensor.data_ptr(), out.data_ptr(), tensor.numel(), dtype, comm.0, std::ptr::null_mut())
         };
         check(api, status, "ncclAllGather")?;
         Ok(out)
@@ -357,12 +425,11 @@ impl Collective for NcclCollective {
         let buffer =
             if contiguous { tensor.shallow_clone() } else { tensor.f_contiguous().map_err(|e| self.torch_error(e))? };
         let dtype = self.check_tensor(&buffer, "all_reduce")?;
-        let api = self.ready()?;
+        let (api, comm) = self.ready("all_reduce")?;
         let ptr = buffer.data_ptr();
         // SAFETY: in-place all-reduce of `numel` elements of a contiguous buffer on this GPU.
-        let status = unsafe {
-            (api.all_reduce)(ptr, ptr, buffer.numel(), dtype, reduce_op(op), self.comm, std::ptr::null_mut())
-        };
+        let status =
+            unsafe { (api.all_reduce)(ptr, ptr, buffer.numel(), dtype, reduce_op(op), comm.0, std::ptr::null_mut()) };
         check(api, status, "ncclAllReduce")?;
         if !contiguous {
             tensor.f_copy_(&buffer).map_err(|e| self.torch_error(e))?;
@@ -424,7 +491,7 @@ impl Collective for NcclCollective {
         let mut shape = input.size();
         shape[0] /= world;
         let out = Tensor::f_empty(shape.as_slice(), (input.kind(), input.device())).map_err(|e| self.torch_error(e))?;
-        let api = self.ready()?;
+        let (api, comm) = self.ready("reduce_scatter")?;
         // SAFETY: `input` holds world × out.numel() contiguous elements, `out` out.numel(),
         // both on this GPU with the same dtype.
         let status = unsafe {
@@ -434,7 +501,7 @@ impl Collective for NcclCollective {
                 out.numel(),
                 dtype,
                 reduce_op(op),
-                self.comm,
+                comm.0,
                 std::ptr::null_mut(),
             )
         };
@@ -450,11 +517,11 @@ impl Collective for NcclCollective {
         let buffer =
             if contiguous { tensor.shallow_clone() } else { tensor.f_contiguous().map_err(|e| self.torch_error(e))? };
         let dtype = self.check_tensor(&buffer, "broadcast")?;
-        let api = self.ready()?;
+        let (api, comm) = self.ready("broadcast")?;
         let ptr = buffer.data_ptr();
         // SAFETY: in-place broadcast of a contiguous buffer on this GPU.
         let status =
-            unsafe { (api.broadcast)(ptr, ptr, buffer.numel(), dtype, root as c_int, self.comm, std::ptr::null_mut()) };
+            unsafe { (api.broadcast)(ptr, ptr, buffer.numel(), dtype, root as c_int, comm.0, std::ptr::null_mut()) };
         check(api, status, "ncclBroadcast")?;
         if !contiguous {
             tensor.f_copy_(&buffer).map_err(|e| self.torch_error(e))?;
