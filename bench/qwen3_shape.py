@@ -2,8 +2,10 @@
 model can be downloaded: `0.6b` is Qwen3-0.6B's (hidden 1024, 28 layers, 16 query and 8 KV
 heads of 128, intermediate 3072, vocabulary 151,936, tied embeddings), `tiny` a small one of
 the same form for trying a script on the CPU. Saved in bf16 by transformers, with the
-tokenizer files (and special token ids) of SRC, a `keel model init` directory: the
-vocabulary is larger than that tokenizer's, and ids past it decode to nothing.
+tokenizer files (and special token ids) of SRC, a `keel model init` directory, whose BPE
+vocabulary is filled up to the model's with tokens `x<id>`: no merge makes them, so text
+encodes as before, but every id the model can draw decodes to text (a server streams a
+chunk per token, as it would for a real model, and a benchmark times every token).
 
     python bench/qwen3_shape.py SRC DST [--shape 0.6b|tiny]
 """
@@ -48,4 +50,13 @@ model.save_pretrained(args.dst, safe_serialization=True)
 for name in os.listdir(args.src):
     if name.startswith("tokenizer") or name in ("special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(args.src, name), os.path.join(args.dst, name))
+tokenizer_path = os.path.join(args.dst, "tokenizer.json")
+tokenizer = json.load(open(tokenizer_path))
+if tokenizer["model"]["type"] == "BPE":
+    vocab = tokenizer["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in tokenizer.get("added_tokens", [])}
+    for token_id in range(config.vocab_size):
+        if token_id not in taken:
+            vocab[f"x{token_id}"] = token_id
+    json.dump(tokenizer, open(tokenizer_path, "w"), ensure_ascii=False)
 print(f"{args.shape}-shaped Qwen3, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, in {args.dst}")

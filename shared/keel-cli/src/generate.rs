@@ -3,16 +3,17 @@
 //! measures transformers' batched `generate`: time until every request has its first token,
 //! then decode tokens/s over the remaining tokens.
 
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use keel_generation::backend::Backend;
-use keel_generation::engine::{Engine, EngineConfig, RefitMode};
+use keel_generation::engine::{Engine, EngineConfig, RefitMode, StepPhase};
 use keel_generation::request::{Event, GenRequest};
 use keel_model::CausalLm;
 use keel_model::sampling::SamplingParams;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::bench::median;
 
@@ -49,6 +50,10 @@ pub struct GenerateBenchArgs {
     /// Tokens per engine step (the generator's `max_num_batched_tokens`).
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
+    /// On CUDA, run every decode step eagerly (no CUDA graphs), as the generator's
+    /// `enforce_eager`; Keel's CUDA kernels run either way, as they do in the generator.
+    #[arg(long)]
+    eager: bool,
 }
 
 pub fn run(command: GenerateCommand) -> anyhow::Result<()> {
@@ -117,12 +122,44 @@ fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
         refit_mode: RefitMode::Drain,
         model_name: args.model.display().to_string(),
     };
-    // The engine loads the model on its own thread (see `Engine::start_with`).
+    // The engine loads the model on its own thread (see `Engine::start_with`). On CUDA it runs
+    // as the generator runs it: Keel's kernels, and the decode step replayed from CUDA graphs.
     let dir = args.model.clone();
-    let load = move || CausalLm::load(&dir, device, kind).and_then(|model| Backend::whole(model, blocks));
+    let (cuda, graphs, graph_rows) = (device != tch::Device::Cpu, !args.eager, args.batch);
+    let load = move || {
+        let mut model = CausalLm::load(&dir, device, kind)?;
+        if cuda {
+            match keel_model::cuda::Kernels::load(device, &[kind]) {
+                Ok(kernels) => model.use_kernels(std::sync::Arc::new(kernels)),
+                Err(e) => eprintln!("CUDA kernels off, the tch path runs: {e}"),
+            }
+        }
+        let mut backend = Backend::whole(model, blocks)?;
+        if cuda
+            && graphs
+            && let Err(e) = backend.capture_graphs(graph_rows, length)
+        {
+            eprintln!("CUDA graphs off, every step runs eagerly: {e}");
+        }
+        Ok(backend)
+    };
     let engine = Engine::start_with(load, None, config).context("loading the model")?;
     one_run(&engine, &args, vocab)?;
+    // Where the timed runs' steps spent their time (the warm-up left out).
+    let stats = &engine.stats;
+    let phases_before: Vec<u64> = stats.phase_micros.iter().map(|p| p.load(Ordering::Relaxed)).collect();
+    let steps_before = stats.steps.load(Ordering::Relaxed);
+    let timed = Instant::now();
     let runs = (0..args.repeats).map(|_| one_run(&engine, &args, vocab)).collect::<anyhow::Result<Vec<_>>>()?;
+    let wall_micros = timed.elapsed().as_micros() as f64;
+    let steps = (stats.steps.load(Ordering::Relaxed) - steps_before).max(1) as f64;
+    let mut phases = serde_json::Map::new();
+    for (phase, before) in StepPhase::ALL.iter().zip(&phases_before) {
+        let micros = stats.phase_micros[*phase as usize].load(Ordering::Relaxed) - before;
+        phases.insert(phase.name().into(), json!(micros as f64 / steps / 1e3));
+    }
+    let in_steps: f64 = phases.values().filter_map(Value::as_f64).sum();
+    phases.insert("between_steps".into(), json!(wall_micros / steps / 1e3 - in_steps));
     let ttft = median(runs.iter().map(|r| r.0).collect());
     let decode = median(runs.iter().map(|r| r.1 - r.0).collect());
     println!(
@@ -131,6 +168,7 @@ fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
             "engine": "keel", "batch": args.batch, "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens, "dtype": args.dtype, "threads": tch::get_num_threads(),
             "ttft_s": ttft, "decode_tokens_per_s": (args.batch * (args.decode_tokens - 1)) as f64 / decode,
+            "steps": steps as u64 / args.repeats as u64, "step_phases_ms": phases,
         })
     );
     Ok(())

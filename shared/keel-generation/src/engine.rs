@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use keel_model::sampling::{Draw, Sampled, sample};
 use keel_model::{BLOCK_SIZE, CausalLm, SeqChunk, Tokenizer};
-use tch::Tensor;
+use tch::{Device, Tensor};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -62,6 +62,8 @@ pub struct Stats {
     pub requests_finished: AtomicU64,
     /// Time spent in steps, microseconds.
     pub decode_micros: AtomicU64,
+    /// Where the steps' time went, microseconds: [`StepPhase`] order.
+    pub phase_micros: [AtomicU64; 4],
     /// The weight version being served.
     pub weight_version: AtomicU64,
     pub refits: AtomicU64,
@@ -78,6 +80,32 @@ pub struct Stats {
 }
 
 pub use keel_protocol::generator::RefitMode;
+
+/// The parts of a step, as [`Stats::phase_micros`] counts them: scheduling and building the
+/// chunks; the forward pass as the host sees it (launching the work, or, with
+/// `KEEL_SYNC_STEP_PHASES=1`, waiting for the device to finish it); drawing the next tokens
+/// (sampling, and copying them to the host, which waits for whatever the device still runs);
+/// moving the sequences on (tokens, cached blocks, events to the requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPhase {
+    Schedule = 0,
+    Forward = 1,
+    Draw = 2,
+    Advance = 3,
+}
+
+impl StepPhase {
+    pub const ALL: [StepPhase; 4] = [StepPhase::Schedule, StepPhase::Forward, StepPhase::Draw, StepPhase::Advance];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StepPhase::Schedule => "schedule",
+            StepPhase::Forward => "forward",
+            StepPhase::Draw => "draw",
+            StepPhase::Advance => "advance",
+        }
+    }
+}
 
 /// The scheduler's limits, and the name its metrics carry.
 #[derive(Debug, Clone)]
@@ -217,6 +245,10 @@ struct Scheduler {
     asleep: bool,
     /// Request latencies and outcomes, into the process's metrics.
     served: served::Served,
+    /// Wait for the device after each forward pass, so [`Stats::phase_micros`] splits the
+    /// device's time between the forward pass and the draw (`KEEL_SYNC_STEP_PHASES=1`; a
+    /// profiling switch: it costs the overlap of the host's work with the device's).
+    sync_phases: bool,
 }
 
 /// Blocks needed to hold `tokens` tokens.
@@ -298,6 +330,7 @@ impl Engine {
                     refit: None,
                     memory: None,
                     asleep: false,
+                    sync_phases: std::env::var("KEEL_SYNC_STEP_PHASES").is_ok_and(|v| v == "1"),
                 };
                 let _ = ready.send(Ok(()));
                 scheduler.run(intake);
@@ -510,6 +543,7 @@ impl Scheduler {
 
     /// One scheduling decision and forward pass.
     fn step(&mut self) {
+        let began = Instant::now();
         let mut budget = self.config.max_num_batched_tokens;
         let mut plan: Vec<usize> = Vec::new();
         let mut at = 0;
@@ -548,7 +582,16 @@ impl Scheduler {
             .collect();
         let tokens: usize = plan.iter().sum();
         let scheduled = plan.len();
-        let outcome = self.model.forward(&chunks).and_then(|logits| self.draw(&logits, &chunks));
+        let forward_at = Instant::now();
+        let logits = self.model.forward(&chunks);
+        if self.sync_phases
+            && let Ok(Device::Cuda(index)) = logits.as_ref().map(Tensor::device)
+        {
+            tch::Cuda::synchronize(index as i64);
+        }
+        let draw_at = Instant::now();
+        let outcome = logits.and_then(|logits| self.draw(&logits, &chunks));
+        let advance_at = Instant::now();
         self.served.count(Count::Steps, 1);
         self.served.count(Count::StepTokens, tokens as u64);
         match outcome {
@@ -562,6 +605,11 @@ impl Scheduler {
             }
         }
         self.stats.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let marks = [began, forward_at, draw_at, advance_at, Instant::now()];
+        for (phase, pair) in StepPhase::ALL.iter().zip(marks.windows(2)) {
+            self.stats.phase_micros[*phase as usize]
+                .fetch_add((pair[1] - pair[0]).as_micros() as u64, Ordering::Relaxed);
+        }
         self.served.step_time(started.elapsed().as_secs_f64());
     }
 

@@ -381,6 +381,11 @@ impl CausalLm {
         &self.vs
     }
 
+    /// The parameters, to load or copy weights into in place.
+    pub fn var_store_mut(&mut self) -> &mut nn::VarStore {
+        &mut self.vs
+    }
+
     pub fn device(&self) -> Device {
         self.vs.device()
     }
