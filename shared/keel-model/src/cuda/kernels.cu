@@ -115,11 +115,16 @@ template <typename T> __device__ void silu_mul(T* out, const T* gate, const T* u
     out[i] = from_f32<T>(round_to<T>(g / (1.0f + expf(-g))) * to_f32(up[i]));
 }
 
+// Values of a head one lane of decode attention holds in registers: heads of up to 32 times
+// this many values take the warp-parallel value sum (launch.rs sizes shared memory for it).
+#define KEEL_VALUES_PER_LANE 8
+
 // Decode attention over a paged cache: one query token per row, keys and values read through
 // the row's block table. q [heads, rows, D] (strides qh, qr; D dense); pools [kv_heads, slots,
 // D] dense; tables [rows, width] int32; lens [rows] int32 (keys per row, the new one
 // included); a window > 0 keeps the last `window` keys. Grid (heads, rows, splits): each
-// block takes `partition` keys of one (head, row). With one split the block writes
+// block takes `partition` keys of one (head, row); shared memory holds the query, the scores
+// and, for heads of up to 256 values, each warp's value sums. With one split the block writes
 // out [heads, rows, D]; with more it writes its unnormalised output to part_out [heads, rows,
 // splits, D] and (max, sum) to part_ml [heads, rows, splits, 2] for paged_reduce.
 template <typename T>
@@ -162,17 +167,54 @@ __device__ void paged_decode(T* out, float* part_out, float* part_ml, const T* q
     }
     l = block_reduce<false>(l);
     const long row = (long)h * rows + r;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; ++j) {
+    if (dim <= 32 * KEEL_VALUES_PER_LANE) {
+        // The values as the keys: each warp takes every warps-th key, its lanes over the
+        // head's values (a few registers each), so the warps read their keys' values side by
+        // side; then the warps' sums are added through shared memory (after the scores).
+        float acc[KEEL_VALUES_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < KEEL_VALUES_PER_LANE; ++i) acc[i] = 0.0f;
+        for (int j = warp; j < n; j += warps) {
             const int key = start + j;
             const long slot = (long)table[key / block_size] * block_size + key % block_size;
-            acc += scores[j] * to_f32(vpool[kv + slot * dim + d]);
+            const T* v = vpool + kv + slot * dim;
+            const float p = scores[j];
+#pragma unroll
+            for (int i = 0; i < KEEL_VALUES_PER_LANE; ++i) {
+                const int d = lane + 32 * i;
+                if (d < dim) acc[i] += p * to_f32(v[d]);
+            }
         }
-        if (splits == 1) {
-            out[row * dim + d] = from_f32<T>(n > 0 ? acc / l : 0.0f);
-        } else {
-            part_out[(row * splits + split) * dim + d] = acc;
+        float* sums = scores + partition;
+#pragma unroll
+        for (int i = 0; i < KEEL_VALUES_PER_LANE; ++i) {
+            const int d = lane + 32 * i;
+            if (d < dim) sums[warp * dim + d] = acc[i];
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+            float total = 0.0f;
+            for (int w = 0; w < warps; ++w) total += sums[w * dim + d];
+            if (splits == 1) {
+                out[row * dim + d] = from_f32<T>(n > 0 ? total / l : 0.0f);
+            } else {
+                part_out[(row * splits + split) * dim + d] = total;
+            }
+        }
+    } else {
+        // Large heads: each thread sums one value over the keys.
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+            float acc = 0.0f;
+            for (int j = 0; j < n; ++j) {
+                const int key = start + j;
+                const long slot = (long)table[key / block_size] * block_size + key % block_size;
+                acc += scores[j] * to_f32(vpool[kv + slot * dim + d]);
+            }
+            if (splits == 1) {
+                out[row * dim + d] = from_f32<T>(n > 0 ? acc / l : 0.0f);
+            } else {
+                part_out[(row * splits + split) * dim + d] = acc;
+            }
         }
     }
     if (splits > 1 && threadIdx.x == 0) {

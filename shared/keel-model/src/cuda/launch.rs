@@ -67,20 +67,38 @@ pub fn elementwise(n: i64) -> Result<LaunchShape, KernelError> {
     Ok(LaunchShape { grid: (grid_x("elements", blocks)?, 1, 1), block: (ELEMENTWISE_THREADS, 1, 1), shared_bytes: 0 })
 }
 
+/// Values of a head each lane of decode attention holds (`KEEL_VALUES_PER_LANE` in
+/// kernels.cu): heads of up to 32 × this many values sum their values warp by warp, through
+/// shared memory.
+const VALUES_PER_LANE: i64 = 8;
+/// The fewest keys a block takes when a context is split to spread it over the GPU.
+const MIN_PARTITION: i64 = 32;
+
 /// Decode attention of `rows` queries of `heads` heads of `dim` values over at most
 /// `max_keys` keys a row: the launch, the keys each block takes and the number of splits
-/// (above 1, partial results go through the reduction). A context is split when there are
-/// few (head, row) pairs to spread over the GPU, or when one block's scores would not fit in
-/// shared memory.
+/// (above 1, partial results go through the reduction). With enough (head, row) pairs for the
+/// GPU, one block takes a whole context; with fewer (small batches), contexts are split into
+/// more blocks, of at least 32 keys, until there are about as many blocks as that many pairs
+/// would give; and a context too long for one block's shared memory is split either way.
 pub fn paged_decode(heads: i64, rows: i64, max_keys: i64, dim: i64) -> Result<(LaunchShape, i64, i64), KernelError> {
     if dim < 1 || dim > i64::from(MAX_THREADS) * 4 || max_keys < 1 {
         return Err(shape_error(format!("decode attention of head size {dim} over {max_keys} keys")));
     }
+    let warps = i64::from(ATTENTION_THREADS / 32);
+    // The query, then the scores, then (small heads) each warp's value sums.
+    let shared_for = |partition: i64| (dim + partition + if dim <= 32 * VALUES_PER_LANE { warps * dim } else { 0 }) * 4;
     let whole = ceil_div(max_keys, 32) * 32;
-    let fits = (dim + whole) * 4 <= MAX_SHARED_BYTES;
-    let partition = if fits && (heads * rows >= BUSY_PAIRS || whole <= PARTITION) { whole } else { PARTITION };
+    let pairs = heads * rows;
+    let partition = if pairs >= BUSY_PAIRS && shared_for(whole) <= MAX_SHARED_BYTES {
+        whole
+    } else if pairs >= BUSY_PAIRS {
+        PARTITION
+    } else {
+        let wanted = ceil_div(BUSY_PAIRS, pairs.max(1));
+        (ceil_div(ceil_div(max_keys, wanted), 32) * 32).clamp(MIN_PARTITION, PARTITION).min(whole)
+    };
     let splits = ceil_div(max_keys, partition);
-    let shared = (dim + partition) * 4;
+    let shared = shared_for(partition);
     if shared > MAX_SHARED_BYTES {
         return Err(shape_error(format!("decode attention needs {shared} bytes of shared memory")));
     }
@@ -122,19 +140,27 @@ mod tests {
     fn decode_attention_splits_long_contexts_of_small_batches() {
         // Batch 1, 16 heads, a 4096-token context: 8 splits of 512 keys.
         let (shape, partition, splits) = paged_decode(16, 1, 4096, 128).unwrap();
-        assert_eq!((partition, splits), (512, 8));
-        assert_eq!(shape.grid, (16, 1, 8));
-        assert_eq!(shape.shared_bytes, ((128 + 512) * 4) as u32);
+        assert_eq!((partition, splits), (256, 16));
+        assert_eq!(shape.grid, (16, 1, 16));
+        assert_eq!(shape.shared_bytes, ((128 + 256 + 4 * 128) * 4) as u32, "query, scores, the warps' sums");
         // 64 rows × 16 heads: enough blocks, one split over the whole context.
         let (shape, partition, splits) = paged_decode(16, 64, 1000, 128).unwrap();
         assert_eq!((partition, splits), (1024, 1));
         assert_eq!(shape.grid, (16, 64, 1));
-        // Short contexts never split.
-        assert_eq!(paged_decode(2, 1, 100, 64).unwrap().2, 1);
+        // One sequence of 16 heads: a short context splits into blocks of 32 keys, so the GPU
+        // gets tens of blocks, not 16.
+        let (shape, partition, splits) = paged_decode(16, 1, 130, 128).unwrap();
+        assert_eq!((partition, splits), (32, 5));
+        assert_eq!(shape.grid, (16, 1, 5));
+        // Never more splits than keys in blocks of 32, nor blocks longer than the context.
+        let (_, partition, splits) = paged_decode(2, 1, 20, 64).unwrap();
+        assert_eq!((partition, splits), (32, 1));
         // A context too long for one block's shared memory splits even when the GPU is busy.
         let (shape, partition, splits) = paged_decode(32, 256, 32_768, 128).unwrap();
         assert_eq!((partition, splits), (512, 64));
         assert!(i64::from(shape.shared_bytes) <= MAX_SHARED_BYTES);
+        // Large heads keep no value sums in shared memory.
+        assert_eq!(paged_decode(4, 64, 100, 512).unwrap().0.shared_bytes, ((512 + 128) * 4) as u32);
     }
 
     #[test]
