@@ -23,7 +23,7 @@ PG_DEFAULTS = {
     "use_importance_sampling_correction": False, "truncated_importance_sampling_type": None,
     "truncated_importance_sampling_ratio_min": None, "truncated_importance_sampling_ratio_max": None,
     "token_level_loss": True, "sequence_level_importance_ratios": False,
-    "disable_ppo_ratio": False, "force_on_policy_ratio": False,
+    "disable_ppo_ratio": False, "force_on_policy_ratio": False, "cispo": False,
 }
 DPO_DEFAULTS = {
     "reference_policy_kl_penalty": 0.05, "preference_average_log_probs": False,
@@ -72,6 +72,9 @@ def clipped_pg(cfg, data, lp_full, mask, sample_mask):
     r_c = r.clamp(1 - cfg["ratio_clip_min"], 1 + cfg["ratio_clip_max"])
     if cfg["disable_ppo_ratio"]:
         per_token = -adv * lp
+    elif cfg["cispo"]:
+        # CISPO: the clipped ratio is a constant weight on each token's policy gradient.
+        per_token = -adv * r_c.detach() * lp
     else:
         per_token = torch.maximum(-adv * r, -adv * r_c)
         if cfg["ratio_clip_c"] is not None:

@@ -118,6 +118,9 @@ pub struct ClippedPgConfig {
     pub disable_ppo_ratio: bool,
     /// r = exp(lp − stopgrad(lp)): value 1, policy-gradient gradient.
     pub force_on_policy_ratio: bool,
+    /// CISPO (MiniMax-M1): ℓ = −A · stopgrad(clamp(r, 1 − ε_low, 1 + ε_high)) · lp. The ratio
+    /// is clipped as a weight, not as the update: every token keeps its gradient.
+    pub cispo: bool,
 }
 
 impl Default for ClippedPgConfig {
@@ -139,6 +142,7 @@ impl Default for ClippedPgConfig {
             sequence_level_importance_ratios: false,
             disable_ppo_ratio: false,
             force_on_policy_ratio: false,
+            cispo: false,
         }
     }
 }
@@ -499,12 +503,19 @@ impl ClippedPgConfig {
             &field("sequence_level_importance_ratios"),
             "GSPO (sequence-level ratios) needs token_level_loss: false",
         );
-        let exclusive = [self.sequence_level_importance_ratios, self.disable_ppo_ratio, self.force_on_policy_ratio];
+        let exclusive =
+            [self.sequence_level_importance_ratios, self.disable_ppo_ratio, self.force_on_policy_ratio, self.cispo];
         check(
             problems,
             exclusive.iter().filter(|&&x| x).count() <= 1,
             &field("disable_ppo_ratio"),
-            "sequence_level_importance_ratios, disable_ppo_ratio and force_on_policy_ratio exclude each other",
+            "sequence_level_importance_ratios, disable_ppo_ratio, force_on_policy_ratio and cispo exclude each other",
+        );
+        check(
+            problems,
+            !(self.cispo && self.ratio_clip_c.is_some()),
+            &field("ratio_clip_c"),
+            "CISPO clips the ratio as a weight: dual clip (ratio_clip_c) does not apply; leave it unset",
         );
     }
 }
@@ -707,6 +718,14 @@ mod tests {
                 "training.loss.sequence_level_importance_ratios",
             ]
         );
+        // CISPO clips its weight alone: no dual clip, and not with another ratio option.
+        let c = config(serde_json::json!({"type": "clipped_pg", "cispo": true, "ratio_clip_c": 3.0}));
+        let text = crate::join_problems(&c.problems("t"));
+        assert!(text.contains("t.loss.ratio_clip_c: CISPO clips the ratio as a weight"), "{text}");
+        let c = config(serde_json::json!({"type": "clipped_pg", "cispo": true, "disable_ppo_ratio": true}));
+        let text = crate::join_problems(&c.problems("t"));
+        assert!(text.contains("force_on_policy_ratio and cispo exclude each other"), "{text}");
+        assert!(config(serde_json::json!({"type": "clipped_pg", "cispo": true})).problems("t").is_empty());
         let mut c = config(serde_json::json!({"type": "dpo"}));
         c.micro_batch_size = 3;
         c.global_batch_size = 2;

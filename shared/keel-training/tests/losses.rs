@@ -234,6 +234,11 @@ fn clipped_policy_gradient_variants_match_pytorch() {
         ("GSPO", json!({"type": "clipped_pg", "token_level_loss": false, "sequence_level_importance_ratios": true})),
         ("REINFORCE", json!({"type": "clipped_pg", "disable_ppo_ratio": true})),
         ("force on-policy ratio", json!({"type": "clipped_pg", "force_on_policy_ratio": true})),
+        ("CISPO", json!({"type": "clipped_pg", "cispo": true, "ratio_clip_min": 0.5, "ratio_clip_max": 0.1})),
+        (
+            "CISPO with tis",
+            json!({"type": "clipped_pg", "cispo": true, "use_importance_sampling_correction": true, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_max": 1.1}),
+        ),
         ("no KL", json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.0})),
     ];
     let mut problems: Vec<(&str, Case)> =

@@ -5,7 +5,8 @@
 //! reduction, plus β × a k1/k2/k3 estimate of KL(policy ‖ reference) unless the KL is in the
 //! reward (`use_kl_in_reward`). Advantages are per token ([b, S], per-sample ones broadcast
 //! when the batch is made). Variants: GSPO
-//! (one ratio per sequence), REINFORCE (ℓ = −A·lp), force-on-policy (r = exp(lp − sg(lp))).
+//! (one ratio per sequence), REINFORCE (ℓ = −A·lp), force-on-policy (r = exp(lp − sg(lp))),
+//! CISPO (ℓ = −A·sg(clamp(r))·lp: the clipped ratio weighs the policy gradient of every token).
 //! `LOSSES.md` has the exact text.
 
 use tch::{Kind, Tensor};
@@ -96,6 +97,8 @@ pub fn clipped_pg(config: &ClippedPgConfig, input: &LossInput<'_>, global: &Glob
     let clamped = ratio.f_clamp(1.0 - config.ratio_clip_min, 1.0 + config.ratio_clip_max)?;
     let per_token = if config.disable_ppo_ratio {
         neg_a.f_mul(&lp)?
+    } else if config.cispo {
+        neg_a.f_mul(&clamped.f_detach()?)?.f_mul(&lp)?
     } else {
         let clipped = neg_a.f_mul(&ratio)?.f_maximum(&neg_a.f_mul(&clamped)?)?;
         match config.ratio_clip_c {
