@@ -268,21 +268,13 @@ pub fn load(config: &Config, model_dir: &std::path::Path, leading: Option<group:
         }
         let mut model = keel_model::CausalLm::load(&dir, device, kind)?;
         if use_kernels {
-            let (on, off) = attach_kernels(&mut model, device, kind);
+            let (on, off) = backend::attach_kernels(&mut model, device, kind);
             loaded_counts[0].store(on, Ordering::Relaxed);
             loaded_counts[1].store(off, Ordering::Relaxed);
         }
         let mut backend = backend::Backend::whole(model, blocks)?;
         if use_graphs {
-            let started = std::time::Instant::now();
-            match backend.capture_graphs(max_num_seqs, max_len) {
-                Ok(buckets) => {
-                    let seconds = started.elapsed().as_secs_f64();
-                    tracing::info!(?buckets, seconds, "decode steps captured as CUDA graphs");
-                    loaded_counts[2].store(buckets.len(), Ordering::Relaxed);
-                }
-                Err(e) => tracing::warn!("CUDA graphs off, every step runs eagerly: {e}"),
-            }
+            loaded_counts[2].store(backend.capture_graphs_or_run_eagerly(max_num_seqs, max_len), Ordering::Relaxed);
         }
         Ok(backend)
     };
@@ -395,29 +387,6 @@ fn kv_cache_blocks(
         (None, _) => CPU_KV_CACHE_BYTES,
     };
     Ok(backend::blocks_in(cfg, kv_heads, kind, bytes))
-}
-
-/// Loads Keel's CUDA kernels for `model`'s device and dtype (see `keel_model::cuda`): a
-/// kernel that does not compile or does not match its tch path is logged and left off, and
-/// the model runs the tch path for it. Returns how many kernels run and how many are off.
-fn attach_kernels(model: &mut keel_model::CausalLm, device: tch::Device, kind: tch::Kind) -> (usize, usize) {
-    use keel_model::cuda::{Kernel, Kernels};
-    let all = Kernel::ALL.len();
-    match Kernels::load(device, &[kind]) {
-        Ok(kernels) => {
-            for (kernel, why) in kernels.fallbacks() {
-                tracing::warn!(kernel = kernel.name(), "CUDA kernel off, using the tch path: {why}");
-            }
-            let off = kernels.fallbacks().len();
-            tracing::info!(on = all - off, off, "CUDA kernels loaded");
-            model.use_kernels(Arc::new(kernels));
-            (all - off, off)
-        }
-        Err(e) => {
-            tracing::warn!("CUDA kernels off, using the tch path: {e}");
-            (0, all)
-        }
-    }
 }
 
 /// What the OpenAI API serves now: the routes of the loaded model (the start-up model, or

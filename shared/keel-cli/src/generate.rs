@@ -3,7 +3,7 @@
 //! measures transformers' batched `generate`: time until every request has its first token,
 //! then decode tokens/s over the remaining tokens.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -126,20 +126,19 @@ fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
     // as the generator runs it: Keel's kernels, and the decode step replayed from CUDA graphs.
     let dir = args.model.clone();
     let (cuda, graphs, graph_rows) = (device != tch::Device::Cpu, !args.eager, args.batch);
+    // Kernels on and off, and CUDA graph batch sizes captured: reported with the figures.
+    let cuda_counts = std::sync::Arc::new([AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let counts = cuda_counts.clone();
     let load = move || {
         let mut model = CausalLm::load(&dir, device, kind)?;
         if cuda {
-            match keel_model::cuda::Kernels::load(device, &[kind]) {
-                Ok(kernels) => model.use_kernels(std::sync::Arc::new(kernels)),
-                Err(e) => eprintln!("CUDA kernels off, the tch path runs: {e}"),
-            }
+            let (on, off) = keel_generation::backend::attach_kernels(&mut model, device, kind);
+            counts[0].store(on, Ordering::Relaxed);
+            counts[1].store(off, Ordering::Relaxed);
         }
         let mut backend = Backend::whole(model, blocks)?;
-        if cuda
-            && graphs
-            && let Err(e) = backend.capture_graphs(graph_rows, length)
-        {
-            eprintln!("CUDA graphs off, every step runs eagerly: {e}");
+        if cuda && graphs {
+            counts[2].store(backend.capture_graphs_or_run_eagerly(graph_rows, length), Ordering::Relaxed);
         }
         Ok(backend)
     };
@@ -169,6 +168,9 @@ fn bench(args: GenerateBenchArgs) -> anyhow::Result<()> {
             "decode_tokens": args.decode_tokens, "dtype": args.dtype, "threads": tch::get_num_threads(),
             "ttft_s": ttft, "decode_tokens_per_s": (args.batch * (args.decode_tokens - 1)) as f64 / decode,
             "steps": steps as u64 / args.repeats as u64, "step_phases_ms": phases,
+            "cuda_kernels_on": cuda_counts[0].load(Ordering::Relaxed),
+            "cuda_kernels_off": cuda_counts[1].load(Ordering::Relaxed),
+            "cuda_graph_buckets": cuda_counts[2].load(Ordering::Relaxed),
         })
     );
     Ok(())

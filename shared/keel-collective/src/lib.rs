@@ -285,7 +285,9 @@ pub async fn join_process_group(
                 nccl::NcclCollective::join_over_nats(client, subject, rank, world_size, ordinal, timeout).await?;
             let abort = comm.abort_handle();
             let on_failure = move |reason: String| abort.abort(&format!("the watchdog lost the group: {reason}"));
-            let watchdog = watchdog::Watchdog::join(client, subject, rank, world_size, ip, timeout, on_failure).await?;
+            let channel = format!("{subject}.watchdog");
+            let channel = tcp::TcpCollective::join(client, &channel, rank, world_size, ip, timeout).await?;
+            let watchdog = watchdog::Watchdog::start(channel, on_failure)?;
             Ok(Arc::new(comm.watched_by(watchdog)))
         }
         other => Err(Error::Invalid(format!("no collective backend for device {other:?}"))),

@@ -16,7 +16,6 @@
 //! The ranks of a group live and leave together: a rank that drops its watchdog alone is, to
 //! the others, a lost rank.
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -59,23 +58,6 @@ impl Watchdog {
             .map_err(|e| Error::Invalid(format!("rank {rank}: starting the watchdog: {e}")))?;
         Ok(Self { stop })
     }
-
-    /// Forms the watchdog's channel of a group whose ranks find each other over NATS (on
-    /// `subject`.watchdog; rank 0 listens on `ip`) and starts watching it. A rank that stops
-    /// meeting without closing its connection is lost after `timeout`.
-    pub async fn join(
-        client: &async_nats::Client,
-        subject: &str,
-        rank: usize,
-        world_size: usize,
-        ip: IpAddr,
-        timeout: Duration,
-        on_failure: impl FnOnce(String) + Send + 'static,
-    ) -> Result<Self> {
-        let channel =
-            TcpCollective::join(client, &format!("{subject}.watchdog"), rank, world_size, ip, timeout).await?;
-        Self::start(channel, on_failure)
-    }
 }
 
 impl Drop for Watchdog {
@@ -88,6 +70,7 @@ impl Drop for Watchdog {
 mod tests {
     use super::*;
     use std::io::{BufRead, BufReader};
+    use std::net::IpAddr;
     use std::process::{Child, Command, Stdio};
     use std::sync::{Condvar, Mutex};
 
@@ -122,7 +105,8 @@ mod tests {
         let _watchdog = runtime.block_on(async {
             let client = async_nats::connect(nats_url()).await.unwrap();
             let ip: IpAddr = "127.0.0.1".parse().unwrap();
-            Watchdog::join(&client, &subject, rank, world, ip, GROUP_TIMEOUT, on_failure).await.unwrap()
+            let channel = TcpCollective::join(&client, &subject, rank, world, ip, GROUP_TIMEOUT).await.unwrap();
+            Watchdog::start(channel, on_failure).unwrap()
         });
         println!("ready");
         let (lock, signal) = &*aborted;

@@ -228,6 +228,23 @@ impl Backend {
         }
     }
 
+    /// [`Self::capture_graphs`] as a server starts: the batch sizes captured are logged and
+    /// counted, and on an error the backend runs eagerly (logged); returns how many were.
+    pub fn capture_graphs_or_run_eagerly(&mut self, max_num_seqs: usize, max_model_len: usize) -> usize {
+        let started = std::time::Instant::now();
+        match self.capture_graphs(max_num_seqs, max_model_len) {
+            Ok(buckets) => {
+                let seconds = started.elapsed().as_secs_f64();
+                tracing::info!(?buckets, seconds, "decode steps captured as CUDA graphs");
+                buckets.len()
+            }
+            Err(e) => {
+                tracing::warn!("CUDA graphs off, every step runs eagerly: {e}");
+                0
+            }
+        }
+    }
+
     /// `dir` split over `world` ranks on `device` (rank r on `cuda:N+r` for CUDA), each
     /// loading only its slices and holding a pool of `blocks` blocks of its KV heads.
     pub fn sharded(dir: &Path, world: usize, device: Device, kind: Kind, blocks: usize) -> Result<Self> {
@@ -380,6 +397,29 @@ impl Backend {
     pub fn keep_alive(&mut self) {
         if let Self::Group(g) = self {
             g.keep_alive();
+        }
+    }
+}
+
+/// Loads Keel's CUDA kernels for `model`'s device and dtype (see `keel_model::cuda`): a
+/// kernel that does not compile or does not match its tch path is logged and left off, and
+/// the model runs the tch path for it. Returns how many kernels run and how many are off.
+pub fn attach_kernels(model: &mut keel_model::CausalLm, device: tch::Device, kind: tch::Kind) -> (usize, usize) {
+    use keel_model::cuda::{Kernel, Kernels};
+    let all = Kernel::ALL.len();
+    match Kernels::load(device, &[kind]) {
+        Ok(kernels) => {
+            for (kernel, why) in kernels.fallbacks() {
+                tracing::warn!(kernel = kernel.name(), "CUDA kernel off, using the tch path: {why}");
+            }
+            let off = kernels.fallbacks().len();
+            tracing::info!(on = all - off, off, "CUDA kernels loaded");
+            model.use_kernels(std::sync::Arc::new(kernels));
+            (all - off, off)
+        }
+        Err(e) => {
+            tracing::warn!("CUDA kernels off, using the tch path: {e}");
+            (0, all)
         }
     }
 }

@@ -253,34 +253,21 @@ impl Errors {
     }
 }
 
-/// A small deterministic generator for the training data (no rand crate in keel-model).
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> i64 {
-        (self.next() % n) as i64
-    }
-}
-
 /// A language a model can learn in seconds and then predicts with confidence, as a trained
 /// model does (not the near-uniform distributions of random weights): each token is followed
 /// by one of three successors of its own, with probabilities 0.7, 0.2 and 0.1.
-fn bigram_text(rng: &mut SplitMix, vocab: i64, len: usize) -> Vec<i64> {
-    let mut text = vec![rng.below(vocab as u64)];
-    while text.len() < len {
+/// Drawn from tch's generator, which the test seeds.
+fn bigram_text(vocab: i64, len: usize) -> Vec<i64> {
+    let mut text = vec![tch::Tensor::randint(vocab, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0])];
+    let draws = Vec::<f64>::try_from(tch::Tensor::rand([len as i64], (Kind::Double, Device::Cpu))).unwrap();
+    for u in &draws[1..] {
         let t = text[text.len() - 1];
-        let pick = match rng.below(10) {
-            0..=6 => 0,
-            7..=8 => 1,
-            _ => 2,
+        let pick = if *u < 0.7 {
+            0
+        } else if *u < 0.9 {
+            1
+        } else {
+            2
         };
         text.push((t * 37 + 11 + pick * 101) % vocab);
     }
@@ -294,11 +281,10 @@ fn train_on_bigrams(model: &keel_model::CausalLm, steps: usize) -> f64 {
     let vocab = model.config().vocab_size;
     let device = model.device();
     let mut optimiser = tch::nn::AdamW::default().build(model.var_store(), 1e-2).unwrap();
-    let mut rng = SplitMix(7);
     let (batch, len) = (32usize, 64usize);
     let mut loss_value = f64::NAN;
     for step in 0..steps {
-        let ids: Vec<i64> = (0..batch).flat_map(|_| bigram_text(&mut rng, vocab, len)).collect();
+        let ids: Vec<i64> = (0..batch).flat_map(|_| bigram_text(vocab, len)).collect();
         let ids = tch::Tensor::from_slice(&ids).view([batch as i64, len as i64]).to_device(device);
         let logprobs = model.token_logprobs(&ids, &vec![len as i64; batch], 1.0).unwrap();
         let loss = -logprobs.sum(Kind::Float) / (batch * (len - 1)) as f64;
@@ -391,8 +377,7 @@ fn bf16_logprob_error_of_the_kernels_is_within_the_tch_paths() {
             assert!(loss.is_finite());
         }
         let prompts: Vec<usize> = (0..sequences).map(|p| 8 + p % 24).collect();
-        let mut rng = SplitMix(3);
-        let mut seqs: Vec<Vec<i64>> = prompts.iter().map(|&n| bigram_text(&mut rng, cfg.vocab_size, n)).collect();
+        let mut seqs: Vec<Vec<i64>> = prompts.iter().map(|&n| bigram_text(cfg.vocab_size, n)).collect();
         let blocks = |n: usize| n * (30 + new_tokens).div_ceil(keel_model::BLOCK_SIZE) + 1;
         let mut cache = PagedCache::new(&cfg, blocks(sequences), Kind::Float, device).unwrap();
         tch::manual_seed(13);
@@ -447,7 +432,6 @@ fn bf16_logprob_error_of_the_kernels_is_within_the_tch_paths() {
             model.set_kind(Kind::BFloat16).unwrap();
             let tch_bf16 = run(&model, false);
             row("bf16 tch", tch_bf16);
-            assert!(tch_bf16.within(&tch_bf16));
             // bf16 keeps 8 bits of mantissa: a logprob moves by a few hundredths, not more.
             assert!(tch_bf16.mean < 0.1, "{weights}: bf16 on the CPU: {tch_bf16:?}");
         }
