@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use async_nats::{Client, Message};
 use futures::StreamExt;
+use keel_protocol::agent::{AgentSessionClose, AgentSessionOpen, AgentSessionOpened};
 use keel_protocol::generator::{GeneratorCall, LoadModel, ModelLoaded, error_types};
 use keel_protocol::lease::{ClaimRequest, HeartbeatRequest, ReleaseRequest, Released};
 use keel_protocol::subjects::{GENERATOR_QUEUE_GROUP, GeneratorOp};
@@ -198,14 +199,38 @@ impl Generator {
             tensor_parallel_size: config.world_size(),
             kv_blocks: state.engine.stats.blocks_total.load(std::sync::atomic::Ordering::Relaxed),
             seconds: started.elapsed().as_secs_f64(),
+            base_url: self.serving.base_url().to_string(),
         };
         info!(run_id = %request.run_id, seconds = loaded.seconds, "the run's model is served");
         Ok(loaded)
     }
 
+    /// Opens an agent session for one sample of the run, on the run's model at the version
+    /// the run asks for or newer.
+    async fn agent_open(&self, request: AgentSessionOpen) -> Answer<AgentSessionOpened> {
+        let slot = self.slot.lock().await;
+        let run = slot.run.as_ref().filter(|run| run.run_id == request.run_id).ok_or_else(|| {
+            refuse(error_types::INVALID_REQUEST, format!("run {} has not loaded its model here", request.run_id))
+        })?;
+        let version = run.state.engine.weight_version();
+        if version < request.min_weight_version {
+            return Err(refuse(
+                error_types::STALE_WEIGHTS,
+                format!("this generator serves weights {version}, the session needs {}", request.min_weight_version),
+            ));
+        }
+        self.serving.sessions().open(&request).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+        Ok(AgentSessionOpened {
+            generator_id: self.id().to_string(),
+            base_url: self.serving.base_url().to_string(),
+            model: run.state.model_name.clone(),
+        })
+    }
+
     /// Stops serving the run's model (its rollouts in flight are abandoned) and drops it.
     async fn unload(&self, slot: &mut Slot) {
         if let Some(run) = slot.run.take() {
+            self.serving.sessions().close_run(&run.run_id);
             let _ = run.stop.send(());
             if let Err(e) = run.served.await {
                 warn!(run_id = %run.run_id, "serving the run's subjects failed: {e}");
@@ -311,6 +336,15 @@ impl Generator {
                 encode(self.op(payload, h, |me, _: HeartbeatRequest| async move { me.leases.heartbeat() }).await)
             }
             GeneratorOp::Load => encode(self.op(payload, h, |me, r: LoadModel| async move { me.load(r).await }).await),
+            GeneratorOp::AgentOpen => {
+                encode(self.op(payload, h, |me, r: AgentSessionOpen| async move { me.agent_open(r).await }).await)
+            }
+            GeneratorOp::AgentClose => encode(
+                self.op(payload, h, |me, r: AgentSessionClose| async move {
+                    me.serving.sessions().close(&r.run_id, &r.key).map_err(|e| refuse(error_types::INVALID_REQUEST, e))
+                })
+                .await,
+            ),
             GeneratorOp::Release => match parse::<ReleaseRequest>(payload) {
                 Ok(request) => encode(self.release(request, h).await),
                 Err(e) => encode::<Released>(Err(e)),

@@ -6,6 +6,8 @@
 //! - [`openai`]: `/v1/completions`, `/v1/chat/completions` (SSE streaming), `/v1/models`,
 //!   `/tokenize`, `/detokenize`, `/metrics`; OpenAI error objects; 429 when the queue is full;
 //!   the OpenAPI document (`ApiDoc`).
+//! - [`agent`]: agent sessions: keys scoped to one sample of a run, and the record of
+//!   every completion made under them, token for token.
 //! - [`claims`]: the generator as a run's: claimed (queue group `generator` on
 //!   `<prefix>.generator.claim` while free), loading the run's model, serving it, released
 //!   (or its lease running out), then back to its start-up model.
@@ -20,6 +22,7 @@
 //! Without a `model` configured the service starts with nothing loaded: `/healthz` answers,
 //! the OpenAI API answers 503 until a run claims the generator and has it load its model.
 
+pub mod agent;
 pub mod claims;
 pub mod error;
 pub mod fields;
@@ -113,6 +116,11 @@ pub struct Config {
     /// to 3.3). Unset: requests with tools are refused.
     #[serde(default)]
     pub tool_call_parser: Option<tools::ToolParser>,
+    /// The URL agents reach this generator's OpenAI API at (`/v1` is added): what a run's
+    /// agent environment is given. Default: the address it listens on (loopback for
+    /// `0.0.0.0`); set it when agents run on other hosts or in other containers.
+    #[serde(default)]
+    pub public_url: Option<String>,
 }
 
 impl keel_service::ServiceConfig for Config {
@@ -170,6 +178,11 @@ impl keel_service::ServiceConfig for Config {
         }
         keel_protocol::Subjects::new(&self.subject_prefix)
             .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
+        if let Some(url) = &self.public_url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return Err(FieldError::new("public_url", format!("`{url}` must be an http:// or https:// URL")));
+        }
         if self.api_key.as_deref() == Some("") {
             return Err(FieldError::new("api_key", "must not be empty (leave it unset for no key)"));
         }
@@ -216,6 +229,7 @@ pub fn default_config() -> Config {
         generator_id: None,
         max_lease_seconds: 3600.0,
         tool_call_parser: None,
+        public_url: None,
     }
 }
 
@@ -390,13 +404,18 @@ fn kv_cache_blocks(
 }
 
 /// What the OpenAI API serves now: the routes of the loaded model (the start-up model, or
-/// the model of the run holding the generator), or nothing while none is loaded.
+/// the model of the run holding the generator), or nothing while none is loaded; and the
+/// agent sessions open on it, with the base URL their agents are given.
 #[derive(Clone, Default)]
-pub struct Serving(Arc<std::sync::RwLock<Option<(axum::Router, openai::AppState)>>>);
+pub struct Serving {
+    routes: Arc<std::sync::RwLock<Option<(axum::Router, openai::AppState)>>>,
+    sessions: Arc<agent::Sessions>,
+    base_url: Arc<std::sync::OnceLock<String>>,
+}
 
 impl std::fmt::Debug for Serving {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let serving = self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let serving = self.routes.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         f.debug_struct("Serving").field("model", &serving.as_ref().map(|(_, state)| &state.model_name)).finish()
     }
 }
@@ -405,17 +424,33 @@ impl Serving {
     /// Serves `state` on the OpenAI API from now on (None: nothing).
     pub fn set(&self, state: Option<&openai::AppState>) {
         let routes = state.map(|state| (openai::routes(state.clone()), state.clone()));
-        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = routes;
+        *self.routes.write().unwrap_or_else(std::sync::PoisonError::into_inner) = routes;
     }
 
     fn current(&self) -> Option<axum::Router> {
-        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map(|(router, _)| router.clone())
+        self.routes.read().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map(|(router, _)| router.clone())
     }
 
     /// The engine statistics of the model served now.
     pub fn stats(&self) -> Option<Arc<keel_generation::engine::Stats>> {
-        let serving = self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let serving = self.routes.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         serving.as_ref().map(|(_, state)| state.engine.stats.clone())
+    }
+
+    /// The agent sessions open on this generator.
+    pub fn sessions(&self) -> &Arc<agent::Sessions> {
+        &self.sessions
+    }
+
+    /// The OpenAI API's base URL agents are given (`…/v1`; empty until the service knows
+    /// its address).
+    pub fn base_url(&self) -> &str {
+        self.base_url.get().map_or("", String::as_str)
+    }
+
+    /// Advertises the OpenAI API at `url` (`public_url`, or the address bound).
+    pub fn set_base_url(&self, url: &str) {
+        let _ = self.base_url.set(format!("{}/v1", url.trim_end_matches('/')));
     }
 
     /// The OpenAI API's routes, answered by whatever model is loaded when a request arrives
@@ -456,9 +491,22 @@ pub fn app(state: openai::AppState, api_key: Option<String>) -> axum::Router {
 }
 
 /// [`app`] for whatever `serving` serves when each request arrives.
+/// A request whose bearer token is an open agent session's key passes whatever `api_key`
+/// is, and carries the session ([`agent::SessionKey`]) to the handlers.
 pub fn serving_app(serving: Serving, api_key: Option<String>) -> axum::Router {
     let health = axum::Router::new().route("/health", axum::routing::get(|| async { axum::http::StatusCode::OK }));
-    keel_service::require_bearer(serving.routes(), api_key).merge(health).merge(keel_service::health_routes(SERVICE))
+    let sessions = serving.sessions.clone();
+    let session_key = move |request: &mut axum::extract::Request| {
+        let Some(key) = keel_service::request_bearer(request).filter(|key| sessions.is_open(key)) else {
+            return false;
+        };
+        let session = agent::SessionKey { key: key.to_string(), sessions: sessions.clone() };
+        request.extensions_mut().insert(session);
+        true
+    };
+    keel_service::require_bearer_or(serving.routes(), api_key, session_key)
+        .merge(health)
+        .merge(keel_service::health_routes(SERVICE))
 }
 
 /// Serves until `shutdown` completes: HTTP always (the OpenAI API for the model loaded);
@@ -499,6 +547,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         _ => None,
     };
     let serving = Serving::default();
+    let listener = keel_service::bind_http(config.listen).await.map_err(keel_service::Error::Http)?;
+    serving.set_base_url(&match &config.public_url {
+        Some(url) => url.clone(),
+        None => advertised(listener.local_addr().map_err(keel_service::Error::Http)?),
+    });
     let startup = match config.model.clone() {
         Some(dir) => {
             let loaded = load_blocking(config.clone(), dir, leading.clone()).await?;
@@ -523,9 +576,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         tracing::info!("no nats_url: serving HTTP only (no runs, rollouts or refits over NATS)");
     }
     let app = serving_app(serving, config.api_key.clone());
-    let http = keel_service::run_http(SERVICE, config.listen, app, parts.stopped());
+    let http = keel_service::run_http_on(SERVICE, listener, app, parts.stopped());
     parts.spawn("http", http);
     Ok(parts.run_until(shutdown).await?)
+}
+
+/// The URL of the address bound: a loopback one for an unspecified address (`0.0.0.0`),
+/// which only agents on this host reach; `public_url` says otherwise.
+fn advertised(addr: SocketAddr) -> String {
+    let ip = if addr.ip().is_unspecified() { std::net::Ipv4Addr::LOCALHOST.into() } else { addr.ip() };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
 }
 
 /// [`load`] on the blocking pool.

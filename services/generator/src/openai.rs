@@ -27,6 +27,7 @@ use keel_service::openapi::BearerAuth;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
+use crate::agent::{Admitted, Call, SessionKey};
 use crate::tools::ToolParser;
 use crate::wire::{self, *};
 use keel_generation::engine::Engine;
@@ -649,10 +650,15 @@ pub async fn completions(
         (status = 503, description = "The engine is not running (the reason is in the server's log)", body = ErrorResponse)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
+    session: Option<axum::Extension<SessionKey>>,
     ApiJson(body): ApiJson<ChatRequest>,
 ) -> ApiResult<Response> {
-    let (request, calls) = chat_request(&state, &body)?;
+    let (mut request, calls) = chat_request(&state, &body)?;
     let permit = state.admit(1)?;
+    let agent = match session {
+        Some(axum::Extension(session)) => Some(agent_call(&state, &body, &mut request, session)?),
+        None => None,
+    };
     let id = request_id("chatcmpl");
     if body.common.stream {
         let options = StreamSettings::of(&body.common, body.logprobs, true);
@@ -667,7 +673,17 @@ pub async fn chat_completions(
         Some(k) => Some(vllm_prompt_logprobs(&state, &prompt_ids, &score(&state, &prompt_ids, k).await?, k)),
         None => None,
     };
-    let samples = run_to_end(&state, request).await?;
+    let samples = match (run_to_end(&state, request).await, agent) {
+        (Ok(samples), Some((session, admitted, call))) => {
+            session.sessions.record(&session.key, &admitted, call, &samples[0]);
+            samples
+        }
+        (Err(e), Some((session, admitted, _))) => {
+            session.sessions.forget(&session.key, &admitted);
+            return Err(e);
+        }
+        (samples, None) => samples?,
+    };
     drop(permit);
     let choices = samples
         .iter()
@@ -706,6 +722,47 @@ pub async fn chat_completions(
         prompt_logprobs,
     })
     .into_response())
+}
+
+/// A chat call under an agent session's key ([`crate::agent`]): admitted under the session's
+/// limits, its prompt continuing the sampled ids of the session's previous call when its
+/// messages continue that call's, sampled with the session's settings.
+fn agent_call(
+    state: &AppState,
+    body: &ChatRequest,
+    request: &mut GenRequest,
+    session: SessionKey,
+) -> ApiResult<(SessionKey, Admitted, Call)> {
+    if body.common.stream {
+        return Err(ApiError::bad("an agent session's calls are not streamed: send stream false", Some("stream")));
+    }
+    if request.n != 1 {
+        return Err(ApiError::bad("an agent session's calls sample one choice each: send n 1", Some("n")));
+    }
+    let messages = plain_messages(&body.messages)?.as_array().cloned().unwrap_or_default();
+    let admitted = session.sessions.admit(&session.key).map_err(|why| ApiError::bad(why, None))?;
+    let call = admitted.prompt(messages, std::mem::take(&mut request.prompt), &state.limits.eos_token_ids);
+    let room = state.limits.max_model_len.saturating_sub(call.prompt.len());
+    if room == 0 {
+        session.sessions.forget(&session.key, &admitted);
+        let message = format!(
+            "the conversation is {} tokens, the model's whole context ({})",
+            call.prompt.len(),
+            state.limits.max_model_len
+        );
+        return Err(ApiError::bad(message, Some("messages")));
+    }
+    request.prompt = call.prompt.clone();
+    request.max_tokens = request.max_tokens.min(admitted.max_tokens).min(room);
+    let s = &admitted.sampling;
+    request.sampling = SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        min_p: s.min_p,
+        seed: admitted.seed.unwrap_or(request.sampling.seed),
+    };
+    Ok((session, admitted, call))
 }
 
 /// What a stream needs to know about its request.

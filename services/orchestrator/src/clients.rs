@@ -363,6 +363,12 @@ impl Generator {
 
     /// Has the generator load the run's model (as long as the configured request timeout).
     pub async fn load(&self, request: &LoadModel) -> Result<ModelLoaded, CallError> {
+        self.op(request).await
+    }
+
+    /// One operation on the generator, named by its request's type (the configured request
+    /// timeout).
+    pub async fn op<R: GeneratorCall>(&self, request: &R) -> Result<R::Reply, CallError> {
         self.call(request, self.0.nats.timeout).await
     }
 

@@ -25,6 +25,7 @@ async fn run(scorer: &Scorer, config: CodeConfig, code: &str, tests: Value) -> E
         messages: vec![Message::new("user", "write it"), Message::new("assistant", program(code))],
         metadata: json!({"tests": tests}),
         token_ids: None,
+        agent: None,
     };
     let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
     let mut reply = scorer.step(request).await.unwrap();
@@ -78,6 +79,7 @@ async fn feedback_mode_returns_the_report_as_an_observation() {
         messages: vec![Message::new("assistant", program("print(int(input()) ** 2)"))],
         metadata: first.metadata,
         token_ids: None,
+        agent: None,
     };
     let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
     let second = scorer.step(request).await.unwrap().results.remove(0);
@@ -196,6 +198,7 @@ async fn samples_without_tests_carry_an_error() {
         messages: vec![Message::new("assistant", "print(1)")],
         metadata: json!({"tests": [{"stdin": 3}]}),
         token_ids: None,
+        agent: None,
     };
     let request =
         EnvStepRequest { env: EnvConfig::Code(CodeConfig::default()), on_error: OnError::Zero, samples: vec![sample] };
@@ -279,8 +282,12 @@ async fn limits_above_the_ceilings_are_refused() {
         (CodeConfig { wall_seconds: 1e9, ..CodeConfig::default() }, "wall_seconds"),
         (CodeConfig { max_processes: 0, ..CodeConfig::default() }, "max_processes"),
     ] {
-        let sample =
-            EnvSample { messages: vec![Message::new("assistant", "print(1)")], metadata: json!({}), token_ids: None };
+        let sample = EnvSample {
+            messages: vec![Message::new("assistant", "print(1)")],
+            metadata: json!({}),
+            token_ids: None,
+            agent: None,
+        };
         let request = EnvStepRequest { env: EnvConfig::Code(config), on_error: OnError::Fail, samples: vec![sample] };
         match scorer.step(request).await {
             Err(keel_environments::scoring::Error::InvalidRequest(message)) => {

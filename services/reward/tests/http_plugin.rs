@@ -138,6 +138,7 @@ fn samples(n: usize) -> Vec<EnvSample> {
             ],
             metadata: json!({"ground_truth": if i % 2 == 0 { format!("{}", 2 * i) } else { "never".into() }}),
             token_ids: None,
+            agent: None,
         })
         .collect()
 }

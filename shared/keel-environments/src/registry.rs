@@ -66,6 +66,7 @@ fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Envi
         EnvConfig::Regex(c) => Arc::new(Blocking(Arc::new(envs::matching::RegexEnv::new(c)?))),
         EnvConfig::MultipleChoice(c) => Arc::new(Blocking(Arc::new(envs::matching::MultipleChoice::new(c)?))),
         EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone(), ctx.allow_private)?),
+        EnvConfig::Agent(c) => Arc::new(envs::agent::AgentEnv::new(c, ctx.http.clone(), ctx.allow_private)?),
         EnvConfig::RewardModel(c) => Arc::new(envs::reward_model::RewardModelEnv::new(
             c,
             ctx.nats.clone(),

@@ -106,8 +106,18 @@ impl Scorer {
     /// One environment step of every sample.
     pub async fn step(&self, request: EnvStepRequest) -> Result<EnvStepReply> {
         self.check_count(request.samples.len())?;
+        let agent = matches!(request.env, keel_protocol::reward::EnvConfig::Agent(_));
         for (i, sample) in request.samples.iter().enumerate() {
-            check_turn(i, &sample.messages)?;
+            if agent {
+                // The agent writes the model's turns itself: the sample is the task.
+                if sample.agent.is_none() {
+                    return Err(Error::InvalidRequest(format!(
+                        "samples[{i}].agent: an agent sample needs the endpoint and limits of its session"
+                    )));
+                }
+            } else {
+                check_turn(i, &sample.messages)?;
+            }
         }
         let span = tracing::info_span!("env_step", env = request.env.name(), samples = request.samples.len());
         self.run(&request.env, request.on_error, &request.samples).instrument(span).await
@@ -141,7 +151,7 @@ impl Scorer {
                         )));
                     }
                 };
-                Ok(EnvSample { messages, metadata: s.metadata, token_ids: s.token_ids })
+                Ok(EnvSample { messages, metadata: s.metadata, token_ids: s.token_ids, agent: None })
             })
             .collect::<Result<Vec<_>>>()?;
         let span = tracing::info_span!("score", env = request.env.name(), samples = samples.len());

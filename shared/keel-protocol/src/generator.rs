@@ -129,6 +129,9 @@ pub struct ModelLoaded {
     /// Blocks of the KV cache.
     pub kv_blocks: usize,
     pub seconds: f64,
+    /// The OpenAI API's base URL as the generator advertises it (`…/v1`), for agents.
+    #[serde(default)]
+    pub base_url: String,
 }
 
 /// An operation on a generator's own subjects, by its request type: the operation it is sent
@@ -156,6 +159,8 @@ generator_calls! {
     LoadModel => Load, ModelLoaded;
     crate::lease::HeartbeatRequest => Heartbeat, crate::lease::HeartbeatReply;
     crate::lease::ReleaseRequest => Release, crate::lease::Released;
+    crate::agent::AgentSessionOpen => AgentOpen, crate::agent::AgentSessionOpened;
+    crate::agent::AgentSessionClose => AgentClose, crate::agent::AgentTrajectory;
 }
 
 /// New policy weights to serve, at `version`: from memory (`weights`, a weights-only export

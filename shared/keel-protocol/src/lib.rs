@@ -9,6 +9,8 @@
 //! - [`reply`]: the `{"ok": ...}` / `{"error": {"type", "message"}}` reply envelope.
 //! - [`training`]: the training configuration (loss, optimiser, schedule, batching) with
 //!   validation that lists every problem with its field path.
+//! - [`agent`]: agent environments: the sessions a run opens on its generators for one
+//!   sample each, what the agent receives, and what the generator recorded under its key.
 //! - [`checkpoint`]: the checkpoint service's bodies and events.
 //! - [`generator`]: a generator's claim by a run and its load of the run's model, rollout
 //!   requests, and the weights-updated event.
@@ -21,6 +23,7 @@
 //! - [`trainer`]: the trainer worker's requests and replies (claim, load, logprobs, train,
 //!   score, save, heartbeat, release).
 
+pub mod agent;
 pub mod checkpoint;
 pub mod generator;
 pub mod lease;

@@ -76,6 +76,7 @@ pub enum EnvConfig {
     MultipleChoice(MultipleChoiceConfig),
     Http(HttpRewardConfig),
     RewardModel(RewardModelConfig),
+    Agent(AgentConfig),
 }
 
 impl EnvConfig {
@@ -89,6 +90,7 @@ impl EnvConfig {
             Self::MultipleChoice(_) => "multiple_choice",
             Self::Http(_) => "http",
             Self::RewardModel(_) => "reward_model",
+            Self::Agent(_) => "agent",
         }
     }
 
@@ -101,7 +103,7 @@ impl EnvConfig {
             }
             // Partial credit, or a reward per attempt with feedback.
             Self::Code(c) => c.all_or_nothing && !c.feedback,
-            Self::Http(_) | Self::RewardModel(_) => false,
+            Self::Http(_) | Self::RewardModel(_) | Self::Agent(_) => false,
         }
     }
 }
@@ -264,6 +266,8 @@ pub mod http_limits {
     pub const MAX_CONCURRENCY: usize = 1024;
     pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
     pub const MAX_BATCH: usize = 1024;
+    /// The most completions one sample's agent may ask for.
+    pub const MAX_AGENT_CALLS: u32 = 1024;
     /// What `authorization_env` must start with.
     pub const SECRET_PREFIX: &str = "KEEL_REWARD_SECRET_";
 }
@@ -330,6 +334,88 @@ impl Default for HttpRewardConfig {
     }
 }
 
+/// `agent`: the user's agent service, which drives the policy itself through the
+/// generator's OpenAI API for each sample and answers with its reward (contract:
+/// `openapi/agent.json`; see [`crate::agent`]). The tokens trained on are the ones the
+/// generator sampled under the sample's key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The agent's endpoint (`POST`, one sample per request).
+    pub url: String,
+    /// Completions one sample's agent may ask for.
+    pub max_calls: u32,
+    /// Tokens one sample's agent may have generated, over all its calls (0: no limit but
+    /// each call's own `max_tokens` and the run's `max_total_sequence_length`).
+    pub max_tokens: u64,
+    /// How long one sample's agent may take, from the request to its answer, milliseconds.
+    pub timeout_ms: u64,
+    /// Agents in flight from one reward replica.
+    pub max_concurrency: usize,
+    /// A larger reply is refused.
+    pub max_response_bytes: usize,
+    /// The `Authorization` header value sent to the agent (e.g. `Bearer abc`).
+    pub authorization: Option<String>,
+    /// Or: the reward service's environment variable holding it (its name must start with
+    /// `KEEL_REWARD_SECRET_`).
+    pub authorization_env: Option<String>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            url: String::new(),
+            max_calls: 16,
+            max_tokens: 0,
+            timeout_ms: 300_000,
+            max_concurrency: 64,
+            max_response_bytes: 1 << 20,
+            authorization: None,
+            authorization_env: None,
+        }
+    }
+}
+
+impl AgentConfig {
+    /// The HTTP call to the agent, as an `http` environment's: one attempt (an episode is not
+    /// repeated: the calls it made are already recorded), one sample a request.
+    pub fn http(&self) -> HttpRewardConfig {
+        HttpRewardConfig {
+            url: self.url.clone(),
+            timeout_ms: self.timeout_ms,
+            max_retries: 0,
+            max_concurrency: self.max_concurrency,
+            max_response_bytes: self.max_response_bytes,
+            authorization: self.authorization.clone(),
+            authorization_env: self.authorization_env.clone(),
+            batch_size: 1,
+            ..HttpRewardConfig::default()
+        }
+    }
+
+    /// What is wrong with it on its face (field paths relative to the environment).
+    pub fn problems(&self) -> Vec<FieldError> {
+        let mut problems = self.http().problems();
+        if !(1..=http_limits::MAX_AGENT_CALLS).contains(&self.max_calls) {
+            problems.push(FieldError::new(
+                "max_calls",
+                format!("must be 1 to {}, got {}", http_limits::MAX_AGENT_CALLS, self.max_calls),
+            ));
+        }
+        problems
+    }
+
+    /// The limits its samples get, `max_tokens` 0 meaning the run's longest sequence.
+    pub fn limits(&self, max_total_sequence_length: usize) -> crate::agent::AgentLimits {
+        let whole = max_total_sequence_length as u64;
+        crate::agent::AgentLimits {
+            max_calls: self.max_calls,
+            max_tokens: if self.max_tokens == 0 { whole } else { self.max_tokens },
+            timeout_seconds: self.timeout_ms as f64 / 1000.0,
+        }
+    }
+}
+
 /// `reward_model`: a Bradley–Terry model trained by Keel, loaded on a trainer worker the run
 /// has claimed; each sample's `token_ids` are scored there.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -355,6 +441,17 @@ pub struct EnvSample {
     /// The conversation's token ids, when the caller has them (`reward_model` needs them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<i64>>,
+    /// For `agent`: where the sample's agent reaches the policy, and its limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentSample>,
+}
+
+/// An `agent` sample's endpoint and limits (the run opened its session on a generator).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSample {
+    pub openai: crate::agent::AgentEndpoint,
+    pub limits: crate::agent::AgentLimits,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]

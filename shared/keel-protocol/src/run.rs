@@ -811,13 +811,12 @@ impl RunSpec {
                 let named = std::iter::once(("environments.default".to_string(), &envs.default))
                     .chain(envs.tasks.iter().map(|(task, env)| (format!("environments.tasks.{task}"), env)));
                 for (field, env) in named {
-                    if let EnvConfig::Http(http) = env {
-                        p.extend(
-                            http.problems()
-                                .into_iter()
-                                .map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)),
-                        );
-                    }
+                    let problems = match env {
+                        EnvConfig::Http(http) => http.problems(),
+                        EnvConfig::Agent(agent) => agent.problems(),
+                        _ => Vec::new(),
+                    };
+                    p.extend(problems.into_iter().map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)));
                 }
             }
             let g = &self.generation;

@@ -19,10 +19,15 @@ pub enum GeneratorOp {
     Load,
     Heartbeat,
     Release,
+    /// Open an agent session: a key scoped to one sample of the run.
+    AgentOpen,
+    /// Close an agent session and take what was generated under its key.
+    AgentClose,
 }
 
 impl GeneratorOp {
-    pub const ALL: [GeneratorOp; 4] = [Self::Claim, Self::Load, Self::Heartbeat, Self::Release];
+    pub const ALL: [GeneratorOp; 6] =
+        [Self::Claim, Self::Load, Self::Heartbeat, Self::Release, Self::AgentOpen, Self::AgentClose];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -30,6 +35,8 @@ impl GeneratorOp {
             Self::Load => "load",
             Self::Heartbeat => "heartbeat",
             Self::Release => "release",
+            Self::AgentOpen => "agent_open",
+            Self::AgentClose => "agent_close",
         }
     }
 

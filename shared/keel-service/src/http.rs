@@ -96,11 +96,23 @@ pub fn cookie<'r>(request: &'r Request, name: &str) -> Option<&'r str> {
 /// Wraps every route of `router` so that, when `token` is set, a request without
 /// `Authorization: Bearer <token>` gets 401 and a JSON error naming what to send.
 pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token: Option<String>) -> Router<S> {
+    require_bearer_or(router, token, |_| false)
+}
+
+/// [`require_bearer`], except that a request `admit` accepts (it may add to the request's
+/// extensions) passes whatever token it sends: the generator's keys scoped to one agent
+/// session.
+pub fn require_bearer_or<S, F>(router: Router<S>, token: Option<String>, admit: F) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(&mut Request) -> bool + Clone + Send + Sync + 'static,
+{
     let token = std::sync::Arc::new(token);
-    router.route_layer(axum::middleware::from_fn(move |request: Request, next: Next| {
+    router.route_layer(axum::middleware::from_fn(move |mut request: Request, next: Next| {
         let token = token.clone();
+        let admitted = admit(&mut request);
         async move {
-            if bearer_matches(&request, token.as_deref()) {
+            if admitted || bearer_matches(&request, token.as_deref()) {
                 next.run(request).await
             } else {
                 let sent = if request.headers().contains_key(axum::http::header::AUTHORIZATION) {
@@ -114,6 +126,11 @@ pub fn require_bearer<S: Clone + Send + Sync + 'static>(router: Router<S>, token
             }
         }
     }))
+}
+
+/// The token of the request's `Authorization: Bearer <token>`, if it sends one.
+pub fn request_bearer(request: &Request) -> Option<&str> {
+    request.headers().get(axum::http::header::AUTHORIZATION)?.to_str().ok().and_then(bearer_token)
 }
 
 async fn not_found(uri: Uri) -> ApiError {
@@ -136,15 +153,30 @@ pub async fn run_http(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {listen}: {e}")))?;
+    run_http_on(service, bind_http(listen).await?, app, shutdown).await
+}
+
+/// [`run_http`] on a listener already bound ([`bind_http`]).
+pub async fn run_http_on(
+    service: &str,
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "keel-{service} listening");
     println!("keel-{service} listening on http://{addr}");
     serve(listener, app.layer(axum::middleware::from_fn(observe)), shutdown).await?;
     tracing::info!("keel-{service} stopped");
     Ok(())
+}
+
+/// Binds `listen` (port 0: any free port), so that a service knows its address before it
+/// serves.
+pub async fn bind_http(listen: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(listen)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {listen}: {e}")))
 }
 
 /// Serves one request inside a server span named after its route (a child of the trace

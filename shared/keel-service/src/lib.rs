@@ -30,4 +30,7 @@ pub mod query;
 pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
 pub use entry::service_main;
 pub use error::{BulkError, Error, PathError, PostgresError, Result};
-pub use http::{ApiError, bearer_matches, cookie, health_routes, require_bearer, run_http, serve, token_matches};
+pub use http::{
+    ApiError, bearer_matches, bind_http, cookie, health_routes, request_bearer, require_bearer, require_bearer_or,
+    run_http, run_http_on, serve, token_matches,
+};

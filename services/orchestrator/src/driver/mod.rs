@@ -19,6 +19,7 @@
 //! from the checkpoint's info), and everything recorded after that step is forgotten first,
 //! so the steps done again are recorded once.
 
+pub mod agents;
 pub mod async_grpo;
 pub mod eval;
 pub mod grpo;

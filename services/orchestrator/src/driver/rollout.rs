@@ -215,7 +215,15 @@ pub async fn rollout(
         }
     }
     let mut timing = Timing::default();
+    if episodes.iter().any(|e| matches!(e.env, EnvConfig::Agent(_))) {
+        let started = Instant::now();
+        super::agents::roll_out(ctx, prompting, &mut episodes, settings, seed).await?;
+        timing.generation += super::seconds(started);
+    }
     for turn in 0..settings.max_turns {
+        if episodes.iter().all(|e| e.done) {
+            break;
+        }
         ctx.stop.check()?;
         let started = Instant::now();
         generate_turn(ctx, &mut episodes, settings, seed.wrapping_add(u64::from(turn) * 7919), turn == 0).await?;
@@ -358,6 +366,7 @@ async fn step_environments(
                         messages: episodes[i].messages.clone(),
                         metadata: episodes[i].metadata.clone(),
                         token_ids: Some(episodes[i].ids.clone()),
+                        agent: None,
                     })
                     .collect(),
             };

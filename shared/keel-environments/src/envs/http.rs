@@ -150,7 +150,7 @@ impl HttpEnv {
     }
 
     /// One call with retries.
-    async fn call<T: DeserializeOwned>(&self, body: &impl serde::Serialize) -> Result<T, SampleError> {
+    pub(crate) async fn call<T: DeserializeOwned>(&self, body: &impl serde::Serialize) -> Result<T, SampleError> {
         let body = serde_json::to_vec(body).map_err(|e| SampleError::new("invalid_sample", e.to_string()))?;
         let mut attempt = 0;
         let mut delays = self.delays();
@@ -281,7 +281,7 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 }
 
 /// A plugin's answer as a step result; the reward must be there (JSON numbers are finite).
-fn outcome(sample: &EnvSample, response: PluginResponse) -> Outcome {
+pub(crate) fn outcome(sample: &EnvSample, response: PluginResponse) -> Outcome {
     let rewards = response.rewards.unwrap_or_default();
     let reward = match response.reward {
         Some(r) => r,

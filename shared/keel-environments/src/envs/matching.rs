@@ -149,6 +149,7 @@ mod tests {
             messages: vec![Message::new("user", "q"), Message::new("assistant", response)],
             metadata,
             token_ids: None,
+            agent: None,
         }
     }
 

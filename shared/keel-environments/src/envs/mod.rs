@@ -1,8 +1,8 @@
 //! The environments: the [`Environment`] trait, the text helpers they share, and the
 //! built-in ones, one file each: [`math`], [`code`] (in the sandbox), [`puzzle`]
 //! (`sliding_puzzle`), [`matching`] (`exact_match`, `regex`, `multiple_choice`), [`http`]
-//! (the user's reward service) and [`reward_model`] (a Bradley–Terry model on a trainer
-//! worker).
+//! (the user's reward service), [`agent`] (the user's agent, which drives the policy itself)
+//! and [`reward_model`] (a Bradley–Terry model on a trainer worker).
 //!
 //! An [`Environment`] steps a whole batch at once (so an HTTP plugin can batch and the code
 //! sandbox can run samples side by side) and answers one [`Outcome`] per sample, in order.
@@ -11,6 +11,7 @@
 //! configuration is `registry`.
 
 pub mod addresses;
+pub mod agent;
 pub mod code;
 pub mod http;
 pub mod matching;

@@ -290,6 +290,7 @@ mod tests {
             messages: vec![Message::new("user", "solve"), Message::new("assistant", response)],
             metadata: metadata.clone(),
             token_ids: None,
+            agent: None,
         };
         env.step_one(&sample).unwrap()
     }
@@ -362,6 +363,7 @@ mod tests {
             messages: vec![Message::new("assistant", "<action>up</action>")],
             metadata: bad,
             token_ids: None,
+            agent: None,
         };
         assert!(env.step_one(&sample).unwrap_err().message.contains("metadata.board"));
     }

@@ -1,0 +1,240 @@
+//! Rollouts of `agent` environments: the user's agent drives the policy itself, through a
+//! generator's OpenAI API, under a key scoped to the sample.
+//!
+//! For each sample the run opens a session on one of its generators (in turn, so a sample's
+//! calls all reach one generator and reuse its prefix cache), has the reward service call the
+//! agent with the task, the generator's base URL and the key, then closes the session and
+//! takes the generator's record of every call: the sample trained on is the first call's
+//! prompt, then each call's sampled ids (loss mask 1) with whatever the next call's prompt
+//! adds between them (mask 0), token for token as sampled. A sample whose agent failed, timed
+//! out, went past a limit or did not continue one conversation is dropped (sample mask 0)
+//! with the reason in its `error`; the step goes on.
+
+use std::time::{Duration, Instant};
+
+use futures::future::{join_all, try_join_all};
+use keel_protocol::agent::{AgentSessionClose, AgentSessionOpen, AgentSessionOpened, AgentTrajectory};
+use keel_protocol::reward::{AgentSample, EnvConfig, EnvSample, EnvStepRequest, EnvStepResult, Message, OnError};
+
+use super::rollout::{Episode, Settings};
+use super::tokens::Prompting;
+use super::{Result, RunContext, Stop};
+use crate::clients::Generator;
+
+/// Samples per environment request.
+const AGENT_BATCH: usize = 64;
+
+/// How long a run waits for a generator to serve the weights a session needs.
+const REFIT_WAIT: Duration = Duration::from_secs(120);
+
+/// One sample's session.
+struct Opened {
+    episode: usize,
+    generator: Generator,
+    key: String,
+    endpoint: AgentSessionOpened,
+}
+
+/// Rolls out every live episode of an `agent` environment to its end.
+pub async fn roll_out(
+    ctx: &RunContext,
+    prompting: &Prompting,
+    episodes: &mut [Episode],
+    settings: &Settings,
+    seed: u64,
+) -> Result<()> {
+    let chosen: Vec<usize> =
+        (0..episodes.len()).filter(|&i| !episodes[i].done && matches!(episodes[i].env, EnvConfig::Agent(_))).collect();
+    if chosen.is_empty() {
+        return Ok(());
+    }
+    if ctx.generators.is_empty() {
+        return Err(Stop::Failed("an agent environment needs the run's generators".into()));
+    }
+    let max_len = ctx.spec.max_total_sequence_length;
+    let opens = chosen.iter().enumerate().map(|(k, &i)| {
+        let EnvConfig::Agent(config) = &episodes[i].env else { unreachable!("chosen as agent episodes") };
+        let request = AgentSessionOpen {
+            run_id: ctx.id.to_string(),
+            key: format!("keel-agent-{}", uuid::Uuid::new_v4().simple()),
+            limits: config.limits(max_len),
+            min_weight_version: settings.weights.1,
+            sampling: keel_protocol::generator::Sampling {
+                seed: Some(seed.wrapping_add(i as u64 * 104_729)),
+                ..settings.sampling.clone()
+            },
+        };
+        let generator = ctx.generators[k % ctx.generators.len()].clone();
+        async move {
+            let endpoint = open(ctx, &generator, &request, settings).await?;
+            Ok::<_, Stop>(Opened { episode: i, generator, key: request.key, endpoint })
+        }
+    });
+    let sessions = try_join_all(opens).await?;
+    let stepped = step(ctx, episodes, &sessions).await;
+    // Every session is closed, whatever the step did: its key stops working.
+    let closes = sessions.iter().map(|s| async {
+        let close = AgentSessionClose { run_id: ctx.id.to_string(), key: s.key.clone() };
+        s.generator.op(&close).await
+    });
+    let trajectories = join_all(closes).await;
+    let results = stepped?;
+    for ((session, trajectory), result) in sessions.iter().zip(trajectories).zip(results) {
+        let e = &mut episodes[session.episode];
+        let trajectory = trajectory
+            .map_err(|e| Stop::Failed(format!("generator {} lost an agent session: {e}", session.generator.id())))?;
+        finish(e, prompting, trajectory, result, max_len);
+    }
+    Ok(())
+}
+
+/// Opens `request`'s session on `generator`; one that does not serve the weights asked for
+/// yet refuses, the weights are announced again and the request retried.
+async fn open(
+    ctx: &RunContext,
+    generator: &Generator,
+    request: &AgentSessionOpen,
+    settings: &Settings,
+) -> Result<AgentSessionOpened> {
+    let deadline = Instant::now() + REFIT_WAIT;
+    loop {
+        match generator.op(request).await {
+            Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
+                ctx.stop.check()?;
+                ctx.weights.reannounce(&settings.weights.0, settings.weights.1).await?;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Err(e) => {
+                return Err(Stop::Failed(format!("generator {} cannot open an agent session: {e}", generator.id())));
+            }
+            Ok(opened) if opened.base_url.is_empty() => {
+                return Err(Stop::Failed(format!(
+                    "generator {} does not know the URL agents reach it at (set its public_url)",
+                    generator.id()
+                )));
+            }
+            Ok(opened) => return Ok(opened),
+        }
+    }
+}
+
+/// Runs each session's agent through the reward service; one result per session, in order.
+async fn step(ctx: &RunContext, episodes: &[Episode], sessions: &[Opened]) -> Result<Vec<EnvStepResult>> {
+    let mut calls = Vec::new();
+    // Samples of one environment configuration travel together.
+    let mut by_env: std::collections::BTreeMap<String, Vec<usize>> = std::collections::BTreeMap::new();
+    for (k, s) in sessions.iter().enumerate() {
+        by_env.entry(serde_json::to_string(&episodes[s.episode].env).unwrap_or_default()).or_default().push(k);
+    }
+    for members in by_env.into_values() {
+        for chunk in members.chunks(AGENT_BATCH) {
+            let env = episodes[sessions[chunk[0]].episode].env.clone();
+            let EnvConfig::Agent(config) = &env else { unreachable!("agent episodes") };
+            let samples = chunk
+                .iter()
+                .map(|&k| {
+                    let (s, e) = (&sessions[k], &episodes[sessions[k].episode]);
+                    EnvSample {
+                        messages: e.messages.clone(),
+                        metadata: e.metadata.clone(),
+                        token_ids: None,
+                        agent: Some(AgentSample {
+                            openai: keel_protocol::agent::AgentEndpoint {
+                                base_url: s.endpoint.base_url.clone(),
+                                api_key: s.key.clone(),
+                                model: s.endpoint.model.clone(),
+                            },
+                            limits: config.limits(ctx.spec.max_total_sequence_length),
+                        }),
+                    }
+                })
+                .collect();
+            // An agent that fails drops its sample, never the step.
+            calls.push((chunk.to_vec(), EnvStepRequest { env, on_error: OnError::Skip, samples }));
+        }
+    }
+    let replies = join_all(calls.iter().map(|(_, request)| ctx.nats.ask(request))).await;
+    let mut results: Vec<Option<EnvStepResult>> = vec![None; sessions.len()];
+    for ((members, _), reply) in calls.into_iter().zip(replies) {
+        let reply = reply?;
+        if reply.results.len() != members.len() {
+            return Err(Stop::Failed(format!(
+                "the reward service answered {} agent results for {}",
+                reply.results.len(),
+                members.len()
+            )));
+        }
+        for (k, result) in members.into_iter().zip(reply.results) {
+            results[k] = Some(result);
+        }
+    }
+    Ok(results.into_iter().map(|r| r.expect("every session is in one request")).collect())
+}
+
+/// The episode of one agent sample: its reward, and the trajectory its generator recorded.
+fn finish(e: &mut Episode, prompting: &Prompting, trajectory: AgentTrajectory, result: EnvStepResult, max_len: usize) {
+    e.done = true;
+    e.terminated = true;
+    e.reward = result.reward;
+    e.rewards = result.rewards;
+    e.info = result.info;
+    e.skipped = result.skipped;
+    e.error = result.error.map(|error| error.to_string());
+    let calls = &trajectory.calls;
+    e.turns = calls.len() as u32;
+    let dropped = match (&trajectory.violation, calls.iter().skip(1).position(|c| !c.continues)) {
+        _ if e.error.is_some() => None,
+        (Some(violation), _) => Some(format!("agent_limit: {violation}")),
+        _ if calls.is_empty() => Some("agent_no_calls: the agent made no completion under its key".to_string()),
+        (None, Some(k)) => Some(format!(
+            "agent_not_one_conversation: call {} does not continue the calls before it (its messages are not \
+             theirs followed by the model's turn, or the turn before did not end on its end-of-turn token)",
+            k + 2
+        )),
+        (None, None) => None,
+    };
+    if let Some(why) = dropped {
+        e.error = Some(why);
+        e.skipped = true;
+    }
+    if e.skipped {
+        e.reward = 0.0;
+        return;
+    }
+    e.ids = calls[0].prompt_token_ids.clone();
+    e.prompt_len = e.ids.len();
+    e.prompt_text = prompting.decode(&e.ids);
+    e.mask = vec![0.0; e.ids.len()];
+    e.gen_logprobs = vec![0.0; e.ids.len()];
+    e.turn_starts.clear();
+    e.generated = 0;
+    for (k, call) in calls.iter().enumerate() {
+        if k > 0 {
+            e.ids.extend_from_slice(&call.prompt_token_ids);
+            if !call.prompt_token_ids.is_empty() {
+                e.messages.push(Message::new("environment", prompting.decode(&call.prompt_token_ids)));
+            }
+        }
+        e.mask.resize(e.ids.len(), 0.0);
+        e.turn_starts.push(e.ids.len());
+        e.ids.extend_from_slice(&call.token_ids);
+        e.mask.resize(e.ids.len(), 1.0);
+        e.gen_logprobs.resize(e.turn_starts[k], 0.0);
+        e.gen_logprobs.extend_from_slice(&call.logprobs[..call.logprobs.len().min(call.token_ids.len())]);
+        e.gen_logprobs.resize(e.ids.len(), 0.0);
+        e.generated += call.token_ids.len();
+        e.messages.push(Message::new("assistant", prompting.decode(&call.token_ids)));
+    }
+    let last = calls.last().expect("a trajectory with calls");
+    e.finish_reason = last.finish_reason.clone();
+    e.truncated = last.finish_reason == "length";
+    if e.ids.len() > max_len {
+        e.ids.truncate(max_len);
+        e.mask.truncate(max_len);
+        e.gen_logprobs.truncate(max_len);
+        e.truncated = true;
+    }
+    // One reward for the whole episode, at its last turn (every turn's reward-to-go).
+    e.turn_rewards = vec![0.0; calls.len()];
+    e.turn_rewards[calls.len() - 1] = e.reward;
+}
