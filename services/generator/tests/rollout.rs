@@ -41,6 +41,8 @@ struct Serving {
     client: async_nats::Client,
     subjects: Subjects,
     http: Http,
+    /// The OpenAI API (key `secret`), served from `http`.
+    url: String,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<keel_generator::Result<()>>,
 }
@@ -63,12 +65,20 @@ impl Serving {
         // Loads and refits may read the directory the test's models are in.
         let roots = keel_service::paths::PathRoots::new(&[dir.parent().unwrap().to_path_buf()], "path_roots").unwrap();
         let http = Http::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        http.set_base_url(&url);
+        tokio::spawn(keel_service::serve(
+            listener,
+            keel_generator::serving_app(http.clone(), Some("secret".into())),
+            std::future::pending(),
+        ));
         let generator =
             claims::Generator::new(client.clone(), subjects.clone(), &config, roots, http.clone(), None, None);
         let server = tokio::spawn(generator.serve(async move {
             let _ = stopped.await;
         }));
-        let serving = Self { client, subjects, http, stop, server };
+        let serving = Self { client, subjects, http, url, stop, server };
         serving.claim_and_load(dir).await;
         serving
     }
@@ -296,5 +306,127 @@ async fn a_retry_with_the_same_request_id_joins_the_rollout_under_way() {
     let again = ask(request).await;
     assert!(again.get("ok").is_some());
     assert_eq!(stats.requests_finished.load(Ordering::Relaxed) - before, 2);
+    serving.stop().await;
+}
+
+impl Serving {
+    /// Generator `g1`'s reply to `op` for run `r1`'s holder.
+    async fn op(&self, op: keel_protocol::subjects::GeneratorOp, body: Value) -> Value {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(keel_protocol::lease::HOLDER_HEADER, "h1");
+        let subject = self.subjects.generator("g1", op);
+        let reply = self.client.request_with_headers(subject, headers, body.to_string().into()).await.unwrap();
+        serde_json::from_slice(&reply.payload).unwrap()
+    }
+
+    async fn open_session(&self, key: &str, seed: u64, max_calls: u32) -> Value {
+        let limits = json!({"max_calls": max_calls, "max_tokens": 200, "timeout_seconds": 60.0});
+        let sampling = json!({"temperature": 1.0, "seed": seed});
+        let body = json!({"run_id": "r1", "key": key, "limits": limits, "sampling": sampling});
+        self.op(keel_protocol::subjects::GeneratorOp::AgentOpen, body).await
+    }
+
+    async fn close_session(&self, key: &str) -> Value {
+        self.op(keel_protocol::subjects::GeneratorOp::AgentClose, json!({"run_id": "r1", "key": key})).await
+    }
+
+    /// `POST /v1/chat/completions` with `key` as the bearer token: the status and body.
+    async fn chat(&self, key: &str, body: Value) -> (u16, Value) {
+        let response = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", self.url))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (response.status().as_u16(), response.json().await.unwrap())
+    }
+}
+
+fn ids(value: &Value) -> Vec<i64> {
+    value.as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect()
+}
+
+/// An agent's calls under a session's key are recorded as sampled. The agent sends the
+/// model's turn back as text, and the chat template's rendering of that text tokenises into
+/// other ids than the model sampled (a case found by sampling until one comes up): the next
+/// call's prompt is the first call's prompt and sampled ids as they were, then the rendering's
+/// new part; the record the run trains on holds, call by call, exactly the ids each response
+/// reported. The key works only while its session is open, and a call past `max_calls` is
+/// refused and reported with the record.
+#[tokio::test]
+async fn an_agent_session_records_the_ids_sampled_where_the_conversation_retokenises() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = model(dir.path(), "m", Preset::Tiny, 7);
+    let serving = Serving::start(&first, 256).await;
+    let tokenizer = keel_model::Tokenizer::load(&first).unwrap();
+    let end = i64::from(tokenizer.encode(keel_model::init::IM_END, false).unwrap()[0]);
+    let user = json!({"role": "user", "content": "what is six times seven"});
+    let (status, refused) = serving.chat("keel-agent-nobody", json!({"model": "r1", "messages": [user]})).await;
+    assert_eq!(status, 401, "a key with no session is refused: {refused}");
+    let mut found = false;
+    for seed in 0..60u64 {
+        let key = format!("keel-agent-test-{seed}");
+        let opened = serving.open_session(&key, seed, 4).await;
+        assert!(opened["ok"]["base_url"].as_str().unwrap().ends_with("/v1"), "{opened}");
+        assert_eq!(opened["ok"]["model"], "r1", "{opened}");
+        // A short turn that ends on the end-of-turn token; the agent's own sampling settings
+        // (temperature 0 here) give way to the session's.
+        let ask = json!({"model": "r1", "messages": [user], "max_tokens": 10, "min_tokens": 2, "temperature": 0.0,
+            "logit_bias": {end.to_string(): 6}, "return_token_ids": true});
+        let (status, first_reply) = serving.chat(&key, ask).await;
+        assert_eq!(status, 200, "{first_reply}");
+        let sampled = ids(&first_reply["choices"][0]["token_ids"]);
+        let prompt = ids(&first_reply["prompt_token_ids"]);
+        let content = first_reply["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        let said = json!({"role": "assistant", "content": content});
+        let rendered = tokenizer.apply_chat_template(&json!([user, said]), false).unwrap();
+        let rendered: Vec<i64> = tokenizer.encode(&rendered, false).unwrap().into_iter().map(i64::from).collect();
+        let sampled_turn = [prompt.clone(), sampled.clone()].concat();
+        if sampled.last() != Some(&end) || rendered.starts_with(&sampled_turn) {
+            // Not the case wanted: the turn did not end on its token, or it tokenises back as sampled.
+            serving.close_session(&key).await;
+            continue;
+        }
+        found = true;
+        let again = json!({"role": "user", "content": "check it"});
+        let (status, second_reply) = serving
+            .chat(&key, json!({"model": "r1", "messages": [user, said, again], "max_tokens": 6, "return_token_ids": true}))
+            .await;
+        assert_eq!(status, 200, "{second_reply}");
+        let second_prompt = ids(&second_reply["prompt_token_ids"]);
+        assert!(
+            second_prompt.starts_with(&sampled_turn),
+            "the model continues from the ids it sampled, not from the rendering {rendered:?}: {second_prompt:?}"
+        );
+        let record = serving.close_session(&key).await;
+        let calls = record["ok"]["calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 2, "{record}");
+        assert_eq!(ids(&calls[0]["token_ids"]), sampled);
+        assert_eq!(ids(&calls[0]["prompt_token_ids"]), prompt);
+        assert_eq!(calls[1]["continues"], true, "{record}");
+        assert_eq!(calls[1]["respliced"], true, "{record}");
+        assert_eq!([sampled_turn.clone(), ids(&calls[1]["prompt_token_ids"])].concat(), second_prompt);
+        assert_eq!(ids(&calls[1]["token_ids"]), ids(&second_reply["choices"][0]["token_ids"]));
+        for call in calls {
+            assert_eq!(call["logprobs"].as_array().unwrap().len(), call["token_ids"].as_array().unwrap().len());
+        }
+        assert_eq!(record["ok"]["violation"], Value::Null);
+        let (status, _) = serving.chat(&key, json!({"model": "r1", "messages": [user]})).await;
+        assert_eq!(status, 401, "a closed session's key is refused");
+        break;
+    }
+    assert!(found, "no seed gave a turn that re-tokenises differently");
+
+    let opened = serving.open_session("keel-agent-limited", 1, 1).await;
+    assert!(opened["ok"].is_object(), "{opened}");
+    let ask = json!({"model": "r1", "messages": [user], "max_tokens": 4});
+    assert_eq!(serving.chat("keel-agent-limited", ask.clone()).await.0, 200);
+    let (status, over) = serving.chat("keel-agent-limited", ask).await;
+    assert_eq!(status, 400, "{over}");
+    assert!(over["error"]["message"].as_str().unwrap().contains("max_calls (1)"), "{over}");
+    let record = serving.close_session("keel-agent-limited").await;
+    assert_eq!(record["ok"]["calls"].as_array().unwrap().len(), 1, "{record}");
+    assert!(record["ok"]["violation"].as_str().unwrap().contains("max_calls"), "{record}");
     serving.stop().await;
 }

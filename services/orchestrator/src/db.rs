@@ -468,8 +468,9 @@ pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Samp
         let count = |n: Option<u64>| n.map(|n| n.min(i64::MAX as u64) as i64);
         sqlx::query(
             "INSERT INTO samples (run_id, step, split, idx, prompt, completion, reward, ground_truth, finish_reason, \
-             rewards, info, turns, num_prompt_tokens, num_generated_tokens, num_tokens, truncated) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ON CONFLICT DO NOTHING",
+             rewards, info, turns, num_prompt_tokens, num_generated_tokens, num_tokens, truncated, error, dropped) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+             ON CONFLICT DO NOTHING",
         )
         .bind(run_id)
         .bind(s.step as i64)
@@ -487,6 +488,8 @@ pub async fn insert_samples(db: &mut PgConnection, run_id: Uuid, samples: &[Samp
         .bind(count(s.num_generated_tokens))
         .bind(count(s.num_tokens))
         .bind(s.truncated)
+        .bind(s.error.as_deref().map(storable))
+        .bind(s.dropped)
         .execute(&mut *db)
         .await?;
     }
@@ -532,7 +535,7 @@ pub async fn samples(
 ) -> sqlx::Result<Vec<Sample>> {
     let rows = sqlx::query(
         "SELECT step, split, prompt, completion, reward, ground_truth, finish_reason, rewards, info, turns, \
-         num_prompt_tokens, num_generated_tokens, num_tokens, truncated FROM samples \
+         num_prompt_tokens, num_generated_tokens, num_tokens, truncated, error, dropped FROM samples \
          WHERE run_id = $1 AND ($2::bigint IS NULL OR step = $2) AND ($3::text IS NULL OR split = $3) \
          ORDER BY step DESC, split, idx LIMIT $4",
     )
@@ -560,6 +563,8 @@ pub async fn samples(
                 num_generated_tokens: count(row.try_get("num_generated_tokens")?),
                 num_tokens: count(row.try_get("num_tokens")?),
                 truncated: row.try_get("truncated")?,
+                error: row.try_get("error")?,
+                dropped: row.try_get("dropped")?,
             })
         })
         .collect()

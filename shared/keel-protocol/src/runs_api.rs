@@ -135,6 +135,13 @@ pub struct Sample {
     /// Cut at the maximum sequence length (or the last turn ran out of new tokens).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub truncated: Option<bool>,
+    /// Why scoring the sample failed (its environment's error: a plugin that did not answer,
+    /// an agent that timed out, went past a limit or did not keep to one conversation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Left out of training (sample mask 0) for that error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]

@@ -201,30 +201,17 @@ fn finish(e: &mut Episode, prompting: &Prompting, trajectory: AgentTrajectory, r
         e.reward = 0.0;
         return;
     }
-    e.ids = calls[0].prompt_token_ids.clone();
-    e.prompt_len = e.ids.len();
-    e.prompt_text = prompting.decode(&e.ids);
-    e.mask = vec![0.0; e.ids.len()];
-    e.gen_logprobs = vec![0.0; e.ids.len()];
-    e.turn_starts.clear();
-    e.generated = 0;
+    let sequence = Sequence::of(calls);
+    e.prompt_len = calls[0].prompt_token_ids.len();
+    e.prompt_text = prompting.decode(&calls[0].prompt_token_ids);
+    e.generated = calls.iter().map(|c| c.token_ids.len()).sum();
     for (k, call) in calls.iter().enumerate() {
-        if k > 0 {
-            e.ids.extend_from_slice(&call.prompt_token_ids);
-            if !call.prompt_token_ids.is_empty() {
-                e.messages.push(Message::new("environment", prompting.decode(&call.prompt_token_ids)));
-            }
+        if k > 0 && !call.prompt_token_ids.is_empty() {
+            e.messages.push(Message::new("environment", prompting.decode(&call.prompt_token_ids)));
         }
-        e.mask.resize(e.ids.len(), 0.0);
-        e.turn_starts.push(e.ids.len());
-        e.ids.extend_from_slice(&call.token_ids);
-        e.mask.resize(e.ids.len(), 1.0);
-        e.gen_logprobs.resize(e.turn_starts[k], 0.0);
-        e.gen_logprobs.extend_from_slice(&call.logprobs[..call.logprobs.len().min(call.token_ids.len())]);
-        e.gen_logprobs.resize(e.ids.len(), 0.0);
-        e.generated += call.token_ids.len();
         e.messages.push(Message::new("assistant", prompting.decode(&call.token_ids)));
     }
+    (e.ids, e.mask, e.gen_logprobs, e.turn_starts) = (sequence.ids, sequence.mask, sequence.logprobs, sequence.turn_starts);
     let last = calls.last().expect("a trajectory with calls");
     e.finish_reason = last.finish_reason.clone();
     e.truncated = last.finish_reason == "length";
@@ -237,4 +224,70 @@ fn finish(e: &mut Episode, prompting: &Prompting, trajectory: AgentTrajectory, r
     // One reward for the whole episode, at its last turn (every turn's reward-to-go).
     e.turn_rewards = vec![0.0; calls.len()];
     e.turn_rewards[calls.len() - 1] = e.reward;
+}
+
+/// One conversation's calls as the sequence trained on.
+#[derive(Debug, PartialEq)]
+struct Sequence {
+    ids: Vec<i64>,
+    /// 1 on the sampled ids.
+    mask: Vec<f32>,
+    /// Each sampled id's logprob as the generator reported it (0 elsewhere).
+    logprobs: Vec<f32>,
+    /// Where each call's sampled ids start.
+    turn_starts: Vec<usize>,
+}
+
+impl Sequence {
+    /// The first call's prompt, then each call's sampled ids after what its prompt adds to
+    /// the call before (every call after the first continues it).
+    fn of(calls: &[keel_protocol::agent::AgentCall]) -> Self {
+        let mut s = Self { ids: Vec::new(), mask: Vec::new(), logprobs: Vec::new(), turn_starts: Vec::new() };
+        for call in calls {
+            s.ids.extend_from_slice(&call.prompt_token_ids);
+            s.mask.resize(s.ids.len(), 0.0);
+            s.logprobs.resize(s.ids.len(), 0.0);
+            s.turn_starts.push(s.ids.len());
+            s.ids.extend_from_slice(&call.token_ids);
+            s.mask.resize(s.ids.len(), 1.0);
+            s.logprobs.extend_from_slice(&call.logprobs[..call.logprobs.len().min(call.token_ids.len())]);
+            s.logprobs.resize(s.ids.len(), 0.0);
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_protocol::agent::AgentCall;
+
+    fn call(continues: bool, prompt: &[i64], tokens: &[i64]) -> AgentCall {
+        AgentCall {
+            continues,
+            prompt_token_ids: prompt.to_vec(),
+            token_ids: tokens.to_vec(),
+            logprobs: tokens.iter().map(|&t| -(t as f32) / 10.0).collect(),
+            weight_version: 3,
+            finish_reason: "stop".into(),
+            respliced: false,
+        }
+    }
+
+    #[test]
+    fn the_sequence_trained_on_is_the_ids_sampled_call_by_call() {
+        // Call 1 sampled 5 6 9; call 2's prompt adds 7 8 (a tool's answer) and it samples 4 9.
+        let calls = [call(false, &[1, 2, 3], &[5, 6, 9]), call(true, &[7, 8], &[4, 9])];
+        let s = Sequence::of(&calls);
+        assert_eq!(s.ids, vec![1, 2, 3, 5, 6, 9, 7, 8, 4, 9]);
+        assert_eq!(s.mask, vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]);
+        assert_eq!(s.turn_starts, vec![3, 8]);
+        for (call, &start) in calls.iter().zip(&s.turn_starts) {
+            let end = start + call.token_ids.len();
+            assert_eq!(&s.ids[start..end], call.token_ids.as_slice(), "each call's ids, as sampled");
+            assert_eq!(&s.logprobs[start..end], call.logprobs.as_slice(), "and their logprobs");
+        }
+        assert_eq!(s.logprobs[..3], [0.0; 3]);
+        assert_eq!(s.logprobs[6..8], [0.0; 2]);
+    }
 }

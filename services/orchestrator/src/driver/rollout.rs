@@ -99,6 +99,8 @@ impl Episode {
             num_generated_tokens: Some(self.mask.iter().filter(|&&m| m > 0.0).count() as u64),
             num_tokens: Some(self.ids.len() as u64),
             truncated: Some(self.truncated),
+            error: self.error.clone(),
+            dropped: Some(self.skipped),
         }
     }
 }
