@@ -41,6 +41,7 @@ struct Session {
     run_id: String,
     limits: AgentLimits,
     sampling: Sampling,
+    max_call_tokens: usize,
     deadline: Instant,
     calls: Vec<Recorded>,
     /// Calls admitted (recorded or still running).
@@ -77,7 +78,8 @@ pub struct Admitted {
     pub sampling: Sampling,
     /// The seed of this call (the session's seed, advanced per call), if the run gave one.
     pub seed: Option<u64>,
-    /// Tokens left in the session's budget.
+    /// Tokens this call may generate: what is left of the session's budget, at most the
+    /// run's tokens per call.
     pub max_tokens: usize,
     /// The previous call's messages, and its prompt and sampled ids together.
     previous: Option<(Vec<Value>, Vec<i64>)>,
@@ -109,6 +111,7 @@ impl Sessions {
             run_id: request.run_id.clone(),
             limits,
             sampling: request.sampling.clone(),
+            max_call_tokens: request.max_call_tokens,
             deadline: Instant::now() + Duration::from_secs_f64(limits.timeout_seconds.min(86_400.0)),
             calls: Vec::new(),
             admitted: 0,
@@ -158,21 +161,17 @@ impl Sessions {
             let why = format!("the sample's agent used all of its max_tokens ({})", limits.max_tokens);
             return Err(violation(session, why));
         }
+        let whole = usize::try_from(left).unwrap_or(usize::MAX);
+        let max_tokens = if session.max_call_tokens == 0 { whole } else { session.max_call_tokens.min(whole) };
         session.admitted += 1;
-        session.tokens += left;
+        session.tokens += max_tokens as u64;
         let seed = session.sampling.seed.map(|seed| seed.wrapping_add(u64::from(session.admitted) * 7_919));
         let previous = session.calls.last().map(|call| {
             let mut ids = call.prompt.clone();
             ids.extend_from_slice(&call.tokens);
             (call.messages.clone(), ids)
         });
-        Ok(Admitted {
-            sampling: session.sampling.clone(),
-            seed,
-            max_tokens: usize::try_from(left).unwrap_or(usize::MAX),
-            previous,
-            promised: left,
-        })
+        Ok(Admitted { sampling: session.sampling.clone(), seed, max_tokens, previous, promised: max_tokens as u64 })
     }
 
     /// Gives back what an admitted call promised and did not use (it failed before sampling).
@@ -301,6 +300,7 @@ mod tests {
             limits,
             min_weight_version: 0,
             sampling: Sampling::default(),
+            max_call_tokens: 0,
         };
         sessions.open(&request).unwrap();
     }

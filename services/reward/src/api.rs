@@ -5,7 +5,8 @@
 //! `Retry-After` when too many requests are in flight.
 //!
 //! [`ApiDoc`] generates `openapi/reward.json`; [`plugin_document`] generates
-//! `openapi/reward-plugin.json`, the contract a user's reward service implements.
+//! `openapi/reward-plugin.json`, the contract a user's reward service implements;
+//! [`agent_document`] `openapi/agent.json`, the contract of a user's agent service.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -210,6 +211,48 @@ pub fn plugin_document() -> utoipa::openapi::OpenApi {
                 .title("Keel reward plugin")
                 .version(env!("CARGO_PKG_VERSION"))
                 .description(Some("What a user's own reward service implements for Keel's `http` environment."))
+                .build(),
+        )
+        .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, operation)))
+        .build();
+    doc.components = Schemas::openapi().components;
+    doc
+}
+
+/// The contract of a user's agent service: `POST` to the `agent` environment's URL.
+pub fn agent_document() -> utoipa::openapi::OpenApi {
+    use keel_protocol::agent::{AgentEndpoint, AgentLimits, AgentRequest};
+    use keel_protocol::reward::Message;
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    use utoipa::openapi::request_body::RequestBodyBuilder;
+    use utoipa::openapi::{ContentBuilder, InfoBuilder, OpenApiBuilder, PathsBuilder, Ref, ResponseBuilder};
+
+    let content = |name: &str| ContentBuilder::new().schema(Some(Ref::from_schema_name(name))).build();
+    let operation = OperationBuilder::new()
+        .summary(Some("Run one sample's episode"))
+        .description(Some(
+            "Keel sends one AgentRequest per sample: the task (messages, metadata), the OpenAI-compatible endpoint of the policy for this sample only (`openai.base_url`, `openai.api_key` as the bearer token, `openai.model`) and its limits. The agent calls `POST {base_url}/chat/completions` (not streamed, n 1) as often as it likes within the limits; the generator samples with the run's settings, whatever the agent asks, and records every call's token ids. The agent answers a PluginResponse: `reward`, or named `rewards` whose sum is the reward, and `info`. There is one attempt: a status other than 200, malformed JSON, no answer within the limit's time, a call past a limit, or calls that are not one conversation (each call's messages the previous call's, then the model's turn, then anything) drop the sample from training, with the reason recorded in the run's samples. A `traceparent` header is sent; passing it on with the calls puts them in the step's trace.",
+        ))
+        .request_body(Some(
+            RequestBodyBuilder::new()
+                .content("application/json", content("AgentRequest"))
+                .required(Some(utoipa::openapi::Required::True))
+                .build(),
+        ))
+        .response(
+            "200",
+            ResponseBuilder::new().description("The sample's reward").content("application/json", content("PluginResponse")),
+        )
+        .build();
+    #[derive(OpenApi)]
+    #[openapi(components(schemas(AgentRequest, AgentEndpoint, AgentLimits, Message, PluginResponse)))]
+    struct Schemas;
+    let mut doc = OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("Keel agent")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some("What a user's own agent service implements for Keel's `agent` environment."))
                 .build(),
         )
         .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, operation)))

@@ -228,4 +228,13 @@ fn the_committed_openapi_documents_match_the_code() {
     assert!(value["paths"]["/"]["post"]["requestBody"].is_object());
     assert!(value["components"]["schemas"].get("PluginResponse").is_some());
     check_document("reward-plugin.json", plugin);
+    let agent = serde_json::to_string_pretty(&keel_service::openapi::document(&keel_reward::api::agent_document()))
+        .unwrap()
+        + "\n";
+    let value: Value = serde_json::from_str(&agent).unwrap();
+    assert!(value["paths"]["/"]["post"]["requestBody"].is_object());
+    for schema in ["AgentRequest", "AgentEndpoint", "AgentLimits", "PluginResponse"] {
+        assert!(value["components"]["schemas"].get(schema).is_some(), "{schema} is not documented");
+    }
+    check_document("agent.json", agent);
 }

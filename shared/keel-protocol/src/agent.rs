@@ -72,6 +72,10 @@ pub struct AgentSessionOpen {
     /// logprobs recorded are of the distribution the trainer scores.
     #[serde(default)]
     pub sampling: crate::generator::Sampling,
+    /// The most tokens one call may generate (the run's `generation.max_new_tokens`; 0: no
+    /// limit but the session's).
+    #[serde(default)]
+    pub max_call_tokens: usize,
 }
 
 /// Where the agent of the session reaches this generator.

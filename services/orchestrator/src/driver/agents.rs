@@ -63,6 +63,7 @@ pub async fn roll_out(
                 seed: Some(seed.wrapping_add(i as u64 * 104_729)),
                 ..settings.sampling.clone()
             },
+            max_call_tokens: settings.max_new_tokens,
         };
         let generator = ctx.generators[k % ctx.generators.len()].clone();
         async move {

@@ -1,0 +1,151 @@
+//! Agent environments end to end: the five services as processes and the example agent
+//! (`examples/agent/agent.py`, the official `openai` client with a calculator tool) as the
+//! user would run it; the example spec trains through it as written, and agents that fail,
+//! time out, go past a limit or leave their conversation drop only their own samples, each
+//! with its reason in the run's samples.
+
+#![allow(clippy::unwrap_used)]
+
+mod stack;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use stack::Stack;
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")
+}
+
+/// The example agent on a free port, stopped however the test ends.
+struct Agent {
+    child: Child,
+    url: String,
+}
+
+impl Agent {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let python = std::env::var("KEEL_PYTHON").unwrap_or_else(|_| "python3".into());
+        let child = Command::new(python)
+            .arg(examples().join("agent/agent.py"))
+            .args(["--port", &port.to_string(), "--faults", "--max-turns", "2"])
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "the agent did not start listening");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Self { child, url: format!("http://127.0.0.1:{port}/") }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn stack() -> Stack {
+    Stack::start_with(&[
+        ("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true"),
+        ("KEEL_GENERATOR__TOOL_CALL_PARSER", "hermes"),
+    ])
+}
+
+async fn samples(stack: &Stack, id: &str) -> Vec<Value> {
+    stack.get(&format!("/v1/runs/{id}/samples?split=train&limit=200")).await["samples"].as_array().unwrap().clone()
+}
+
+/// `keel run submit examples/agent/grpo.yaml`, as its comment says, for two steps: the run
+/// succeeds, its rewards and turns are recorded, and each sample's turns are the model's.
+#[tokio::test]
+async fn the_example_agent_trains_as_written() {
+    let stack = stack();
+    let agent = Agent::start();
+    let output = Command::new(keel_testkit::binary("keel"))
+        .args(["run", "submit", examples().join("agent/grpo.yaml").to_str().unwrap()])
+        .env("KEEL_API_URL", stack.api())
+        .envs([("MODEL_DIR", stack.model.to_str().unwrap()), ("STEPS", "2"), ("AGENT_URL", agent.url.as_str())])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let id = stdout.lines().next().unwrap().to_string();
+    let run = stack.wait_succeeded(&id, Duration::from_secs(600)).await;
+    for metric in ["train/reward", "train/turns_per_sample", "train/rewards/correct", "train/rewards/used_calculator"] {
+        assert_eq!(stack.series(&id, metric).await.len(), 2, "{metric} at both steps: {run}");
+    }
+    let recorded = samples(&stack, &id).await;
+    assert!(!recorded.is_empty(), "{run}");
+    for sample in &recorded {
+        assert_eq!(sample["error"], Value::Null, "{sample}");
+        assert_eq!(sample["dropped"], false, "{sample}");
+        assert!(sample["info"]["calls"].as_u64().unwrap() >= 1, "the agent reported its calls: {sample}");
+        assert_eq!(sample["turns"][0]["role"], "assistant", "{sample}");
+        assert!(sample["prompt"].as_str().unwrap().contains("calculator"), "the agent's own prompt: {sample}");
+        assert!(sample["num_generated_tokens"].as_u64().unwrap() >= 1, "{sample}");
+    }
+}
+
+/// One step over a record that behaves and four that do not: the agent answers 500, sleeps
+/// past the timeout, calls past `max_calls`, or starts a second conversation. The step
+/// succeeds; the good record's samples are trained on and every other sample is dropped with
+/// its reason.
+#[tokio::test]
+async fn a_failing_agent_drops_only_its_own_samples() {
+    let stack = stack();
+    let agent = Agent::start();
+    let data = stack.dir.path().join("faults.jsonl");
+    let records = [("42", None), ("1", Some("error")), ("2", Some("timeout")), ("3", Some("limit")), ("4", Some("fork"))];
+    let lines: Vec<String> = records
+        .iter()
+        .map(|(answer, fault)| {
+            json!({"prompt": format!("What is {answer} * 1?"), "answer": answer, "fault": fault}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let spec = json!({
+        "name": "agent-faults",
+        "algorithm": "grpo",
+        "model": {"path": stack.model},
+        "data": {"train": {"kind": "jsonl", "path": data}},
+        "environments": {"default": {"name": "agent", "url": agent.url, "max_calls": 2, "timeout_ms": 15000}},
+        "training": {
+            "loss": {"type": "clipped_pg", "reference_policy_kl_penalty": 0.0},
+            "optimizer": {"lr": 0.0001, "weight_decay": 0.0},
+            "global_batch_size": 10,
+            "micro_batch_size": 5,
+        },
+        "grpo": {"num_prompts_per_step": 5, "num_generations_per_prompt": 2, "samples_to_record": 10},
+        "generation": {"max_new_tokens": 48, "temperature": 1.0},
+        "max_total_sequence_length": 256,
+        "max_num_steps": 1,
+    });
+    let id = stack.submit(&spec).await;
+    let run = stack.wait_succeeded(&id, Duration::from_secs(600)).await;
+    let recorded = samples(&stack, &id).await;
+    assert_eq!(recorded.len(), 10, "{run}");
+    let reasons = [("1", "http_status"), ("2", "timeout"), ("3", "agent_limit"), ("4", "agent_not_one_conversation")];
+    for sample in &recorded {
+        let truth = sample["ground_truth"].as_str().unwrap();
+        match reasons.iter().find(|(answer, _)| *answer == truth) {
+            Some((_, reason)) => {
+                let error = sample["error"].as_str().unwrap_or_else(|| panic!("no error: {sample}"));
+                assert!(error.starts_with(reason), "{reason}: {sample}");
+                assert_eq!(sample["dropped"], true, "{sample}");
+            }
+            None => {
+                assert_eq!(sample["error"], Value::Null, "{sample}");
+                assert_eq!(sample["dropped"], false, "{sample}");
+                assert!(sample["num_generated_tokens"].as_u64().unwrap() >= 1, "{sample}");
+            }
+        }
+    }
+    let turns = stack.series(&id, "train/turns_per_sample").await;
+    assert_eq!(turns.len(), 1, "the step was recorded: {run}");
+}
