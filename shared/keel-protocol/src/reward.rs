@@ -336,8 +336,8 @@ impl Default for HttpRewardConfig {
 
 /// `agent`: the user's agent service, which drives the policy itself through the
 /// generator's OpenAI API for each sample and answers with its reward (contract:
-/// `openapi/agent.json`; see [`crate::agent`]). The tokens trained on are the ones the
-/// generator sampled under the sample's key.
+/// `openapi/agent.json`; the Agents guide). The tokens trained on are the ones the generator
+/// sampled under the sample's key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgentConfig {
@@ -345,8 +345,8 @@ pub struct AgentConfig {
     pub url: String,
     /// Completions one sample's agent may ask for.
     pub max_calls: u32,
-    /// Tokens one sample's agent may have generated, over all its calls (0: no limit but
-    /// each call's own `max_tokens` and the run's `max_total_sequence_length`).
+    /// Tokens one sample's agent may have generated, over all its calls (0: the run's
+    /// `max_total_sequence_length`). Each call is also held to `generation.max_new_tokens`.
     pub max_tokens: u64,
     /// How long one sample's agent may take, from the request to its answer, milliseconds.
     pub timeout_ms: u64,
