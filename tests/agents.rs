@@ -50,11 +50,9 @@ impl Drop for Agent {
     }
 }
 
-fn stack() -> Stack {
-    Stack::start_with(&[
-        ("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true"),
-        ("KEEL_GENERATOR__TOOL_CALL_PARSER", "hermes"),
-    ])
+fn stack(more: &[(&str, &str)]) -> Stack {
+    let env = [("KEEL_REWARD__HTTP_ALLOW_PRIVATE_ADDRESSES", "true"), ("KEEL_GENERATOR__TOOL_CALL_PARSER", "hermes")];
+    Stack::start_with(&[&env[..], more].concat())
 }
 
 async fn samples(stack: &Stack, id: &str) -> Vec<Value> {
@@ -62,10 +60,13 @@ async fn samples(stack: &Stack, id: &str) -> Vec<Value> {
 }
 
 /// `keel run submit examples/agent/grpo.yaml`, as its comment says, for two steps: the run
-/// succeeds, its rewards and turns are recorded, and each sample's turns are the model's.
+/// succeeds, its rewards and turns are recorded, and each sample's turns are the model's. The
+/// agent passes on the trace context it is sent: its calls to the generator are in the trace
+/// of the step they belong to.
 #[tokio::test]
 async fn the_example_agent_trains_as_written() {
-    let stack = stack();
+    let (otlp, spans) = stack::otlp::otlp_receiver().await;
+    let stack = stack(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp), ("OTEL_BSP_SCHEDULE_DELAY", "200")]);
     let agent = Agent::start();
     let output = Command::new(keel_testkit::binary("keel"))
         .args(["run", "submit", examples().join("agent/grpo.yaml").to_str().unwrap()])
@@ -90,6 +91,24 @@ async fn the_example_agent_trains_as_written() {
         assert!(sample["prompt"].as_str().unwrap().contains("calculator"), "the agent's own prompt: {sample}");
         assert!(sample["num_generated_tokens"].as_u64().unwrap() >= 1, "{sample}");
     }
+    // Every chat call the generator served is in a trace the orchestrator's step began.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let spans = spans.lock().unwrap().clone();
+        let chats: Vec<_> = spans
+            .iter()
+            .filter(|s| s.service == "keel-generator" && s.name.contains("/v1/chat/completions"))
+            .collect();
+        let orphans: Vec<_> = chats
+            .iter()
+            .filter(|chat| !spans.iter().any(|s| s.trace == chat.trace && s.service == "keel-orchestrator"))
+            .collect();
+        if !chats.is_empty() && orphans.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{} chat spans, {} outside a step's trace", chats.len(), orphans.len());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
 }
 
 /// One step over a record that behaves and four that do not: the agent answers 500, sleeps
@@ -98,7 +117,7 @@ async fn the_example_agent_trains_as_written() {
 /// its reason.
 #[tokio::test]
 async fn a_failing_agent_drops_only_its_own_samples() {
-    let stack = stack();
+    let stack = stack(&[]);
     let agent = Agent::start();
     let data = stack.dir.path().join("faults.jsonl");
     let records = [("42", None), ("1", Some("error")), ("2", Some("timeout")), ("3", Some("limit")), ("4", Some("fork"))];
