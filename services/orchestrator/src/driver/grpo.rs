@@ -543,7 +543,8 @@ pub(super) fn whole_batches(spec: &RunSpec, groups: &mut Vec<Vec<Episode>>) {
 }
 
 /// The training batch of the kept episodes: advantages over each prompt's group (every
-/// sample counts in the baseline; truncated ones are masked out of the loss when overlong
+/// sample counts in the baseline but skipped ones, whose reward says nothing: their scoring
+/// failed or their agent was dropped; truncated ones are masked out of the loss when overlong
 /// filtering is on, skipped ones always). With the KL in the reward the advantages are left
 /// out: they need the trainer's logprobs ([`token_advantages`]); with turn-level credit they
 /// are per token ([`turn_advantages`]).
@@ -560,7 +561,8 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
         Some(match g.advantage_estimator {
             AdvantageEstimator::Grpo => {
                 let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
-                grpo_advantages(&groups, &rewards, &vec![true; episodes.len()], baseline, g.normalize_rewards)
+                let scored: Vec<bool> = episodes.iter().map(|e| !e.skipped).collect();
+                grpo_advantages(&groups, &rewards, &scored, baseline, g.normalize_rewards)
                     .map(per_sample)
             }
             AdvantageEstimator::ReinforcePlusPlus => {
