@@ -91,6 +91,23 @@ async fn the_example_agent_trains_as_written() {
         assert!(sample["prompt"].as_str().unwrap().contains("calculator"), "the agent's own prompt: {sample}");
         assert!(sample["num_generated_tokens"].as_u64().unwrap() >= 1, "{sample}");
     }
+    // The same through async GRPO: rollouts of the next step overlap training, each sample's
+    // session opened on weights recent enough for its step.
+    let output = Command::new(keel_testkit::binary("keel"))
+        .args(["run", "submit", examples().join("agent/grpo.yaml").to_str().unwrap()])
+        .args(["--set", "grpo.async_grpo.enabled=true", "--set", "name=agent-grpo-async"])
+        .env("KEEL_API_URL", stack.api())
+        .envs([("MODEL_DIR", stack.model.to_str().unwrap()), ("STEPS", "3"), ("AGENT_URL", agent.url.as_str())])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let async_id = stdout.lines().next().unwrap().to_string();
+    let run = stack.wait_succeeded(&async_id, Duration::from_secs(600)).await;
+    assert_eq!(stack.series(&async_id, "train/reward").await.len(), 3, "{run}");
+    for sample in samples(&stack, &async_id).await {
+        assert_eq!(sample["error"], Value::Null, "{sample}");
+    }
     // Every chat call the generator served is in a trace the orchestrator's step began.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
