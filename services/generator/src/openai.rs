@@ -571,8 +571,14 @@ fn tool_use(
         (status = 503, description = "The engine is not running (the reason is in the server's log)", body = ErrorResponse)))]
 pub async fn completions(
     State(state): State<AppState>,
+    session: Option<axum::Extension<SessionKey>>,
     ApiJson(body): ApiJson<CompletionRequest>,
 ) -> ApiResult<Response> {
+    if session.is_some() {
+        // Its calls would be neither recorded nor counted against the sample's limits.
+        let message = "an agent session's key serves /v1/chat/completions only: call that instead";
+        return Err(ApiError::bad(message, None));
+    }
     let requests = completion_requests(&state, &body)?;
     let permit = state.admit(requests.len())?;
     let id = request_id("cmpl");

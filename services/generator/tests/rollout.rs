@@ -418,6 +418,20 @@ async fn an_agent_session_records_the_ids_sampled_where_the_conversation_retoken
     }
     assert!(found, "no seed gave a turn that re-tokenises differently");
 
+    // A key's text completions would go unrecorded: they are refused.
+    serving.open_session("keel-agent-text", 1, 4).await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", serving.url))
+        .bearer_auth("keel-agent-text")
+        .json(&json!({"model": "r1", "prompt": "hello", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+    let refused: Value = response.json().await.unwrap();
+    assert!(refused["error"]["message"].as_str().unwrap().contains("/v1/chat/completions only"), "{refused}");
+    serving.close_session("keel-agent-text").await;
+
     let opened = serving.open_session("keel-agent-limited", 1, 1).await;
     assert!(opened["ok"].is_object(), "{opened}");
     let ask = json!({"model": "r1", "messages": [user], "max_tokens": 4});
