@@ -127,6 +127,14 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     assert!(!reaches("generator", "reward", claim).await, "the reward service's user claimed a generator");
     let load = subjects.generator("g1", keel_protocol::subjects::GeneratorOp::Load);
     assert!(!reaches("generator", "trainer", load).await, "the trainer's user had a generator load a model");
+    // The orchestrator reaches every operation of a generator; the reward service cannot open
+    // an agent session (a key to the policy's API) itself.
+    for op in keel_protocol::subjects::GeneratorOp::ALL {
+        let subject = subjects.generator("g1", op);
+        assert!(allowed("generator", "orchestrator", subject).await, "the orchestrator sends {}", op.name());
+    }
+    let open = subjects.generator("g1", keel_protocol::subjects::GeneratorOp::AgentOpen);
+    assert!(!reaches("generator", "reward", open).await, "the reward service's user opened an agent session");
 
     // And a run goes through with every service on its own user.
     let servers = Servers {

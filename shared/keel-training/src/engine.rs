@@ -407,9 +407,15 @@ impl Engine {
         Ok(scores)
     }
 
-    /// Fills in prev and reference logprobs the loss needs and the batch lacks.
+    /// Fills in prev and reference logprobs the loss needs and the batch lacks. The policy's
+    /// logprobs before the update need a pass of their own only when the batch takes more than
+    /// one optimiser step: with one, every microbatch's forward runs on the weights before the
+    /// update, and its detached logprobs are those ([`Engine::microbatch_loss`]).
     fn complete(&mut self, batch: &mut Batch, temperature: f64, timing: &mut Timing) -> Result<()> {
-        if matches!(self.config.loss, LossConfig::ClippedPg(_)) && batch.prev_logprobs.is_none() {
+        if matches!(self.config.loss, LossConfig::ClippedPg(_))
+            && batch.prev_logprobs.is_none()
+            && batch.len() > self.config.global_batch_size
+        {
             let start = Instant::now();
             batch.prev_logprobs =
                 Some(self.padded_logprobs(Scorer::Policy, &batch.input_ids, &batch.lengths, temperature)?);
@@ -452,7 +458,11 @@ impl Engine {
             mask: loss::shifted_mask(&micro.token_mask.f_to_device(device)?, &sample_mask)?,
             sample_mask,
             advantages: on_device(&micro.advantages)?,
-            prev_logprobs: on_device(&micro.prev_logprobs)?,
+            prev_logprobs: match on_device(&micro.prev_logprobs)? {
+                // One optimiser step over the batch: this forward is the policy before it.
+                None if matches!(self.config.loss, LossConfig::ClippedPg(_)) => Some(logprobs.f_detach()?),
+                prev => prev,
+            },
             generation_logprobs: on_device(&micro.generation_logprobs)?,
             reference_logprobs: on_device(&micro.reference_logprobs)?,
             scores,

@@ -366,3 +366,43 @@ fn an_offloaded_reference_scores_like_a_resident_one() {
     assert_eq!(offloaded.logprobs(Scorer::Reference, &ids, 0.9).unwrap(), a);
     assert_eq!(offloaded.logprobs(Scorer::Policy, &ids, 0.9).unwrap(), a, "policy = reference before training");
 }
+
+/// With one optimiser step over the batch, the policy's logprobs before the update are taken
+/// from the training forward (detached) instead of a pass of their own: the step's metrics and
+/// the updated weights are those of training with a separate pass's logprobs (1e-6, f32).
+/// With two optimiser steps the separate pass still runs.
+#[test]
+fn one_update_takes_the_logprobs_before_it_from_its_own_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let loss = json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.1, "use_importance_sampling_correction": true});
+    let config = |global: usize| json!({"loss": loss, "global_batch_size": global, "micro_batch_size": 4});
+    let mut separate = engine(&model, config(8));
+    let mut reused = engine(&model, config(8));
+    let mut wire = rich_batch(&mut separate);
+    wire.prev_logprobs = Some(separate.logprobs(Scorer::Policy, &wire.input_ids, 0.7).unwrap());
+    let with_pass = separate.train(Batch::new(&wire, &separate.config().loss).unwrap(), 0.7).unwrap();
+    wire.prev_logprobs = None;
+    let from_forward = reused.train(Batch::new(&wire, &reused.config().loss).unwrap(), 0.7).unwrap();
+    assert!(!from_forward.timing.contains_key("prev_logprobs"), "{:?}", from_forward.timing);
+    assert_eq!(with_pass.steps.len(), 1);
+    for (name, value) in &with_pass.steps[0].metrics {
+        let other = from_forward.steps[0].metrics[name];
+        assert!((value - other).abs() <= 1e-6 * value.abs().max(1.0), "{name}: {value} vs {other}");
+    }
+    let after = |engine: &mut Engine| engine.logprobs(Scorer::Policy, &wire.input_ids, 1.0).unwrap();
+    let (a, b) = (after(&mut separate), after(&mut reused));
+    let before = reused.logprobs(Scorer::Reference, &wire.input_ids, 1.0).unwrap();
+    let mut moved = 0.0f32;
+    for ((x, y), r) in a.iter().flatten().zip(b.iter().flatten()).zip(before.iter().flatten()) {
+        assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "updated weights differ: {x} vs {y}");
+        moved = moved.max((x - r).abs());
+    }
+    assert!(moved > 1e-4, "the update moved the policy ({moved})");
+
+    // Two optimiser steps: the second one's "before" is not the first one's forward.
+    let mut two = engine(&model, config(4));
+    let two_steps = two.train(Batch::new(&wire, &two.config().loss).unwrap(), 0.7).unwrap();
+    assert_eq!(two_steps.steps.len(), 2);
+    assert!(two_steps.timing.contains_key("prev_logprobs"), "{:?}", two_steps.timing);
+}

@@ -265,7 +265,7 @@ async fn train(
     ctx.stop.check()?;
     let sequences = Sequences { input_ids: rows.input_ids.clone() };
     let span = tracing::info_span!("policy_and_reference_logprobs", sequences = sequences.input_ids.len());
-    let both = logprobs(session, &sequences, inputs.has_reference);
+    let both = logprobs(session, &sequences, passes(&ctx.spec, inputs.has_reference, sequences.input_ids.len()));
     let (prev, reference) = metrics.timed("policy_and_reference_logprobs", span, both).await?;
     ctx.stop.check()?;
     let advantages = match (rows.advantages, kl_in_reward(&ctx.spec)) {
@@ -274,14 +274,14 @@ async fn train(
             let reference = reference
                 .as_deref()
                 .ok_or_else(|| Stop::Failed("use_kl_in_reward needs reference logprobs (a KL penalty β ≠ 0)".into()))?;
-            let (advantages, penalty) = token_advantages(&ctx.spec, loss, episodes, &prev, reference)?;
+            let prev = prev.as_deref().ok_or_else(|| Stop::Failed("use_kl_in_reward needs the policy's logprobs".into()))?;
+            let (advantages, penalty) = token_advantages(&ctx.spec, loss, episodes, prev, reference)?;
             metrics.0.insert("train/kl_in_reward".into(), penalty);
             advantages
         }
         (None, None) => return Err(Stop::Failed("the train batch has no advantages".into())),
     };
-    let batch =
-        TrainBatch { advantages: Some(advantages), prev_logprobs: Some(prev), reference_logprobs: reference, ..rows };
+    let batch = TrainBatch { advantages: Some(advantages), prev_logprobs: prev, reference_logprobs: reference, ..rows };
     let training = session.train(batch, ctx.spec.generation.temperature);
     let trained = metrics.timed("policy_training", tracing::info_span!("policy_training"), training).await?;
     if colocated {
@@ -311,13 +311,25 @@ async fn sync_weights(
 }
 
 /// The policy's logprobs before the update, and the reference's when the run has one.
+/// The logprob passes a step needs before its update: (policy, reference).
+fn passes(spec: &RunSpec, has_reference: bool, rows: usize) -> (bool, bool) {
+    let loss = spec.training.as_ref().map(|t| &t.loss);
+    let in_reward = kl_in_reward(spec).is_some();
+    // Without a KL penalty (β = 0) the reference is not needed.
+    let reference = has_reference && loss.is_some_and(LossConfig::needs_reference);
+    // With one optimiser step over the batch the trainer takes the policy's logprobs before
+    // the update from its training forward; the KL in the reward needs them before training.
+    let global = spec.training.as_ref().map_or(rows, |t| t.global_batch_size);
+    (in_reward || rows > global, reference)
+}
+
 async fn logprobs(
     session: TrainerSession<'_>,
     sequences: &Sequences,
-    has_reference: bool,
-) -> Result<(Vec<Vec<f32>>, Option<Vec<Vec<f32>>>)> {
-    let prev = session.logprobs(Scorer::Policy, sequences).await?;
-    let reference = if has_reference { Some(session.logprobs(Scorer::Reference, sequences).await?) } else { None };
+    (policy, reference): (bool, bool),
+) -> Result<(Option<Vec<Vec<f32>>>, Option<Vec<Vec<f32>>>)> {
+    let prev = if policy { Some(session.logprobs(Scorer::Policy, sequences).await?) } else { None };
+    let reference = if reference { Some(session.logprobs(Scorer::Reference, sequences).await?) } else { None };
     Ok((prev, reference))
 }
 
