@@ -5,7 +5,9 @@
 //! the run finishes with every step recorded once; weights refitted in memory or through a
 //! directory, and training and generation colocated or not, give the same run; LoRA SFT saves
 //! PEFT adapters that GRPO continues from (refitting adapters only) and that export as a
-//! merged model transformers scores as PEFT does.
+//! merged model transformers scores as PEFT does. On-policy distillation of a `small`
+//! student from a `medium` teacher brings the student's KL to the teacher down, resumes after
+//! its orchestrator is killed, and refuses a teacher with another tokenizer.
 
 #![allow(clippy::unwrap_used)]
 
@@ -357,4 +359,58 @@ fn cli_reads_the_run(stack: &Stack, run: &str, steps: &[u64]) {
     drop(child.stdout.take());
     let output = child.wait_with_output().unwrap();
     assert!(output.status.success() && output.stderr.is_empty(), "{output:?}");
+}
+
+/// GRPO with a `distillation` teacher: a `small` student (random weights) learns a `medium`
+/// teacher's distribution on its own samples, so the mean per-token KL from student to teacher
+/// falls over the steps; killed after its first checkpoint, the orchestrator's replacement
+/// resumes with the teacher loaded again and records every step once. A teacher whose
+/// tokenizer is not the student's is refused with the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn distillation_brings_the_students_kl_to_the_teacher_down() {
+    let mut stack = Stack::start();
+    let (student, teacher) = (stack.dir.path().join("student"), stack.dir.path().join("teacher"));
+    keel_testkit::keel_model_init_preset(&student, "small", 1);
+    keel_testkit::keel_model_init_preset(&teacher, "medium", 2);
+    let mut spec = grpo_spec(&json!({"path": student}));
+    spec["distillation"] = json!({"teacher": {"path": teacher}});
+    spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
+    spec["training"]["optimizer"]["lr"] = json!(0.002);
+    spec["training"]["global_batch_size"] = json!(16);
+    spec["training"]["micro_batch_size"] = json!(16);
+    spec["grpo"]["num_prompts_per_step"] = json!(4);
+    spec["max_num_steps"] = json!(10);
+    spec["validation"]["period"] = json!(100);
+    spec["checkpointing"] = json!({"save_period": 3});
+    let id = stack.submit(&spec).await;
+    stack.wait_for(&id, LIMIT, |run| run["step"].as_u64().unwrap_or(0) >= 4).await;
+    drop(stack.orchestrator.take());
+    stack.start_orchestrator();
+    let run = stack.wait_succeeded(&id, LIMIT).await;
+    let kl = stack.series(&id, "train/teacher_kl").await;
+    let steps: Vec<u64> = kl.iter().map(|p| p.0).collect();
+    assert_eq!(steps, (1..=10).collect::<Vec<_>>(), "every step once, across the resume: {run}");
+    eprintln!("train/teacher_kl by step: {kl:?}");
+    let mean = |points: &[(u64, f64)]| points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
+    let (first, last) = (mean(&kl[..3]), mean(&kl[7..]));
+    assert!(first > 0.0 && last < 0.8 * first, "the KL to the teacher fell: {kl:?}");
+
+    // A teacher whose tokenizer gives two tokens each other's ids.
+    let other = stack.dir.path().join("other-tokenizer");
+    std::fs::create_dir_all(&other).unwrap();
+    for file in std::fs::read_dir(&teacher).unwrap() {
+        let file = file.unwrap().path();
+        std::fs::copy(&file, other.join(file.file_name().unwrap())).unwrap();
+    }
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(other.join("tokenizer.json")).unwrap()).unwrap();
+    let vocab = tokenizer["model"]["vocab"].as_object_mut().unwrap();
+    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+    (vocab["a"], vocab["b"]) = (b, a);
+    std::fs::write(other.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    spec["distillation"] = json!({"teacher": {"path": other}});
+    spec["max_num_steps"] = json!(1);
+    let refused = stack.submit(&spec).await;
+    let run = stack.wait_for(&refused, LIMIT, |run| run["status"] == "failed").await;
+    assert!(run["reason"].as_str().unwrap().contains("another tokenizer"), "{run}");
 }

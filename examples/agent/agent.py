@@ -93,7 +93,7 @@ def episode(task, max_turns, faults, trace):
     for _ in range(turns):
         try:
             reply = client.chat.completions.create(
-                model=endpoint["model"], messages=messages, tools=TOOLS, max_tokens=48
+                model=endpoint["model"], messages=messages, tools=TOOLS, max_tokens=128
             )
         except openai.BadRequestError as e:
             # A limit of the sample reached: the sample is Keel's to drop; say what happened.

@@ -153,24 +153,30 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         _ => None,
     });
     let log_dir = spec.logger.log_dir.iter().map(|p| ("logger.log_dir", p));
-    // A model named by its Hub id is its snapshot in the Hugging Face cache.
-    let named = match &spec.model.name {
-        Some(name) => match model_by_name(name, spec.model.revision.as_deref()) {
-            Ok(dir) => Some(dir.display().to_string()),
-            Err(e) => {
-                problems.push(FieldError::new("model.name", e.to_string()));
-                None
+    // The models: the run's, and a distillation's teacher.
+    let models: Vec<(&str, &keel_protocol::run::ModelRef)> = std::iter::once(("model", &spec.model))
+        .chain(spec.distillation.iter().map(|d| ("distillation.teacher", &d.teacher)))
+        .collect();
+    let mut model: Vec<(String, String)> = Vec::new();
+    for (field, m) in &models {
+        if let Some(path) = &m.path {
+            model.push((format!("{field}.path"), path.clone()));
+        }
+        // A model named by its Hub id is its snapshot in the Hugging Face cache.
+        if let Some(name) = &m.name {
+            match model_by_name(name, m.revision.as_deref()) {
+                Ok(dir) => model.push((format!("{field}.name"), dir.display().to_string())),
+                Err(e) => problems.push(FieldError::new(format!("{field}.name"), e.to_string())),
             }
-        },
-        None => None,
-    };
-    let model = spec.model.path.iter().map(|p| ("model.path", p)).chain(named.iter().map(|p| ("model.name", p)));
-    for (field, path) in model.clone().chain(dataset_paths).chain(log_dir) {
+        }
+    }
+    let model_paths = model.iter().map(|(field, path)| (field.as_str(), path));
+    for (field, path) in model_paths.clone().chain(dataset_paths).chain(log_dir) {
         if let Err(e) = roots.inside(path) {
             problems.push(FieldError::new(field, e.to_string()));
         }
     }
-    for (field, path) in model {
+    for (field, path) in model_paths {
         if problems.iter().any(|p| p.field == field) {
             continue;
         }
@@ -185,11 +191,13 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
             ));
         }
     }
-    if let Some(id) = spec.model.checkpoint {
+    for (field, m) in &models {
+        let Some(id) = m.checkpoint else { continue };
+        let field = format!("{field}.checkpoint");
         match checkpoints.get(id).await {
             Ok(c) if c.status == "complete" => {}
-            Ok(_) => problems.push(FieldError::new("model.checkpoint", format!("checkpoint {id} is not committed"))),
-            Err(e) => problems.push(FieldError::new("model.checkpoint", format!("checkpoint {id}: {e}"))),
+            Ok(_) => problems.push(FieldError::new(field, format!("checkpoint {id} is not committed"))),
+            Err(e) => problems.push(FieldError::new(field, format!("checkpoint {id}: {e}"))),
         }
     }
     let train = std::iter::once(("data.train", &spec.data.train));

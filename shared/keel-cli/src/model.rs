@@ -33,7 +33,7 @@ pub struct InitArgs {
     /// llama, qwen2, qwen3 or mistral.
     #[arg(long)]
     arch: String,
-    /// tiny (tests) or small (demo).
+    /// tiny (tests), small (demo) or medium (small's tokenizer, a larger model: a teacher).
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// Text files the tokenizer is trained on.

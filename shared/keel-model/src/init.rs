@@ -45,6 +45,9 @@ pub enum Preset {
     Tiny,
     /// 4 layers, hidden 256: for the demo.
     Small,
+    /// 6 layers, hidden 384, small's tokenizer: a larger model of the same family (a teacher
+    /// for a small student).
+    Medium,
 }
 
 impl std::str::FromStr for Preset {
@@ -54,7 +57,8 @@ impl std::str::FromStr for Preset {
         match s {
             "tiny" => Ok(Self::Tiny),
             "small" => Ok(Self::Small),
-            other => Err(Error::InvalidInput(format!("unknown preset `{other}` (use tiny or small)"))),
+            "medium" => Ok(Self::Medium),
+            other => Err(Error::InvalidInput(format!("unknown preset `{other}` (use tiny, small or medium)"))),
         }
     }
 }
@@ -85,6 +89,15 @@ impl Preset {
                 hidden: 256,
                 intermediate: 768,
                 layers: 4,
+                heads: 8,
+                kv_heads: 4,
+                vocab_target: 2048,
+                max_positions: 2048,
+            },
+            Self::Medium => Dims {
+                hidden: 384,
+                intermediate: 1152,
+                layers: 6,
                 heads: 8,
                 kv_heads: 4,
                 vocab_target: 2048,

@@ -609,6 +609,10 @@ pub struct RunSpec {
     /// Group sizes, advantages and GRPO's DAPO and async options.
     #[serde(default)]
     pub grpo: GrpoSpec,
+    /// On-policy distillation (with `grpo`): a teacher's logprobs on the student's own
+    /// samples give every generated token its advantage (NeMo-RL's `distillation`).
+    #[serde(default)]
+    pub distillation: Option<DistillationSpec>,
     /// How rollouts are sampled, and how new weights reach the generators.
     #[serde(default)]
     pub generation: GenerationSpec,
@@ -654,6 +658,32 @@ pub struct RunSpec {
     /// Where recorded metrics go besides Keel's own store (NeMo-RL's `logger`).
     #[serde(default)]
     pub logger: LoggerSpec,
+}
+
+/// On-policy distillation: the student (the run's `model`) samples with the run's generators
+/// as in GRPO; the trainer scores each sample with the teacher too, and token t the student
+/// generated gets the advantage −kl_weight · (log π_student(x_t) − log π_teacher(x_t)) (the
+/// per-token reverse KL, estimated on the student's own sample) plus reward_weight times the
+/// sample's GRPO advantage from its environment's reward. The clipped policy-gradient loss then
+/// moves the student towards the teacher where it samples. `train/teacher_kl` is the mean of
+/// log π_student − log π_teacher over the generated tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DistillationSpec {
+    /// The teacher: exactly one of `path`, `name` or `checkpoint`, with the student's
+    /// tokenizer (a teacher with another one is refused); larger than the student or not.
+    pub teacher: ModelRef,
+    /// The reverse KL's weight in each token's advantage.
+    #[serde(default = "default_kl_weight")]
+    pub kl_weight: f64,
+    /// The task reward's GRPO advantage, weighted and added to every generated token's (0:
+    /// distillation alone; the environment's rewards are still recorded).
+    #[serde(default)]
+    pub reward_weight: f64,
+}
+
+fn default_kl_weight() -> f64 {
+    1.0
 }
 
 /// NeMo-RL's `logger` section: every metric the run records (each step's, and validation's
@@ -728,6 +758,24 @@ fn default_seed() -> u64 {
     42
 }
 
+impl ModelRef {
+    /// Exactly one of `path`, `name` and `checkpoint`, and a `revision` only with a `name`.
+    fn check(&self, field: &str, p: &mut Vec<FieldError>) {
+        match (&self.path, &self.name, &self.checkpoint) {
+            (Some(path), None, None) => check(p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty"),
+            (None, Some(name), None) => check(p, !name.trim().is_empty(), &format!("{field}.name"), "must not be empty"),
+            (None, None, Some(_)) => {}
+            _ => p.push(FieldError::new(field, "give exactly one of `path`, `name` or `checkpoint`")),
+        }
+        check(
+            p,
+            self.revision.is_none() || self.name.is_some(),
+            &format!("{field}.revision"),
+            format!("names a revision of `{field}.name`: give `name` too"),
+        );
+    }
+}
+
 fn check(problems: &mut Vec<FieldError>, ok: bool, field: &str, message: impl Into<String>) {
     if !ok {
         problems.push(FieldError::new(field, message));
@@ -769,18 +817,10 @@ impl RunSpec {
         if let Some(dir) = &self.logger.log_dir {
             check(&mut p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
         }
-        match (&self.model.path, &self.model.name, &self.model.checkpoint) {
-            (Some(path), None, None) => check(&mut p, !path.trim().is_empty(), "model.path", "must not be empty"),
-            (None, Some(name), None) => check(&mut p, !name.trim().is_empty(), "model.name", "must not be empty"),
-            (None, None, Some(_)) => {}
-            _ => p.push(FieldError::new("model", "give exactly one of `path`, `name` or `checkpoint`")),
+        self.model.check("model", &mut p);
+        if let Some(d) = &self.distillation {
+            self.distillation_problems(d, &mut p);
         }
-        check(
-            &mut p,
-            self.model.revision.is_none() || self.model.name.is_some(),
-            "model.revision",
-            "names a revision of `model.name`: give `name` too",
-        );
         match (&self.training, alg.loss_name()) {
             (None, Some(loss)) => p.push(FieldError::new(
                 "training",
@@ -1066,6 +1106,39 @@ impl RunSpec {
                 "training.loss.use_kl_in_reward",
                 "puts the KL into per-token REINFORCE++ advantages: needs grpo.advantage_estimator: reinforce_plus_plus",
             );
+        }
+    }
+}
+
+impl RunSpec {
+    fn distillation_problems(&self, d: &DistillationSpec, p: &mut Vec<FieldError>) {
+        check(p, self.algorithm == Algorithm::Grpo, "distillation", "distils on the student's samples: needs algorithm: grpo");
+        d.teacher.check("distillation.teacher", p);
+        for (field, value) in [("kl_weight", d.kl_weight), ("reward_weight", d.reward_weight)] {
+            check(
+                p,
+                value.is_finite() && value >= 0.0,
+                &format!("distillation.{field}"),
+                format!("must be a finite number ≥ 0, got {value}"),
+            );
+        }
+        check(p, d.kl_weight > 0.0 || d.reward_weight > 0.0, "distillation", "kl_weight and reward_weight are both 0");
+        check(
+            p,
+            !self.grpo.turn_level_advantages && self.grpo.advantage_estimator == AdvantageEstimator::Grpo,
+            "distillation",
+            "gives every token its own advantage: needs grpo.advantage_estimator: grpo and no turn_level_advantages",
+        );
+        if let Some(training) = &self.training {
+            check(p, !training.lora.enabled, "training.lora.enabled", "distillation trains the whole student, not LoRA adapters");
+            if let LossConfig::ClippedPg(c) = &training.loss {
+                check(
+                    p,
+                    c.reference_policy_kl_penalty == 0.0 && !c.use_kl_in_reward,
+                    "training.loss.reference_policy_kl_penalty",
+                    "with distillation the teacher takes the reference's place: leave the KL penalty at 0",
+                );
+            }
         }
     }
 }

@@ -13,9 +13,14 @@ const START_DEADLINE: Duration = Duration::from_secs(60);
 /// Makes a tiny Qwen3 model directory at `out` with the `keel` binary (`keel model init`,
 /// tokenizer trained on the shipped corpus), as a user would.
 pub fn keel_model_init(out: &std::path::Path) {
+    keel_model_init_preset(out, "tiny", 0);
+}
+
+/// `keel model init --preset PRESET --seed SEED` into `out`.
+pub fn keel_model_init_preset(out: &std::path::Path, preset: &str, seed: i64) {
     let corpus = crate::workspace_root().join("examples/tokenizer-corpus.txt");
     let init = Command::new(binary("keel"))
-        .args(["model", "init", "--arch", "qwen3", "--preset", "tiny", "--train-tokenizer"])
+        .args(["model", "init", "--arch", "qwen3", "--preset", preset, "--seed", &seed.to_string(), "--train-tokenizer"])
         .arg(&corpus)
         .arg("--out")
         .arg(out)

@@ -268,9 +268,17 @@ async fn train(
     let both = logprobs(session, &sequences, passes(&ctx.spec, inputs.has_reference, sequences.input_ids.len()));
     let (prev, reference) = metrics.timed("policy_and_reference_logprobs", span, both).await?;
     ctx.stop.check()?;
-    let advantages = match (rows.advantages, kl_in_reward(&ctx.spec)) {
-        (Some(advantages), _) => advantages,
-        (None, Some(loss)) => {
+    let advantages = match (rows.advantages, kl_in_reward(&ctx.spec), &ctx.spec.distillation) {
+        (task, _, Some(distillation)) => {
+            let prev = prev.as_deref().ok_or_else(|| Stop::Failed("distillation needs the student's logprobs".into()))?;
+            let teacher =
+                reference.as_deref().ok_or_else(|| Stop::Failed("distillation needs the teacher's logprobs".into()))?;
+            let (advantages, kl) = distillation_advantages(distillation, episodes, task.as_ref(), prev, teacher)?;
+            metrics.0.insert("train/teacher_kl".into(), kl);
+            advantages
+        }
+        (Some(advantages), _, None) => advantages,
+        (None, Some(loss), None) => {
             let reference = reference
                 .as_deref()
                 .ok_or_else(|| Stop::Failed("use_kl_in_reward needs reference logprobs (a KL penalty β ≠ 0)".into()))?;
@@ -279,8 +287,10 @@ async fn train(
             metrics.0.insert("train/kl_in_reward".into(), penalty);
             advantages
         }
-        (None, None) => return Err(Stop::Failed("the train batch has no advantages".into())),
+        (None, None, None) => return Err(Stop::Failed("the train batch has no advantages".into())),
     };
+    // The teacher's logprobs made the advantages; the loss has no use for them.
+    let reference = if ctx.spec.distillation.is_some() { None } else { reference };
     let batch = TrainBatch { advantages: Some(advantages), prev_logprobs: prev, reference_logprobs: reference, ..rows };
     let training = session.train(batch, ctx.spec.generation.temperature);
     let trained = metrics.timed("policy_training", tracing::info_span!("policy_training"), training).await?;
@@ -315,12 +325,14 @@ async fn sync_weights(
 fn passes(spec: &RunSpec, has_reference: bool, rows: usize) -> (bool, bool) {
     let loss = spec.training.as_ref().map(|t| &t.loss);
     let in_reward = kl_in_reward(spec).is_some();
-    // Without a KL penalty (β = 0) the reference is not needed.
-    let reference = has_reference && loss.is_some_and(LossConfig::needs_reference);
+    let distilling = spec.distillation.is_some();
+    // Without a KL penalty (β = 0) the reference is not needed; a teacher is.
+    let reference = has_reference && (distilling || loss.is_some_and(LossConfig::needs_reference));
     // With one optimiser step over the batch the trainer takes the policy's logprobs before
-    // the update from its training forward; the KL in the reward needs them before training.
+    // the update from its training forward; the KL in the reward and distillation's
+    // advantages need them before training.
     let global = spec.training.as_ref().map_or(rows, |t| t.global_batch_size);
-    (in_reward || rows > global, reference)
+    (in_reward || distilling || rows > global, reference)
 }
 
 async fn logprobs(
@@ -629,6 +641,50 @@ fn turn_advantages(spec: &RunSpec, episodes: &[Episode]) -> keel_algorithms::Res
         .collect())
 }
 
+/// On-policy distillation's advantages ([`keel_protocol::run::DistillationSpec`]): token t
+/// the student generated gets −kl_weight · (student_t − teacher_t) + reward_weight · its
+/// sample's task advantage; every other position 0. Also the mean of student_t − teacher_t
+/// over the generated tokens of the samples trained on (`train/teacher_kl`).
+fn distillation_advantages(
+    d: &keel_protocol::run::DistillationSpec,
+    episodes: &[Episode],
+    task: Option<&Advantages>,
+    student: &[Vec<f32>],
+    teacher: &[Vec<f32>],
+) -> Result<(Advantages, f64)> {
+    let task_of = |i: usize, t: usize| -> f64 {
+        match task {
+            Some(Advantages::PerSample(a)) => f64::from(a.get(i).copied().unwrap_or(0.0)),
+            Some(Advantages::PerToken(a)) => f64::from(a.get(i).and_then(|row| row.get(t)).copied().unwrap_or(0.0)),
+            None => 0.0,
+        }
+    };
+    let (mut sum, mut count) = (0.0f64, 0usize);
+    let mut rows = Vec::with_capacity(episodes.len());
+    for (i, e) in episodes.iter().enumerate() {
+        let (s, t) = (&student[i], &teacher[i]);
+        if s.len() != e.ids.len() || t.len() != e.ids.len() {
+            return Err(Stop::Failed(format!(
+                "sample {i}: {} tokens, {} student and {} teacher logprobs",
+                e.ids.len(),
+                s.len(),
+                t.len()
+            )));
+        }
+        let mut row = vec![0.0f32; e.ids.len()];
+        for k in (1..e.ids.len()).filter(|&k| e.mask[k] > 0.0) {
+            let kl = f64::from(s[k]) - f64::from(t[k]);
+            row[k] = (-d.kl_weight * kl + d.reward_weight * task_of(i, k)) as f32;
+            if !e.skipped {
+                sum += kl;
+                count += 1;
+            }
+        }
+        rows.push(row);
+    }
+    Ok((Advantages::PerToken(rows), if count == 0 { 0.0 } else { sum / count as f64 }))
+}
+
 /// The loss configuration when the run puts the KL penalty into the reward.
 fn kl_in_reward(spec: &RunSpec) -> Option<&ClippedPgConfig> {
     match spec.training.as_ref().map(|t| &t.loss) {
@@ -714,4 +770,47 @@ pub fn mean_step_metrics(reply: &TrainReply, prefix: &str) -> BTreeMap<String, f
 /// The directory a run's weights are saved to after `step`.
 pub fn weights_dir(run_dir: &Path, step: u64) -> PathBuf {
     run_dir.join("weights").join(format!("step-{step}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two samples of three tokens after a one-token prompt; the second sample's last token
+    /// is an observation (mask 0), and the first sample is dropped from the metric by nothing.
+    #[test]
+    fn distillation_advantages_are_the_weighted_reverse_kl_and_task_advantage_per_token() {
+        let mut episodes = vec![Episode::for_test(0, 1), Episode::for_test(0, 1)];
+        for (e, mask) in episodes.iter_mut().zip([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]]) {
+            e.ids = vec![5, 6, 7, 8];
+            e.mask = mask.to_vec();
+        }
+        let student = vec![vec![0.0, -1.0, -2.0, -0.5], vec![0.0, -0.25, -1.5, -3.0]];
+        let teacher = vec![vec![0.0, -1.5, -1.0, -0.5], vec![0.0, -0.75, -1.0, -9.0]];
+        let spec = keel_protocol::run::DistillationSpec {
+            teacher: keel_protocol::run::ModelRef {
+                path: Some("/t".into()),
+                name: None,
+                revision: None,
+                checkpoint: None,
+            },
+            kl_weight: 2.0,
+            reward_weight: 0.5,
+        };
+        let task = Advantages::PerSample(vec![1.0, -1.0]);
+        let (advantages, kl) = distillation_advantages(&spec, &episodes, Some(&task), &student, &teacher).unwrap();
+        let Advantages::PerToken(rows) = advantages else { panic!("per-token advantages") };
+        // Token by token: −2·(student − teacher) + 0.5·task, by hand.
+        assert_eq!(rows[0], vec![0.0, -2.0 * 0.5 + 0.5, -2.0 * -1.0 + 0.5, -2.0 * 0.0 + 0.5]);
+        assert_eq!(rows[1], vec![0.0, -2.0 * 0.5 - 0.5, -2.0 * -0.5 - 0.5, 0.0]);
+        // The mean of student − teacher over the five generated tokens.
+        assert!((kl - (0.5 - 1.0 + 0.0 + 0.5 - 0.5) / 5.0).abs() < 1e-12, "{kl}");
+        let (_, kl_alone) = distillation_advantages(&spec, &episodes, None, &student, &teacher).unwrap();
+        assert_eq!(kl, kl_alone);
+        // A dropped sample's tokens still get advantages (its sample mask is 0) but are not in
+        // the metric.
+        episodes[1].skipped = true;
+        let (_, kl_kept) = distillation_advantages(&spec, &episodes, None, &student, &teacher).unwrap();
+        assert!((kl_kept - (0.5 - 1.0 + 0.0) / 3.0).abs() < 1e-12, "{kl_kept}");
+    }
 }

@@ -206,6 +206,28 @@ pub struct RunContext {
     pub waits: Arc<Waits>,
 }
 
+/// A teacher distils only into a student that reads the same token ids: their
+/// `tokenizer.json` must hold the same vocabulary, merges and added tokens.
+fn same_tokenizer(student: &Path, teacher: &Path) -> Result<()> {
+    let read = |dir: &Path| -> Result<serde_json::Value> {
+        let file = dir.join("tokenizer.json");
+        let text = std::fs::read_to_string(&file)
+            .map_err(|e| Stop::Failed(format!("distillation: cannot read {}: {e}", file.display())))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Stop::Failed(format!("distillation: {} is not JSON: {e}", file.display())))?;
+        Ok(serde_json::json!([value["model"], value["added_tokens"]]))
+    };
+    if read(student)? != read(teacher)? {
+        return Err(Stop::Failed(format!(
+            "distillation.teacher: {} has another tokenizer than the student ({}): its logprobs would be of other \
+             tokens (distilling across tokenizers is not supported)",
+            teacher.display(),
+            student.display()
+        )));
+    }
+    Ok(())
+}
+
 /// The largest object a weights-only export packs tensors into.
 pub const EXPORT_BUCKET_BYTES: u64 = 256 << 20;
 
@@ -225,6 +247,8 @@ pub struct Start {
     pub step: u64,
     pub position: Position,
     pub resumed: bool,
+    /// With `distillation`: the teacher's HF directory (the trainer's reference).
+    pub teacher_dir: Option<PathBuf>,
 }
 
 impl RunContext {
@@ -240,20 +264,14 @@ impl RunContext {
     /// Finds the base model (downloading a checkpoint once) and the latest checkpoint, and
     /// forgets what was recorded after it.
     pub async fn start(&self) -> Result<Start> {
-        let base_dir = match (&self.spec.model.path, self.spec.model.checkpoint) {
-            (Some(path), _) => PathBuf::from(path),
-            (None, Some(id)) => {
-                let dir = self.run_dir.join(format!("base-{id}"));
-                if !dir.exists() {
-                    self.checkpoints.download_dir(id, &dir).await?;
-                }
-                dir
+        let base_dir = self.model_dir(&self.spec.model, "model").await?;
+        let teacher_dir = match &self.spec.distillation {
+            Some(d) => {
+                let dir = self.model_dir(&d.teacher, "distillation.teacher").await?;
+                same_tokenizer(&base_dir, &dir)?;
+                Some(dir)
             }
-            (None, None) => match &self.spec.model.name {
-                Some(name) => crate::spec::model_by_name(name, self.spec.model.revision.as_deref())
-                    .map_err(|e| Stop::Failed(format!("model.name: {e}")))?,
-                None => return Err(Stop::Failed("the spec names no model".into())),
-            },
+            None => None,
         };
         let latest = self.checkpoints.latest(&self.id.to_string()).await?;
         let start = match latest {
@@ -265,11 +283,11 @@ impl RunContext {
                 let position = serde_json::from_value(checkpoint.info["dataloader"].clone()).map_err(|e| {
                     Stop::Failed(format!("checkpoint {} has no dataloader position: {e}", checkpoint.id))
                 })?;
-                Start { base_dir, policy_dir: dir, step: checkpoint.step, position, resumed: true }
+                Start { base_dir, policy_dir: dir, step: checkpoint.step, position, resumed: true, teacher_dir }
             }
             None => {
                 let policy_dir = base_dir.clone();
-                Start { base_dir, policy_dir, step: 0, position: Position::default(), resumed: false }
+                Start { base_dir, policy_dir, step: 0, position: Position::default(), resumed: false, teacher_dir }
             }
         };
         self.store.rewind(start.step).await?;
@@ -277,6 +295,25 @@ impl RunContext {
             tracing::info!(run_id = %self.id, step = start.step, "resuming from the latest checkpoint");
         }
         Ok(start)
+    }
+
+    /// The directory of a model the spec names at `field` (a checkpoint downloaded once).
+    async fn model_dir(&self, model: &keel_protocol::run::ModelRef, field: &str) -> Result<PathBuf> {
+        Ok(match (&model.path, model.checkpoint) {
+            (Some(path), _) => PathBuf::from(path),
+            (None, Some(id)) => {
+                let dir = self.run_dir.join(format!("base-{id}"));
+                if !dir.exists() {
+                    self.checkpoints.download_dir(id, &dir).await?;
+                }
+                dir
+            }
+            (None, None) => match &model.name {
+                Some(name) => crate::spec::model_by_name(name, model.revision.as_deref())
+                    .map_err(|e| Stop::Failed(format!("{field}.name: {e}")))?,
+                None => return Err(Stop::Failed(format!("the spec names no {field}"))),
+            },
+        })
     }
 
     /// Has every generator the run holds load the model the run starts from (its base, or

@@ -40,7 +40,7 @@ impl<'a> TrainerSession<'a> {
         let request = LoadRequest {
             run_id: self.run_id(),
             policy: ModelSource { path: start.policy_dir.to_string_lossy().into_owned() },
-            reference: (!start.resumed).then(|| ModelSource { path: start.base_dir.to_string_lossy().into_owned() }),
+            reference: self.reference(start),
             training,
             device: self.spec.device.clone(),
             dtype: self.spec.dtype.clone(),
@@ -51,6 +51,18 @@ impl<'a> TrainerSession<'a> {
             data_parallel_size: self.spec.data_parallel_size,
         };
         Ok(self.trainer.op(&request).await?)
+    }
+
+    /// The reference the trainer loads: the teacher when distilling; else the base model,
+    /// when the loss needs one (a KL penalty) and the run does not resume (a resumed run keeps
+    /// the one it was trained against).
+    fn reference(&self, start: &Start) -> Option<ModelSource> {
+        let source = |dir: &std::path::Path| ModelSource { path: dir.to_string_lossy().into_owned() };
+        if let Some(teacher) = &start.teacher_dir {
+            return Some(source(teacher));
+        }
+        let needed = self.spec.training.as_ref().is_some_and(|t| t.loss.needs_reference());
+        (needed && !start.resumed).then(|| source(&start.base_dir))
     }
 
     /// The logprobs of `model` (the policy or the reference) on `sequences`, at the
