@@ -112,10 +112,8 @@ async fn the_example_agent_trains_as_written() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let spans = spans.lock().unwrap().clone();
-        let chats: Vec<_> = spans
-            .iter()
-            .filter(|s| s.service == "keel-generator" && s.name.contains("/v1/chat/completions"))
-            .collect();
+        let chats: Vec<_> =
+            spans.iter().filter(|s| s.service == "keel-generator" && s.name.contains("/v1/chat/completions")).collect();
         let orphans: Vec<_> = chats
             .iter()
             .filter(|chat| !spans.iter().any(|s| s.trace == chat.trace && s.service == "keel-orchestrator"))
@@ -137,7 +135,8 @@ async fn a_failing_agent_drops_only_its_own_samples() {
     let stack = stack(&[]);
     let agent = Agent::start();
     let data = stack.dir.path().join("faults.jsonl");
-    let records = [("42", None), ("1", Some("error")), ("2", Some("timeout")), ("3", Some("limit")), ("4", Some("fork"))];
+    let records =
+        [("42", None), ("1", Some("error")), ("2", Some("timeout")), ("3", Some("limit")), ("4", Some("fork"))];
     let lines: Vec<String> = records
         .iter()
         .map(|(answer, fault)| {

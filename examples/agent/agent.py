@@ -160,6 +160,12 @@ def handler(max_turns, faults):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    # Keel sends a whole step's samples at once: the default backlog (5) drops connections.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
@@ -167,6 +173,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--faults", action="store_true", help="honour metadata.fault (for tests)")
     args = parser.parse_args()
-    server = ThreadingHTTPServer((args.host, args.port), handler(args.max_turns, args.faults))
+    server = Server((args.host, args.port), handler(args.max_turns, args.faults))
     print(f"agent listening on http://{args.host}:{args.port}", flush=True)
     server.serve_forever()

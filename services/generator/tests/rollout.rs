@@ -391,7 +391,10 @@ async fn an_agent_session_records_the_ids_sampled_where_the_conversation_retoken
         found = true;
         let again = json!({"role": "user", "content": "check it"});
         let (status, second_reply) = serving
-            .chat(&key, json!({"model": "r1", "messages": [user, said, again], "max_tokens": 6, "return_token_ids": true}))
+            .chat(
+                &key,
+                json!({"model": "r1", "messages": [user, said, again], "max_tokens": 6, "return_token_ids": true}),
+            )
             .await;
         assert_eq!(status, 200, "{second_reply}");
         let second_prompt = ids(&second_reply["prompt_token_ids"]);

@@ -762,8 +762,12 @@ impl ModelRef {
     /// Exactly one of `path`, `name` and `checkpoint`, and a `revision` only with a `name`.
     fn check(&self, field: &str, p: &mut Vec<FieldError>) {
         match (&self.path, &self.name, &self.checkpoint) {
-            (Some(path), None, None) => check(p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty"),
-            (None, Some(name), None) => check(p, !name.trim().is_empty(), &format!("{field}.name"), "must not be empty"),
+            (Some(path), None, None) => {
+                check(p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
+            }
+            (None, Some(name), None) => {
+                check(p, !name.trim().is_empty(), &format!("{field}.name"), "must not be empty")
+            }
             (None, None, Some(_)) => {}
             _ => p.push(FieldError::new(field, "give exactly one of `path`, `name` or `checkpoint`")),
         }
@@ -1112,7 +1116,12 @@ impl RunSpec {
 
 impl RunSpec {
     fn distillation_problems(&self, d: &DistillationSpec, p: &mut Vec<FieldError>) {
-        check(p, self.algorithm == Algorithm::Grpo, "distillation", "distils on the student's samples: needs algorithm: grpo");
+        check(
+            p,
+            self.algorithm == Algorithm::Grpo,
+            "distillation",
+            "distils on the student's samples: needs algorithm: grpo",
+        );
         d.teacher.check("distillation.teacher", p);
         for (field, value) in [("kl_weight", d.kl_weight), ("reward_weight", d.reward_weight)] {
             check(
@@ -1130,7 +1139,12 @@ impl RunSpec {
             "gives every token its own advantage: needs grpo.advantage_estimator: grpo and no turn_level_advantages",
         );
         if let Some(training) = &self.training {
-            check(p, !training.lora.enabled, "training.lora.enabled", "distillation trains the whole student, not LoRA adapters");
+            check(
+                p,
+                !training.lora.enabled,
+                "training.lora.enabled",
+                "distillation trains the whole student, not LoRA adapters",
+            );
             if let LossConfig::ClippedPg(c) = &training.loss {
                 check(
                     p,

@@ -20,7 +20,17 @@ pub fn keel_model_init(out: &std::path::Path) {
 pub fn keel_model_init_preset(out: &std::path::Path, preset: &str, seed: i64) {
     let corpus = crate::workspace_root().join("examples/tokenizer-corpus.txt");
     let init = Command::new(binary("keel"))
-        .args(["model", "init", "--arch", "qwen3", "--preset", preset, "--seed", &seed.to_string(), "--train-tokenizer"])
+        .args([
+            "model",
+            "init",
+            "--arch",
+            "qwen3",
+            "--preset",
+            preset,
+            "--seed",
+            &seed.to_string(),
+            "--train-tokenizer",
+        ])
         .arg(&corpus)
         .arg("--out")
         .arg(out)

@@ -375,7 +375,8 @@ fn an_offloaded_reference_scores_like_a_resident_one() {
 fn one_update_takes_the_logprobs_before_it_from_its_own_forward() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let loss = json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.1, "use_importance_sampling_correction": true});
+    let loss =
+        json!({"type": "clipped_pg", "reference_policy_kl_penalty": 0.1, "use_importance_sampling_correction": true});
     let config = |global: usize| json!({"loss": loss, "global_batch_size": global, "micro_batch_size": 4});
     let mut separate = engine(&model, config(8));
     let mut reused = engine(&model, config(8));

@@ -212,7 +212,8 @@ fn finish(e: &mut Episode, prompting: &Prompting, trajectory: AgentTrajectory, r
         }
         e.messages.push(Message::new("assistant", prompting.decode(&call.token_ids)));
     }
-    (e.ids, e.mask, e.gen_logprobs, e.turn_starts) = (sequence.ids, sequence.mask, sequence.logprobs, sequence.turn_starts);
+    (e.ids, e.mask, e.gen_logprobs, e.turn_starts) =
+        (sequence.ids, sequence.mask, sequence.logprobs, sequence.turn_starts);
     let last = calls.last().expect("a trajectory with calls");
     e.finish_reason = last.finish_reason.clone();
     e.truncated = last.finish_reason == "length";

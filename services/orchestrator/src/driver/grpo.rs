@@ -270,7 +270,8 @@ async fn train(
     ctx.stop.check()?;
     let advantages = match (rows.advantages, kl_in_reward(&ctx.spec), &ctx.spec.distillation) {
         (task, _, Some(distillation)) => {
-            let prev = prev.as_deref().ok_or_else(|| Stop::Failed("distillation needs the student's logprobs".into()))?;
+            let prev =
+                prev.as_deref().ok_or_else(|| Stop::Failed("distillation needs the student's logprobs".into()))?;
             let teacher =
                 reference.as_deref().ok_or_else(|| Stop::Failed("distillation needs the teacher's logprobs".into()))?;
             let (advantages, kl) = distillation_advantages(distillation, episodes, task.as_ref(), prev, teacher)?;
@@ -282,7 +283,8 @@ async fn train(
             let reference = reference
                 .as_deref()
                 .ok_or_else(|| Stop::Failed("use_kl_in_reward needs reference logprobs (a KL penalty β ≠ 0)".into()))?;
-            let prev = prev.as_deref().ok_or_else(|| Stop::Failed("use_kl_in_reward needs the policy's logprobs".into()))?;
+            let prev =
+                prev.as_deref().ok_or_else(|| Stop::Failed("use_kl_in_reward needs the policy's logprobs".into()))?;
             let (advantages, penalty) = token_advantages(&ctx.spec, loss, episodes, prev, reference)?;
             metrics.0.insert("train/kl_in_reward".into(), penalty);
             advantages
@@ -586,8 +588,7 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
             AdvantageEstimator::Grpo => {
                 let baseline = if g.use_leave_one_out_baseline { Baseline::LeaveOneOut } else { Baseline::Mean };
                 let scored: Vec<bool> = episodes.iter().map(|e| !e.skipped).collect();
-                grpo_advantages(&groups, &rewards, &scored, baseline, g.normalize_rewards)
-                    .map(per_sample)
+                grpo_advantages(&groups, &rewards, &scored, baseline, g.normalize_rewards).map(per_sample)
             }
             AdvantageEstimator::ReinforcePlusPlus => {
                 let tokens: Vec<usize> = episodes.iter().map(|e| e.mask.iter().filter(|&&m| m > 0.0).count()).collect();
