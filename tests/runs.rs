@@ -364,8 +364,9 @@ fn cli_reads_the_run(stack: &Stack, run: &str, steps: &[u64]) {
 /// GRPO with a `distillation` teacher: a `small` student (random weights) learns a `medium`
 /// teacher's distribution on its own samples, so the mean per-token KL from student to teacher
 /// falls over the steps; killed after its first checkpoint, the orchestrator's replacement
-/// resumes with the teacher loaded again and records every step once. A teacher whose
-/// tokenizer is not the student's is refused with the reason.
+/// resumes with the teacher loaded again, records every step once, and gives the series of
+/// the same run uninterrupted. A teacher whose tokenizer is not the student's is refused with
+/// the reason.
 #[tokio::test(flavor = "multi_thread")]
 async fn distillation_brings_the_students_kl_to_the_teacher_down() {
     let mut stack = Stack::start();
@@ -387,10 +388,21 @@ async fn distillation_brings_the_students_kl_to_the_teacher_down() {
     drop(stack.orchestrator.take());
     stack.start_orchestrator();
     let run = stack.wait_succeeded(&id, LIMIT).await;
+    let events = stack.http.get(format!("{}/v1/runs/{id}/events", stack.api())).send().await.unwrap();
+    let text = events.text().await.unwrap();
+    assert!(text.contains("resumed after its orchestrator stopped"), "{text}");
     let kl = stack.series(&id, "train/teacher_kl").await;
     let steps: Vec<u64> = kl.iter().map(|p| p.0).collect();
     assert_eq!(steps, (1..=10).collect::<Vec<_>>(), "every step once, across the resume: {run}");
     eprintln!("train/teacher_kl by step: {kl:?}");
+    // The same run without the interruption: the same series.
+    let again = stack.submit(&spec).await;
+    stack.wait_succeeded(&again, LIMIT).await;
+    let straight = stack.series(&again, "train/teacher_kl").await;
+    eprintln!("uninterrupted: {straight:?}");
+    for ((step, resumed), (_, uninterrupted)) in kl.iter().zip(&straight) {
+        assert!((resumed - uninterrupted).abs() < 1e-6, "step {step}: {resumed} resumed, {uninterrupted} straight");
+    }
     let mean = |points: &[(u64, f64)]| points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
     let (first, last) = (mean(&kl[..3]), mean(&kl[7..]));
     assert!(first > 0.0 && last < 0.8 * first, "the KL to the teacher fell: {kl:?}");
