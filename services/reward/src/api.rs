@@ -174,11 +174,9 @@ pub struct ApiDoc;
 
 /// The contract of a user's reward service: `POST` to the configured URL.
 pub fn plugin_document() -> utoipa::openapi::OpenApi {
-    use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    use utoipa::openapi::path::OperationBuilder;
     use utoipa::openapi::request_body::RequestBodyBuilder;
-    use utoipa::openapi::{
-        ContentBuilder, InfoBuilder, OneOfBuilder, OpenApiBuilder, PathsBuilder, Ref, ResponseBuilder,
-    };
+    use utoipa::openapi::{ContentBuilder, OneOfBuilder, Ref, ResponseBuilder};
 
     let either = |one: &str, many: &str| {
         let schema = OneOfBuilder::new().item(Ref::from_schema_name(one)).item(Ref::from_schema_name(many)).build();
@@ -205,17 +203,26 @@ pub fn plugin_document() -> utoipa::openapi::OpenApi {
     #[derive(OpenApi)]
     #[openapi(components(schemas(PluginRequest, PluginBatchRequest, PluginResponse, PluginBatchResponse)))]
     struct Schemas;
+    let about = "What a user's own reward service implements for Keel's `http` environment.";
+    user_service_document("Keel reward plugin", about, operation, Schemas::openapi())
+}
+
+/// A document of one `POST /` operation that a user's service implements, with `schemas`'
+/// components.
+fn user_service_document(
+    title: &str,
+    about: &str,
+    operation: utoipa::openapi::path::Operation,
+    schemas: utoipa::openapi::OpenApi,
+) -> utoipa::openapi::OpenApi {
+    use utoipa::openapi::path::{HttpMethod, PathItem};
+    use utoipa::openapi::{InfoBuilder, OpenApiBuilder, PathsBuilder};
+    let info = InfoBuilder::new().title(title).version(env!("CARGO_PKG_VERSION")).description(Some(about)).build();
     let mut doc = OpenApiBuilder::new()
-        .info(
-            InfoBuilder::new()
-                .title("Keel reward plugin")
-                .version(env!("CARGO_PKG_VERSION"))
-                .description(Some("What a user's own reward service implements for Keel's `http` environment."))
-                .build(),
-        )
+        .info(info)
         .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, operation)))
         .build();
-    doc.components = Schemas::openapi().components;
+    doc.components = schemas.components;
     doc
 }
 
@@ -223,9 +230,9 @@ pub fn plugin_document() -> utoipa::openapi::OpenApi {
 pub fn agent_document() -> utoipa::openapi::OpenApi {
     use keel_protocol::agent::{AgentEndpoint, AgentLimits, AgentRequest};
     use keel_protocol::reward::Message;
-    use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    use utoipa::openapi::path::OperationBuilder;
     use utoipa::openapi::request_body::RequestBodyBuilder;
-    use utoipa::openapi::{ContentBuilder, InfoBuilder, OpenApiBuilder, PathsBuilder, Ref, ResponseBuilder};
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
 
     let content = |name: &str| ContentBuilder::new().schema(Some(Ref::from_schema_name(name))).build();
     let operation = OperationBuilder::new()
@@ -247,18 +254,8 @@ pub fn agent_document() -> utoipa::openapi::OpenApi {
     #[derive(OpenApi)]
     #[openapi(components(schemas(AgentRequest, AgentEndpoint, AgentLimits, Message, PluginResponse)))]
     struct Schemas;
-    let mut doc = OpenApiBuilder::new()
-        .info(
-            InfoBuilder::new()
-                .title("Keel agent")
-                .version(env!("CARGO_PKG_VERSION"))
-                .description(Some("What a user's own agent service implements for Keel's `agent` environment."))
-                .build(),
-        )
-        .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, operation)))
-        .build();
-    doc.components = Schemas::openapi().components;
-    doc
+    let about = "What a user's own agent service implements for Keel's `agent` environment.";
+    user_service_document("Keel agent", about, operation, Schemas::openapi())
 }
 
 #[cfg(test)]

@@ -10,8 +10,6 @@
 //! out, went past a limit or did not continue one conversation is dropped (sample mask 0)
 //! with the reason in its `error`; the step goes on.
 
-use std::time::{Duration, Instant};
-
 use futures::future::{join_all, try_join_all};
 use keel_protocol::agent::{AgentSessionClose, AgentSessionOpen, AgentSessionOpened, AgentTrajectory};
 use keel_protocol::reward::{AgentSample, EnvConfig, EnvSample, EnvStepRequest, EnvStepResult, Message, OnError};
@@ -20,12 +18,6 @@ use super::rollout::{Episode, Settings};
 use super::tokens::Prompting;
 use super::{Result, RunContext, Stop};
 use crate::clients::Generator;
-
-/// Samples per environment request.
-const AGENT_BATCH: usize = 64;
-
-/// How long a run waits for a generator to serve the weights a session needs.
-const REFIT_WAIT: Duration = Duration::from_secs(120);
 
 /// One sample's session.
 struct Opened {
@@ -89,70 +81,52 @@ pub async fn roll_out(
     Ok(())
 }
 
-/// Opens `request`'s session on `generator`; one that does not serve the weights asked for
-/// yet refuses, the weights are announced again and the request retried.
+/// Opens `request`'s session on `generator`, once it serves the step's weights
+/// ([`super::rollout::on_weights`]).
 async fn open(
     ctx: &RunContext,
     generator: &Generator,
     request: &AgentSessionOpen,
     settings: &Settings,
 ) -> Result<AgentSessionOpened> {
-    let deadline = Instant::now() + REFIT_WAIT;
-    loop {
-        match generator.op(request).await {
-            Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
-                ctx.stop.check()?;
-                ctx.weights.reannounce(&settings.weights.0, settings.weights.1).await?;
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            }
-            Err(e) => {
-                return Err(Stop::Failed(format!("generator {} cannot open an agent session: {e}", generator.id())));
-            }
-            Ok(opened) if opened.base_url.is_empty() => {
-                return Err(Stop::Failed(format!(
-                    "generator {} does not know the URL agents reach it at (set its public_url)",
-                    generator.id()
-                )));
-            }
-            Ok(opened) => return Ok(opened),
-        }
+    match super::rollout::on_weights(ctx, &settings.weights, || generator.op(request)).await? {
+        Err(e) => Err(Stop::Failed(format!("generator {} cannot open an agent session: {e}", generator.id()))),
+        Ok(opened) if opened.base_url.is_empty() => Err(Stop::Failed(format!(
+            "generator {} does not know the URL agents reach it at (set its public_url)",
+            generator.id()
+        ))),
+        Ok(opened) => Ok(opened),
     }
 }
 
 /// Runs each session's agent through the reward service; one result per session, in order.
 async fn step(ctx: &RunContext, episodes: &[Episode], sessions: &[Opened]) -> Result<Vec<EnvStepResult>> {
     let mut calls = Vec::new();
-    // Samples of one environment configuration travel together.
-    let mut by_env: std::collections::BTreeMap<String, Vec<usize>> = std::collections::BTreeMap::new();
-    for (k, s) in sessions.iter().enumerate() {
-        by_env.entry(serde_json::to_string(&episodes[s.episode].env).unwrap_or_default()).or_default().push(k);
-    }
-    for members in by_env.into_values() {
-        for chunk in members.chunks(AGENT_BATCH) {
-            let env = episodes[sessions[chunk[0]].episode].env.clone();
-            let EnvConfig::Agent(config) = &env else { unreachable!("agent episodes") };
-            let samples = chunk
-                .iter()
-                .map(|&k| {
-                    let (s, e) = (&sessions[k], &episodes[sessions[k].episode]);
-                    EnvSample {
-                        messages: e.messages.clone(),
-                        metadata: e.metadata.clone(),
-                        token_ids: None,
-                        agent: Some(AgentSample {
-                            openai: keel_protocol::agent::AgentEndpoint {
-                                base_url: s.endpoint.base_url.clone(),
-                                api_key: s.key.clone(),
-                                model: s.endpoint.model.clone(),
-                            },
-                            limits: config.limits(ctx.spec.max_total_sequence_length),
-                        }),
-                    }
-                })
-                .collect();
-            // An agent that fails drops its sample, never the step.
-            calls.push((chunk.to_vec(), EnvStepRequest { env, on_error: OnError::Skip, samples }));
-        }
+    let envs = sessions.iter().enumerate().map(|(k, s)| (k, &episodes[s.episode].env));
+    for chunk in super::rollout::env_chunks(envs) {
+        let env = episodes[sessions[chunk[0]].episode].env.clone();
+        let EnvConfig::Agent(config) = &env else { unreachable!("agent episodes") };
+        let samples = chunk
+            .iter()
+            .map(|&k| {
+                let (s, e) = (&sessions[k], &episodes[sessions[k].episode]);
+                EnvSample {
+                    messages: e.messages.clone(),
+                    metadata: e.metadata.clone(),
+                    token_ids: None,
+                    agent: Some(AgentSample {
+                        openai: keel_protocol::agent::AgentEndpoint {
+                            base_url: s.endpoint.base_url.clone(),
+                            api_key: s.key.clone(),
+                            model: s.endpoint.model.clone(),
+                        },
+                        limits: config.limits(ctx.spec.max_total_sequence_length),
+                    }),
+                }
+            })
+            .collect();
+        // An agent that fails drops its sample, never the step.
+        calls.push((chunk.clone(), EnvStepRequest { env, on_error: OnError::Skip, samples }));
     }
     let replies = join_all(calls.iter().map(|(_, request)| ctx.nats.ask(request))).await;
     let mut results: Vec<Option<EnvStepResult>> = vec![None; sessions.len()];

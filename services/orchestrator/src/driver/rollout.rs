@@ -319,21 +319,48 @@ async fn generate_turn(
     Ok(())
 }
 
-/// A rollout from any of the run's generators; one that does not serve the weights asked
-/// for yet refuses, the weights are announced again and the request retried. A generator
-/// that could not load them (`refit_failed`: another architecture or shape) ends it at once.
+/// A rollout from any of the run's generators ([`on_weights`]).
 async fn generate(ctx: &RunContext, request: &RolloutRequest, weights: &(PathBuf, u64)) -> Result<RolloutReply> {
+    Ok(on_weights(ctx, weights, || ctx.nats.rollout(request)).await??)
+}
+
+/// `call` to a generator that must serve `weights` (this version or newer): one that does
+/// not yet refuses with `stale_weights`, the weights are announced again and the call
+/// retried, for up to [`REFIT_WAIT`]. Any other answer is returned as it is (a generator that
+/// could not load the weights, `refit_failed`, ends it at once).
+pub(super) async fn on_weights<T, F, Fut>(
+    ctx: &RunContext,
+    weights: &(PathBuf, u64),
+    call: F,
+) -> Result<std::result::Result<T, crate::clients::CallError>>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, crate::clients::CallError>>,
+{
     let deadline = Instant::now() + REFIT_WAIT;
     loop {
-        match ctx.nats.rollout(request).await {
+        match call().await {
             Err(e) if e.kind() == Some("stale_weights") && Instant::now() < deadline => {
                 ctx.stop.check()?;
                 ctx.weights.reannounce(&weights.0, weights.1).await?;
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
-            other => return Ok(other?),
+            other => return Ok(other),
         }
     }
+}
+
+/// Items (an index and its sample's environment) in one environment request each per
+/// environment configuration, at most [`ENV_BATCH`] to a request.
+pub(super) fn env_chunks<'a>(items: impl Iterator<Item = (usize, &'a EnvConfig)>) -> Vec<Vec<usize>> {
+    let mut by_env: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, env) in items {
+        by_env.entry(serde_json::to_string(env).unwrap_or_default()).or_default().push(i);
+    }
+    by_env
+        .into_values()
+        .flat_map(|members| members.chunks(ENV_BATCH).map(<[usize]>::to_vec).collect::<Vec<_>>())
+        .collect()
 }
 
 /// Steps the environment of every episode that generated this turn.
@@ -351,29 +378,22 @@ async fn step_environments(
         let text = prompting.decode(&std::mem::take(&mut e.last_tokens));
         e.messages.push(Message::new("assistant", text));
     }
-    // One request per environment configuration and chunk.
-    let mut by_env: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    for &i in &live {
-        by_env.entry(serde_json::to_string(&episodes[i].env).unwrap_or_default()).or_default().push(i);
-    }
     let mut calls = Vec::new();
-    for members in by_env.into_values() {
-        for chunk in members.chunks(ENV_BATCH) {
-            let request = EnvStepRequest {
-                env: episodes[chunk[0]].env.clone(),
-                on_error,
-                samples: chunk
-                    .iter()
-                    .map(|&i| EnvSample {
-                        messages: episodes[i].messages.clone(),
-                        metadata: episodes[i].metadata.clone(),
-                        token_ids: Some(episodes[i].ids.clone()),
-                        agent: None,
-                    })
-                    .collect(),
-            };
-            calls.push((chunk.to_vec(), request));
-        }
+    for chunk in env_chunks(live.iter().map(|&i| (i, &episodes[i].env))) {
+        let request = EnvStepRequest {
+            env: episodes[chunk[0]].env.clone(),
+            on_error,
+            samples: chunk
+                .iter()
+                .map(|&i| EnvSample {
+                    messages: episodes[i].messages.clone(),
+                    metadata: episodes[i].metadata.clone(),
+                    token_ids: Some(episodes[i].ids.clone()),
+                    agent: None,
+                })
+                .collect(),
+        };
+        calls.push((chunk.to_vec(), request));
     }
     let replies = join_all(calls.iter().map(|(_, request)| ctx.nats.ask(request))).await;
     for ((members, _), reply) in calls.into_iter().zip(replies) {
