@@ -201,6 +201,26 @@ def bradley_terry(scores, sample_mask):
     return loss, metrics
 
 
+def value_loss(cfg, data, values, mask):
+    old = table(data, "old_values")[:, 1:]
+    returns = table(data, "returns")[:, 1:]
+    n_tok = mask.sum().item()
+    v = values[:, 1:]
+    squared = (v - returns) ** 2
+    metrics = {}
+    clip = cfg.get("value_clip")
+    if clip is not None:
+        bounded = old + torch.clamp(v - old, min=-clip, max=clip)
+        bounded_squared = (bounded - returns) ** 2
+        metrics["value_clip_fraction"] = masked_mean((bounded_squared > squared).double(), mask, n_tok).item()
+        squared = torch.maximum(squared, bounded_squared)
+    loss = masked_mean(squared, mask, n_tok) / 2
+    metrics["value_loss"] = loss.item()
+    metrics["values_mean"] = masked_mean(v.detach(), mask, n_tok).item()
+    metrics["returns_mean"] = masked_mean(returns, mask, n_tok).item()
+    return loss, metrics
+
+
 def solve(data):
     config = dict(data.get("loss") or fail("missing `loss`"))
     kind = config.pop("type", None)
@@ -210,7 +230,10 @@ def solve(data):
     sample_mask = torch.ones(rows, dtype=torch.float64) if sample_mask is None else sample_mask
     mask = token_mask[:, 1:] * sample_mask[:, None]
 
-    if kind == "bradley_terry":
+    if kind == "value":
+        wrt = table(data, "values").requires_grad_(True)
+        loss, metrics = value_loss(config, data, wrt, mask)
+    elif kind == "bradley_terry":
         wrt = table(data, "scores").requires_grad_(True)
         loss, metrics = bradley_terry(wrt, sample_mask)
     else:

@@ -153,9 +153,10 @@ pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &Pa
         _ => None,
     });
     let log_dir = spec.logger.log_dir.iter().map(|p| ("logger.log_dir", p));
-    // The models: the run's, and a distillation's teacher.
+    // The models: the run's, a distillation's teacher and a PPO critic.
     let models: Vec<(&str, &keel_protocol::run::ModelRef)> = std::iter::once(("model", &spec.model))
         .chain(spec.distillation.iter().map(|d| ("distillation.teacher", &d.teacher)))
+        .chain(spec.ppo.iter().filter_map(|p| p.critic.as_ref().map(|c| ("ppo.critic", c))))
         .collect();
     let mut model: Vec<(String, String)> = Vec::new();
     for (field, m) in &models {

@@ -176,14 +176,7 @@ pub fn reinforce_pp_token_advantages<K: Hash + Eq>(
     }
     let raw: Vec<Vec<f64>> =
         base.iter().zip(penalties).map(|(b, penalty)| penalty.iter().map(|p| b - p).collect()).collect();
-    let tokens = raw.iter().map(Vec::len).sum::<usize>() as f64;
-    if tokens == 0.0 {
-        return Ok(raw);
-    }
-    let mean = raw.iter().flatten().sum::<f64>() / tokens;
-    let variance = raw.iter().flatten().map(|a| (a - mean) * (a - mean)).sum::<f64>() / tokens;
-    let rstd = 1.0 / variance.max(VAR_FLOOR).sqrt();
-    Ok(raw.into_iter().map(|row| row.into_iter().map(|a| (a - mean) * rstd).collect()).collect())
+    Ok(crate::gae::whiten(raw))
 }
 
 /// Which estimate of KL(policy ‖ reference) per token, from the sampled token's logprobs.

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 use crate::FieldError;
 use crate::limits;
 use crate::reward::{EnvConfig, OnError};
-use crate::training::{LossConfig, TrainingConfig};
+use crate::training::{LossConfig, OptimizerConfig, TrainingConfig};
 
 // The runs API's bodies live in `runs_api`; they are named here too, where they always were.
 pub use crate::runs_api::{MetricSeries, Metrics, Run, RunEvent, RunEventRecord, RunList, RunStatus, Sample, Samples};
@@ -613,6 +613,10 @@ pub struct RunSpec {
     /// samples give every generated token its advantage (NeMo-RL's `distillation`).
     #[serde(default)]
     pub distillation: Option<DistillationSpec>,
+    /// PPO (with `grpo`): a critic trained beside the policy, and advantages by generalised
+    /// advantage estimation from its values instead of the group baseline.
+    #[serde(default)]
+    pub ppo: Option<PpoSpec>,
     /// How rollouts are sampled, and how new weights reach the generators.
     #[serde(default)]
     pub generation: GenerationSpec,
@@ -684,6 +688,57 @@ pub struct DistillationSpec {
 
 fn default_kl_weight() -> f64 {
     1.0
+}
+
+/// PPO with a critic. The rollouts are made and scored as in GRPO; then the critic scores
+/// each sample's state before every generated token (V_t), each sample's reward is put on its
+/// last generated token, and generalised advantage estimation gives every generated token its
+/// advantage A_t (δ_t = r_t + γ·V_{t+1} − V_t, A_t = δ_t + γ·λ·A_{t+1}) and the critic its
+/// target R_t = A_t + V_t. The advantages are whitened over the batch's generated tokens and
+/// train the policy with `training.loss` (clipped policy gradient); the critic is trained on
+/// the same batch, `training`'s batch sizes and gradient clipping applying to it too, with the
+/// loss ½·(V − R)² (or, with `value_clip`, the larger of that and ½·(clip(V, V_old ± ε) − R)²)
+/// averaged over the generated tokens. Prompt and environment tokens are not steps: a
+/// multi-turn sample's generated tokens follow each other in one chain. Metrics:
+/// `train/value_loss`, `train/value_clip_fraction`, `train/values_mean`, `train/returns_mean`,
+/// `train/critic_grad_norm`, `train/critic_lr`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PpoSpec {
+    /// The model the critic starts from (exactly one of `path`, `name` or `checkpoint`); its
+    /// value head starts at zero. Default: the run's `model`. A resumed run loads the critic
+    /// its checkpoint saved.
+    #[serde(default)]
+    pub critic: Option<ModelRef>,
+    /// The critic's optimiser. Default: `training.optimizer` (its learning rate is not
+    /// scheduled).
+    #[serde(default)]
+    pub optimizer: Option<OptimizerConfig>,
+    /// The discount γ per generated token, in [0, 1].
+    #[serde(default = "default_gamma")]
+    pub gamma: f64,
+    /// GAE's λ, in [0, 1]: 1 trains on the discounted reward-to-go, 0 on the one-step target.
+    #[serde(default = "default_gae_lambda")]
+    pub lambda: f64,
+    /// The value-clipping range ε (> 0), in the reward's units; leave it out for none.
+    #[serde(default = "default_value_clip")]
+    pub value_clip: Option<f64>,
+    /// The critic trains alone for this many optimiser steps before the policy is updated
+    /// (the policy still samples and is scored).
+    #[serde(default)]
+    pub critic_warmup_steps: u64,
+}
+
+fn default_gamma() -> f64 {
+    1.0
+}
+
+fn default_gae_lambda() -> f64 {
+    0.95
+}
+
+fn default_value_clip() -> Option<f64> {
+    Some(0.2)
 }
 
 /// NeMo-RL's `logger` section: every metric the run records (each step's, and validation's
@@ -822,6 +877,9 @@ impl RunSpec {
             check(&mut p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
         }
         self.model.check("model", &mut p);
+        if let Some(ppo) = &self.ppo {
+            self.ppo_problems(ppo, &mut p);
+        }
         if let Some(d) = &self.distillation {
             self.distillation_problems(d, &mut p);
         }
@@ -1115,6 +1173,58 @@ impl RunSpec {
 }
 
 impl RunSpec {
+    fn ppo_problems(&self, ppo: &PpoSpec, p: &mut Vec<FieldError>) {
+        check(p, self.algorithm == Algorithm::Grpo, "ppo", "trains on rollouts: needs algorithm: grpo");
+        if let Some(critic) = &ppo.critic {
+            critic.check("ppo.critic", p);
+        }
+        for (field, value) in [("gamma", ppo.gamma), ("lambda", ppo.lambda)] {
+            check(p, (0.0..=1.0).contains(&value), &format!("ppo.{field}"), format!("must be in [0, 1], got {value}"));
+        }
+        if let Some(clip) = ppo.value_clip {
+            check(
+                p,
+                clip.is_finite() && clip > 0.0,
+                "ppo.value_clip",
+                format!("must be a finite number > 0 (leave it out for no clipping), got {clip}"),
+            );
+        }
+        if let Some(optimizer) = &ppo.optimizer {
+            p.extend(optimizer.problems("ppo.optimizer"));
+        }
+        check(p, self.distillation.is_none(), "ppo", "ppo and distillation each make the advantages: choose one");
+        check(
+            p,
+            !self.grpo.turn_level_advantages && self.grpo.advantage_estimator == AdvantageEstimator::Grpo,
+            "ppo",
+            "makes every token's advantage from the critic: leave grpo.advantage_estimator at grpo and \
+             turn_level_advantages off",
+        );
+        check(
+            p,
+            self.tensor_parallel_size == 1,
+            "tensor_parallel_size",
+            "the PPO critic trains whole on each rank: tensor_parallel_size must be 1 (data_parallel_size may be more)",
+        );
+        if let Some(training) = &self.training {
+            check(
+                p,
+                !training.lora.enabled,
+                "training.lora.enabled",
+                "ppo trains the whole policy and critic, not LoRA adapters",
+            );
+            match &training.loss {
+                LossConfig::ClippedPg(c) => check(
+                    p,
+                    !c.use_kl_in_reward,
+                    "training.loss.use_kl_in_reward",
+                    "ppo puts only the task reward into its token rewards: keep the KL penalty in the loss",
+                ),
+                _ => check(p, false, "training.loss.type", "ppo trains the policy with clipped_pg"),
+            }
+        }
+    }
+
     fn distillation_problems(&self, d: &DistillationSpec, p: &mut Vec<FieldError>) {
         check(
             p,
@@ -1177,6 +1287,32 @@ mod tests {
     #[test]
     fn a_sound_spec_has_no_problems() {
         assert_eq!(grpo().problems(), vec![]);
+    }
+
+    #[test]
+    fn ppo_defaults_and_what_it_refuses_by_field() {
+        let mut spec = grpo();
+        spec.ppo = Some(serde_json::from_value(serde_json::json!({})).unwrap());
+        assert_eq!(spec.problems(), vec![]);
+        let ppo = spec.ppo.clone().unwrap();
+        assert_eq!((ppo.gamma, ppo.lambda, ppo.value_clip, ppo.critic_warmup_steps), (1.0, 0.95, Some(0.2), 0));
+        let fields = |spec: &RunSpec| spec.problems().into_iter().map(|p| p.field).collect::<Vec<_>>();
+        let mut bad = spec.clone();
+        bad.ppo = Some(PpoSpec {
+            gamma: 1.5,
+            lambda: -0.1,
+            value_clip: Some(0.0),
+            optimizer: Some(OptimizerConfig { lr: 0.0, ..Default::default() }),
+            ..ppo.clone()
+        });
+        assert_eq!(fields(&bad), ["ppo.gamma", "ppo.lambda", "ppo.value_clip", "ppo.optimizer.lr"]);
+        let mut bad = spec.clone();
+        bad.tensor_parallel_size = 2;
+        bad.grpo.turn_level_advantages = true;
+        assert_eq!(fields(&bad), ["ppo", "tensor_parallel_size"]);
+        let mut bad = spec.clone();
+        bad.algorithm = Algorithm::Sft;
+        assert!(fields(&bad).contains(&"ppo".to_string()), "{:?}", bad.problems());
     }
 
     /// The largest operand the schema allows (`u32::MAX`) is refused by name, not by an

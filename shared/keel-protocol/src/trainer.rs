@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::Payload;
-use crate::training::TrainingConfig;
+use crate::training::{OptimizerConfig, TrainingConfig};
 
 /// Stable error codes of trainer replies.
 pub mod error_types {
@@ -83,6 +83,30 @@ pub struct LoadRequest {
     /// `device`); each replica trains on its share of every global batch.
     #[serde(default = "default_parallel_size")]
     pub data_parallel_size: usize,
+    /// PPO's critic, trained beside the policy (whole on each rank: tensor_parallel_size 1).
+    #[serde(default)]
+    pub critic: Option<CriticLoad>,
+}
+
+/// The critic of a PPO run: a model of the policy's kind whose final hidden state at each
+/// position goes through a scalar value head, trained on the returns the orchestrator sends
+/// with each batch ([`TrainBatch::returns`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CriticLoad {
+    /// The model the critic starts from, with a new value head of zeros; when the policy is a
+    /// checkpoint that holds a critic (`critic/`) and `resume` is set, that critic is loaded
+    /// instead, with its optimiser state.
+    pub model: ModelSource,
+    pub optimizer: OptimizerConfig,
+    /// The value-clipping range ε: a new value counts in the loss at most ε from the value
+    /// the batch was scored with (`None`: no clipping).
+    #[serde(default)]
+    pub value_clip: Option<f64>,
+    /// The critic's first optimiser steps train it alone: the policy is not updated until the
+    /// critic has taken this many.
+    #[serde(default)]
+    pub warmup_steps: u64,
 }
 
 fn default_parallel_size() -> usize {
@@ -124,6 +148,9 @@ pub enum Scorer {
     #[default]
     Policy,
     Reference,
+    /// The PPO critic's values: entry t is the value of the state before token t (from the
+    /// final hidden state at t − 1), entry 0 is 0, like the logprobs' layout.
+    Critic,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -179,6 +206,14 @@ pub struct TrainBatch {
     /// Reference logprobs (default: computed by the trainer with its reference model).
     #[serde(default)]
     pub reference_logprobs: Option<Vec<Vec<f32>>>,
+    /// The critic's values the batch was scored with (PPO; laid out as [`Scorer::Critic`]),
+    /// the centres of value clipping.
+    #[serde(default)]
+    pub values: Option<Vec<Vec<f32>>>,
+    /// The critic's targets per token (PPO: the GAE advantage plus the value), laid out like
+    /// the logprobs; with them, a trainer with a critic trains it on this batch.
+    #[serde(default)]
+    pub returns: Option<Vec<Vec<f32>>>,
 }
 
 /// A batch's advantages: one per sample (broadcast over its tokens), or one per token, each

@@ -395,6 +395,31 @@ impl Default for TokenBatching {
     }
 }
 
+impl OptimizerConfig {
+    /// Every problem, each with its field path under `at` (e.g. `training.optimizer`).
+    pub fn problems(&self, at: &str) -> Vec<FieldError> {
+        let mut problems = Vec::new();
+        let field = |name: &str| format!("{at}.{name}");
+        check(&mut problems, finite_positive(self.lr), &field("lr"), format!("must be positive, got {}", self.lr));
+        for (i, b) in self.betas.iter().enumerate() {
+            check(
+                &mut problems,
+                (0.0..1.0).contains(b),
+                &field(&format!("betas[{i}]")),
+                format!("must be in [0, 1), got {b}"),
+            );
+        }
+        check(&mut problems, finite_positive(self.eps), &field("eps"), format!("must be positive, got {}", self.eps));
+        check(
+            &mut problems,
+            self.weight_decay.is_finite() && self.weight_decay >= 0.0,
+            &field("weight_decay"),
+            format!("must be finite and ≥ 0, got {}", self.weight_decay),
+        );
+        problems
+    }
+}
+
 impl TrainingConfig {
     /// The token budget microbatches are made by, when one is on: (budget for training,
     /// budget for logprob passes, packed or padded).
@@ -558,28 +583,7 @@ impl TrainingConfig {
             LossConfig::Dpo(c) => c.validate(&field("loss"), &mut problems),
             LossConfig::Nll | LossConfig::BradleyTerry => {}
         }
-        let o = &self.optimizer;
-        check(&mut problems, finite_positive(o.lr), &field("optimizer.lr"), format!("must be positive, got {}", o.lr));
-        for (i, b) in o.betas.iter().enumerate() {
-            check(
-                &mut problems,
-                (0.0..1.0).contains(b),
-                &field(&format!("optimizer.betas[{i}]")),
-                format!("must be in [0, 1), got {b}"),
-            );
-        }
-        check(
-            &mut problems,
-            finite_positive(o.eps),
-            &field("optimizer.eps"),
-            format!("must be positive, got {}", o.eps),
-        );
-        check(
-            &mut problems,
-            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
-            &field("optimizer.weight_decay"),
-            format!("must be finite and ≥ 0, got {}", o.weight_decay),
-        );
+        problems.extend(self.optimizer.problems(&field("optimizer")));
         let s = &self.scheduler;
         check(
             &mut problems,

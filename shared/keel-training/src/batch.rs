@@ -20,6 +20,9 @@ pub struct Batch {
     pub prev_logprobs: Option<Tensor>,
     pub generation_logprobs: Option<Tensor>,
     pub reference_logprobs: Option<Tensor>,
+    /// PPO: the critic's values the batch was scored with, and its targets.
+    pub values: Option<Tensor>,
+    pub returns: Option<Tensor>,
 }
 
 fn invalid(message: String) -> Error {
@@ -108,6 +111,8 @@ impl Batch {
             prev_logprobs: logprobs("prev_logprobs", &batch.prev_logprobs)?,
             generation_logprobs: logprobs("generation_logprobs", &batch.generation_logprobs)?,
             reference_logprobs: logprobs("reference_logprobs", &batch.reference_logprobs)?,
+            values: logprobs("values", &batch.values)?,
+            returns: logprobs("returns", &batch.returns)?,
             input_ids,
             lengths,
             token_mask,
@@ -116,6 +121,9 @@ impl Batch {
         };
         if matches!(loss, LossConfig::ClippedPg(_)) && checked.advantages.is_none() {
             return Err(invalid("clipped_pg needs advantages (one per sample or one per token)".into()));
+        }
+        if checked.returns.is_some() != checked.values.is_some() {
+            return Err(invalid("a batch that trains the critic needs both values and returns".into()));
         }
         if loss.is_pairwise() && rows % 2 != 0 {
             return Err(invalid(format!(
@@ -149,6 +157,8 @@ impl Batch {
             prev_logprobs: pick_opt(&self.prev_logprobs)?,
             generation_logprobs: pick_opt(&self.generation_logprobs)?,
             reference_logprobs: pick_opt(&self.reference_logprobs)?,
+            values: pick_opt(&self.values)?,
+            returns: pick_opt(&self.returns)?,
             lengths,
         })
     }
@@ -168,6 +178,8 @@ impl Batch {
             prev_logprobs: cut_opt(&self.prev_logprobs)?,
             generation_logprobs: cut_opt(&self.generation_logprobs)?,
             reference_logprobs: cut_opt(&self.reference_logprobs)?,
+            values: cut_opt(&self.values)?,
+            returns: cut_opt(&self.returns)?,
             lengths,
         })
     }

@@ -8,6 +8,7 @@
 //! - `value_head.safetensors`: the reward model's scalar head (`score.weight`, [1, hidden]);
 //! - `optimizer.safetensors`: AdamW moments and, when computing in bf16/f16, the f32 master
 //!   weights;
+//! - `critic/`: PPO's critic, a checkpoint directory of its own ([`crate::critic`]);
 //! - `trainer_state.json`: format, optimiser step (the scheduler's position), seed, compute
 //!   dtype, the training configuration, the reference model's path, and the caller's
 //!   training info.
@@ -73,41 +74,44 @@ pub enum Weights<'a> {
     Adapters { model: &'a CausalLm, base: &'a Path },
 }
 
-fn write_contents(
-    dir: &Path,
-    source: &Path,
-    policy: Weights<'_>,
-    value_head: Option<&Tensor>,
-    optimizer_state: &BTreeMap<String, Tensor>,
-    state: &TrainerState,
-) -> Result<()> {
-    match policy {
+/// One trained model's part of a checkpoint directory.
+#[derive(Debug, Clone, Copy)]
+pub struct Part<'a> {
+    /// The directory the model was loaded from (its tokenizer and side files are copied).
+    pub source: &'a Path,
+    pub weights: Weights<'a>,
+    pub value_head: Option<&'a Tensor>,
+    pub optimizer_state: &'a BTreeMap<String, Tensor>,
+    pub state: &'a TrainerState,
+}
+
+fn write_contents(dir: &Path, part: &Part<'_>) -> Result<()> {
+    match part.weights {
         Weights::Whole(model) => model.save(dir, SaveOptions::default())?,
         Weights::Adapters { model, base } => model.save_adapters(dir, base)?,
     }
-    keel_model::pretrained::copy_side_files(source, dir)?;
-    if let Some(head) = value_head {
+    keel_model::pretrained::copy_side_files(part.source, dir)?;
+    if let Some(head) = part.value_head {
         write_tensors(&dir.join(VALUE_HEAD_FILE), &[(VALUE_HEAD_TENSOR.to_string(), head.shallow_clone())])?;
     }
-    let tensors: Vec<(String, Tensor)> = optimizer_state.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+    let tensors: Vec<(String, Tensor)> =
+        part.optimizer_state.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
     write_tensors(&dir.join(OPTIMIZER_FILE), &tensors)?;
-    let text = serde_json::to_string_pretty(state).map_err(|e| Error::Internal(e.to_string()))?;
+    let text = serde_json::to_string_pretty(part.state).map_err(|e| Error::Internal(e.to_string()))?;
     std::fs::write(dir.join(STATE_FILE), text).map_err(io_error(dir))?;
     for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
-        sync(&entry.map_err(io_error(dir))?.path())?;
+        let path = entry.map_err(io_error(dir))?.path();
+        if path.is_file() {
+            sync(&path)?;
+        }
     }
     Ok(())
 }
 
 /// Writes the checkpoint at `path` atomically; returns its file names.
-pub fn save(
-    path: &Path,
-    source: &Path,
-    policy: Weights<'_>,
-    value_head: Option<&Tensor>,
-    optimizer_state: &BTreeMap<String, Tensor>,
-    state: &TrainerState,
-) -> Result<Vec<String>> {
+/// Writes the checkpoint at `path` atomically: the policy's `policy` part, and PPO's critic
+/// in `critic/` when there is one; returns its files' paths inside it.
+pub fn save(path: &Path, policy: Part<'_>, critic: Option<Part<'_>>) -> Result<Vec<String>> {
     let name = path
         .file_name()
         .and_then(|n| n.to_str())
@@ -119,19 +123,39 @@ pub fn save(
     std::fs::create_dir_all(parent).map_err(io_error(parent))?;
     let partial = parent.join(format!(".{name}.partial-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir(&partial).map_err(io_error(&partial))?;
-    let written = write_contents(&partial, source, policy, value_head, optimizer_state, state)
+    let critic_dir = partial.join(crate::critic::CRITIC_DIR);
+    let written = write_contents(&partial, &policy)
+        .and_then(|()| match &critic {
+            Some(critic) => std::fs::create_dir(&critic_dir)
+                .map_err(io_error(&critic_dir))
+                .and_then(|()| write_contents(&critic_dir, critic))
+                .and_then(|()| sync(&critic_dir)),
+            None => Ok(()),
+        })
         .and_then(|()| std::fs::rename(&partial, path).map_err(io_error(path)))
         .and_then(|()| sync(parent));
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(e);
     }
-    let mut files: Vec<String> = std::fs::read_dir(path)
-        .map_err(io_error(path))?
-        .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
-        .collect();
+    let mut files = Vec::new();
+    list_files(path, "", &mut files)?;
     files.sort();
     Ok(files)
+}
+
+/// The files under `dir`, as paths relative to it (`prefix` before each).
+fn list_files(dir: &Path, prefix: &str, files: &mut Vec<String>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
+        let entry = entry.map_err(io_error(dir))?;
+        let Ok(name) = entry.file_name().into_string() else { continue };
+        if entry.path().is_dir() {
+            list_files(&entry.path(), &format!("{prefix}{name}/"), files)?;
+        } else {
+            files.push(format!("{prefix}{name}"));
+        }
+    }
+    Ok(())
 }
 
 /// Reads `trainer_state.json` of a checkpoint directory (None for a plain HF directory).

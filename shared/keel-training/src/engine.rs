@@ -1,6 +1,7 @@
 //! The training engine of one run: the policy (trainable), an optional frozen reference, an
-//! optional scalar value head (reward models), AdamW with its schedule, and what the worker
-//! asks of them — logprobs, reward scores, training on a batch, checkpoints.
+//! optional scalar value head (reward models), an optional PPO critic ([`Critic`]), AdamW with
+//! its schedule, and what the worker asks of them — logprobs, values, reward scores, training
+//! on a batch, checkpoints.
 //!
 //! Training splits a batch into global batches of `global_batch_size` rows (one optimiser
 //! step each) and each global batch into microbatches of `micro_batch_size` rows whose
@@ -23,6 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::batch::{Batch, chunks, microbatches, pad_ids, unpad};
 use crate::checkpoint;
+use crate::critic::Critic;
 use crate::error::{Error, Result};
 use crate::loss::{self, GlobalCounts, LossInput};
 use crate::metrics::Metrics;
@@ -50,6 +52,8 @@ pub struct Engine {
     parameter_count: i64,
     reference: Option<Reference>,
     value_head: Option<Tensor>,
+    /// PPO's critic, trained beside the policy on batches that bring returns.
+    critic: Option<Critic>,
     optimizer: AdamW,
     device: Device,
     source: PathBuf,
@@ -62,7 +66,7 @@ pub struct Engine {
 }
 
 /// Refuses a non-finite microbatch loss (of `rows`).
-fn finite(loss: &Tensor, rows: &[usize], consequence: &str) -> Result<()> {
+pub(crate) fn finite(loss: &Tensor, rows: &[usize], consequence: &str) -> Result<()> {
     let value = loss.f_double_value(&[])?;
     if value.is_finite() {
         return Ok(());
@@ -233,19 +237,13 @@ impl Engine {
             None
         };
 
-        let mut params = policy.trainable_parameters();
-        let masters: BTreeMap<String, Tensor> = if kind == Kind::Float {
-            BTreeMap::new()
-        } else {
-            params.iter().map(|(n, p, _)| Ok((n.clone(), p.f_detach()?.copy()))).collect::<Result<_>>()?
-        };
-        policy.set_kind(kind)?;
+        let params = policy.trainable_parameters();
+        let mut optimizer = AdamW::for_parameters(config.optimizer.clone(), &mut policy, params, kind)?;
         let mut parameter_count = policy.parameter_count()?;
         if let Some(head) = &value_head {
-            params.push((checkpoint::VALUE_HEAD_TENSOR.to_string(), head.shallow_clone(), None));
+            optimizer.add(checkpoint::VALUE_HEAD_TENSOR, head)?;
             parameter_count += head.numel() as i64;
         }
-        let mut optimizer = AdamW::new(config.optimizer.clone(), params, masters)?;
         if let Some(data) = &data {
             optimizer.shard(data.clone())?;
         }
@@ -257,12 +255,22 @@ impl Engine {
         // Data-parallel replicas start from the same values (new LoRA adapters and value
         // heads are random; a restored master copy is its owner's).
         optimizer.broadcast_parameters()?;
+        let critic = match &request.critic {
+            Some(_) if comm.is_some() => {
+                return Err(Error::InvalidConfig(
+                    "the PPO critic trains whole on each rank: tensor_parallel_size must be 1".into(),
+                ));
+            }
+            Some(critic) => Some(Critic::load(critic, &source, request.resume, device, kind, data.as_ref())?),
+            None => None,
+        };
         Ok(Self {
             config,
             policy,
             parameter_count,
             reference,
             value_head,
+            critic,
             optimizer,
             device,
             source,
@@ -300,6 +308,10 @@ impl Engine {
         self.value_head.is_some()
     }
 
+    pub fn critic(&self) -> Option<&Critic> {
+        self.critic.as_ref()
+    }
+
     pub fn policy(&self) -> &Model {
         &self.policy
     }
@@ -332,7 +344,7 @@ impl Engine {
         let micro = self.config.micro_batch_size;
         let device = self.device;
         let budget = self.config.token_budget().map(|(_, logprobs, packed)| (logprobs, packed));
-        let score = |model: &Model| -> Result<Tensor> {
+        let score = |forward: &dyn Fn(&Tensor, &[i64]) -> Result<Tensor>| -> Result<Tensor> {
             let width = ids.size()[1];
             let mut rows: Vec<Option<Tensor>> = (0..lengths.len()).map(|_| None).collect();
             for bin in microbatches(lengths, micro, budget, false) {
@@ -340,11 +352,7 @@ impl Engine {
                 let max = picked.iter().copied().max().unwrap_or(1);
                 let index = Tensor::from_slice(&bin.iter().map(|&r| r as i64).collect::<Vec<_>>());
                 let slice = ids.f_index_select(0, &index)?.f_narrow(1, 0, max)?;
-                let lp = match budget {
-                    Some((_, true)) => model.packed_token_logprobs(&PackedRow::new(&slice, &picked)?, temperature)?,
-                    _ => model.token_logprobs(&slice, &picked, temperature)?,
-                };
-                let lp = lp.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?;
+                let lp = forward(&slice, &picked)?.f_to_device(Device::Cpu)?.f_constant_pad_nd([0, width - max])?;
                 for (k, &r) in bin.iter().enumerate() {
                     rows[r] = Some(lp.f_select(0, k as i64)?);
                 }
@@ -352,14 +360,28 @@ impl Engine {
             let rows: Vec<Tensor> = rows.into_iter().flatten().collect();
             Ok(Tensor::f_stack(&rows, 0)?)
         };
+        let logprobs_of = |model: &Model| {
+            score(&|slice: &Tensor, picked: &[i64]| -> Result<Tensor> {
+                Ok(match budget {
+                    Some((_, true)) => model.packed_token_logprobs(&PackedRow::new(slice, picked)?, temperature)?,
+                    _ => model.token_logprobs(slice, picked, temperature)?,
+                })
+            })
+        };
         match (scorer, &mut self.reference) {
-            (Scorer::Policy, _) => score(&self.policy),
-            (Scorer::Reference, Some(Reference::Base)) => self.policy.with_base(score),
+            (Scorer::Policy, _) => logprobs_of(&self.policy),
+            (Scorer::Critic, _) => {
+                let critic = self.critic.as_ref().ok_or_else(|| {
+                    Error::InvalidRequest("no critic is loaded (the run is not PPO: it has no `ppo` section)".into())
+                })?;
+                score(&|slice: &Tensor, picked: &[i64]| critic.values(slice, picked))
+            }
+            (Scorer::Reference, Some(Reference::Base)) => self.policy.with_base(logprobs_of),
             (Scorer::Reference, Some(Reference::Loaded { model, offload })) => {
                 if *offload {
                     model.set_device(device)?;
                 }
-                let result = score(model);
+                let result = logprobs_of(model);
                 if *offload {
                     model.set_device(Device::Cpu)?;
                 }
@@ -489,65 +511,59 @@ impl Engine {
         temperature: f64,
     ) -> Result<Metrics> {
         let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
-        let shard = match &self.data {
-            Some(data) => {
-                let rows: Vec<usize> = crate::dp::shard(global.len(), data.rank(), data.world_size()).collect();
-                Some((global.select(&rows)?, rows))
-            }
-            None => None,
-        };
-        // This rank's rows, numbered as in the global batch (for error messages).
-        let (mine, numbers) = match &shard {
-            Some((batch, rows)) => (batch, rows.clone()),
-            None => (global, (0..global.len()).collect()),
-        };
-        let mut metrics = Metrics::default();
         // LoRA's dropout is on for these passes only.
         self.policy.set_adapter_training(true);
-        let plan = if mine.is_empty() { Vec::new() } else { self.plan(&mine.lengths, micro_batch_size) };
-        let passes: Result<()> = plan.into_iter().try_for_each(|rows| {
-            let micro = mine.select(&rows)?;
-            let (loss, part, pending) = self.microbatch_loss(&micro, &counts, temperature)?;
-            let numbered: Vec<usize> = rows.iter().map(|&r| numbers[r]).collect();
-            finite(&loss, &numbered, "no step was taken")?;
-            loss.f_backward()?;
-            self.policy.backward(pending)?;
-            metrics.merge(part);
-            Ok(())
-        });
+        let mut trainable: Vec<Tensor> = self.policy.trainable_parameters().into_iter().map(|(_, p, _)| p).collect();
+        trainable.extend(self.value_head.iter().map(Tensor::shallow_clone));
+        let this = &*self;
+        let accumulated = accumulate(
+            global,
+            &|lengths: &[i64]| this.plan(lengths, micro_batch_size),
+            &mut |micro: &Batch, rows: &[usize]| {
+                let (loss, part, pending) = this.microbatch_loss(micro, &counts, temperature)?;
+                finite(&loss, rows, "no step was taken")?;
+                loss.f_backward()?;
+                this.policy.backward(pending)?;
+                Ok(part)
+            },
+            &trainable,
+            self.data.as_ref(),
+            self.device,
+        );
         self.policy.set_adapter_training(false);
-        if let Some(data) = self.data.clone() {
-            if !crate::dp::all_succeeded(passes.is_ok(), data.as_ref(), self.device)? {
-                passes?;
-                return Err(Error::Collective(keel_collective::Error::Aborted {
-                    rank: data.rank(),
-                    operation: "accumulate_gradients",
-                    reason: "another data-parallel rank failed this step".into(),
-                }));
-            }
-            let grads = self.defined_gradients()?;
-            crate::dp::all_reduce_gradients(&grads, data.as_ref())?;
-            metrics = crate::dp::combine_metrics(metrics, data.as_ref(), self.device)?;
-        }
-        passes?;
+        let mut metrics = accumulated?;
         metrics.global("global_valid_tokens", counts.tokens);
         Ok(metrics)
     }
 
-    /// The gradient of every trainable tensor, zeros where none was computed (a
-    /// data-parallel rank with no rows this step), so that every rank has the same list.
-    fn defined_gradients(&self) -> Result<Vec<Tensor>> {
-        let mut params: Vec<Tensor> = self.policy.trainable_parameters().into_iter().map(|(_, p, _)| p).collect();
-        params.extend(self.value_head.iter().map(Tensor::shallow_clone));
-        let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
-        if !missing.is_empty() {
-            let mut zero = Tensor::f_zeros([], (Kind::Float, self.device))?;
-            for p in missing {
-                zero = zero.f_add(&p.f_sum(Kind::Float)?.f_mul_scalar(0.0)?)?;
+    /// One optimiser step of the critic on `global` (which brings values and returns):
+    /// gradients accumulated over its microbatches as the policy's are, clipped to
+    /// `max_grad_norm`. Returns the value loss's metrics and `critic_grad_norm`, `critic_lr`.
+    fn train_critic(&mut self, global: &Batch) -> Result<Metrics> {
+        let Some(critic) = self.critic.as_ref() else { return Ok(Metrics::default()) };
+        let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
+        let micro_batch_size = self.config.micro_batch_size;
+        let accumulated = accumulate(
+            global,
+            &|lengths: &[i64]| self.plan(lengths, micro_batch_size),
+            &mut |micro: &Batch, rows: &[usize]| critic.microbatch(micro, &counts, rows),
+            &critic.trainable(),
+            self.data.as_ref(),
+            self.device,
+        );
+        let max_grad_norm = self.config.max_grad_norm;
+        let Some(critic) = self.critic.as_mut() else { return Ok(Metrics::default()) };
+        let mut metrics = match accumulated {
+            Ok(metrics) => metrics,
+            Err(e) => {
+                critic.zero_grad();
+                return Err(e);
             }
-            zero.f_backward()?;
-        }
-        Ok(params.iter().map(Tensor::grad).collect())
+        };
+        let (norm, lr) = critic.step(max_grad_norm)?;
+        metrics.global("critic_grad_norm", norm);
+        metrics.global("critic_lr", lr);
+        Ok(metrics)
     }
 
     /// The microbatches of a global batch with `lengths`: `micro_batch_size` rows at a time,
@@ -607,6 +623,13 @@ impl Engine {
         let mut steps = Vec::new();
         for (start, len) in chunks(batch.len(), self.config.global_batch_size) {
             let global = batch.rows(start, len)?;
+            let trains_critic = self.critic.is_some() && global.returns.is_some();
+            // PPO's critic warms up alone: the policy waits for its first steps.
+            if trains_critic && self.critic.as_ref().is_some_and(|c| !c.warmed_up()) {
+                let metrics = self.train_critic(&global)?;
+                steps.push(StepMetrics { step: self.optimizer.step_count(), metrics: metrics.into_map() });
+                continue;
+            }
             self.optimizer.zero_grad();
             let accumulated = self.accumulate_gradients(&global, self.config.micro_batch_size, temperature);
             let mut metrics = match accumulated {
@@ -632,6 +655,9 @@ impl Engine {
             self.optimizer.zero_grad();
             metrics.global("grad_norm", grad_norm);
             metrics.global("lr", lr);
+            if trains_critic {
+                metrics.merge(self.train_critic(&global)?);
+            }
             steps.push(StepMetrics { step: self.optimizer.step_count(), metrics: metrics.into_map() });
         }
         timing.insert("training".into(), seconds(training));
@@ -648,6 +674,9 @@ impl Engine {
         if weights {
             bytes += self.move_weights(Device::Cpu)?;
         }
+        if let Some(critic) = &self.critic {
+            bytes += critic.move_to(Device::Cpu, weights)?;
+        }
         // What was freed goes back to the driver, for the generators on the same GPU.
         keel_model::device::return_cached_memory(self.device)?;
         Ok(bytes)
@@ -655,7 +684,11 @@ impl Engine {
 
     /// Everything [`Engine::offload`] moved, back on the training device.
     pub fn onload(&self) -> Result<u64> {
-        Ok(self.move_weights(self.device)? + self.optimizer.move_state(self.device)?)
+        let critic = match &self.critic {
+            Some(critic) => critic.move_to(self.device, true)?,
+            None => 0,
+        };
+        Ok(self.move_weights(self.device)? + self.optimizer.move_state(self.device)? + critic)
     }
 
     /// The policy's parameters with their gradients (and a reward model's value head).
@@ -665,8 +698,7 @@ impl Engine {
             tensors.extend(self.policy.trainable_parameters().into_iter().map(|(_, p, _)| p));
         }
         tensors.extend(self.value_head.iter().map(Tensor::shallow_clone));
-        let grads: Vec<Tensor> = tensors.iter().map(Tensor::grad).filter(Tensor::defined).collect();
-        Ok(keel_model::device::move_in_place(tensors.iter().chain(&grads), device)?)
+        move_with_gradients(&tensors, device)
     }
 
     /// The policy's parameters (weights only, by Hugging Face name, in name order), packed in
@@ -730,6 +762,7 @@ impl Engine {
         // Under data parallelism the owners send their optimiser state to every rank, and
         // the first replica writes the checkpoint.
         let state_tensors = self.optimizer.gathered_state()?;
+        let critic_state = self.critic.as_ref().map(Critic::gathered_state).transpose()?;
         if self.data.as_ref().is_some_and(|d| d.rank() != 0) {
             return Ok(Vec::new());
         }
@@ -742,13 +775,95 @@ impl Engine {
             }
         }
         let head = self.value_head.as_ref();
+        let critic_trainer_state = self.critic.as_ref().map(|c| c.state(self.seed, &self.config));
         let files = self.policy.with_full(|full| {
             let weights = match full.lora() {
                 Some(_) => checkpoint::Weights::Adapters { model: full, base: &self.base },
                 None => checkpoint::Weights::Whole(full),
             };
-            checkpoint::save(path, &self.source, weights, head, &optimizer_state, &state)
+            let policy = checkpoint::Part {
+                source: &self.source,
+                weights,
+                value_head: head,
+                optimizer_state: &optimizer_state,
+                state: &state,
+            };
+            let critic = match (&self.critic, &critic_state, &critic_trainer_state) {
+                (Some(critic), Some(tensors), Some(state)) => Some(critic.part(tensors, state)?),
+                _ => None,
+            };
+            checkpoint::save(path, policy, critic)
         })?;
         Ok(files.unwrap_or_default())
     }
+}
+
+/// Runs `pass` (forward, loss and backward of one microbatch, given its rows as numbered in
+/// `global`, for error messages) over this rank's microbatches of `global` as `plan` splits
+/// them: every row without data parallelism, this rank's share with. Under data parallelism
+/// the gradients of `trainable` and the metrics are then summed over the group; when one rank
+/// fails they all fail (every rank of the group calls it).
+fn accumulate(
+    global: &Batch,
+    plan: &dyn Fn(&[i64]) -> Vec<Vec<usize>>,
+    pass: &mut dyn FnMut(&Batch, &[usize]) -> Result<Metrics>,
+    trainable: &[Tensor],
+    data: Option<&SharedComm>,
+    device: Device,
+) -> Result<Metrics> {
+    let shard = match data {
+        Some(data) => {
+            let rows: Vec<usize> = crate::dp::shard(global.len(), data.rank(), data.world_size()).collect();
+            Some((global.select(&rows)?, rows))
+        }
+        None => None,
+    };
+    // This rank's rows, numbered as in the global batch (for error messages).
+    let (mine, numbers) = match &shard {
+        Some((batch, rows)) => (batch, rows.clone()),
+        None => (global, (0..global.len()).collect()),
+    };
+    let mut metrics = Metrics::default();
+    let microbatches = if mine.is_empty() { Vec::new() } else { plan(&mine.lengths) };
+    let passes: Result<()> = microbatches.into_iter().try_for_each(|rows| {
+        let micro = mine.select(&rows)?;
+        let numbered: Vec<usize> = rows.iter().map(|&r| numbers[r]).collect();
+        metrics.merge(pass(&micro, &numbered)?);
+        Ok(())
+    });
+    if let Some(data) = data {
+        if !crate::dp::all_succeeded(passes.is_ok(), data.as_ref(), device)? {
+            passes?;
+            return Err(Error::Collective(keel_collective::Error::Aborted {
+                rank: data.rank(),
+                operation: "accumulate_gradients",
+                reason: "another data-parallel rank failed this step".into(),
+            }));
+        }
+        let grads = defined_gradients(trainable, device)?;
+        crate::dp::all_reduce_gradients(&grads, data.as_ref())?;
+        metrics = crate::dp::combine_metrics(metrics, data.as_ref(), device)?;
+    }
+    passes?;
+    Ok(metrics)
+}
+
+/// The gradient of every tensor of `params`, zeros where none was computed (a data-parallel
+/// rank with no rows this step), so that every rank has the same list.
+fn defined_gradients(params: &[Tensor], device: Device) -> Result<Vec<Tensor>> {
+    let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
+    if !missing.is_empty() {
+        let mut zero = Tensor::f_zeros([], (Kind::Float, device))?;
+        for p in missing {
+            zero = zero.f_add(&p.f_sum(Kind::Float)?.f_mul_scalar(0.0)?)?;
+        }
+        zero.f_backward()?;
+    }
+    Ok(params.iter().map(Tensor::grad).collect())
+}
+
+/// Moves `tensors` and their gradients to `device` in place; returns the bytes moved.
+pub(crate) fn move_with_gradients(tensors: &[Tensor], device: Device) -> Result<u64> {
+    let grads: Vec<Tensor> = tensors.iter().map(Tensor::grad).filter(Tensor::defined).collect();
+    Ok(keel_model::device::move_in_place(tensors.iter().chain(&grads), device)?)
 }

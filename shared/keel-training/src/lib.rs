@@ -6,9 +6,11 @@
 //!   thread, run in lockstep.
 //! - [`actor`]: the engine thread that owns a [`Trainer`] (tch never runs on async workers).
 //! - [`engine`]: policy, reference, value head, optimiser; logprobs, training, saving.
+//! - [`critic`]: PPO's critic (a value model trained beside the policy).
 //! - [`model`]: the whole model or one tensor-parallel rank's slices of it.
 //! - [`batch`]: wire batches checked and padded into tensors; global/micro batch slicing.
-//! - [`loss`]: clipped policy gradient, NLL, DPO, Bradley–Terry (exact text in `LOSSES.md`).
+//! - [`loss`]: clipped policy gradient, NLL, DPO, Bradley–Terry, PPO's value loss (exact text
+//!   in `LOSSES.md`).
 //! - [`optim`] and [`schedule`]: AdamW with f32 master weights, gradient clipping, warm-up
 //!   and decay.
 //! - [`checkpoint`]: the checkpoint directory (HF weights + optimiser and trainer state).
@@ -19,6 +21,7 @@
 pub mod actor;
 pub mod batch;
 pub mod checkpoint;
+pub mod critic;
 pub mod dp;
 pub mod engine;
 pub mod error;

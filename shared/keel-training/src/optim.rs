@@ -74,6 +74,43 @@ impl AdamW {
         Ok(Self { config, slots, step: 0, shard: None })
     }
 
+    /// The optimiser over `params` of `model`, which then computes in `kind`: a parameter
+    /// that is then not f32 keeps an f32 master copy, taken before the cast.
+    pub fn for_parameters(
+        config: OptimizerConfig,
+        model: &mut crate::model::Model,
+        params: Vec<(String, Tensor, Option<Layout>)>,
+        kind: Kind,
+    ) -> Result<Self> {
+        let masters: BTreeMap<String, Tensor> = if kind == Kind::Float {
+            BTreeMap::new()
+        } else {
+            params.iter().map(|(n, p, _)| Ok((n.clone(), p.f_detach()?.copy()))).collect::<Result<_>>()?
+        };
+        model.set_kind(kind)?;
+        Self::new(config, params, masters)
+    }
+
+    /// Adds `param` (f32, whole on every rank), before [`AdamW::shard`].
+    pub fn add(&mut self, name: &str, param: &Tensor) -> Result<()> {
+        if self.shard.is_some() {
+            return Err(Error::Internal(format!("`{name}` added to an optimiser already sharded")));
+        }
+        let mut added =
+            Self::new(self.config.clone(), vec![(name.to_string(), param.shallow_clone(), None)], BTreeMap::new())?;
+        self.slots.append(&mut added.slots);
+        Ok(())
+    }
+
+    /// The tensors it trains, in its order.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.slots.iter().map(|s| s.param.shallow_clone()).collect()
+    }
+
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
     /// Shards the state over the data-parallel group `comm` (ZeRO stage 1): from now on this
     /// rank keeps moments and master copies only of the parameters it owns
     /// ([`crate::dp::owners`]) and steps only those; [`AdamW::step`] then sends every

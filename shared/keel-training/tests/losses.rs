@@ -92,6 +92,9 @@ fn vector(values: &[f64]) -> Tensor {
 
 /// Keel's loss, metrics and gradient (w.r.t. logprobs, or scores for Bradley–Terry).
 fn keel(case: &Case) -> (f64, Metrics, Vec<f64>) {
+    if case.loss["type"] == "value" {
+        return keel_value(case);
+    }
     let config: LossConfig = serde_json::from_value(case.loss.clone()).unwrap();
     let logprobs = tensor(&case.logprobs).set_requires_grad(true);
     let scores = case.scores.as_ref().map(|s| vector(s).set_requires_grad(true));
@@ -128,7 +131,32 @@ fn keel(case: &Case) -> (f64, Metrics, Vec<f64>) {
     (value.double_value(&[]), metrics, grad)
 }
 
+/// The critic's loss on a case read as values = `logprobs`, the values scored with = `prev`,
+/// returns = `reference` (what [`problem`] sends the reference for a `value` case).
+fn keel_value(case: &Case) -> (f64, Metrics, Vec<f64>) {
+    let values = tensor(&case.logprobs).set_requires_grad(true);
+    let token_mask = tensor(&case.token_mask);
+    let sample_mask = vector(&case.sample_mask);
+    let global = GlobalCounts::of(&token_mask, &sample_mask).unwrap();
+    let input = loss::value::ValueInput {
+        values: &values,
+        old_values: tensor(case.prev.as_ref().unwrap()),
+        returns: tensor(case.reference.as_ref().unwrap()),
+        mask: loss::shifted_mask(&token_mask, &sample_mask).unwrap(),
+    };
+    let (value, metrics) = loss::value::value_loss(case.loss["value_clip"].as_f64(), &input, &global).unwrap();
+    value.backward();
+    let grad = Vec::<f64>::try_from(values.grad().to_kind(Kind::Double).flatten(0, -1)).unwrap();
+    (value.double_value(&[]), metrics, grad)
+}
+
 fn problem(case: &Case) -> Value {
+    if case.loss["type"] == "value" {
+        return json!({
+            "loss": case.loss, "values": case.logprobs, "old_values": case.prev, "returns": case.reference,
+            "token_mask": case.token_mask, "sample_mask": case.sample_mask,
+        });
+    }
     let mut input = json!({
         "loss": case.loss, "logprobs": case.logprobs, "token_mask": case.token_mask,
         "sample_mask": case.sample_mask,
@@ -278,6 +306,16 @@ fn nll_dpo_and_bradley_terry_match_pytorch() {
             random_case(json!({"type": "dpo", "sft_loss_weight": 0.3, "sft_average_log_probs": true}), 12),
         ),
         ("bradley-terry", random_case(json!({"type": "bradley_terry"}), 10)),
+    ]);
+}
+
+/// PPO's critic loss, unclipped and clipped at two ranges (the narrow one clips most tokens).
+#[test]
+fn value_loss_matches_pytorch() {
+    compare(&[
+        ("value loss", random_case(json!({"type": "value", "value_clip": null}), 31)),
+        ("value loss, clipped at 0.2", random_case(json!({"type": "value", "value_clip": 0.2}), 32)),
+        ("value loss, clipped at 0.05", random_case(json!({"type": "value", "value_clip": 0.05}), 33)),
     ]);
 }
 

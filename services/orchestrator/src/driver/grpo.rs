@@ -14,11 +14,11 @@ use tokio::sync::watch;
 use tracing::Instrument;
 
 use keel_algorithms::{
-    Baseline, KlEstimator, grpo_advantages, kl_estimate, reinforce_pp_advantages, reinforce_pp_token_advantages,
+    Baseline, KlEstimator, gae, grpo_advantages, kl_estimate, reinforce_pp_advantages, reinforce_pp_token_advantages,
     turn_grpo_advantages,
 };
 use keel_protocol::generator::{MemoryAction, Sampling, WeightBuckets, WeightsLoaded};
-use keel_protocol::run::{AdvantageEstimator, Algorithm, RunSpec, WeightTransfer};
+use keel_protocol::run::{AdvantageEstimator, Algorithm, PpoSpec, RunSpec, WeightTransfer};
 use keel_protocol::trainer::{Advantages, Scorer, Sequences, TrainBatch, TrainReply};
 use keel_protocol::training::{ClippedPgConfig, KlType, LossConfig};
 
@@ -268,7 +268,17 @@ async fn train(
     let both = logprobs(session, &sequences, passes(&ctx.spec, inputs.has_reference, sequences.input_ids.len()));
     let (prev, reference) = metrics.timed("policy_and_reference_logprobs", span, both).await?;
     ctx.stop.check()?;
+    // PPO: the critic's values make every generated token's advantage and the critic's targets.
+    let mut critic = None;
+    if let Some(ppo) = &ctx.spec.ppo {
+        let span = tracing::info_span!("critic_values", sequences = sequences.input_ids.len());
+        let values = metrics.timed("critic_values", span, session.logprobs(Scorer::Critic, &sequences)).await?;
+        ctx.stop.check()?;
+        let (advantages, returns) = ppo_advantages(ppo, episodes, &values)?;
+        critic = Some((advantages, values, returns));
+    }
     let advantages = match (rows.advantages, kl_in_reward(&ctx.spec), &ctx.spec.distillation) {
+        _ if critic.is_some() => None,
         (task, _, Some(distillation)) => {
             let prev =
                 prev.as_deref().ok_or_else(|| Stop::Failed("distillation needs the student's logprobs".into()))?;
@@ -276,9 +286,9 @@ async fn train(
                 reference.as_deref().ok_or_else(|| Stop::Failed("distillation needs the teacher's logprobs".into()))?;
             let (advantages, kl) = distillation_advantages(distillation, episodes, task.as_ref(), prev, teacher)?;
             metrics.0.insert("train/teacher_kl".into(), kl);
-            advantages
+            Some(advantages)
         }
-        (Some(advantages), _, None) => advantages,
+        (Some(advantages), _, None) => Some(advantages),
         (None, Some(loss), None) => {
             let reference = reference
                 .as_deref()
@@ -287,13 +297,23 @@ async fn train(
                 prev.as_deref().ok_or_else(|| Stop::Failed("use_kl_in_reward needs the policy's logprobs".into()))?;
             let (advantages, penalty) = token_advantages(&ctx.spec, loss, episodes, prev, reference)?;
             metrics.0.insert("train/kl_in_reward".into(), penalty);
-            advantages
+            Some(advantages)
         }
         (None, None, None) => return Err(Stop::Failed("the train batch has no advantages".into())),
     };
     // The teacher's logprobs made the advantages; the loss has no use for them.
     let reference = if ctx.spec.distillation.is_some() { None } else { reference };
-    let batch = TrainBatch { advantages: Some(advantages), prev_logprobs: prev, reference_logprobs: reference, ..rows };
+    let batch = match critic {
+        Some((advantages, values, returns)) => TrainBatch {
+            advantages: Some(advantages),
+            values: Some(values),
+            returns: Some(returns),
+            prev_logprobs: prev,
+            reference_logprobs: reference,
+            ..rows
+        },
+        None => TrainBatch { advantages, prev_logprobs: prev, reference_logprobs: reference, ..rows },
+    };
     let training = session.train(batch, ctx.spec.generation.temperature);
     let trained = metrics.timed("policy_training", tracing::info_span!("policy_training"), training).await?;
     if colocated {
@@ -614,6 +634,8 @@ fn batch_of(spec: &RunSpec, episodes: &[Episode], advantages: Option<Advantages>
         generation_logprobs: Some(episodes.iter().map(|e| e.gen_logprobs.clone()).collect()),
         prev_logprobs: None,
         reference_logprobs: None,
+        values: None,
+        returns: None,
     }
 }
 
@@ -684,6 +706,58 @@ fn distillation_advantages(
         rows.push(row);
     }
     Ok((Advantages::PerToken(rows), if count == 0 { 0.0 } else { sum / count as f64 }))
+}
+
+/// PPO's advantages and the critic's targets ([`PpoSpec`]): each sample's reward on its last
+/// generated token, generalised advantage estimation over its generated tokens with the
+/// critic's `values`, the advantages whitened over the generated tokens of every sample
+/// trained on. Both per token, laid out like the logprobs (0 on every other position); a
+/// skipped sample (its reward says nothing, and the loss masks it out) gets advantages 0 and
+/// its own values as targets.
+fn ppo_advantages(ppo: &PpoSpec, episodes: &[Episode], values: &[Vec<f32>]) -> Result<(Advantages, Vec<Vec<f32>>)> {
+    if values.len() != episodes.len() {
+        return Err(Stop::Failed(format!("the critic scored {} sequences of {}", values.len(), episodes.len())));
+    }
+    let mut steps = Vec::with_capacity(episodes.len());
+    let mut raw = Vec::with_capacity(episodes.len());
+    let mut returns = Vec::with_capacity(episodes.len());
+    for (i, (e, v)) in episodes.iter().zip(values).enumerate() {
+        if v.len() != e.ids.len() {
+            return Err(Stop::Failed(format!("sample {i}: {} tokens, {} values", e.ids.len(), v.len())));
+        }
+        let generated: Vec<usize> = (1..e.ids.len()).filter(|&k| e.mask[k] > 0.0).collect();
+        let mut row = v.clone();
+        if e.skipped {
+            raw.push(Vec::new());
+        } else {
+            let mut rewards = vec![0.0; generated.len()];
+            if let Some(last) = rewards.last_mut() {
+                *last = e.reward;
+            }
+            let own: Vec<f64> = generated.iter().map(|&k| f64::from(v[k])).collect();
+            let estimates = gae(&rewards, &own, ppo.gamma, ppo.lambda)
+                .map_err(|err| Stop::Failed(format!("ppo advantages of sample {i}: {err}")))?;
+            for (&k, r) in generated.iter().zip(&estimates.returns) {
+                row[k] = *r as f32;
+            }
+            raw.push(estimates.advantages);
+        }
+        returns.push(row);
+        steps.push(generated);
+    }
+    let whitened = keel_algorithms::whiten(raw);
+    let advantages = episodes
+        .iter()
+        .zip(steps.iter().zip(&whitened))
+        .map(|(e, (generated, a))| {
+            let mut row = vec![0.0f32; e.ids.len()];
+            for (&k, a) in generated.iter().zip(a) {
+                row[k] = *a as f32;
+            }
+            row
+        })
+        .collect();
+    Ok((Advantages::PerToken(advantages), returns))
 }
 
 /// The loss configuration when the run puts the KL penalty into the reward.
@@ -813,5 +887,42 @@ mod tests {
         episodes[1].skipped = true;
         let (_, kl_kept) = distillation_advantages(&spec, &episodes, None, &student, &teacher).unwrap();
         assert!((kl_kept - (0.5 - 1.0 + 0.0) / 3.0).abs() < 1e-12, "{kl_kept}");
+    }
+
+    /// Two samples after a one-token prompt, the second with an observation token between its
+    /// generated ones (not a step) and a third one skipped: GAE over each sample's generated
+    /// tokens with its reward on the last, the advantages whitened over both, the returns in
+    /// place; the skipped sample's advantages are 0 and its targets its own values.
+    #[test]
+    fn ppo_advantages_run_gae_over_each_samples_generated_tokens() {
+        let mut episodes = vec![Episode::for_test(0, 1), Episode::for_test(0, 1), Episode::for_test(0, 1)];
+        for (e, mask) in episodes.iter_mut().zip([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]) {
+            e.ids = vec![5, 6, 7, 8];
+            e.mask = mask.to_vec();
+        }
+        episodes[0].reward = 1.0;
+        episodes[1].reward = 0.0;
+        episodes[2].reward = 5.0;
+        episodes[2].skipped = true;
+        let values = vec![vec![0.0, 0.5, 0.25, 9.0], vec![0.0, 0.5, 9.0, -0.5], vec![0.0, 0.1, 0.2, 0.3]];
+        let ppo: PpoSpec = serde_json::from_value(serde_json::json!({"gamma": 0.5, "lambda": 0.5})).unwrap();
+        let (advantages, returns) = ppo_advantages(&ppo, &episodes, &values).unwrap();
+        // Sample 0, steps at 1 and 2, rewards [0, 1], values [0.5, 0.25]:
+        // δ = [0.5·0.25 − 0.5, 1 − 0.25] = [−0.375, 0.75]; A = [−0.375 + 0.25·0.75, 0.75].
+        // Sample 1, steps at 1 and 3, rewards [0, 0], values [0.5, −0.5]:
+        // δ = [0.5·−0.5 − 0.5, 0 + 0.5] = [−0.75, 0.5]; A = [−0.75 + 0.25·0.5, 0.5].
+        let raw = [-0.1875, 0.75, -0.625, 0.5];
+        let mean = raw.iter().sum::<f64>() / 4.0;
+        let std = (raw.iter().map(|a| (a - mean) * (a - mean)).sum::<f64>() / 4.0).sqrt();
+        let w: Vec<f32> = raw.iter().map(|a| ((a - mean) / std) as f32).collect();
+        let Advantages::PerToken(rows) = advantages else { panic!("per-token advantages") };
+        let expected = [vec![0.0, w[0], w[1], 0.0], vec![0.0, w[2], 0.0, w[3]], vec![0.0; 4]];
+        for (row, want) in rows.iter().zip(&expected) {
+            assert!(row.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{rows:?} vs {expected:?}");
+        }
+        assert_eq!(returns[0], vec![0.0, -0.1875 + 0.5, 1.0, 9.0]);
+        assert_eq!(returns[1], vec![0.0, -0.625 + 0.5, 9.0, 0.0]);
+        assert_eq!(returns[2], values[2], "a skipped sample's targets are its values");
+        assert!(ppo_advantages(&ppo, &episodes, &values[..2]).is_err());
     }
 }

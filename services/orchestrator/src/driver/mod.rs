@@ -206,21 +206,22 @@ pub struct RunContext {
     pub waits: Arc<Waits>,
 }
 
-/// A teacher distils only into a student that reads the same token ids: their
-/// `tokenizer.json` must hold the same vocabulary, merges and added tokens.
-fn same_tokenizer(student: &Path, teacher: &Path) -> Result<()> {
+/// A teacher distils only into a student that reads the same token ids, and a critic scores
+/// only the token ids the policy samples: the `tokenizer.json` of the model named at `field`
+/// must hold the same vocabulary, merges and added tokens as the student's (the policy's).
+fn same_tokenizer(field: &str, student: &Path, teacher: &Path) -> Result<()> {
     let read = |dir: &Path| -> Result<serde_json::Value> {
         let file = dir.join("tokenizer.json");
         let text = std::fs::read_to_string(&file)
-            .map_err(|e| Stop::Failed(format!("distillation: cannot read {}: {e}", file.display())))?;
+            .map_err(|e| Stop::Failed(format!("{field}: cannot read {}: {e}", file.display())))?;
         let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Stop::Failed(format!("distillation: {} is not JSON: {e}", file.display())))?;
+            .map_err(|e| Stop::Failed(format!("{field}: {} is not JSON: {e}", file.display())))?;
         Ok(serde_json::json!([value["model"], value["added_tokens"]]))
     };
     if read(student)? != read(teacher)? {
         return Err(Stop::Failed(format!(
-            "distillation.teacher: {} has another tokenizer than the student ({}): its logprobs would be of other \
-             tokens (distilling across tokenizers is not supported)",
+            "{field}: {} has another tokenizer than the policy ({}): it would read other tokens (models with \
+             another tokenizer are not supported)",
             teacher.display(),
             student.display()
         )));
@@ -249,6 +250,9 @@ pub struct Start {
     pub resumed: bool,
     /// With `distillation`: the teacher's HF directory (the trainer's reference).
     pub teacher_dir: Option<PathBuf>,
+    /// With `ppo`: the HF directory a new critic starts from (a resumed run's checkpoint
+    /// holds its critic).
+    pub critic_dir: Option<PathBuf>,
 }
 
 impl RunContext {
@@ -268,9 +272,18 @@ impl RunContext {
         let teacher_dir = match &self.spec.distillation {
             Some(d) => {
                 let dir = self.model_dir(&d.teacher, "distillation.teacher").await?;
-                same_tokenizer(&base_dir, &dir)?;
+                same_tokenizer("distillation.teacher", &base_dir, &dir)?;
                 Some(dir)
             }
+            None => None,
+        };
+        let critic_dir = match self.spec.ppo.as_ref().map(|p| &p.critic) {
+            Some(Some(critic)) => {
+                let dir = self.model_dir(critic, "ppo.critic").await?;
+                same_tokenizer("ppo.critic", &base_dir, &dir)?;
+                Some(dir)
+            }
+            Some(None) => Some(base_dir.clone()),
             None => None,
         };
         let latest = self.checkpoints.latest(&self.id.to_string()).await?;
@@ -283,11 +296,27 @@ impl RunContext {
                 let position = serde_json::from_value(checkpoint.info["dataloader"].clone()).map_err(|e| {
                     Stop::Failed(format!("checkpoint {} has no dataloader position: {e}", checkpoint.id))
                 })?;
-                Start { base_dir, policy_dir: dir, step: checkpoint.step, position, resumed: true, teacher_dir }
+                Start {
+                    base_dir,
+                    policy_dir: dir,
+                    step: checkpoint.step,
+                    position,
+                    resumed: true,
+                    teacher_dir,
+                    critic_dir,
+                }
             }
             None => {
                 let policy_dir = base_dir.clone();
-                Start { base_dir, policy_dir, step: 0, position: Position::default(), resumed: false, teacher_dir }
+                Start {
+                    base_dir,
+                    policy_dir,
+                    step: 0,
+                    position: Position::default(),
+                    resumed: false,
+                    teacher_dir,
+                    critic_dir,
+                }
             }
         };
         self.store.rewind(start.step).await?;

@@ -6,9 +6,9 @@ use std::path::Path;
 
 use keel_protocol::run::{RunSpec, WeightTransfer};
 use keel_protocol::trainer::{
-    EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, ExportTo, LoadReply, LoadRequest, LogprobsReply,
-    LogprobsRequest, MemoryMoved, ModelSource, OffloadRequest, OnloadRequest, SaveReply, SaveRequest, Scorer,
-    Sequences, TrainBatch, TrainReply, TrainRequest,
+    CriticLoad, EvaluateReply, EvaluateRequest, ExportReply, ExportRequest, ExportTo, LoadReply, LoadRequest,
+    LogprobsReply, LogprobsRequest, MemoryMoved, ModelSource, OffloadRequest, OnloadRequest, SaveReply, SaveRequest,
+    Scorer, Sequences, TrainBatch, TrainReply, TrainRequest,
 };
 
 use super::{EXPORT_BUCKET_BYTES, Result, Start, Stop};
@@ -37,6 +37,7 @@ impl<'a> TrainerSession<'a> {
         let Some(training) = self.spec.training.clone() else {
             return Err(Stop::Failed("this run has no training section".into()));
         };
+        let critic = self.critic(start, &training);
         let request = LoadRequest {
             run_id: self.run_id(),
             policy: ModelSource { path: start.policy_dir.to_string_lossy().into_owned() },
@@ -49,8 +50,22 @@ impl<'a> TrainerSession<'a> {
             seed: self.spec.seed,
             tensor_parallel_size: self.spec.tensor_parallel_size,
             data_parallel_size: self.spec.data_parallel_size,
+            critic,
         };
         Ok(self.trainer.op(&request).await?)
+    }
+
+    /// PPO's critic: a new one on `start.critic_dir` (a resumed run's checkpoint holds its
+    /// own, which the trainer loads instead).
+    fn critic(&self, start: &Start, training: &keel_protocol::training::TrainingConfig) -> Option<CriticLoad> {
+        let ppo = self.spec.ppo.as_ref()?;
+        let dir = start.critic_dir.as_ref()?;
+        Some(CriticLoad {
+            model: ModelSource { path: dir.to_string_lossy().into_owned() },
+            optimizer: ppo.optimizer.clone().unwrap_or_else(|| training.optimizer.clone()),
+            value_clip: ppo.value_clip,
+            warmup_steps: ppo.critic_warmup_steps,
+        })
     }
 
     /// The reference the trainer loads: the teacher when distilling; else the base model,

@@ -12,11 +12,13 @@
 //! - [`nll`]: SFT negative log-likelihood.
 //! - [`dpo`]: DPO with an optional SFT term.
 //! - [`reward`]: Bradley–Terry on reward-model scores.
+//! - [`value`]: PPO's critic loss, clipped or not.
 
 pub mod dpo;
 pub mod nll;
 pub mod policy;
 pub mod reward;
+pub mod value;
 
 use tch::{Kind, Tensor};
 
