@@ -220,13 +220,14 @@ struct Journey {
     metric: &'static str,
 }
 
-const JOURNEYS: [Journey; 10] = [
+const JOURNEYS: [Journey; 11] = [
     Journey { spec: "chat-sft/sft.yaml", metric: "validation/loss" },
     Journey { spec: "lora/sft.yaml", metric: "train/loss" },
     Journey { spec: "dpo/dpo.yaml", metric: "validation/accuracy" },
     Journey { spec: "reward-model/rm.yaml", metric: "validation/accuracy" },
     Journey { spec: "math-grpo/grpo.yaml", metric: "validation/accuracy" },
     Journey { spec: "async-grpo/grpo.yaml", metric: "async/trainer_idle_seconds" },
+    Journey { spec: "ppo/ppo.yaml", metric: "train/value_loss" },
     Journey { spec: "eval/eval.yaml", metric: "eval/accuracy" },
     Journey { spec: "code-grpo/grpo.yaml", metric: "train/reward" },
     Journey { spec: "sliding-puzzle/grpo.yaml", metric: "train/turns_per_sample" },

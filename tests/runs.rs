@@ -361,22 +361,17 @@ fn cli_reads_the_run(stack: &Stack, run: &str, steps: &[u64]) {
     assert!(output.status.success() && output.stderr.is_empty(), "{output:?}");
 }
 
-/// GRPO with a `distillation` teacher: a `small` student (random weights) learns a `medium`
-/// teacher's distribution on its own samples, so the mean per-token KL from student to teacher
-/// falls over the steps; killed after its first checkpoint, the orchestrator's replacement
-/// resumes with the teacher loaded again, records every step once, and gives the series of
-/// the same run uninterrupted. A teacher whose tokenizer is not the student's is refused with
-/// the reason.
-#[tokio::test(flavor = "multi_thread")]
-async fn distillation_brings_the_students_kl_to_the_teacher_down() {
-    let mut stack = Stack::start();
-    let (student, teacher) = (stack.dir.path().join("student"), stack.dir.path().join("teacher"));
-    keel_testkit::keel_model_init_preset(&student, "small", 1);
-    keel_testkit::keel_model_init_preset(&teacher, "medium", 2);
-    let mut spec = grpo_spec(&json!({"path": student}));
-    spec["distillation"] = json!({"teacher": {"path": teacher}});
+/// Runs `spec` for ten GRPO steps (16 samples and one optimiser step each, no KL penalty, a
+/// checkpoint every 3 steps), killing its orchestrator after step 4 and starting another: the
+/// run resumes, records every step once, and its `metric` series equals that of the same spec
+/// run again uninterrupted. Returns the resumed run's id and its series.
+async fn resumed_like_uninterrupted(
+    stack: &mut Stack,
+    spec: &serde_json::Value,
+    metric: &str,
+) -> (String, Vec<(u64, f64)>) {
+    let mut spec = spec.clone();
     spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
-    spec["training"]["optimizer"]["lr"] = json!(0.002);
     spec["training"]["global_batch_size"] = json!(16);
     spec["training"]["micro_batch_size"] = json!(16);
     spec["grpo"]["num_prompts_per_step"] = json!(4);
@@ -391,18 +386,78 @@ async fn distillation_brings_the_students_kl_to_the_teacher_down() {
     let events = stack.http.get(format!("{}/v1/runs/{id}/events", stack.api())).send().await.unwrap();
     let text = events.text().await.unwrap();
     assert!(text.contains("resumed after its orchestrator stopped"), "{text}");
-    let kl = stack.series(&id, "train/teacher_kl").await;
-    let steps: Vec<u64> = kl.iter().map(|p| p.0).collect();
+    let series = stack.series(&id, metric).await;
+    let steps: Vec<u64> = series.iter().map(|p| p.0).collect();
     assert_eq!(steps, (1..=10).collect::<Vec<_>>(), "every step once, across the resume: {run}");
-    eprintln!("train/teacher_kl by step: {kl:?}");
-    // The same run without the interruption: the same series.
+    eprintln!("{metric} by step: {series:?}");
     let again = stack.submit(&spec).await;
     stack.wait_succeeded(&again, LIMIT).await;
-    let straight = stack.series(&again, "train/teacher_kl").await;
+    let straight = stack.series(&again, metric).await;
     eprintln!("uninterrupted: {straight:?}");
-    for ((step, resumed), (_, uninterrupted)) in kl.iter().zip(&straight) {
+    for ((step, resumed), (_, uninterrupted)) in series.iter().zip(&straight) {
         assert!((resumed - uninterrupted).abs() < 1e-6, "step {step}: {resumed} resumed, {uninterrupted} straight");
     }
+    (id, series)
+}
+
+/// PPO through the services: the critic (the policy's model with a value head of zeros)
+/// trains alone for two steps, then beside the policy, on a reward whose mean it can learn
+/// (the answer holds a digit); its value loss falls against what predicting 0 would cost, and
+/// its values follow the reward as the policy improves. Killed after its first checkpoint, the
+/// orchestrator's replacement resumes with the critic the checkpoint saved, records every
+/// step once, and gives the value-loss series of the same run uninterrupted.
+#[tokio::test(flavor = "multi_thread")]
+async fn ppo_trains_a_critic_that_learns_the_returns_and_resumes_with_it() {
+    let mut stack = Stack::start();
+    let model = stack.dir.path().join("policy");
+    keel_testkit::keel_model_init_preset(&model, "small", 1);
+    let mut spec = grpo_spec(&json!({"path": model}));
+    spec["ppo"] = json!({"critic_warmup_steps": 2, "optimizer": {"lr": 0.002, "weight_decay": 0.0}, "lambda": 1.0});
+    spec["environments"] = json!({"default": {"name": "regex", "pattern": "[0-9]"}});
+    spec["training"]["optimizer"]["lr"] = json!(0.001);
+    let (id, loss) = resumed_like_uninterrupted(&mut stack, &spec, "train/value_loss").await;
+    // The policy waited for the critic's two warm-up steps.
+    let policy = stack.series(&id, "train/loss").await;
+    assert_eq!(policy.iter().map(|p| p.0).collect::<Vec<_>>(), (3..=10).collect::<Vec<_>>(), "{policy:?}");
+    // The policy learns to answer with digits within these ten steps, so the returns the
+    // critic chases move: its loss is measured against what predicting 0 would cost on the
+    // same batch, ½·E[R²] = ½·(mean reward) for rewards of 0 or 1 (every token's return is its
+    // sample's reward at γ = λ = 1). At step 1 the head of zeros predicts exactly 0.
+    let (values, reward) = (stack.series(&id, "train/values_mean").await, stack.series(&id, "train/reward").await);
+    assert_eq!(values[0].1, 0.0, "the value head starts at zero");
+    let ratio = |range: std::ops::Range<usize>| {
+        let (lost, zero): (f64, f64) =
+            range.map(|i| (loss[i].1, 0.5 * reward[i].1)).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        lost / zero
+    };
+    let (first, last) = (ratio(0..1), ratio(7..10));
+    eprintln!("value loss against predicting 0: {first:.3} at step 1, {last:.3} over steps 8 to 10");
+    assert!(
+        first > 0.7 && last < 0.5 * first,
+        "the critic learned the returns: value loss {loss:?}, reward {reward:?}"
+    );
+    let gap = |range: std::ops::Range<usize>| range.map(|i| (values[i].1 - reward[i].1).abs()).sum::<f64>();
+    assert!(gap(7..10) < 0.5 * reward[7..10].iter().map(|p| p.1).sum::<f64>(), "values follow the reward: {values:?}");
+}
+
+/// GRPO with a `distillation` teacher: a `small` student (random weights) learns a `medium`
+/// teacher's distribution on its own samples, so the mean per-token KL from student to teacher
+/// falls over the steps; killed after its first checkpoint, the orchestrator's replacement
+/// resumes with the teacher loaded again, records every step once, and gives the series of
+/// the same run uninterrupted. A teacher whose tokenizer is not the student's is refused with
+/// the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn distillation_brings_the_students_kl_to_the_teacher_down() {
+    let mut stack = Stack::start();
+    let (student, teacher) = (stack.dir.path().join("student"), stack.dir.path().join("teacher"));
+    keel_testkit::keel_model_init_preset(&student, "small", 1);
+    keel_testkit::keel_model_init_preset(&teacher, "medium", 2);
+    let mut spec = grpo_spec(&json!({"path": student}));
+    spec["distillation"] = json!({"teacher": {"path": teacher}});
+    // The teacher takes the reference's place: no KL penalty (for the refused run below too).
+    spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
+    spec["training"]["optimizer"]["lr"] = json!(0.002);
+    let (_, kl) = resumed_like_uninterrupted(&mut stack, &spec, "train/teacher_kl").await;
     let mean = |points: &[(u64, f64)]| points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
     let (first, last) = (mean(&kl[..3]), mean(&kl[7..]));
     assert!(first > 0.0 && last < 0.8 * first, "the KL to the teacher fell: {kl:?}");
