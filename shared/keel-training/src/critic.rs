@@ -170,12 +170,11 @@ impl Critic {
     /// What a checkpoint's `critic/` directory needs: the optimiser's state gathered from the
     /// data-parallel ranks (every rank calls it), then the parts to write.
     pub fn gathered_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        Ok(self
-            .optimizer
+        self.optimizer
             .gathered_state()?
             .into_iter()
             .map(|(key, tensor, _)| Ok((key, tensor.f_to_device(Device::Cpu)?)))
-            .collect::<Result<_>>()?)
+            .collect()
     }
 
     /// The critic's part of a checkpoint, with `optimizer_state` from
