@@ -599,7 +599,9 @@ fn to_train_batch(spec: &RunSpec, episodes: &[Episode]) -> Result<TrainBatch> {
     let groups: Vec<usize> = episodes.iter().map(|e| e.group).collect();
     let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
     let per_sample = |a: Vec<f64>| Advantages::PerSample(a.into_iter().map(|a| a as f32).collect());
-    let advantages = if kl_in_reward(spec).is_some() {
+    // The KL in the reward and PPO's critic make the advantages per token once the trainer
+    // has scored the batch.
+    let advantages = if kl_in_reward(spec).is_some() || spec.ppo.is_some() {
         None
     } else if g.turn_level_advantages {
         Some(turn_advantages(spec, episodes).map(Advantages::PerToken))
