@@ -88,7 +88,7 @@ fn teach(dir: &Path, out: &Path) {
     for _ in 0..150 {
         engine.train(Batch::new(&wire, &engine.config().loss).unwrap(), 1.0).unwrap();
     }
-    engine.policy().with_full(|model| Ok(model.save(out, keel_model::SaveOptions::default())?)).unwrap();
+    engine.policy().save(out, keel_model::SaveOptions::default()).unwrap();
     for file in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
         if dir.join(file).exists() {
             std::fs::copy(dir.join(file), out.join(file)).unwrap();

@@ -27,7 +27,6 @@ use keel_collective::process::{self, GroupConfig};
 use keel_collective::tcp::TcpCollective;
 use keel_protocol::trainer::{LoadRequest, Scorer, TrainBatch};
 use keel_training::actor::EngineThread;
-use keel_training::engine::Engine;
 use keel_training::{Error, Result, Trainer};
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Handle;
@@ -206,7 +205,7 @@ pub fn rank_device(run_device: &str, own: &str) -> Result<tch::Device> {
 /// Loads this rank's share of the run's models on `device` with the communicators joined.
 fn load_rank(request: &LoadRequest, device: tch::Device, comms: Comms) -> Result<Trainer> {
     let (tensor, data) = comms?;
-    Ok(Trainer::One(Box::new(Engine::load_on(request, device, tensor, data)?)))
+    Trainer::of_process(request, device, tensor, data)
 }
 
 /// The leader's `load`: every rank joins the run's collectives and loads its share. Returns

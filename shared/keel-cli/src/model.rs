@@ -8,9 +8,8 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use keel_model::device::{parse_device, parse_kind};
 use keel_model::init::{InitSpec, Preset, init_model};
-use keel_model::model::tp::TpCausalLm;
 use keel_model::sampling::{FinishReason, SamplingParams, generate};
-use keel_model::{Architecture, Tokenizer};
+use keel_model::{Architecture, CausalLm, Tokenizer};
 use serde_json::{Value, json};
 use tch::Tensor;
 
@@ -199,7 +198,7 @@ fn score_batches(
 fn on_ranks<T: Send + 'static>(
     runtime: &RuntimeArgs,
     tp: usize,
-    work: impl Fn(&TpCausalLm<keel_collective::SharedComm>) -> anyhow::Result<T> + Send + Clone + 'static,
+    work: impl Fn(&CausalLm) -> anyhow::Result<T> + Send + Clone + 'static,
 ) -> anyhow::Result<T> {
     if tp == 0 {
         bail!("--tp must be at least 1");
@@ -214,7 +213,7 @@ fn on_ranks<T: Send + 'static>(
             let (dir, work) = (runtime.model.clone(), work.clone());
             let device = keel_collective::rank_device(device, rank);
             std::thread::spawn(move || -> anyhow::Result<T> {
-                let model = TpCausalLm::load(&dir, comm, device, kind).with_context(|| format!("rank {rank}"))?;
+                let model = CausalLm::load_shard(&dir, comm, device, kind).with_context(|| format!("rank {rank}"))?;
                 work(&model)
             })
         })

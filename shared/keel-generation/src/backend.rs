@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use keel_collective::process::RankError;
 use keel_collective::{RankGroup, SharedComm, rank_zero};
-use keel_model::model::tp::{StagedWeights, TpCausalLm};
+use keel_model::model::StagedWeights;
 use keel_model::{
     BLOCK_SIZE, CausalLm, DecodeGraphs, Error, ModelConfig, PagedCache, PromptLogprobs, Result, SeqChunk,
 };
@@ -19,16 +19,13 @@ use crate::group::Grouped;
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Backend {
-    /// One model; `graphs` replays decode steps captured as CUDA graphs (for batches of up
-    /// to `captured`'s sequences and tokens, kept to capture them again after a sleep).
+    /// One model, a rank of its own; `graphs` replays decode steps captured as CUDA graphs
+    /// (for batches of up to `captured`'s sequences and tokens, kept to capture them again
+    /// after a sleep).
     Whole {
-        model: CausalLm,
-        cache: PagedCache,
+        rank: Rank,
         graphs: Option<DecodeGraphs>,
         captured: Option<(usize, usize)>,
-        /// The base weights of the linears a LoRA run's adapters target, kept from its first
-        /// adapter refit to merge every later version into.
-        lora_base: Option<LoraBase>,
     },
     Sharded(Sharded),
     /// The leader of ranks that are processes of their own (see [`crate::group`]).
@@ -73,16 +70,18 @@ fn shared(map: &std::collections::HashMap<String, Tensor>) -> std::collections::
     map.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect()
 }
 
-/// One tensor-parallel rank: its slices of the model, its pool of its KV heads, and its
-/// refit state. A thread of a [`Sharded`] backend or a process of a generator group.
+/// One rank: its slices of the model (the whole model at tensor_parallel_size 1), its pool
+/// of its KV heads, and its refit state. A whole backend, a thread of a [`Sharded`] backend
+/// or a process of a generator group.
 #[derive(Debug)]
 pub struct Rank {
-    model: TpCausalLm<SharedComm>,
+    model: CausalLm,
     cache: PagedCache,
     refit: RankRefit,
 }
 
-/// A rank's weights staged for a refit, and its slices of the LoRA base weights.
+/// A rank's weights staged for a refit, and its slices of the LoRA base weights (kept from
+/// a LoRA run's first adapter refit to merge every later version into).
 #[derive(Debug, Default)]
 struct RankRefit {
     staged: Option<StagedWeights>,
@@ -93,7 +92,11 @@ impl Rank {
     /// This rank's slices of `dir` (talking to the other ranks over `comm`) on `device`, and
     /// a pool of `blocks` blocks of its KV heads.
     pub fn load(dir: &Path, comm: SharedComm, device: Device, kind: Kind, blocks: usize) -> Result<Self> {
-        let model = TpCausalLm::load(dir, comm, device, kind)?;
+        Self::of(CausalLm::load_shard(dir, comm, device, kind)?, blocks)
+    }
+
+    /// `model` (whole, or a rank's slices) with a pool of `blocks` blocks of its KV heads.
+    pub fn of(model: CausalLm, blocks: usize) -> Result<Self> {
         let cache = model.paged_cache(blocks)?;
         Ok(Self { model, cache, refit: RankRefit::default() })
     }
@@ -110,8 +113,8 @@ impl Rank {
         self.model.device()
     }
 
-    /// The rank's tensor-parallel communicator.
-    pub fn comm(&self) -> &SharedComm {
+    /// The rank's tensor-parallel communicator (`None` for a whole model).
+    pub fn comm(&self) -> Option<&SharedComm> {
         self.model.comm()
     }
 
@@ -206,8 +209,7 @@ pub fn blocks_in(cfg: &ModelConfig, kv_heads: i64, kind: Kind, bytes: u64) -> us
 impl Backend {
     /// One model with a pool of `blocks` blocks.
     pub fn whole(model: CausalLm, blocks: usize) -> Result<Self> {
-        let cache = PagedCache::new(model.config(), blocks, model.kind(), model.device())?;
-        Ok(Self::Whole { model, cache, graphs: None, captured: None, lora_base: None })
+        Ok(Self::Whole { rank: Rank::of(model, blocks)?, graphs: None, captured: None })
     }
 
     /// Captures the model's decode step as CUDA graphs for batches of up to
@@ -215,8 +217,9 @@ impl Backend {
     /// Returns the batch sizes captured; on an error the backend stays eager.
     pub fn capture_graphs(&mut self, max_num_seqs: usize, max_model_len: usize) -> Result<Vec<usize>> {
         match self {
-            Self::Whole { model, cache, graphs, captured, .. } => {
-                let made = DecodeGraphs::capture(model, cache, max_num_seqs, max_model_len.div_ceil(BLOCK_SIZE))?;
+            Self::Whole { rank, graphs, captured } => {
+                let max_blocks = max_model_len.div_ceil(BLOCK_SIZE);
+                let made = DecodeGraphs::capture(&rank.model, &mut rank.cache, max_num_seqs, max_blocks)?;
                 let buckets = made.buckets();
                 *graphs = Some(made);
                 *captured = Some((max_num_seqs, max_model_len));
@@ -268,7 +271,7 @@ impl Backend {
     /// Blocks in the pool.
     pub fn blocks(&self) -> usize {
         match self {
-            Self::Whole { cache, .. } => cache.blocks(),
+            Self::Whole { rank, .. } => rank.cache.blocks(),
             Self::Sharded(s) => s.blocks,
             Self::Group(g) => g.blocks(),
         }
@@ -278,10 +281,10 @@ impl Backend {
     /// [`CausalLm::forward_paged`]), on the device of the model (rank 0's under TP).
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Tensor> {
         match self {
-            Self::Whole { graphs: Some(graphs), model, cache, .. } if graphs.fits(chunks) => {
-                graphs.run(model, chunks, cache)
+            Self::Whole { graphs: Some(graphs), rank, .. } if graphs.fits(chunks) => {
+                graphs.run(&rank.model, chunks, &mut rank.cache)
             }
-            Self::Whole { model, cache, .. } => model.forward_paged(chunks, cache),
+            Self::Whole { rank, .. } => rank.forward(chunks),
             Self::Sharded(s) => {
                 let logits = first(s.group.run_all(chunks.to_vec(), |rank, chunks| {
                     let logits = rank.forward(&chunks)?;
@@ -297,7 +300,7 @@ impl Backend {
     /// Copies block `from` into block `to` (copy on write).
     pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
         match self {
-            Self::Whole { cache, .. } => cache.copy_block(from, to),
+            Self::Whole { rank, .. } => rank.copy_block(from, to),
             Self::Sharded(s) => first(s.group.run_all((from, to), |rank, (from, to)| rank.copy_block(from, to))),
             Self::Group(g) => g.copy_block(from, to),
         }
@@ -307,7 +310,7 @@ impl Backend {
     /// first (see [`PromptLogprobs`]), by a pass of its own outside the KV pool.
     pub fn prompt_logprobs(&mut self, prompt: &[i64], top: usize) -> Result<PromptLogprobs> {
         match self {
-            Self::Whole { model, .. } => model.prompt_logprobs(prompt, top),
+            Self::Whole { rank, .. } => rank.prompt_logprobs(prompt, top),
             Self::Sharded(s) => {
                 let prompt = prompt.to_vec();
                 first(s.group.run_all(prompt, move |rank, prompt| rank.prompt_logprobs(&prompt, top)))
@@ -321,15 +324,10 @@ impl Backend {
     /// device they stay where they are). CUDA graphs, which point into the pool, are
     /// dropped. Returns the bytes freed (the pool's, in host memory too on a CPU device).
     pub fn sleep(&mut self, offload_weights: bool) -> Result<u64> {
-        let host = Device::Cpu;
         match self {
-            Self::Whole { model, cache, graphs, lora_base, .. } => {
+            Self::Whole { rank, graphs, .. } => {
                 *graphs = None;
-                let weights = if offload_weights { model.move_weights(host)? + move_base(lora_base, host)? } else { 0 };
-                let freed = weights + cache.release();
-                // Freed for the trainer's process: back to the driver.
-                keel_model::device::return_cached_memory(model.device())?;
-                Ok(freed)
+                rank.sleep(offload_weights)
             }
             Self::Sharded(s) => Ok(sum(s.group.run_all(offload_weights, |rank, offload| rank.sleep(offload)))?),
             Self::Group(g) => g.sleep(offload_weights),
@@ -340,12 +338,11 @@ impl Backend {
     /// (empty), CUDA graphs captured again where they were. Returns the bytes it took back.
     pub fn wake(&mut self) -> Result<u64> {
         match self {
-            Self::Whole { model, cache, graphs, captured, lora_base } => {
-                let bytes =
-                    model.move_weights(model.device())? + move_base(lora_base, model.device())? + cache.restore()?;
+            Self::Whole { rank, graphs, captured } => {
+                let bytes = rank.wake()?;
                 if let (None, Some((seqs, len))) = (&graphs, *captured) {
                     let max_blocks = len.div_ceil(BLOCK_SIZE);
-                    *graphs = Some(DecodeGraphs::capture(model, cache, seqs, max_blocks)?);
+                    *graphs = Some(DecodeGraphs::capture(&rank.model, &mut rank.cache, seqs, max_blocks)?);
                 }
                 Ok(bytes)
             }
@@ -363,24 +360,11 @@ impl Backend {
     /// (on a run's first adapter refit) and kept for every later version.
     pub fn reload_weights(&mut self, weights: &Weights) -> Result<()> {
         match self {
-            Self::Whole { model, lora_base, .. } => match weights {
-                Weights::Dir(dir) => model.reload_weights(dir),
-                Weights::Tensors(map) => model.replace_weights(map),
-                Weights::Adapters { tensors, scale, base } => {
-                    let kept = match lora_base.take() {
-                        Some((dir, weights)) if dir == *base => weights,
-                        _ => {
-                            // The whole base read on the CPU, once per run; its targeted weights kept
-                            // on the model's device.
-                            let full = CausalLm::load(base, Device::Cpu, model.kind())?;
-                            keel_model::lora::targeted_weights(&full.var_store().variables(), tensors, model.device())?
-                        }
-                    };
-                    let refit = model.refit_adapters(&kept, tensors, *scale);
-                    *lora_base = Some((base.clone(), kept));
-                    refit
-                }
-            },
+            Self::Whole { rank, .. } => {
+                let staged = rank.stage(weights.share());
+                rank.commit(staged.is_ok())?;
+                staged
+            }
             Self::Sharded(s) => {
                 let inputs = (0..s.group.world_size()).map(|_| weights.share()).collect();
                 let staged = first(s.group.run(inputs, |rank, weights| rank.stage(weights)));

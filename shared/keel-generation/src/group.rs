@@ -172,7 +172,8 @@ fn replaced(weights: &Weights, tensors: Ordered) -> Weights {
 }
 
 /// Broadcasts `tensors` from the leader (in place on the other ranks).
-fn broadcast(comm: &dyn Collective, tensors: &mut Ordered) -> Result<()> {
+fn broadcast(comm: Option<&SharedComm>, tensors: &mut Ordered) -> Result<()> {
+    let Some(comm) = comm else { return Ok(()) };
     for (_, tensor) in tensors.iter_mut() {
         comm.broadcast(tensor, 0)?;
     }
@@ -190,7 +191,7 @@ fn receive(rank: &Rank, incoming: &Incoming) -> Result<Ordered> {
         let kind = keel_model::device::parse_kind(&spec.dtype)?;
         tensors.push((spec.name.clone(), Tensor::f_empty(spec.shape.as_slice(), (kind, rank.device()))?));
     }
-    broadcast(rank.comm().as_ref(), &mut tensors)?;
+    broadcast(rank.comm(), &mut tensors)?;
     Ok(tensors)
 }
 
@@ -395,7 +396,7 @@ impl Grouped {
     pub fn reload(&mut self, weights: &Weights) -> Result<()> {
         let (incoming, mut tensors) = announce(weights, self.rank.device())?;
         let staged = self.lead(&Command::Stage { weights: incoming }, |rank| {
-            broadcast(rank.comm().as_ref(), &mut tensors)?;
+            broadcast(rank.comm(), &mut tensors)?;
             rank.stage(replaced(weights, tensors))
         });
         let commit = staged.is_ok();

@@ -14,7 +14,6 @@
 use std::time::Instant;
 
 use keel_collective::cpu::CpuGroup;
-use keel_model::model::tp::TpCausalLm;
 use keel_model::{CausalLm, Init, ModelConfig};
 use tch::{Device, Kind, Tensor};
 
@@ -64,7 +63,7 @@ fn main() {
         let ranks: Vec<_> = CpuGroup::new(tp)
             .expect("a group")
             .into_iter()
-            .map(|comm| TpCausalLm::shard(&full, comm).expect("a shard"))
+            .map(|comm| keel_model::CausalLm::shard(&full, std::sync::Arc::new(comm)).expect("a shard"))
             .collect();
         let threads: Vec<_> = ranks
             .into_iter()

@@ -105,6 +105,9 @@ impl CausalLm {
     /// dtype is (cast them with [`CausalLm::set_kind`]): A Kaiming-uniform as PEFT starts
     /// it (bounds ±1/√in, from torch's RNG), B zeros, so the model computes what it did.
     pub fn add_adapters(&mut self, config: &LoraConfig) -> Result<()> {
+        if self.world_size() > 1 {
+            return Err(Error::InvalidInput("LoRA trains on one rank: tensor_parallel_size must be 1".into()));
+        }
         if self.adapters.is_some() {
             return Err(Error::InvalidInput("the model already has adapters".into()));
         }
@@ -139,6 +142,15 @@ impl CausalLm {
     /// The adapters' settings, when the model has adapters.
     pub fn lora(&self) -> Option<&LoraConfig> {
         self.adapters.as_ref().map(|a| &a.config)
+    }
+
+    /// What an optimiser trains: the adapters where there are some, else every parameter
+    /// ([`CausalLm::parameters`]).
+    pub fn trainable_parameters(&self) -> Vec<(String, Tensor, crate::model::Layout)> {
+        if self.adapters.is_none() {
+            return self.parameters();
+        }
+        self.adapter_tensors().into_iter().map(|(n, t)| (n, t, crate::model::Layout::Replicated)).collect()
     }
 
     /// The adapters' tensors by name (`<module>.lora_A.weight`, `<module>.lora_B.weight`),
@@ -211,25 +223,6 @@ impl CausalLm {
         let config = AdapterConfig::of(&adapters.config, &base);
         let value = serde_json::to_value(&config).map_err(Error::json(dir.join(ADAPTER_CONFIG_FILE)))?;
         crate::pretrained::write_json(dir, ADAPTER_CONFIG_FILE, &value)
-    }
-}
-
-impl CausalLm {
-    /// A generator's refit from adapters: the targeted weights become `base + s·B·A` in
-    /// place (`base` from [`targeted_weights`]); on any problem nothing changes.
-    pub fn refit_adapters(
-        &self,
-        base: &HashMap<String, Tensor>,
-        adapters: &HashMap<String, Tensor>,
-        scale: f64,
-    ) -> Result<()> {
-        let merged = merged_weights(base, adapters, scale, |_, delta| Ok(delta))?;
-        let params = self.var_store().variables();
-        let _no_grad = tch::no_grad_guard();
-        for (name, weight) in merged {
-            params[&name].shallow_clone().f_copy_(&weight)?;
-        }
-        Ok(())
     }
 }
 

@@ -19,6 +19,7 @@ pub mod prompt;
 pub mod tp;
 
 pub use paged::PagedModel;
+pub use tp::{Layout, StagedWeights, Tape};
 
 use crate::attention::{Mask, Masks, attention, masks_for};
 use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
@@ -292,6 +293,10 @@ pub(crate) struct DecoderLayer {
     pub(crate) self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     pub(crate) mlp: Mlp,
+    /// The biases of o and down on a tensor-parallel rank, added once after the sum over the
+    /// ranks (a whole model keeps them in its linears).
+    o_bias: Option<Tensor>,
+    down_bias: Option<Tensor>,
     window: Option<i64>,
 }
 
@@ -306,23 +311,38 @@ impl DecoderLayer {
                 cfg.rms_norm_eps,
             )?,
             mlp: Mlp::new(&p.sub("mlp"), cfg)?,
+            o_bias: None,
+            down_bias: None,
             window: cfg.sliding_windows[index],
         })
     }
 
+    /// The layer over `x`; `sum` completes a branch's output from this rank's part (the sum
+    /// over the ranks; the identity for a whole model).
     fn forward(
         &self,
         x: &Tensor,
         at: &Positions<'_>,
         cache: Option<(&mut (dyn LayerCache + '_), usize)>,
+        sum: &dyn Fn(Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let attn = self.self_attn.forward(&self.input_layernorm.forward(x, at.kernels)?, at, cache)?;
+        let attn = add_bias(sum(attn)?, self.o_bias.as_ref())?;
         let (h, normed) = self.post_attention_layernorm.add_forward(x, &attn, at.kernels)?;
-        Ok(h.f_add(&self.mlp.forward(&normed, at.kernels)?)?)
+        let mlp = add_bias(sum(self.mlp.forward(&normed, at.kernels)?)?, self.down_bias.as_ref())?;
+        Ok(h.f_add(&mlp)?)
     }
 }
 
-/// A decoder-only causal language model.
+fn add_bias(x: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    Ok(match bias {
+        Some(bias) => x.f_add(bias)?,
+        None => x,
+    })
+}
+
+/// A decoder-only causal language model: the whole model, or one tensor-parallel rank's
+/// slices of it ([`tp`]) — the same layers, forward passes and logprobs at every world size.
 #[derive(Debug)]
 pub struct CausalLm {
     cfg: ModelConfig,
@@ -337,6 +357,8 @@ pub struct CausalLm {
     kernels: Option<Arc<Kernels>>,
     /// LoRA adapters, in a var store of their own ([`crate::lora`]).
     pub(crate) adapters: Option<crate::lora::Adapters>,
+    /// This rank's place in a tensor-parallel group (`None`: the whole model).
+    shard: Option<tp::Shard>,
 }
 
 /// Largest number of logits (batch × positions × vocabulary) materialised at once when
@@ -364,7 +386,19 @@ impl CausalLm {
             root.sub("lm_head").weight("weight", &[cfg.vocab_size, cfg.hidden_size])?
         };
         let rotary = Rotary::new(&cfg.rope, cfg.head_dim, device)?;
-        Ok(Self { cfg, vs, embed_tokens, layers, norm, lm_head, rotary, kind, kernels: None, adapters: None })
+        Ok(Self {
+            cfg,
+            vs,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+            kind,
+            kernels: None,
+            adapters: None,
+            shard: None,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -424,6 +458,9 @@ impl CausalLm {
     /// reference model on the CPU between uses.
     pub fn set_device(&mut self, device: Device) -> Result<()> {
         if device != self.device() {
+            if self.shard.is_some() {
+                return Err(Error::InvalidInput("a tensor-parallel rank cannot change device".into()));
+            }
             self.vs.set_device(device);
             if let Some(adapters) = &mut self.adapters {
                 adapters.vs.set_device(device);
@@ -435,8 +472,14 @@ impl CausalLm {
 
     /// Stops gradients to every parameter of the base model (a frozen reference, or the
     /// base under LoRA adapters, which keep theirs).
-    pub fn freeze(&mut self) {
+    pub fn freeze(&mut self) -> Result<()> {
         self.vs.freeze();
+        self.set_trainable(false)
+    }
+
+    /// A pool of `blocks` blocks of this model's (or rank's) KV heads (see [`PagedCache`]).
+    pub fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
+        PagedCache::with_kv_heads(&self.cfg, self.kv_heads(), blocks, self.kind, self.device())
     }
 
     fn check_input(&self, input_ids: &Tensor, lengths: Option<&[i64]>) -> Result<(i64, i64)> {
@@ -448,6 +491,11 @@ impl CausalLm {
     fn hidden_states(&self, input_ids: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
         let past = cache.as_ref().map_or(0, |c| c.len());
+        if cache.is_some() && self.shard.is_some() {
+            return Err(Error::InvalidInput(
+                "a KV cache holds every KV head: a tensor-parallel rank decodes with a paged cache".into(),
+            ));
+        }
         if let Some(cache) = &cache {
             cache.check(self.layers.len(), b, self.kind, self.device(), s)?;
         }
@@ -491,10 +539,11 @@ impl CausalLm {
         masks: &Masks,
         mut cache: Option<&mut dyn LayerCache>,
     ) -> Result<Tensor> {
-        let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids.f_to_device(self.device())?, -1, false, false)?;
+        let mut x = self.embed(&input_ids.f_to_device(self.device())?)?;
+        let sum = |partial: Tensor| self.sum_over_ranks(partial);
         for (index, layer) in self.layers.iter().enumerate() {
             let at = Positions::of(cos, sin, masks, layer.window).with_kernels(self.kernels.as_deref());
-            x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)))?;
+            x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)), &sum)?;
         }
         self.norm.forward(&x, self.kernels.as_deref())
     }
@@ -503,7 +552,7 @@ impl CausalLm {
     /// that asks for them, in order: every chunk's tokens continue its sequence in `cache`
     /// (see [`paged`]), all packed into one pass.
     pub fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
-        cache.check(self.layers.len(), self.cfg.num_key_value_heads, self.kind, self.device())?;
+        cache.check(self.layers.len(), self.kv_heads(), self.kind, self.device())?;
         let windows = self.windows();
         let vocab = self.cfg.vocab_size;
         let last = paged::last_hidden(
@@ -516,7 +565,7 @@ impl CausalLm {
             self.kernels.as_deref(),
             |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
         )?;
-        Ok(last.f_linear::<Tensor>(&self.lm_head, None)?)
+        self.lm_logits(&last)
     }
 
     /// Logits [rows, vocab] of a fixed-shape decode step over `batch` (see [`decode`]):
@@ -528,7 +577,7 @@ impl CausalLm {
     /// Final hidden states [rows, hidden] of a fixed-shape decode step: [`Self::forward_decode`]
     /// without the LM head (a CUDA graph captures this; the head runs on the real rows only).
     pub fn decode_hidden_states(&self, batch: &decode::DecodeBatch, cache: &mut PagedCache) -> Result<Tensor> {
-        cache.check(self.layers.len(), self.cfg.num_key_value_heads, self.kind, self.device())?;
+        cache.check(self.layers.len(), self.kv_heads(), self.kind, self.device())?;
         let windows = self.windows();
         decode::decode_hidden(
             batch,
@@ -541,10 +590,11 @@ impl CausalLm {
         )
     }
 
-    /// Logits [.., vocab] of final hidden states [.., hidden].
+    /// Logits [.., vocab] of final hidden states [.., hidden] (a tensor-parallel rank's
+    /// vocabulary slices gathered, so every rank has them all).
     pub fn lm_logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
-        Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
+        self.gather_vocab(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
     /// Logits [B, S, vocab] in the parameters' dtype. With a cache (inference only: runs
@@ -552,9 +602,9 @@ impl CausalLm {
     /// prefill, one token per row for decoding.
     pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut KvCache>) -> Result<Tensor> {
         self.check_input(input_ids, None)?;
-        let _no_grad = cache.is_some().then(tch::no_grad_guard);
+        let _no_grad = (cache.is_some() || self.shard.is_some()).then(tch::no_grad_guard);
         let hidden = self.hidden_states(input_ids, cache)?;
-        Ok(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
+        self.gather_vocab(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
     }
 
     fn padded_input(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor)> {
@@ -571,31 +621,103 @@ impl CausalLm {
     /// Token logprobs [B, S] (f32) of right-padded sequences: entry (b, i) is
     /// log p(token_i | tokens before i) with logits divided by `temperature`; entry 0 and
     /// every position at or past the row's length are 0. The log-softmax is computed over
-    /// chunks of positions, so the full [B × S × vocab] tensor is never held.
+    /// chunks of positions, so the full [B × S × vocab] tensor is never held. Gradients flow
+    /// as the caller's mode records them on a whole model; a tensor-parallel rank computes
+    /// none here (see [`Self::train_logprobs`]).
     pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
         check_temperature(temperature)?;
-        let (ids, invalid) = self.padded_input(input_ids, lengths)?;
-        let hidden = self.hidden_states(&ids, None)?;
-        let vocab = self.cfg.vocab_size;
-        chunked_token_logprobs(&hidden, &ids, &invalid, &self.lm_head, vocab, temperature, target_logprobs)
+        let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
+        let pass = self.padded_pass(input_ids, lengths)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        self.pass_logprobs(&hidden, &pass, temperature)
     }
 
     /// [`Self::token_logprobs`] of the sequences packed in `row`, each attending to itself
     /// only with its own positions, given back right-padded [n, S] as the unpacked pass
-    /// gives them. Gradients flow as the caller's mode records them.
+    /// gives them.
     pub fn packed_token_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<Tensor> {
         check_temperature(temperature)?;
+        let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
+        let pass = self.packed_pass(row)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        row.unpack(&self.pass_logprobs(&hidden, &pass, temperature)?)
+    }
+
+    /// Token logprobs as [`Self::token_logprobs`] computes them, with gradients: the caller
+    /// computes its loss from them, runs the loss's backward, then hands what comes back
+    /// with them to [`Self::backward`], which carries the gradients through a
+    /// tensor-parallel rank's model (a whole model's graph needs nothing more).
+    pub fn train_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<(Tensor, Tape)> {
+        check_temperature(temperature)?;
+        let pass = self.padded_pass(input_ids, lengths)?;
+        self.logprobs_with_tape(&pass, temperature)
+    }
+
+    /// [`Self::train_logprobs`] of the sequences packed in `row`, right-padded [n, S].
+    pub fn packed_train_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<(Tensor, Tape)> {
+        check_temperature(temperature)?;
+        let pass = self.packed_pass(row)?;
+        let (packed, tape) = self.logprobs_with_tape(&pass, temperature)?;
+        Ok((row.unpack(&packed)?, tape))
+    }
+
+    fn logprobs_with_tape(&self, pass: &Pass, temperature: f64) -> Result<(Tensor, Tape)> {
+        if self.shard.is_some() {
+            return self.taped_logprobs(pass, temperature);
+        }
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        Ok((self.pass_logprobs(&hidden, pass, temperature)?, Tape::default()))
+    }
+
+    /// Right-padded rows as a pass: ids (padding as token 0), the positions' rotary tables
+    /// and causal masks, and the positions without a logprob (padding).
+    fn padded_pass(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Pass> {
+        let (ids, invalid) = self.padded_input(input_ids, lengths)?;
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let (cos, sin, masks) =
+            positions_for(&self.rotary, self.kind, &self.windows(), &ids, &vec![0; b as usize], s, self.device())?;
+        Ok(Pass { ids, invalid, cos, sin, masks })
+    }
+
+    /// A packed row as a pass: each sequence at its own positions, attending to itself; its
+    /// first token has no logprob.
+    fn packed_pass(&self, row: &PackedRow) -> Result<Pass> {
         check_ids(self.cfg.vocab_size, &row.ids, None)?;
         let device = self.device();
-        let ids = row.ids.f_to_device(device)?;
         let (cos, sin) = self.rotary.cos_sin(&row.positions(device)?, self.kind)?;
-        let hidden = self.run_layers_at(&ids, &cos, &sin, &row.masks(&self.windows()), None)?;
-        let vocab = self.cfg.vocab_size;
-        let starts = row.starts(device)?;
-        let packed =
-            chunked_token_logprobs(&hidden, &ids, &starts, &self.lm_head, vocab, temperature, target_logprobs)?;
-        row.unpack(&packed)
+        let ids = row.ids.f_to_device(device)?;
+        Ok(Pass { ids, invalid: row.starts(device)?, cos, sin, masks: row.masks(&self.windows()) })
     }
+
+    /// The logprobs of a pass's tokens from its final hidden states (the vocabulary split
+    /// over the ranks of a tensor-parallel group).
+    fn pass_logprobs(&self, hidden: &Tensor, pass: &Pass, temperature: f64) -> Result<Tensor> {
+        if self.shard.is_some() {
+            let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
+            let share = self.largest_vocab_share();
+            return chunked_token_logprobs(
+                hidden,
+                &pass.ids,
+                &pass.invalid,
+                &self.lm_head,
+                share,
+                temperature,
+                logprobs,
+            );
+        }
+        let vocab = self.cfg.vocab_size;
+        chunked_token_logprobs(hidden, &pass.ids, &pass.invalid, &self.lm_head, vocab, temperature, target_logprobs)
+    }
+}
+
+/// What one forward pass over a batch of rows needs besides the weights.
+pub(crate) struct Pass {
+    ids: Tensor,
+    /// Positions without a logprob (a sequence's first token, padding).
+    invalid: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    masks: Masks,
 }
 
 /// The logprobs [B, L] of `targets` [B, L] under f32 `logits` [B, L, vocab].

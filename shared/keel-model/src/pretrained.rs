@@ -102,23 +102,13 @@ impl CausalLm {
         Ok(model)
     }
 
-    /// Replaces the weights with those in `dir`, which must hold the same architecture
-    /// (every tensor present, with the same shape). The new weights are read and checked in
-    /// full before any parameter changes, so on an error the current weights stay.
-    pub fn reload_weights(&self, dir: &Path) -> Result<()> {
-        let fresh = Self::load(dir, self.device(), self.kind())?;
-        self.replace_weights(&fresh.var_store().variables())
-    }
-
-    /// Copies `new` (every parameter, by Hugging Face name, in any float dtype and on any
-    /// device) over the model's parameters in place; with a missing, unexpected or
-    /// misshapen tensor nothing is copied.
-    pub fn replace_weights(&self, new: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        copy_all(&self.var_store().variables(), new)
-    }
-
     /// Saves `config.json` and the weights (in the parameters' dtype) to `dir`, creating it.
     pub fn save(&self, dir: &Path, options: SaveOptions) -> Result<()> {
+        if self.is_shard() {
+            return Err(Error::InvalidInput(
+                "a tensor-parallel rank holds slices of the model: save the gathered model (gather_full)".into(),
+            ));
+        }
         std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
         let params: BTreeMap<_, _> = self.var_store().variables().into_iter().collect();
         weights::save(dir, &params, options)?;

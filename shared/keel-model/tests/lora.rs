@@ -75,7 +75,7 @@ fn adapters_start_as_the_base_switch_off_and_merge_to_the_same_logprobs() {
     assert_eq!(max_abs_diff(&keel_logprobs(&model, &seqs, 1.0), &adapted), 0.0, "back on after with_base");
 
     // Only the adapters train: the base is frozen, the adapters are not.
-    model.freeze();
+    model.freeze().expect("frozen");
     assert!(model.var_store().variables().values().all(|t| !t.requires_grad()));
     assert!(model.adapter_tensors().iter().all(|(_, t)| t.requires_grad()));
 
@@ -118,11 +118,11 @@ fn a_serving_model_refits_from_adapters_in_place_and_refuses_bad_ones() {
     let serving = load_f32(&base_dir);
     let base = targeted_weights(&serving.var_store().variables(), &adapters, Device::Cpu).unwrap();
     assert_eq!(base.len(), 2 * serving.config().num_hidden_layers as usize);
-    serving.refit_adapters(&base, &adapters, 2.0).unwrap();
+    serving.commit_weights(serving.stage_adapters(&base, &adapters, 2.0).unwrap()).unwrap();
     let diff = max_abs_diff(&keel_logprobs(&serving, &seqs, 1.0), &expected);
     assert!(diff <= 1e-5, "refit vs trained: {diff:e}");
     // Again with the same adapters: merged into the kept base, not on top of the last merge.
-    serving.refit_adapters(&base, &adapters, 2.0).unwrap();
+    serving.commit_weights(serving.stage_adapters(&base, &adapters, 2.0).unwrap()).unwrap();
     assert!(max_abs_diff(&keel_logprobs(&serving, &seqs, 1.0), &expected) <= 1e-5);
 
     let before = keel_logprobs(&serving, &seqs, 1.0);
@@ -137,7 +137,7 @@ fn a_serving_model_refits_from_adapters_in_place_and_refuses_bad_ones() {
     for (bad, expected) in
         [(missing, "missing tensor `model.layers.1.mlp.down_proj.lora_B.weight`"), (stray, "k_proj.lora_A.weight")]
     {
-        let err = serving.refit_adapters(&base, &bad, 2.0).unwrap_err().to_string();
+        let err = serving.stage_adapters(&base, &bad, 2.0).unwrap_err().to_string();
         assert!(err.contains(expected), "{err}");
     }
     assert_eq!(max_abs_diff(&keel_logprobs(&serving, &seqs, 1.0), &before), 0.0, "a refused refit changes nothing");

@@ -23,7 +23,6 @@ use crate::error::{Error, Result};
 use crate::loss::value::{ValueInput, value_loss};
 use crate::loss::{self, GlobalCounts};
 use crate::metrics::Metrics;
-use crate::model::Model;
 use crate::optim::AdamW;
 
 /// The critic's directory inside a checkpoint.
@@ -34,7 +33,7 @@ const LM_HEAD: &str = "lm_head.weight";
 
 #[derive(Debug)]
 pub struct Critic {
-    model: Model,
+    model: CausalLm,
     head: Tensor,
     optimizer: AdamW,
     value_clip: Option<f64>,
@@ -59,7 +58,7 @@ impl Critic {
         let saved = policy_source.join(CRITIC_DIR);
         let resumes = resume && checkpoint::read_state(&saved)?.is_some();
         let source = if resumes { saved } else { PathBuf::from(&request.model.path) };
-        let mut model = Model::load(&source, device, Kind::Float, None)
+        let mut model = CausalLm::load(&source, device, Kind::Float)
             .map_err(|e| Error::Load { what: format!("critic {}", source.display()), reason: e.to_string() })?;
         let hidden = model.config().hidden_size;
         let head = if resumes {
@@ -100,10 +99,7 @@ impl Critic {
     /// Values [b, S] (f32, on the critic's device) of right-padded sequences, laid out as the
     /// logprobs; with gradients when the caller's mode records them.
     pub fn values(&self, ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
-        let Some(whole) = self.model.whole() else {
-            return Err(Error::InvalidConfig("the PPO critic trains whole: tensor_parallel_size must be 1".into()));
-        };
-        let hidden = whole.last_hidden_states(ids, lengths)?.f_to_kind(Kind::Float)?;
+        let hidden = self.model.last_hidden_states(ids, lengths)?.f_to_kind(Kind::Float)?;
         let after = hidden.f_matmul(&self.head.f_transpose(0, 1)?)?.f_squeeze_dim(2)?;
         let (rows, width) = (after.size()[0], after.size()[1]);
         let first = Tensor::f_zeros([rows, 1], (Kind::Float, after.device()))?;
@@ -184,10 +180,9 @@ impl Critic {
         optimizer_state: &'a BTreeMap<String, Tensor>,
         state: &'a TrainerState,
     ) -> Result<checkpoint::Part<'a>> {
-        let whole: &CausalLm = self.model.whole().ok_or_else(|| Error::Internal("the critic is not whole".into()))?;
         Ok(checkpoint::Part {
             source: &self.source,
-            weights: checkpoint::Weights::Whole(whole),
+            weights: checkpoint::Weights::Whole(&self.model),
             value_head: Some(&self.head),
             optimizer_state,
             state,

@@ -19,6 +19,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use keel_model::CausalLm;
+use keel_model::model::Tape;
 use keel_model::packed::PackedRow;
 use tch::{Device, Kind, Tensor};
 
@@ -28,7 +30,6 @@ use crate::critic::Critic;
 use crate::error::{Error, Result};
 use crate::loss::{self, GlobalCounts, LossInput};
 use crate::metrics::Metrics;
-use crate::model::{Model, Pending};
 use crate::optim::AdamW;
 use crate::schedule::lr_factor;
 use keel_collective::SharedComm;
@@ -39,7 +40,7 @@ use keel_protocol::training::{LossConfig, TrainingConfig};
 #[derive(Debug)]
 enum Reference {
     /// A model of its own, optionally parked on the CPU between uses.
-    Loaded { model: Box<Model>, offload: bool },
+    Loaded { model: Box<CausalLm>, offload: bool },
     /// The policy's base model under LoRA: the policy with its adapters off (no second copy).
     Base,
 }
@@ -47,7 +48,7 @@ enum Reference {
 #[derive(Debug)]
 pub struct Engine {
     config: TrainingConfig,
-    policy: Model,
+    policy: CausalLm,
     /// Parameters of the whole model (every rank's slices counted once).
     parameter_count: i64,
     reference: Option<Reference>,
@@ -193,9 +194,10 @@ impl Engine {
                 )));
             }
             let model = adapters.load(device, Kind::Float).map_err(load_error(&source))?;
-            (Model::Full(model), adapters.base)
+            (model, adapters.base)
         } else {
-            let mut model = Model::load(&source, device, Kind::Float, comm.clone()).map_err(load_error(&source))?;
+            let mut model =
+                CausalLm::load_on(&source, comm.clone(), device, Kind::Float).map_err(load_error(&source))?;
             if let Some(lora) = lora {
                 model.add_adapters(lora)?;
             }
@@ -204,7 +206,7 @@ impl Engine {
         if lora.is_some() {
             policy.freeze()?;
         } else {
-            policy.make_trainable()?;
+            policy.set_trainable(true)?;
         }
 
         // The reference is the one named, else the one a resumed checkpoint was trained
@@ -218,7 +220,7 @@ impl Engine {
             Some(path) if lora.is_some() && same_dir(path, &base) => Some(Reference::Base),
             Some(path) if request.reference.is_some() || config.loss.needs_reference() => {
                 let at = if request.reference_offload { Device::Cpu } else { device };
-                let mut model = Model::load(path, at, kind, comm.clone()).map_err(load_error(path))?;
+                let mut model = CausalLm::load_on(path, comm.clone(), at, kind).map_err(load_error(path))?;
                 model.freeze()?;
                 Some(Reference::Loaded { model: Box::new(model), offload: request.reference_offload })
             }
@@ -297,7 +299,7 @@ impl Engine {
 
     /// The model directory the policy's LoRA adapters sit on (`None` without LoRA).
     pub fn lora_base(&self) -> Option<&Path> {
-        self.policy.has_adapters().then_some(self.base.as_path())
+        self.policy.lora().is_some().then_some(self.base.as_path())
     }
 
     pub fn has_reference(&self) -> bool {
@@ -312,7 +314,7 @@ impl Engine {
         self.critic.as_ref()
     }
 
-    pub fn policy(&self) -> &Model {
+    pub fn policy(&self) -> &CausalLm {
         &self.policy
     }
 
@@ -360,7 +362,7 @@ impl Engine {
             let rows: Vec<Tensor> = rows.into_iter().flatten().collect();
             Ok(Tensor::f_stack(&rows, 0)?)
         };
-        let logprobs_of = |model: &Model| {
+        let logprobs_of = |model: &CausalLm| {
             score(&|slice: &Tensor, picked: &[i64]| -> Result<Tensor> {
                 Ok(match budget {
                     Some((_, true)) => model.packed_token_logprobs(&PackedRow::new(slice, picked)?, temperature)?,
@@ -459,12 +461,12 @@ impl Engine {
         micro: &Batch,
         global: &GlobalCounts,
         temperature: f64,
-    ) -> Result<(Tensor, Metrics, Pending)> {
+    ) -> Result<(Tensor, Metrics, Tape)> {
         let device = self.device;
         let on_device = |x: &Option<Tensor>| x.as_ref().map(|t| t.f_to_device(device)).transpose();
         let (logprobs, scores, pending) = if matches!(self.config.loss, LossConfig::BradleyTerry) {
             let scores = self.padded_scores(&micro.input_ids, &micro.lengths)?;
-            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(scores), Pending::Nothing)
+            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(scores), Tape::default())
         } else {
             let (logprobs, pending) = if self.config.sequence_packing.enabled {
                 let row = PackedRow::new(&micro.input_ids, &micro.lengths)?;
@@ -580,7 +582,7 @@ impl Engine {
         let mut grads = BTreeMap::new();
         for (name, param, layout) in self.policy.trainable_parameters() {
             let grad = param.grad().f_to_kind(Kind::Float)?;
-            grads.insert(name, self.policy.gather(&grad, layout)?.copy());
+            grads.insert(name, self.policy.gather_parameter(&grad, layout)?.copy());
         }
         if let Some(head) = &self.value_head {
             grads.insert(checkpoint::VALUE_HEAD_TENSOR.into(), head.grad().copy());
@@ -639,10 +641,10 @@ impl Engine {
                     return Err(e);
                 }
             };
-            let clipped = self
-                .policy
-                .reduce_replicated_gradients()
-                .and_then(|()| self.optimizer.clip_grad_norm(self.config.max_grad_norm, self.policy.comm()));
+            let clipped = self.policy.reduce_replicated_gradients().map_err(Error::from).and_then(|()| {
+                let comm = self.policy.comm().map(|c| &**c as &dyn keel_collective::Collective);
+                self.optimizer.clip_grad_norm(self.config.max_grad_norm, comm)
+            });
             let grad_norm = match clipped {
                 Ok(norm) => norm,
                 Err(e) => {
@@ -694,7 +696,7 @@ impl Engine {
     /// The policy's parameters with their gradients (and a reward model's value head).
     fn move_weights(&self, device: Device) -> Result<u64> {
         let mut tensors: Vec<Tensor> = self.policy.parameters().into_iter().map(|(_, p, _)| p).collect();
-        if self.policy.has_adapters() {
+        if self.policy.lora().is_some() {
             tensors.extend(self.policy.trainable_parameters().into_iter().map(|(_, p, _)| p));
         }
         tensors.extend(self.value_head.iter().map(Tensor::shallow_clone));
@@ -733,7 +735,7 @@ impl Engine {
             };
             tensors.sort_by(|a, b| a.0.cmp(&b.0));
             let _no_grad = tch::no_grad_guard();
-            Ok(match to {
+            Ok::<_, Error>(match to {
                 PackTarget::Files(dir) => Packed::Files(pack_to_files(&tensors, kind, bucket_bytes, dir)?),
                 PackTarget::Memory => Packed::Memory(pack(&tensors, kind, bucket_bytes)?),
                 PackTarget::Device | PackTarget::Buffer => {
@@ -769,7 +771,7 @@ impl Engine {
         let keep = self.policy.rank() == 0;
         let mut optimizer_state = BTreeMap::new();
         for (key, tensor, layout) in state_tensors {
-            let whole = self.policy.gather(&tensor, layout)?;
+            let whole = self.policy.gather_parameter(&tensor, layout)?;
             if keep {
                 optimizer_state.insert(key, whole.f_to_device(Device::Cpu)?);
             }

@@ -7,7 +7,6 @@
 //! - [`actor`]: the engine thread that owns a [`Trainer`] (tch never runs on async workers).
 //! - [`engine`]: policy, reference, value head, optimiser; logprobs, training, saving.
 //! - [`critic`]: PPO's critic (a value model trained beside the policy).
-//! - [`model`]: the whole model or one tensor-parallel rank's slices of it.
 //! - [`batch`]: wire batches checked and padded into tensors; global/micro batch slicing.
 //! - [`loss`]: clipped policy gradient, NLL, DPO, Bradley–Terry, PPO's value loss (exact text
 //!   in `LOSSES.md`).
@@ -27,7 +26,6 @@ pub mod engine;
 pub mod error;
 pub mod loss;
 pub mod metrics;
-pub mod model;
 pub mod optim;
 pub mod schedule;
 pub mod trainer;

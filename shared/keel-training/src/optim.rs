@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 
 use keel_collective::{Collective, ReduceOp, SharedComm};
-use keel_model::model::tp::Layout;
+use keel_model::model::Layout;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -30,8 +30,8 @@ struct Slot {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     decay: bool,
-    /// How the parameter is spread over tensor-parallel ranks (`None`: not at all).
-    layout: Option<Layout>,
+    /// How the parameter is spread over tensor-parallel ranks (`Replicated` on a whole model).
+    layout: Layout,
 }
 
 #[derive(Debug)]
@@ -55,7 +55,7 @@ impl AdamW {
     /// whose own kind is not f32 (taken before they were cast), by name.
     pub fn new(
         config: OptimizerConfig,
-        params: Vec<(String, Tensor, Option<Layout>)>,
+        params: Vec<(String, Tensor, Layout)>,
         mut masters: BTreeMap<String, Tensor>,
     ) -> Result<Self> {
         let slots = params
@@ -78,8 +78,8 @@ impl AdamW {
     /// that is then not f32 keeps an f32 master copy, taken before the cast.
     pub fn for_parameters(
         config: OptimizerConfig,
-        model: &mut crate::model::Model,
-        params: Vec<(String, Tensor, Option<Layout>)>,
+        model: &mut keel_model::CausalLm,
+        params: Vec<(String, Tensor, Layout)>,
         kind: Kind,
     ) -> Result<Self> {
         let masters: BTreeMap<String, Tensor> = if kind == Kind::Float {
@@ -96,8 +96,11 @@ impl AdamW {
         if self.shard.is_some() {
             return Err(Error::Internal(format!("`{name}` added to an optimiser already sharded")));
         }
-        let mut added =
-            Self::new(self.config.clone(), vec![(name.to_string(), param.shallow_clone(), None)], BTreeMap::new())?;
+        let mut added = Self::new(
+            self.config.clone(),
+            vec![(name.to_string(), param.shallow_clone(), Layout::Replicated)],
+            BTreeMap::new(),
+        )?;
         self.slots.append(&mut added.slots);
         Ok(())
     }
@@ -172,7 +175,7 @@ impl AdamW {
             let grad = slot.param.grad();
             if grad.defined() {
                 let squares = grad.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
-                match slot.layout.and_then(|l| l.weight_in_sum()) {
+                match slot.layout.weight_in_sum() {
                     Some(weight) => split += weight * squares,
                     None => replicated += squares,
                 }
@@ -239,7 +242,7 @@ impl AdamW {
     /// Optimiser state as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`,
     /// `master.<param>`), sorted by name, each with its parameter's layout across
     /// tensor-parallel ranks (a rank holds its slice; the checkpoint holds the whole).
-    pub fn state(&self) -> Vec<(String, Tensor, Option<Layout>)> {
+    pub fn state(&self) -> Vec<(String, Tensor, Layout)> {
         let mut tensors = Vec::new();
         for slot in &self.slots {
             let mut add = |prefix: &str, t: &Tensor| {
@@ -257,7 +260,7 @@ impl AdamW {
 
     /// [`AdamW::state`] of every parameter under data parallelism too: each owner sends its
     /// parameters' state to every rank (every rank of the group calls it), for a checkpoint.
-    pub fn gathered_state(&self) -> Result<Vec<(String, Tensor, Option<Layout>)>> {
+    pub fn gathered_state(&self) -> Result<Vec<(String, Tensor, Layout)>> {
         let Some(shard) = &self.shard else { return Ok(self.state()) };
         let mut tensors = Vec::new();
         for (index, slot) in self.slots.iter().enumerate() {
@@ -304,10 +307,8 @@ impl AdamW {
                 let key = format!("{prefix}.{}", slot.name);
                 let saved =
                     tensors.get(&key).ok_or_else(|| Error::Checkpoint(format!("optimizer state has no `{key}`")))?;
-                let saved = match slot.layout {
-                    Some(layout) if saved.size() != target.size() => layout.local(saved)?,
-                    _ => saved.shallow_clone(),
-                };
+                let saved =
+                    if saved.size() != target.size() { slot.layout.local(saved)? } else { saved.shallow_clone() };
                 if saved.size() != target.size() {
                     return Err(Error::Checkpoint(format!(
                         "optimizer state `{key}` has shape {:?}, the parameter has {:?}",

@@ -1,11 +1,11 @@
-//! [`Trainer`]: what the worker drives. With `tensor_parallel_size` and `data_parallel_size`
-//! 1 it is one [`Engine`]; otherwise it is DP × TP engines, one per rank thread of a
-//! [`RankGroup`] (rank d·TP + t is tensor-parallel rank t of data-parallel replica d), each
-//! holding its slices of the models and optimiser, and every call runs on all of them at
-//! once (the ranks meet in their collectives). Rank 0's answer is returned; any rank's error
-//! fails the call. A rank whose process is one of a group of processes (one per GPU, on one
-//! machine or several) is one engine too, [`Trainer::One`] over communicators that cross
-//! processes ([`Engine::load_on`]); its process keeps it in step with the others.
+//! [`Trainer`]: what the worker drives: the run's engines, one per rank, each on a thread of
+//! its own in a [`RankGroup`], every call run on all of them at once (the ranks meet in
+//! their collectives). In one process the ranks are a DP × TP grid (rank d·TP + t is
+//! tensor-parallel rank t of data-parallel replica d; one rank when both are 1), each
+//! holding its slices of the models and optimiser. A rank whose process is one of a group
+//! of processes (one per GPU, on one machine or several) is a trainer of one engine over
+//! communicators that cross processes ([`Trainer::of_process`]); its process keeps it in
+//! step with the others. Rank 0's answer is returned; any rank's error fails the call.
 
 use std::path::{Path, PathBuf};
 
@@ -22,15 +22,10 @@ use crate::error::{Error, Result};
 pub const MAX_TENSOR_PARALLEL: usize = 64;
 
 #[derive(Debug)]
-pub enum Trainer {
-    One(Box<Engine>),
-    Ranks(Box<Ranks>),
-}
-
-#[derive(Debug)]
-pub struct Ranks {
+pub struct Trainer {
     group: RankGroup<Engine>,
     tensor_parallel_size: usize,
+    data_parallel_size: usize,
     config: TrainingConfig,
     parameters: i64,
     step: u64,
@@ -87,157 +82,129 @@ impl Trainer {
                 "data_parallel_size × tensor_parallel_size must be at most {MAX_TENSOR_PARALLEL}, got {dp} × {tp}"
             )));
         }
-        if tp == 1 && dp == 1 {
-            return Ok(Self::One(Box::new(Engine::load(request, default_device)?)));
-        }
-        let device_name = request.device.as_deref().unwrap_or(default_device);
-        let device = keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
-        let comms = grid(dp, tp, device)?;
-        let config = request.training.clone();
+        let comms = if tp == 1 && dp == 1 {
+            vec![(None, None)]
+        } else {
+            let device_name = request.device.as_deref().unwrap_or(default_device);
+            let device =
+                keel_model::device::parse_device(device_name).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+            grid(dp, tp, device)?
+        };
         let (request, default_device) = (request.clone(), default_device.to_string());
-        let group = RankGroup::spawn("keel-trainer", comms, move |_, (tensor, data)| {
-            Engine::load_group(&request, &default_device, tensor, data)
-        })?;
+        Self::spawn(comms, move |(tensor, data)| Engine::load_group(&request, &default_device, tensor, data))
+    }
+
+    /// One rank of a group of processes: its engine, loaded on `device` with its
+    /// tensor-parallel (`tensor`) and data-parallel (`data`) communicators, which cross
+    /// processes.
+    pub fn of_process(
+        request: &LoadRequest,
+        device: Device,
+        tensor: Option<SharedComm>,
+        data: Option<SharedComm>,
+    ) -> Result<Self> {
+        let request = request.clone();
+        Self::spawn(vec![(tensor, data)], move |(tensor, data)| Engine::load_on(&request, device, tensor, data))
+    }
+
+    /// The group of one engine per item of `comms`, each made by `load` on its own thread.
+    fn spawn(
+        comms: Vec<GridComms>,
+        load: impl Fn(GridComms) -> Result<Engine> + Send + Clone + 'static,
+    ) -> Result<Self> {
+        let group = RankGroup::spawn("keel-trainer", comms, move |_, comms| load(comms))?;
         let summary = first(group.run_all((), |engine, ()| {
             let lora_base = engine.lora_base().map(Path::to_path_buf);
-            Ok((engine.parameters(), engine.step(), engine.has_reference(), engine.has_value_head(), lora_base))
+            Ok((
+                (engine.policy().world_size(), engine.data_parallel_size()),
+                engine.config().clone(),
+                (engine.parameters(), engine.step()),
+                (engine.has_reference(), engine.has_value_head()),
+                lora_base,
+            ))
         }))?;
-        let (parameters, step, has_reference, has_value_head, lora_base) = summary;
-        Ok(Self::Ranks(Box::new(Ranks {
+        let ((tensor_parallel_size, data_parallel_size), config, (parameters, step), references, lora_base) = summary;
+        let (has_reference, has_value_head) = references;
+        Ok(Self {
             group,
-            tensor_parallel_size: tp,
+            tensor_parallel_size,
+            data_parallel_size,
             config,
             parameters,
             step,
             has_reference,
             has_value_head,
             lora_base,
-        })))
+        })
     }
 
     pub fn tensor_parallel_size(&self) -> usize {
-        match self {
-            Self::One(engine) => engine.policy().world_size(),
-            Self::Ranks(ranks) => ranks.tensor_parallel_size,
-        }
+        self.tensor_parallel_size
     }
 
     pub fn data_parallel_size(&self) -> usize {
-        match self {
-            Self::One(engine) => engine.data_parallel_size(),
-            Self::Ranks(ranks) => ranks.group.world_size() / ranks.tensor_parallel_size,
-        }
+        self.data_parallel_size
     }
 
     pub fn parameters(&self) -> i64 {
-        match self {
-            Self::One(engine) => engine.parameters(),
-            Self::Ranks(ranks) => ranks.parameters,
-        }
+        self.parameters
     }
 
     pub fn step(&self) -> u64 {
-        match self {
-            Self::One(engine) => engine.step(),
-            Self::Ranks(ranks) => ranks.step,
-        }
+        self.step
     }
 
     pub fn has_reference(&self) -> bool {
-        match self {
-            Self::One(engine) => engine.has_reference(),
-            Self::Ranks(ranks) => ranks.has_reference,
-        }
+        self.has_reference
     }
 
     pub fn has_value_head(&self) -> bool {
-        match self {
-            Self::One(engine) => engine.has_value_head(),
-            Self::Ranks(ranks) => ranks.has_value_head,
-        }
+        self.has_value_head
     }
 
     pub fn config(&self) -> &TrainingConfig {
-        match self {
-            Self::One(engine) => engine.config(),
-            Self::Ranks(ranks) => &ranks.config,
-        }
+        &self.config
     }
 
     /// Per-token logprobs of `sequences` under the policy or the reference.
     pub fn logprobs(&mut self, scorer: Scorer, sequences: Vec<Vec<i64>>, temperature: f64) -> Result<Vec<Vec<f32>>> {
-        match self {
-            Self::One(engine) => engine.logprobs(scorer, &sequences, temperature),
-            Self::Ranks(ranks) => first(
-                ranks
-                    .group
-                    .run_all(sequences, move |engine, sequences| engine.logprobs(scorer, &sequences, temperature)),
-            ),
-        }
+        first(self.group.run_all(sequences, move |engine, sequences| engine.logprobs(scorer, &sequences, temperature)))
     }
 
     /// Reward-model scores (value heads are refused at load under TP; every data-parallel
     /// replica holds the whole model and scores alike).
     pub fn scores(&self, sequences: &[Vec<i64>]) -> Result<Vec<f32>> {
-        match self {
-            Self::One(engine) => engine.scores(sequences),
-            Self::Ranks(ranks) => {
-                first(ranks.group.run_all(sequences.to_vec(), |engine, sequences| engine.scores(&sequences)))
-            }
-        }
+        first(self.group.run_all(sequences.to_vec(), |engine, sequences| engine.scores(&sequences)))
     }
 
     /// Trains on the wire batch `batch` (each rank builds its own tensors from it).
     pub fn train(&mut self, batch: TrainBatch, temperature: f64) -> Result<Trained> {
-        match self {
-            Self::One(engine) => {
-                let batch = Batch::new(&batch, &engine.config().loss)?;
-                engine.train(batch, temperature)
-            }
-            Self::Ranks(ranks) => {
-                let trained = first(ranks.group.run_all(batch, move |engine, batch| {
-                    let batch = Batch::new(&batch, &engine.config().loss)?;
-                    let trained = engine.train(batch, temperature)?;
-                    Ok((trained, engine.step()))
-                }));
-                // A failed call may still have stepped; read the step back either way.
-                ranks.step = first(ranks.group.run_all((), |engine, ()| Ok(engine.step())))?;
-                Ok(trained?.0)
-            }
-        }
+        let trained = first(self.group.run_all(batch, move |engine, batch| {
+            let batch = Batch::new(&batch, &engine.config().loss)?;
+            engine.train(batch, temperature)
+        }));
+        // A failed call may still have stepped; read the step back either way.
+        self.step = first(self.group.run_all((), |engine, ()| Ok(engine.step())))?;
+        trained
     }
 
     /// The loss on the wire batch `batch` without an update (see [`Engine::evaluate`]).
     pub fn evaluate(&mut self, batch: TrainBatch, temperature: f64) -> Result<Evaluated> {
-        match self {
-            Self::One(engine) => {
-                let batch = Batch::new(&batch, &engine.config().loss)?;
-                engine.evaluate(batch, temperature)
-            }
-            Self::Ranks(ranks) => first(ranks.group.run_all(batch, move |engine, batch| {
-                let batch = Batch::new(&batch, &engine.config().loss)?;
-                engine.evaluate(batch, temperature)
-            })),
-        }
+        first(self.group.run_all(batch, move |engine, batch| {
+            let batch = Batch::new(&batch, &engine.config().loss)?;
+            engine.evaluate(batch, temperature)
+        }))
     }
 
     /// The model directory a LoRA run's adapters sit on (`None` without LoRA).
     pub fn lora_base(&self) -> Option<&std::path::Path> {
-        match self {
-            Self::One(engine) => engine.lora_base(),
-            Self::Ranks(ranks) => ranks.lora_base.as_deref(),
-        }
+        self.lora_base.as_deref()
     }
 
     /// Writes a checkpoint at `path`; returns the optimiser step and the files written.
     pub fn save(&mut self, path: PathBuf, info: serde_json::Value) -> Result<(u64, Vec<String>)> {
-        match self {
-            Self::One(engine) => Ok((engine.step(), engine.save(&path, info)?)),
-            Self::Ranks(ranks) => {
-                let files = first(ranks.group.run_all((path, info), |engine, (path, info)| engine.save(&path, info)))?;
-                Ok((ranks.step, files))
-            }
-        }
+        let files = first(self.group.run_all((path, info), |engine, (path, info)| engine.save(&path, info)))?;
+        Ok((self.step, files))
     }
 
     /// The policy's weights in buckets (see [`Engine::export`]); with the optimiser step.
@@ -248,19 +215,11 @@ impl Trainer {
         bucket_bytes: u64,
         to: keel_model::packing::PackTarget,
     ) -> Result<(u64, tch::Kind, keel_model::packing::Packed)> {
-        match self {
-            Self::One(engine) => {
-                let kind = kind.unwrap_or(engine.policy().kind());
-                Ok((engine.step(), kind, engine.export(kind, bucket_bytes, &to)?))
-            }
-            Self::Ranks(ranks) => {
-                let exported = first(ranks.group.run_all((kind, bucket_bytes, to), |engine, (kind, bytes, to)| {
-                    let kind = kind.unwrap_or(engine.policy().kind());
-                    Ok((kind, engine.export(kind, bytes, &to)?))
-                }))?;
-                Ok((ranks.step, exported.0, exported.1))
-            }
-        }
+        let exported = first(self.group.run_all((kind, bucket_bytes, to), |engine, (kind, bytes, to)| {
+            let kind = kind.unwrap_or(engine.policy().kind());
+            Ok((kind, engine.export(kind, bytes, &to)?))
+        }))?;
+        Ok((self.step, exported.0, exported.1))
     }
 
     /// [`Engine::offload`] on every rank; the bytes are rank 0's.
@@ -273,15 +232,12 @@ impl Trainer {
         self.on_every_rank(|engine| engine.onload())
     }
 
-    /// Runs `f` on every rank's engine (or the one engine) and returns rank 0's result:
-    /// for tests and diagnostics that need an engine method under tensor parallelism.
+    /// Runs `f` on every rank's engine and returns rank 0's result: for tests and
+    /// diagnostics that need an engine method.
     pub fn on_every_rank<T: Send + 'static>(
         &mut self,
         f: impl Fn(&mut Engine) -> Result<T> + Send + Clone + 'static,
     ) -> Result<T> {
-        match self {
-            Self::One(engine) => f(engine),
-            Self::Ranks(ranks) => first(ranks.group.run_all((), move |engine, ()| f(engine))),
-        }
+        first(self.group.run_all((), move |engine, ()| f(engine)))
     }
 }

@@ -294,7 +294,7 @@ fn bf16_compute_keeps_f32_master_weights() {
     let name = "model.layers.0.mlp.up_proj.weight";
     let master = &state[&format!("master.{name}")];
     assert_eq!(master.kind(), Kind::Float);
-    let params = engine.policy().whole().unwrap().var_store().variables();
+    let params = engine.policy().var_store().variables();
     assert_eq!(params[name].kind(), Kind::BFloat16);
     // The parameter is the master rounded to bf16, and the master moved by less than bf16 can hold.
     assert!(params[name].to_kind(Kind::Float).equal(&master.to_kind(Kind::BFloat16).to_kind(Kind::Float)));
@@ -342,10 +342,7 @@ fn a_checkpoint_resumes_exactly_and_is_never_overwritten() {
     let a = first.train(Batch::new(&batch, &first.config().loss).unwrap(), 1.0).unwrap();
     let b = resumed.train(Batch::new(&batch, &resumed.config().loss).unwrap(), 1.0).unwrap();
     assert_eq!(a.steps[0].metrics["lr"], b.steps[0].metrics["lr"], "the schedule resumed at step 2");
-    let (pa, pb) = (
-        first.policy().whole().unwrap().var_store().variables(),
-        resumed.policy().whole().unwrap().var_store().variables(),
-    );
+    let (pa, pb) = (first.policy().var_store().variables(), resumed.policy().var_store().variables());
     for (name, value) in &pa {
         let diff = (value - &pb[name]).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{name} differs by {diff} after the resumed step");

@@ -25,7 +25,7 @@ fn sft(lora: Value) -> Value {
 }
 
 fn base_weights(engine: &Engine) -> HashMap<String, Tensor> {
-    engine.policy().whole().unwrap().var_store().variables().into_iter().map(|(n, t)| (n, t.copy())).collect()
+    engine.policy().var_store().variables().into_iter().map(|(n, t)| (n, t.copy())).collect()
 }
 
 #[test]
@@ -33,7 +33,7 @@ fn lora_sft_trains_only_the_adapters_and_its_loss_falls() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let mut engine = engine(&model, sft(json!({"enabled": true, "rank": 8, "alpha": 16})));
-    let whole = engine.policy().whole().unwrap();
+    let whole = engine.policy();
     let layers = whole.config().num_hidden_layers as usize;
     assert_eq!(whole.adapter_tensors().len(), 2 * 7 * layers, "A and B on all seven linears of every layer");
     let before_weights = base_weights(&engine);
@@ -158,8 +158,7 @@ fn a_lora_checkpoint_holds_peft_adapters_and_resumes_exactly() {
     first.train(Batch::new(&batch, &first.config().loss).unwrap(), 1.0).unwrap();
     tch::manual_seed(3);
     resumed.train(Batch::new(&batch, &resumed.config().loss).unwrap(), 1.0).unwrap();
-    let (a, b) =
-        (first.policy().whole().unwrap().adapter_tensors(), resumed.policy().whole().unwrap().adapter_tensors());
+    let (a, b) = (first.policy().adapter_tensors(), resumed.policy().adapter_tensors());
     for ((name, x), (_, y)) in a.iter().zip(&b) {
         let diff = (x - y).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{name} differs by {diff} after the resumed step");

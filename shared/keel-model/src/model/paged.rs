@@ -21,8 +21,8 @@ use crate::error::{Error, Result};
 use crate::rope::Rotary;
 
 /// A model that decodes sequences held in a [`PagedCache`]: a whole [`super::CausalLm`] or
-/// one tensor-parallel rank ([`super::tp::TpCausalLm`], whose logits are gathered so every
-/// rank gets the full vocabulary).
+/// one tensor-parallel rank of one (whose logits are gathered so every rank gets the full
+/// vocabulary).
 pub trait PagedModel {
     fn config(&self) -> &ModelConfig;
     /// A pool of `blocks` blocks of this model's (or rank's) KV heads.
@@ -37,7 +37,7 @@ impl PagedModel for super::CausalLm {
     }
 
     fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
-        PagedCache::new(&self.cfg, blocks, self.kind, self.device())
+        super::CausalLm::paged_cache(self, blocks)
     }
 
     fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {

@@ -1,5 +1,7 @@
-//! Tensor parallelism, Megatron style: one [`TpCausalLm`] per rank of a
-//! [`keel_collective::Collective`], holding that rank's slices of the parameters.
+//! Tensor parallelism, Megatron style: a [`CausalLm`] can be one rank of a
+//! [`keel_collective::Collective`] group, holding that rank's slices of the parameters
+//! ([`CausalLm::shard`], [`CausalLm::load_shard`]). The layers and the forward passes are
+//! the whole model's; what a rank adds is here.
 //!
 //! - q/k/v and gate/up are column-parallel (each rank computes its heads and its share of
 //!   the intermediate size); o and down are row-parallel, their partial outputs summed with
@@ -12,8 +14,8 @@
 //!   logits. Token logprobs use a vocab-parallel log-softmax (all-reduced max, sum of
 //!   exponentials and target logit), so the full logits are never gathered.
 //!
-//! Training ([`TpCausalLm::train_logprobs`], then the loss's backward, then
-//! [`TpCausalLm::backward`]): the collectives are not autograd operations, so the forward
+//! Training ([`CausalLm::train_logprobs`], then the loss's backward, then
+//! [`CausalLm::backward`]): the collectives are not autograd operations, so the forward
 //! pass is cut into segments at every point where replicated activations enter a rank's
 //! slice (the input of attention and of the MLP after their norms, and the LM head). Within a
 //! segment an all-reduce's output is `reduced + (partial − partial.detach())`: the reduced
@@ -27,32 +29,14 @@
 
 use std::cell::RefCell;
 
-use keel_collective::{Collective, ReduceOp};
-use tch::{Device, Kind, Tensor};
+use keel_collective::{ReduceOp, SharedComm};
+use tch::{Device, Kind, Tensor, nn};
 
-use super::{
-    Attention, CausalLm, Linear, Mlp, Positions, RmsNorm, check_ids, check_temperature, chunked_token_logprobs,
-    padded_ids,
-    paged::{self, PagedModel},
-    positions_for,
-};
-use crate::attention::Masks;
-use crate::cache::{LayerCache, PagedCache, SeqChunk};
+use super::{Attention, CausalLm, DecoderLayer, Linear, Mlp, Pass, Positions, RmsNorm};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::packed::PackedRow;
 use crate::rope::Rotary;
 use crate::weights::SliceReader;
-
-/// What one forward pass over a batch of rows needs besides the weights.
-struct Pass {
-    ids: Tensor,
-    /// Positions without a logprob (a sequence's first token, padding).
-    invalid: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    masks: Masks,
-}
 
 /// The half-open range of `total` items that `rank` of `world` holds (as even as possible).
 fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
@@ -133,15 +117,17 @@ fn check_shape(name: &str, expected: &[i64], found: &[i64]) -> Result<()> {
     Err(Error::Weights(vec![problem]))
 }
 
+/// A tensor-parallel rank's place in its group.
 #[derive(Debug)]
-struct TpLayer {
-    input_layernorm: RmsNorm,
-    attention: Attention,
-    o_bias: Option<Tensor>,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
-    down_bias: Option<Tensor>,
-    window: Option<i64>,
+pub(crate) struct Shard {
+    comm: SharedComm,
+    /// This rank's vocabulary range.
+    vocab: (i64, i64),
+    /// This rank's KV heads.
+    kv_heads: i64,
+    /// Every parameter once, in the order they were built (a tied LM head is the
+    /// embedding), sharing storage with the model's var store.
+    params: Vec<Param>,
 }
 
 /// A parameter of this rank, by its Hugging Face name.
@@ -152,38 +138,12 @@ struct Param {
     layout: Layout,
 }
 
-/// One rank's slices of every parameter.
-#[derive(Debug)]
-struct Shards {
-    embed_tokens: Tensor,
-    layers: Vec<TpLayer>,
-    norm: RmsNorm,
-    lm_head: Tensor,
-    /// Every parameter once (a tied LM head is the embedding), sharing storage with the
-    /// fields above.
-    params: Vec<Param>,
-}
-
-/// One rank's share of a [`CausalLm`].
-#[derive(Debug)]
-pub struct TpCausalLm<C: Collective> {
-    cfg: ModelConfig,
-    comm: C,
-    /// This rank's vocabulary range.
-    vocab: (i64, i64),
-    /// This rank's KV heads.
-    kv_heads: i64,
-    shards: Shards,
-    rotary: Rotary,
-    kind: Kind,
-    device: Device,
-}
-
-/// What [`TpCausalLm::train_logprobs`] keeps for [`TpCausalLm::backward`].
-#[derive(Debug)]
+/// What [`CausalLm::train_logprobs`] keeps for [`CausalLm::backward`]: nothing for a whole
+/// model, whose autograd graph reaches every parameter.
+#[derive(Debug, Default)]
 pub struct Tape {
     /// The embedding's output (its graph reaches this rank's embedding rows).
-    embedded: Tensor,
+    embedded: Option<Tensor>,
     /// The segments in forward order; the last one's output is the logprobs the loss uses.
     segments: Vec<Segment>,
 }
@@ -217,17 +177,17 @@ fn grad_of(leaf: &Tensor) -> Result<Tensor> {
     if grad.defined() { Ok(grad) } else { Ok(leaf.f_zeros_like()?) }
 }
 
-impl<C: Collective> TpCausalLm<C> {
+impl CausalLm {
     /// The slices of `full` that rank `comm.rank()` of `comm.world_size()` holds (copied, so
     /// `full` may be dropped). Fails when the heads or the intermediate size do not divide.
-    pub fn shard(full: &CausalLm, comm: C) -> Result<Self> {
+    pub fn shard(full: &CausalLm, comm: SharedComm) -> Result<Self> {
         let source = FromModel(full.var_store().variables());
-        Self::build(full.cfg.clone(), comm, full.device(), full.kind, &source)
+        Self::build_shard(full.cfg.clone(), comm, full.device(), full.kind, &source)
     }
 
     /// Loads this rank's slices from a Hugging Face model directory, reading only the bytes
     /// of its slices from the (memory-mapped) safetensors files.
-    pub fn load(dir: &std::path::Path, comm: C, device: Device, kind: Kind) -> Result<Self> {
+    pub fn load_shard(dir: &std::path::Path, comm: SharedComm, device: Device, kind: Kind) -> Result<Self> {
         if !dir.is_dir() {
             return Err(Error::MissingDirectory(dir.to_path_buf()));
         }
@@ -237,10 +197,16 @@ impl<C: Collective> TpCausalLm<C> {
         }
         let cfg = ModelConfig::load(dir)?;
         let files = SliceReader::open(dir)?;
-        Self::build(cfg, comm, device, kind, &files)
+        Self::build_shard(cfg, comm, device, kind, &files)
     }
 
-    fn build(cfg: ModelConfig, comm: C, device: Device, kind: Kind, source: &dyn Source) -> Result<Self> {
+    fn build_shard(
+        cfg: ModelConfig,
+        comm: SharedComm,
+        device: Device,
+        kind: Kind,
+        source: &dyn Source,
+    ) -> Result<Self> {
         if !matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
             return Err(Error::InvalidInput(format!("parameter dtype {kind:?} is not supported (f32, bf16, f16)")));
         }
@@ -266,225 +232,182 @@ impl<C: Collective> TpCausalLm<C> {
             let reason = format!("does not split across {world} ranks");
             return Err(problem("intermediate_size", cfg.intermediate_size, reason));
         }
-        let shards = Shards::build(&cfg, rank, world, device, kind, source)?;
+        let slices = Slices::build(&cfg, rank, world, device, kind, source)?;
+        // The slices by their Hugging Face names, as a whole model holds its parameters.
+        let vs = nn::VarStore::new(device);
+        for param in &slices.params {
+            let mut parts: Vec<&str> = param.name.split('.').collect();
+            let last = parts.pop().unwrap_or_default();
+            let path = parts.into_iter().fold(vs.root(), |path, part| path / part);
+            let _ = path.add(last, param.tensor.shallow_clone(), false);
+        }
         let kv_range = if kv_heads % w == 0 { kv_heads / w } else { 1 };
         Ok(Self {
-            vocab: share(cfg.vocab_size, rank, world),
-            kv_heads: kv_range,
-            shards,
             rotary: Rotary::new(&cfg.rope, cfg.head_dim, device)?,
-            kind,
-            device,
+            shard: Some(Shard {
+                comm,
+                vocab: share(cfg.vocab_size, rank, world),
+                kv_heads: kv_range,
+                params: slices.params,
+            }),
             cfg,
-            comm,
+            vs,
+            embed_tokens: slices.embed_tokens,
+            layers: slices.layers,
+            norm: slices.norm,
+            lm_head: slices.lm_head,
+            kind,
+            kernels: None,
+            adapters: None,
         })
     }
 
+    /// Loads `dir` whole, or this rank's slices of it when `comm` is given.
+    pub fn load_on(dir: &std::path::Path, comm: Option<SharedComm>, device: Device, kind: Kind) -> Result<Self> {
+        match comm {
+            None => Self::load(dir, device, kind),
+            Some(comm) => Self::load_shard(dir, comm, device, kind),
+        }
+    }
+
+    /// This rank's place in a tensor-parallel group (rank 0 of 1 for a whole model).
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.shard.as_ref().map_or(0, |s| s.comm.rank())
     }
 
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.shard.as_ref().map_or(1, |s| s.comm.world_size())
     }
 
-    pub fn config(&self) -> &ModelConfig {
-        &self.cfg
+    /// The communicator of a tensor-parallel rank (`None` for a whole model).
+    pub fn comm(&self) -> Option<&SharedComm> {
+        self.shard.as_ref().map(|s| &s.comm)
     }
 
-    pub fn comm(&self) -> &C {
-        &self.comm
+    /// How many parameters the whole model has (every rank gets the same count; every rank
+    /// must call it).
+    pub fn parameter_count(&self) -> Result<i64> {
+        let world = self.world_size() as f64;
+        let local: f64 = self
+            .parameters()
+            .iter()
+            .map(|(_, t, layout)| {
+                let n = t.numel() as f64;
+                match layout.weight_in_sum() {
+                    // A replicated tensor counts once over the ranks.
+                    None => n / world,
+                    Some(weight) => n * weight,
+                }
+            })
+            .sum();
+        Ok(self.all_reduce_sum(local)?.round() as i64)
     }
 
-    pub fn kind(&self) -> Kind {
-        self.kind
+    /// The sum of `value` over the ranks (itself for a whole model; every rank must call it).
+    pub fn all_reduce_sum(&self, value: f64) -> Result<f64> {
+        let Some(shard) = &self.shard else { return Ok(value) };
+        // On the rank's device: NCCL reduces GPU tensors only.
+        let t = Tensor::from_slice(&[value]).f_to_device(self.device())?;
+        Ok(all_reduce(shard, t, ReduceOp::Sum)?.f_double_value(&[0])?)
     }
 
-    pub fn device(&self) -> Device {
-        self.device
+    /// Runs `f` on the whole model: itself, or gathered from the ranks onto rank 0's CPU
+    /// (every rank must call it; `f` runs on rank 0 only, the others get `None`).
+    pub fn with_full<R, E: From<Error>>(
+        &self,
+        f: impl FnOnce(&CausalLm) -> std::result::Result<R, E>,
+    ) -> std::result::Result<Option<R>, E> {
+        if self.shard.is_none() {
+            return f(self).map(Some);
+        }
+        // Rank 0 gathers onto the CPU (the checkpoint is written from there); the device
+        // holds one whole parameter at a time.
+        match self.gather_full_on(Device::Cpu, self.rank() == 0)? {
+            Some(full) => f(&full).map(Some),
+            None => Ok(None),
+        }
     }
 
-    /// Moves this rank's parameters to `device` in place (see
-    /// [`crate::device::move_in_place`]); `self.device()` brings them back.
-    pub fn move_weights(&self, device: Device) -> Result<u64> {
-        crate::device::move_in_place(self.shards.params.iter().map(|p| &p.tensor), device)
+    /// Whether this is one rank's slices of the model.
+    pub fn is_shard(&self) -> bool {
+        self.shard.is_some()
     }
 
-    /// This rank's parameters (sharing storage with the model) with their HF names and
-    /// layouts; a tied LM head appears once, as the embedding.
+    /// The KV heads this model (or rank) holds.
+    pub(crate) fn kv_heads(&self) -> i64 {
+        self.shard.as_ref().map_or(self.cfg.num_key_value_heads, |s| s.kv_heads)
+    }
+
+    /// The parameters (sharing storage with the model) with their Hugging Face names and
+    /// layouts across the ranks (every one [`Layout::Replicated`] on a whole model), sorted
+    /// by name; a tied LM head appears once, as the embedding.
     pub fn parameters(&self) -> Vec<(String, Tensor, Layout)> {
-        self.shards.params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone(), p.layout)).collect()
+        let mut params: Vec<(String, Tensor, Layout)> = match &self.shard {
+            Some(shard) => shard.params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone(), p.layout)).collect(),
+            None => self.vs.variables().into_iter().map(|(n, t)| (n, t, Layout::Replicated)).collect(),
+        };
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        params
     }
 
-    /// Makes every parameter collect gradients (or stop collecting them).
+    /// Makes every parameter of the base model collect gradients (or stop collecting them).
     pub fn set_trainable(&self, trainable: bool) -> Result<()> {
-        for param in &self.shards.params {
-            let _ = param.tensor.f_set_requires_grad(trainable)?;
+        for tensor in self.vs.variables().values() {
+            let _ = tensor.f_set_requires_grad(trainable)?;
         }
         Ok(())
     }
 
-    /// Casts the parameters to `kind` (f32, bf16 or f16) in place.
-    pub fn set_kind(&mut self, kind: Kind) -> Result<()> {
-        if !matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
-            return Err(Error::InvalidInput(format!("parameter dtype {kind:?} is not supported (f32, bf16, f16)")));
-        }
-        let _no_grad = tch::no_grad_guard();
-        for param in &mut self.shards.params {
-            let cast = param.tensor.f_to_kind(kind)?;
-            param.tensor.set_data(&cast);
-        }
-        self.kind = kind;
-        Ok(())
-    }
-
-    fn all_reduce(&self, mut x: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.comm.all_reduce(&mut x, op).map_err(Error::from)?;
-        Ok(x)
-    }
-
-    /// The sum over ranks of `partial`, with the identity as its gradient with respect to
-    /// `partial` (the value is exactly the all-reduced sum).
-    fn reduce_sum(&self, partial: &Tensor) -> Result<Tensor> {
-        let total = self.all_reduce(partial.f_detach()?.copy(), ReduceOp::Sum)?;
+    /// The sum over the ranks of `partial` (itself on a whole model), with the identity as
+    /// its gradient with respect to `partial` (the value is exactly the all-reduced sum).
+    pub(crate) fn sum_over_ranks(&self, partial: Tensor) -> Result<Tensor> {
+        let Some(shard) = &self.shard else { return Ok(partial) };
         if !partial.requires_grad() {
-            return Ok(total);
+            return all_reduce(shard, partial, ReduceOp::Sum);
         }
+        let total = all_reduce(shard, partial.f_detach()?.copy(), ReduceOp::Sum)?;
         Ok(total.f_add(&partial.f_sub(&partial.f_detach()?)?)?)
     }
 
-    /// The vocab-parallel embedding: this rank's rows for ids in its range, zeros elsewhere,
-    /// summed over the ranks.
-    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let (start, end) = self.vocab;
+    /// The embedding of `ids`; on a rank, the vocab-parallel embedding: its rows for ids in
+    /// its range, zeros elsewhere, summed over the ranks.
+    pub(crate) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let Some(shard) = &self.shard else {
+            return Ok(Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?);
+        };
+        let (start, end) = shard.vocab;
         let outside = ids.f_lt(start)?.f_logical_or(&ids.f_ge(end)?)?;
         let local = ids.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
-        let rows = Tensor::f_embedding(&self.shards.embed_tokens, &local, -1, false, false)?;
-        let rows = rows.f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?;
-        self.reduce_sum(&rows)
-    }
-
-    /// Rotary tables and masks for `ids` [B, S] whose row b starts at `offsets[b]` and sees
-    /// `visible` keys.
-    fn positions(&self, ids: &Tensor, offsets: &[i64], visible: i64) -> Result<(Tensor, Tensor, Masks)> {
-        positions_for(&self.rotary, self.kind, &self.windows(), ids, offsets, visible, self.device)
-    }
-
-    fn windows(&self) -> Vec<Option<i64>> {
-        self.shards.layers.iter().map(|l| l.window).collect()
-    }
-
-    /// The decoder stack over `ids` with the rotary tables and masks of its positions.
-    fn run_layers_at(
-        &self,
-        ids: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        masks: &Masks,
-        mut cache: Option<&mut dyn LayerCache>,
-    ) -> Result<Tensor> {
-        let mut x = self.embed(ids)?;
-        for (index, layer) in self.shards.layers.iter().enumerate() {
-            let at = Positions::of(cos, sin, masks, layer.window);
-            let normed = layer.input_layernorm.forward(&x, None)?;
-            let attn = layer.attention.forward(&normed, &at, cache.as_deref_mut().map(|c| (c, index)))?;
-            let attn = add_bias(self.all_reduce(attn, ReduceOp::Sum)?, layer.o_bias.as_ref())?;
-            let h = x.f_add(&attn)?;
-            let mlp = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h, None)?, None)?;
-            let mlp = add_bias(self.all_reduce(mlp, ReduceOp::Sum)?, layer.down_bias.as_ref())?;
-            x = h.f_add(&mlp)?;
-        }
-        self.shards.norm.forward(&x, None)
+        let rows = Tensor::f_embedding(&self.embed_tokens, &local, -1, false, false)?;
+        self.sum_over_ranks(rows.f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?)
     }
 
     /// The chunk length of the logprob loop: the same on every rank (each must make the same
     /// collective calls), from the largest vocabulary share, not this rank's.
-    fn largest_vocab_share(&self) -> i64 {
+    pub(crate) fn largest_vocab_share(&self) -> i64 {
         let world = self.world_size() as i64;
         (self.cfg.vocab_size + world - 1) / world
     }
 
-    /// Token logprobs [B, S] (f32) of right-padded sequences, as
-    /// [`CausalLm::token_logprobs`] computes them, on every rank. No gradients.
-    pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
-        check_temperature(temperature)?;
-        let _no_grad = tch::no_grad_guard();
-        let pass = self.padded_pass(input_ids, lengths)?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
-        self.pass_logprobs(&hidden, &pass, temperature)
-    }
-
-    /// [`TpCausalLm::token_logprobs`] of the sequences packed in `row` (see
-    /// [`CausalLm::packed_token_logprobs`]), right-padded [n, S]. No gradients.
-    pub fn packed_token_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<Tensor> {
-        check_temperature(temperature)?;
-        let _no_grad = tch::no_grad_guard();
-        let pass = self.packed_pass(row)?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
-        row.unpack(&self.pass_logprobs(&hidden, &pass, temperature)?)
-    }
-
-    /// Token logprobs as [`TpCausalLm::token_logprobs`], with gradients: the caller computes
-    /// its loss from them, runs the loss's backward, then passes the tape to
-    /// [`TpCausalLm::backward`] to carry the gradients through the rest of the model.
-    pub fn train_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<(Tensor, Tape)> {
-        check_temperature(temperature)?;
-        let pass = self.padded_pass(input_ids, lengths)?;
-        self.taped_logprobs(&pass, temperature)
-    }
-
-    /// [`TpCausalLm::train_logprobs`] of the sequences packed in `row`, right-padded [n, S].
-    pub fn packed_train_logprobs(&self, row: &PackedRow, temperature: f64) -> Result<(Tensor, Tape)> {
-        check_temperature(temperature)?;
-        let pass = self.packed_pass(row)?;
-        let (packed, tape) = self.taped_logprobs(&pass, temperature)?;
-        Ok((row.unpack(&packed)?, tape))
-    }
-
-    /// Right-padded rows as a pass: ids (padding as token 0), the positions' rotary tables
-    /// and causal masks, and the positions without a logprob (padding).
-    fn padded_pass(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Pass> {
-        let (ids, invalid) = padded_ids(self.cfg.vocab_size, self.device, input_ids, lengths)?;
-        let (b, s) = (ids.size()[0], ids.size()[1]);
-        let (cos, sin, masks) = self.positions(&ids, &vec![0; b as usize], s)?;
-        Ok(Pass { ids, invalid, cos, sin, masks })
-    }
-
-    /// A packed row as a pass: each sequence at its own positions, attending to itself; its
-    /// first token has no logprob.
-    fn packed_pass(&self, row: &PackedRow) -> Result<Pass> {
-        check_ids(self.cfg.vocab_size, &row.ids, None)?;
-        let (cos, sin) = self.rotary.cos_sin(&row.positions(self.device)?, self.kind)?;
-        let ids = row.ids.f_to_device(self.device)?;
-        Ok(Pass { ids, invalid: row.starts(self.device)?, cos, sin, masks: row.masks(&self.windows()) })
-    }
-
-    /// The logprobs of a pass's tokens from its final hidden states, the vocabulary split
-    /// over the ranks.
-    fn pass_logprobs(&self, hidden: &Tensor, pass: &Pass, temperature: f64) -> Result<Tensor> {
-        let logprobs = |logits: &Tensor, targets: &Tensor| self.vocab_parallel_logprobs(logits, targets);
-        let share = self.largest_vocab_share();
-        chunked_token_logprobs(hidden, &pass.ids, &pass.invalid, &self.shards.lm_head, share, temperature, logprobs)
-    }
-
-    /// A pass with gradients, cut into residual segments for [`TpCausalLm::backward`].
-    fn taped_logprobs(&self, pass: &Pass, temperature: f64) -> Result<(Tensor, Tape)> {
+    /// A pass with gradients on a rank, cut into residual segments for
+    /// [`CausalLm::backward`].
+    pub(crate) fn taped_logprobs(&self, pass: &Pass, temperature: f64) -> Result<(Tensor, Tape)> {
         let embedded = self.embed(&pass.ids)?;
-        let mut segments = Vec::with_capacity(2 * self.shards.layers.len() + 1);
+        let mut segments = Vec::with_capacity(2 * self.layers.len() + 1);
         let mut x = embedded.shallow_clone();
-        for layer in &self.shards.layers {
+        for layer in &self.layers {
             let at = Positions::of(&pass.cos, &pass.sin, &pass.masks, layer.window);
-            let attention = |a: &Tensor| layer.attention.forward(a, &at, None);
+            let attention = |a: &Tensor| layer.self_attn.forward(a, &at, None);
             x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
             let mlp = |a: &Tensor| layer.mlp.forward(a, None);
             x = self.segment(&x, &layer.post_attention_layernorm, mlp, layer.down_bias.as_ref(), &mut segments)?;
         }
         let input = leaf(&x)?;
-        let normed = self.shards.norm.forward(&input, None)?;
+        let normed = self.norm.forward(&input, None)?;
         let branch_input = leaf(&normed)?;
         let result = self.pass_logprobs(&branch_input, pass, temperature)?;
         segments.push(Segment { input, normed, branch_input, output: None });
-        Ok((result, Tape { embedded, segments }))
+        Ok((result, Tape { embedded: Some(embedded), segments }))
     }
 
     /// One residual block cut for training: x + all-reduce(branch(norm(x))) + bias.
@@ -500,29 +423,31 @@ impl<C: Collective> TpCausalLm<C> {
         let normed = norm.forward(&input, None)?;
         let branch_input = leaf(&normed)?;
         let partial = branch(&branch_input)?;
-        let output = input.f_add(&add_bias(self.reduce_sum(&partial)?, bias)?)?;
+        let output = input.f_add(&super::add_bias(self.sum_over_ranks(partial)?, bias)?)?;
         segments.push(Segment { input, normed, branch_input, output: Some(output.shallow_clone()) });
         Ok(output)
     }
 
-    /// Carries the gradients of a [`TpCausalLm::train_logprobs`] pass back through the model,
-    /// after the loss's own backward reached the logprobs: gradients accumulate into the
-    /// parameters as `backward()` does. Every rank must call it.
+    /// Carries the gradients of a [`CausalLm::train_logprobs`] pass back through a rank's
+    /// model, after the loss's own backward reached the logprobs: gradients accumulate into
+    /// the parameters as `backward()` does. Every rank must call it; on a whole model
+    /// (an empty tape) there is nothing left to do.
     pub fn backward(&self, tape: Tape) -> Result<()> {
+        let Some(shard) = &self.shard else { return Ok(()) };
         let mut upstream: Option<Tensor> = None;
         for segment in tape.segments.into_iter().rev() {
             if let (Some(output), Some(grad)) = (&segment.output, &upstream) {
                 backward_with(output, grad)?;
             }
             let partial = grad_of(&segment.branch_input)?;
-            let full = self.all_reduce(partial.copy(), ReduceOp::Sum)?;
+            let full = all_reduce(shard, partial.copy(), ReduceOp::Sum)?;
             backward_with(&segment.normed, &full)?;
             upstream = Some(grad_of(&segment.input)?);
         }
-        if let Some(grad) = upstream
-            && tape.embedded.requires_grad()
+        if let (Some(grad), Some(embedded)) = (upstream, tape.embedded)
+            && embedded.requires_grad()
         {
-            backward_with(&tape.embedded, &grad)?;
+            backward_with(&embedded, &grad)?;
         }
         Ok(())
     }
@@ -530,14 +455,16 @@ impl<C: Collective> TpCausalLm<C> {
     /// Completes the gradients of tensors several ranks apply to their own heads: the q/k
     /// norms (summed over all ranks) and, with fewer KV heads than ranks, the K/V rows each
     /// copy of a KV head holds (summed over the ranks sharing it). Call it once per
-    /// optimiser step, after the last backward pass and before clipping.
+    /// optimiser step, after the last backward pass and before clipping (nothing to do on a
+    /// whole model).
     pub fn reduce_replicated_gradients(&self) -> Result<()> {
+        let Some(shard) = &self.shard else { return Ok(()) };
         let _no_grad = tch::no_grad_guard();
-        for param in &self.shards.params {
+        for param in &shard.params {
             if param.layout == Layout::PerHead {
                 let mut grad = param.tensor.grad();
                 if grad.defined() {
-                    let sum = self.all_reduce(grad.copy(), ReduceOp::Sum)?;
+                    let sum = all_reduce(shard, grad.copy(), ReduceOp::Sum)?;
                     grad.f_copy_(&sum)?;
                 }
                 continue;
@@ -552,7 +479,7 @@ impl<C: Collective> TpCausalLm<C> {
                 continue;
             }
             let local = grad.shallow_clone();
-            let gathered = self.gather(&local, 0)?;
+            let gathered = gather(shard, &local, 0)?;
             let rows = local.size()[0];
             let first = (self.rank() as i64 / copies) * copies;
             let sum = gathered.f_narrow(0, first * rows, copies * rows)?.f_view([copies, -1])?.f_sum_dim_intlist(
@@ -568,64 +495,31 @@ impl<C: Collective> TpCausalLm<C> {
     /// log softmax(logits)[target] over the whole vocabulary from this rank's `logits`
     /// [B, L, local vocab] and the `targets` [B, L]: the maximum, the sum of exponentials
     /// and the target's logit are all-reduced, never the logits themselves.
-    fn vocab_parallel_logprobs(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let (start, end) = self.vocab;
+    pub(crate) fn vocab_parallel_logprobs(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let shard = self.shard.as_ref().ok_or_else(|| Error::InvalidInput("not a tensor-parallel rank".into()))?;
+        let (start, end) = shard.vocab;
         // The maximum only keeps exp() in range: log-softmax does not depend on it.
         let local_max = logits.f_detach()?.f_amax(&[-1][..], false)?;
-        let max = self.all_reduce(local_max, ReduceOp::Max)?;
+        let max = all_reduce(shard, local_max, ReduceOp::Max)?;
         let shifted = logits.f_sub(&max.f_unsqueeze(-1)?)?;
-        let sum_exp = self.reduce_sum(&shifted.f_exp()?.f_sum_dim_intlist(&[-1][..], false, Kind::Float)?)?;
+        let sum_exp = self.sum_over_ranks(shifted.f_exp()?.f_sum_dim_intlist(&[-1][..], false, Kind::Float)?)?;
         let outside = targets.f_lt(start)?.f_logical_or(&targets.f_ge(end)?)?;
         let local = targets.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
         let picked = shifted.f_gather(-1, &local.f_unsqueeze(-1)?, false)?.f_squeeze_dim(-1)?;
-        let picked = self.reduce_sum(&picked.f_masked_fill(&outside, 0.0)?)?;
+        let picked = self.sum_over_ranks(picked.f_masked_fill(&outside, 0.0)?)?;
         Ok(picked.f_sub(&sum_exp.f_log()?)?)
     }
 
-    /// [`super::prompt::PromptLogprobs`] of `prompt`, as [`CausalLm::prompt_logprobs`]
-    /// computes them, on every rank (each must call it).
-    pub fn prompt_logprobs(&self, prompt: &[i64], top: usize) -> Result<super::prompt::PromptLogprobs> {
-        let _no_grad = tch::no_grad_guard();
-        let pass = self.padded_pass(&Tensor::from_slice(prompt).f_unsqueeze(0)?, &[prompt.len() as i64])?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
-        let logits = |chunk: &Tensor| self.gather_vocab(&chunk.f_linear::<Tensor>(&self.shards.lm_head, None)?);
-        super::prompt::prompt_logprobs_of(&hidden, &pass.ids, self.cfg.vocab_size, top, logits)
-    }
-
-    /// A paged cache of `blocks` blocks of this rank's KV heads (see [`PagedCache`]).
-    pub fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
-        PagedCache::with_kv_heads(&self.cfg, self.kv_heads, blocks, self.kind, self.device)
-    }
-
-    /// Logits [R, vocab] (inference) for `chunks` continuing their sequences in this rank's
-    /// `cache`, as [`super::CausalLm::forward_paged`]. The vocabulary slices are gathered, so
-    /// every rank gets the same full logits.
-    pub fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
-        cache.check(self.shards.layers.len(), self.kv_heads, self.kind, self.device)?;
-        let windows = self.windows();
-        let vocab = self.cfg.vocab_size;
-        let last = paged::last_hidden(
-            chunks,
-            cache,
-            vocab,
-            &windows,
-            &self.rotary,
-            self.kind,
-            None,
-            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
-        )?;
-        self.gather_vocab(&last.f_linear::<Tensor>(&self.shards.lm_head, None)?)
-    }
-
-    /// Full logits from every rank's vocabulary slice [.., local vocab]: each slice is padded
-    /// to the largest share so that every rank sends the same size, then the padding is cut.
-    fn gather_vocab(&self, local: &Tensor) -> Result<Tensor> {
+    /// Full logits from this rank's vocabulary slice [.., local vocab] (a whole model's
+    /// logits as they are): each slice is padded to the largest share so that every rank
+    /// sends the same size, then the padding is cut.
+    pub(crate) fn gather_vocab(&self, local: Tensor) -> Result<Tensor> {
+        let Some(shard) = &self.shard else { return Ok(local) };
         let largest = self.largest_vocab_share();
-        let width = self.vocab.1 - self.vocab.0;
+        let width = shard.vocab.1 - shard.vocab.0;
         let dims = local.dim() as i64;
-        let padded =
-            if width < largest { local.f_constant_pad_nd([0, largest - width])? } else { local.shallow_clone() };
-        let gathered = self.gather(&padded, dims - 1)?;
+        let padded = if width < largest { local.f_constant_pad_nd([0, largest - width])? } else { local };
+        let gathered = gather(shard, &padded, dims - 1)?;
         let world = self.world_size();
         let parts = (0..world)
             .map(|rank| {
@@ -636,20 +530,13 @@ impl<C: Collective> TpCausalLm<C> {
         Ok(Tensor::f_cat(&parts, dims - 1)?)
     }
 
-    /// Copies the weights in `dir` (the same architecture and shapes) over this rank's
-    /// slices; on any error the current weights are kept. Across ranks, prefer
-    /// [`TpCausalLm::stage_weights`] on every rank and [`TpCausalLm::commit_weights`] only
-    /// once all have staged, so that no rank swaps while another keeps the old weights.
-    pub fn reload_weights(&self, dir: &std::path::Path) -> Result<()> {
-        let staged = self.stage_weights(dir)?;
-        self.commit_weights(staged)
-    }
-
-    /// Reads this rank's slices of the weights in `dir` and checks them against the
-    /// model's, without touching the model.
+    /// This rank's slices of the weights in `dir` (all of them for a whole model), read and
+    /// checked against the model's, without touching the model. Across ranks, stage on every rank and
+    /// [`CausalLm::commit_weights`] only once all have staged, so that no rank swaps while
+    /// another keeps the old weights.
     pub fn stage_weights(&self, dir: &std::path::Path) -> Result<StagedWeights> {
         if crate::lora::is_adapter_dir(dir) {
-            let full = CausalLm::load(dir, self.device, self.kind)?;
+            let full = CausalLm::load(dir, self.device(), self.kind)?;
             return self.stage(&self.cfg.clone(), &FromModel(full.var_store().variables()), &dir.display().to_string());
         }
         let cfg = ModelConfig::load(dir)?;
@@ -657,29 +544,40 @@ impl<C: Collective> TpCausalLm<C> {
         self.stage(&cfg, &files, &dir.display().to_string())
     }
 
-    /// [`TpCausalLm::stage_weights`] from whole tensors in memory, by Hugging Face name (a
+    /// [`CausalLm::stage_weights`] from whole tensors in memory, by Hugging Face name (a
     /// weights-only refit): this rank's slices are cut from them.
     pub fn stage_weights_from(&self, weights: std::collections::HashMap<String, Tensor>) -> Result<StagedWeights> {
+        let names: std::collections::HashSet<String> = self.parameters().into_iter().map(|(name, ..)| name).collect();
+        let unexpected: Vec<_> = weights
+            .keys()
+            .filter(|name| !names.contains(*name))
+            .map(|name| crate::error::WeightProblem::Unexpected { name: name.clone() })
+            .collect();
+        if !unexpected.is_empty() {
+            return Err(Error::Weights(unexpected));
+        }
         self.stage(&self.cfg.clone(), &FromModel(weights), "the new weights")
     }
 
     fn stage(&self, cfg: &ModelConfig, source: &dyn Source, what: &str) -> Result<StagedWeights> {
-        let fresh = Shards::build(cfg, self.rank(), self.world_size(), self.device, self.kind, source)?;
-        if fresh.params.len() != self.shards.params.len() {
+        let params = self.parameters();
+        let mut fresh = Slices::build(cfg, self.rank(), self.world_size(), self.device(), self.kind, source)?;
+        fresh.params.sort_by(|a, b| a.name.cmp(&b.name));
+        if fresh.params.len() != params.len() {
             return Err(Error::InvalidInput(format!(
                 "{what} have {} tensors for this rank, the model {}",
                 fresh.params.len(),
-                self.shards.params.len()
+                params.len()
             )));
         }
         let problems: Vec<_> = fresh
             .params
             .iter()
-            .zip(&self.shards.params)
-            .filter(|(new, current)| new.name != current.name || new.tensor.size() != current.tensor.size())
-            .map(|(new, current)| crate::error::WeightProblem::Shape {
-                name: current.name.clone(),
-                expected: current.tensor.size(),
+            .zip(&params)
+            .filter(|(new, (name, tensor, _))| new.name != *name || new.tensor.size() != tensor.size())
+            .map(|(new, (name, tensor, _))| crate::error::WeightProblem::Shape {
+                name: name.clone(),
+                expected: tensor.size(),
                 found: new.tensor.size(),
             })
             .collect();
@@ -699,44 +597,131 @@ impl<C: Collective> TpCausalLm<C> {
     ) -> Result<std::collections::HashMap<String, Tensor>> {
         let whole = crate::lora::targeted_weights(full, adapters, Device::Cpu)?;
         let mut local = std::collections::HashMap::new();
-        for param in self.shards.params.iter().filter(|p| whole.contains_key(&p.name)) {
-            let slice = param.layout.local(&whole[&param.name])?;
-            check_shape(&param.name, &param.tensor.size(), &slice.size())?;
-            local.insert(param.name.clone(), slice.f_to_kind(self.kind)?.f_to_device(self.device)?.copy());
+        for (name, tensor, layout) in self.parameters().into_iter().filter(|(name, ..)| whole.contains_key(name)) {
+            let slice = layout.local(&whole[&name])?;
+            check_shape(&name, &tensor.size(), &slice.size())?;
+            local.insert(name, slice.f_to_kind(self.kind)?.f_to_device(self.device())?.copy());
         }
         Ok(local)
     }
 
     /// Stages this rank's slices of `base + s·B·A` for the linears `adapters` target (whole
-    /// A and B; `base` from [`TpCausalLm::targeted_weights`]); the other parameters stay as
-    /// they are. Commit with [`TpCausalLm::commit_weights`].
+    /// A and B; `base` from [`CausalLm::targeted_weights`]); the other parameters stay as
+    /// they are. Commit with [`CausalLm::commit_weights`].
     pub fn stage_adapters(
         &self,
         base: &std::collections::HashMap<String, Tensor>,
         adapters: &std::collections::HashMap<String, Tensor>,
         scale: f64,
     ) -> Result<StagedWeights> {
+        let params = self.parameters();
         let layouts: std::collections::HashMap<&str, Layout> =
-            self.shards.params.iter().map(|p| (p.name.as_str(), p.layout)).collect();
+            params.iter().map(|(name, _, layout)| (name.as_str(), *layout)).collect();
         let cut = |name: &str, delta: Tensor| match layouts.get(name) {
             Some(layout) => layout.local(&delta),
             None => Err(Error::InvalidInput(format!("the model has no `{name}`"))),
         };
         let mut merged = crate::lora::merged_weights(base, adapters, scale, cut)?;
-        Ok(StagedWeights(self.shards.params.iter().map(|p| merged.remove(&p.name)).collect()))
+        Ok(StagedWeights(params.iter().map(|(name, ..)| merged.remove(name)).collect()))
     }
 
-    /// Copies weights staged by [`TpCausalLm::stage_weights`] into the model (only those
+    /// Copies weights staged by [`CausalLm::stage_weights`] into the model (only those
     /// staged: an adapter refit stages the linears it targets).
     pub fn commit_weights(&self, staged: StagedWeights) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        for (new, current) in staged.0.iter().zip(&self.shards.params) {
+        for (new, (_, current, _)) in staged.0.iter().zip(self.parameters()) {
             if let Some(new) = new {
-                current.tensor.shallow_clone().f_copy_(new)?;
+                current.shallow_clone().f_copy_(new)?;
             }
         }
         Ok(())
     }
+
+    /// The whole tensor from every rank's `local` part laid out as `layout` (every rank must
+    /// call it; every rank gets the same tensor; a whole model's tensor as it is). With
+    /// replicated KV rows, the copy of the first rank holding each head is kept.
+    pub fn gather_parameter(&self, local: &Tensor, layout: Layout) -> Result<Tensor> {
+        let Some(shard) = &self.shard else { return Ok(local.shallow_clone()) };
+        match layout {
+            Layout::Replicated | Layout::PerHead => Ok(local.shallow_clone()),
+            Layout::Split { dim, .. } => gather(shard, local, dim),
+            Layout::KvRows { copies, .. } => {
+                let gathered = gather(shard, local, 0)?;
+                if copies == 1 {
+                    return Ok(gathered);
+                }
+                let chunk = local.size()[0];
+                let firsts: Vec<Tensor> = (0..self.cfg.num_key_value_heads)
+                    .map(|k| gathered.f_narrow(0, k * copies * chunk, chunk))
+                    .collect::<std::result::Result<_, _>>()?;
+                Ok(Tensor::f_cat(&firsts, 0)?)
+            }
+        }
+    }
+
+    /// The whole model, gathered from every rank's slices (every rank must call it; every
+    /// rank gets the same model). Saving a tensor-parallel model goes through this, so its
+    /// checkpoint is the Hugging Face layout a TP = 1 model (or transformers) loads.
+    pub fn gather_full(&self) -> Result<CausalLm> {
+        self.gather_full_on(self.device(), true)?
+            .ok_or_else(|| Error::InvalidInput("tensor parallel: nothing was gathered".into()))
+    }
+
+    /// [`CausalLm::gather_full`] into a model on `device`, kept only where `keep` (rank 0
+    /// saving a checkpoint keeps it on the CPU; the other ranks take part in the gathers and
+    /// keep nothing). Only one whole parameter at a time is held on this rank's device.
+    pub fn gather_full_on(&self, device: Device, keep: bool) -> Result<Option<CausalLm>> {
+        let Some(shard) = &self.shard else {
+            return Err(Error::InvalidInput("a whole model has nothing to gather".into()));
+        };
+        let params = &shard.params;
+        let _no_grad = tch::no_grad_guard();
+        // Every rank makes the same gathers; a problem on the keeping rank (building the
+        // model, copying into it) is reported after them, so no rank is left waiting in a
+        // collective.
+        let mut problem: Option<Error> = None;
+        let full = if keep {
+            CausalLm::new(self.cfg.clone(), device, self.kind, crate::Init::Zeros).map_err(|e| problem = Some(e)).ok()
+        } else {
+            None
+        };
+        let mut variables = full.as_ref().map(|f| f.var_store().variables());
+        for param in params {
+            let value = self.gather_parameter(&param.tensor.f_detach()?, param.layout)?;
+            let Some(variables) = variables.as_mut() else { continue };
+            let copied = match variables.get_mut(&param.name) {
+                Some(target) => target.f_copy_(&value).map_err(Error::from),
+                None => {
+                    Err(Error::InvalidInput(format!("tensor parallel: no parameter `{}` to gather into", param.name)))
+                }
+            };
+            if let Err(e) = copied {
+                problem.get_or_insert(e);
+            }
+        }
+        if let Some(e) = problem {
+            return Err(e);
+        }
+        if let Some(variables) = &variables
+            && variables.len() != params.len()
+        {
+            return Err(Error::InvalidInput(format!(
+                "tensor parallel: gathered {} tensors for a model of {}",
+                params.len(),
+                variables.len()
+            )));
+        }
+        Ok(full)
+    }
+}
+
+fn all_reduce(shard: &Shard, mut x: Tensor, op: ReduceOp) -> Result<Tensor> {
+    shard.comm.all_reduce(&mut x, op).map_err(Error::from)?;
+    Ok(x)
+}
+
+fn gather(shard: &Shard, tensor: &Tensor, dim: i64) -> Result<Tensor> {
+    shard.comm.all_gather(tensor, dim).map_err(Error::from)
 }
 
 /// A rank's slices of new weights, read and checked, not yet in the model (`None`: the
@@ -744,7 +729,18 @@ impl<C: Collective> TpCausalLm<C> {
 #[derive(Debug)]
 pub struct StagedWeights(Vec<Option<Tensor>>);
 
-impl Shards {
+/// One rank's slices of every parameter, and the layers built on them.
+struct Slices {
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    /// Every parameter once (a tied LM head is the embedding), sharing storage with the
+    /// fields above.
+    params: Vec<Param>,
+}
+
+impl Slices {
     fn build(
         cfg: &ModelConfig,
         rank: usize,
@@ -845,12 +841,12 @@ impl Shards {
                 let gate_proj = column(p("mlp.gate_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
                 let up_proj = column(p("mlp.up_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
                 let (down_proj, down_bias) = row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
-                Ok(TpLayer {
+                Ok(DecoderLayer {
                     input_layernorm,
-                    attention,
-                    o_bias,
+                    self_attn: attention,
                     post_attention_layernorm,
                     mlp: Mlp { gate_proj, up_proj, down_proj },
+                    o_bias,
                     down_bias,
                     window: cfg.sliding_windows[i],
                 })
@@ -868,111 +864,17 @@ impl Shards {
     }
 }
 
-impl<C: Collective> TpCausalLm<C> {
-    fn gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
-        self.comm.all_gather(tensor, dim).map_err(Error::from)
-    }
-
-    /// The whole tensor from every rank's `local` part laid out as `layout` (every rank must
-    /// call it; every rank gets the same tensor). With replicated KV rows, the copy of the
-    /// first rank holding each head is kept.
-    pub fn gather_parameter(&self, local: &Tensor, layout: Layout) -> Result<Tensor> {
-        match layout {
-            Layout::Replicated | Layout::PerHead => Ok(local.shallow_clone()),
-            Layout::Split { dim, .. } => self.gather(local, dim),
-            Layout::KvRows { copies, .. } => {
-                let gathered = self.gather(local, 0)?;
-                if copies == 1 {
-                    return Ok(gathered);
-                }
-                let chunk = local.size()[0];
-                let firsts: Vec<Tensor> = (0..self.cfg.num_key_value_heads)
-                    .map(|k| gathered.f_narrow(0, k * copies * chunk, chunk))
-                    .collect::<std::result::Result<_, _>>()?;
-                Ok(Tensor::f_cat(&firsts, 0)?)
-            }
-        }
-    }
-
-    /// The whole model, gathered from every rank's slices (every rank must call it; every
-    /// rank gets the same model). Saving a tensor-parallel model goes through this, so its
-    /// checkpoint is the Hugging Face layout a TP = 1 model (or transformers) loads.
-    pub fn gather_full(&self) -> Result<CausalLm> {
-        self.gather_full_on(self.device, true)?
-            .ok_or_else(|| Error::InvalidInput("tensor parallel: nothing was gathered".into()))
-    }
-
-    /// [`TpCausalLm::gather_full`] into a model on `device`, kept only where `keep` (rank 0
-    /// saving a checkpoint keeps it on the CPU; the other ranks take part in the gathers and
-    /// keep nothing). Only one whole parameter at a time is held on this rank's device.
-    pub fn gather_full_on(&self, device: Device, keep: bool) -> Result<Option<CausalLm>> {
-        let _no_grad = tch::no_grad_guard();
-        // Every rank makes the same gathers; a problem on the keeping rank (building the
-        // model, copying into it) is reported after them, so no rank is left waiting in a
-        // collective.
-        let mut problem: Option<Error> = None;
-        let full = if keep {
-            CausalLm::new(self.cfg.clone(), device, self.kind, crate::Init::Zeros).map_err(|e| problem = Some(e)).ok()
-        } else {
-            None
-        };
-        let mut variables = full.as_ref().map(|f| f.var_store().variables());
-        for param in &self.shards.params {
-            let value = self.gather_parameter(&param.tensor.f_detach()?, param.layout)?;
-            let Some(variables) = variables.as_mut() else { continue };
-            let copied = match variables.get_mut(&param.name) {
-                Some(target) => target.f_copy_(&value).map_err(Error::from),
-                None => {
-                    Err(Error::InvalidInput(format!("tensor parallel: no parameter `{}` to gather into", param.name)))
-                }
-            };
-            if let Err(e) = copied {
-                problem.get_or_insert(e);
-            }
-        }
-        if let Some(e) = problem {
-            return Err(e);
-        }
-        if let Some(variables) = &variables
-            && variables.len() != self.shards.params.len()
-        {
-            return Err(Error::InvalidInput(format!(
-                "tensor parallel: gathered {} tensors for a model of {}",
-                self.shards.params.len(),
-                variables.len()
-            )));
-        }
-        Ok(full)
-    }
-}
-
-fn add_bias(x: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    Ok(match bias {
-        Some(bias) => x.f_add(bias)?,
-        None => x,
-    })
-}
-
-/// A rank decodes from its own pool of its KV heads; its logits are gathered over the vocabulary.
-impl<C: Collective> PagedModel for TpCausalLm<C> {
-    fn config(&self) -> &ModelConfig {
-        TpCausalLm::config(self)
-    }
-
-    fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
-        TpCausalLm::paged_cache(self, blocks)
-    }
-
-    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
-        TpCausalLm::forward_paged(self, chunks, cache)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::Init;
+    use crate::cache::{PagedCache, SeqChunk};
     use keel_collective::cpu::CpuGroup;
+
+    /// The communicators of a group of `world` CPU ranks.
+    fn group(world: usize) -> Vec<SharedComm> {
+        CpuGroup::new(world).expect("a group").into_iter().map(|c| std::sync::Arc::new(c) as SharedComm).collect()
+    }
     use serde_json::json;
 
     fn config(arch: &str, heads: i64, kv_heads: i64, extra: serde_json::Value) -> ModelConfig {
@@ -1003,13 +905,10 @@ mod tests {
     fn on_shards<T: Send + 'static>(
         full: &CausalLm,
         world: usize,
-        f: impl Fn(TpCausalLm<keel_collective::cpu::CpuCollective>) -> T + Send + Clone + 'static,
+        f: impl Fn(CausalLm) -> T + Send + Clone + 'static,
     ) -> Vec<T> {
-        let shards: Vec<_> = CpuGroup::new(world)
-            .expect("a group")
-            .into_iter()
-            .map(|comm| TpCausalLm::shard(full, comm).expect("a shard"))
-            .collect();
+        let shards: Vec<_> =
+            group(world).into_iter().map(|comm| CausalLm::shard(full, comm).expect("a shard")).collect();
         let threads: Vec<_> = shards
             .into_iter()
             .map(|model| {
@@ -1124,13 +1023,12 @@ mod tests {
             let ids = Tensor::from_slice(&[3i64, 17, 99, 42, 7, 64, 100, 0]).view([1, 8]);
             let expected = full.token_logprobs(&ids, &[8], 1.0).expect("logprobs").detach();
             for world in [2, 4] {
-                let threads: Vec<_> = CpuGroup::new(world)
-                    .expect("a group")
+                let threads: Vec<_> = group(world)
                     .into_iter()
                     .map(|comm| {
                         let (path, ids) = (dir.path().to_path_buf(), ids.copy());
                         std::thread::spawn(move || {
-                            let model = TpCausalLm::load(&path, comm, Device::Cpu, Kind::Float).expect("loaded");
+                            let model = CausalLm::load_shard(&path, comm, Device::Cpu, Kind::Float).expect("loaded");
                             model.token_logprobs(&ids, &[8], 1.0).expect("TP logprobs")
                         })
                     })
@@ -1141,8 +1039,8 @@ mod tests {
                 }
             }
         }
-        let comm = CpuGroup::new(1).expect("a group").into_iter().next().expect("rank 0");
-        let missing = TpCausalLm::load(&dir.path().join("nope"), comm, Device::Cpu, Kind::Float);
+        let comm = group(1).into_iter().next().expect("rank 0");
+        let missing = CausalLm::load_shard(&dir.path().join("nope"), comm, Device::Cpu, Kind::Float);
         assert!(missing.expect_err("no directory").to_string().contains("does not exist"));
     }
 
@@ -1274,8 +1172,8 @@ mod tests {
     fn shapes_that_do_not_split_are_refused() {
         let full = CausalLm::new(config("Qwen3ForCausalLM", 6, 3, json!({})), Device::Cpu, Kind::Float, Init::Zeros)
             .expect("a model");
-        let comm = CpuGroup::new(4).expect("a group").into_iter().next().expect("rank 0");
-        let error = TpCausalLm::shard(&full, comm).expect_err("6 heads over 4 ranks").to_string();
+        let comm = group(4).into_iter().next().expect("rank 0");
+        let error = CausalLm::shard(&full, comm).expect_err("6 heads over 4 ranks").to_string();
         assert!(error.contains("num_attention_heads"), "{error}");
     }
 }
