@@ -19,17 +19,64 @@ use crate::group::Grouped;
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Backend {
-    /// One model, a rank of its own; `graphs` replays decode steps captured as CUDA graphs
-    /// (for batches of up to `captured`'s sequences and tokens, kept to capture them again
-    /// after a sleep).
-    Whole {
-        rank: Rank,
-        graphs: Option<DecodeGraphs>,
-        captured: Option<(usize, usize)>,
-    },
-    Sharded(Sharded),
+    /// The ranks in this process; `graphs` replays a whole model's decode steps captured as
+    /// CUDA graphs (for batches of up to `captured`'s sequences and tokens, kept to capture
+    /// them again after a sleep).
+    Local { ranks: Ranks, blocks: usize, graphs: Option<DecodeGraphs>, captured: Option<(usize, usize)> },
     /// The leader of ranks that are processes of their own (see [`crate::group`]).
     Group(Grouped),
+}
+
+/// The ranks of one process: the whole model held by the scheduler's own thread, or a
+/// tensor-parallel model's ranks on threads of their own, driven in lockstep. Either way a
+/// call runs on every rank ([`Ranks::run_all`]).
+// One per generator, never moved on a hot path: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Ranks {
+    Whole(Rank),
+    Threads(RankGroup<Rank>),
+}
+
+impl Ranks {
+    /// `f(rank, input)` on every rank, the results in rank order (the whole model's without
+    /// copying `input`).
+    fn run_all<I, T>(
+        &mut self,
+        input: I,
+        f: impl Fn(&mut Rank, I) -> Result<T> + Send + Clone + 'static,
+    ) -> Vec<keel_collective::Result<Result<T>>>
+    where
+        I: Clone + Send + 'static,
+        T: Send + 'static,
+    {
+        match self {
+            Self::Whole(rank) => vec![Ok(f(rank, input))],
+            Self::Threads(group) => group.run_all(input, f),
+        }
+    }
+
+    fn run<I, T>(
+        &mut self,
+        inputs: Vec<I>,
+        f: impl Fn(&mut Rank, I) -> Result<T> + Send + Clone + 'static,
+    ) -> Vec<keel_collective::Result<Result<T>>>
+    where
+        I: Send + 'static,
+        T: Send + 'static,
+    {
+        match self {
+            Self::Whole(rank) => inputs.into_iter().map(|input| Ok(f(rank, input))).collect(),
+            Self::Threads(group) => group.run(inputs, f),
+        }
+    }
+
+    fn world_size(&self) -> usize {
+        match self {
+            Self::Whole(_) => 1,
+            Self::Threads(group) => group.world_size(),
+        }
+    }
 }
 
 /// The model directory LoRA adapters sit on, and copies of its weights that they target (by
@@ -183,13 +230,6 @@ impl Rank {
     }
 }
 
-/// The ranks of a tensor-parallel model, whose pools share the scheduler's block tables.
-#[derive(Debug)]
-pub struct Sharded {
-    group: RankGroup<Rank>,
-    blocks: usize,
-}
-
 /// Rank 0's value, or the error that started a failure (not a peer's timeout after it).
 fn first<T>(results: Vec<keel_collective::Result<Result<T>>>) -> Result<T> {
     rank_zero(results, Error::is_consequence)
@@ -209,7 +249,8 @@ pub fn blocks_in(cfg: &ModelConfig, kv_heads: i64, kind: Kind, bytes: u64) -> us
 impl Backend {
     /// One model with a pool of `blocks` blocks.
     pub fn whole(model: CausalLm, blocks: usize) -> Result<Self> {
-        Ok(Self::Whole { rank: Rank::of(model, blocks)?, graphs: None, captured: None })
+        let ranks = Ranks::Whole(Rank::of(model, blocks)?);
+        Ok(Self::Local { ranks, blocks, graphs: None, captured: None })
     }
 
     /// Captures the model's decode step as CUDA graphs for batches of up to
@@ -217,7 +258,7 @@ impl Backend {
     /// Returns the batch sizes captured; on an error the backend stays eager.
     pub fn capture_graphs(&mut self, max_num_seqs: usize, max_model_len: usize) -> Result<Vec<usize>> {
         match self {
-            Self::Whole { rank, graphs, captured } => {
+            Self::Local { ranks: Ranks::Whole(rank), graphs, captured, .. } => {
                 let max_blocks = max_model_len.div_ceil(BLOCK_SIZE);
                 let made = DecodeGraphs::capture(&rank.model, &mut rank.cache, max_num_seqs, max_blocks)?;
                 let buckets = made.buckets();
@@ -225,7 +266,7 @@ impl Backend {
                 *captured = Some((max_num_seqs, max_model_len));
                 Ok(buckets)
             }
-            Self::Sharded(_) | Self::Group(_) => {
+            Self::Local { .. } | Self::Group(_) => {
                 Err(Error::Device("CUDA graphs are not captured under tensor parallelism".into()))
             }
         }
@@ -257,13 +298,12 @@ impl Backend {
         let group = RankGroup::spawn("keel-generator", comms, move |rank, comm: SharedComm| {
             Rank::load(&dir, comm, keel_collective::rank_device(device, rank), kind, blocks)
         })?;
-        Ok(Self::Sharded(Sharded { group, blocks }))
+        Ok(Self::Local { ranks: Ranks::Threads(group), blocks, graphs: None, captured: None })
     }
 
     pub fn tensor_parallel_size(&self) -> usize {
         match self {
-            Self::Whole { .. } => 1,
-            Self::Sharded(s) => s.group.world_size(),
+            Self::Local { ranks, .. } => ranks.world_size(),
             Self::Group(g) => g.world_size(),
         }
     }
@@ -271,8 +311,7 @@ impl Backend {
     /// Blocks in the pool.
     pub fn blocks(&self) -> usize {
         match self {
-            Self::Whole { rank, .. } => rank.cache.blocks(),
-            Self::Sharded(s) => s.blocks,
+            Self::Local { blocks, .. } => *blocks,
             Self::Group(g) => g.blocks(),
         }
     }
@@ -281,12 +320,12 @@ impl Backend {
     /// [`CausalLm::forward_paged`]), on the device of the model (rank 0's under TP).
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Tensor> {
         match self {
-            Self::Whole { graphs: Some(graphs), rank, .. } if graphs.fits(chunks) => {
-                graphs.run(&rank.model, chunks, &mut rank.cache)
-            }
-            Self::Whole { rank, .. } => rank.forward(chunks),
-            Self::Sharded(s) => {
-                let logits = first(s.group.run_all(chunks.to_vec(), |rank, chunks| {
+            Self::Local { ranks: Ranks::Whole(rank), graphs, .. } => match graphs {
+                Some(graphs) if graphs.fits(chunks) => graphs.run(&rank.model, chunks, &mut rank.cache),
+                _ => rank.forward(chunks),
+            },
+            Self::Local { ranks, .. } => {
+                let logits = first(ranks.run_all(chunks.to_vec(), |rank, chunks| {
                     let logits = rank.forward(&chunks)?;
                     // Every rank has the same logits; only rank 0's travel back.
                     Ok((rank.rank() == 0).then_some(logits))
@@ -300,8 +339,7 @@ impl Backend {
     /// Copies block `from` into block `to` (copy on write).
     pub fn copy_block(&mut self, from: usize, to: usize) -> Result<()> {
         match self {
-            Self::Whole { rank, .. } => rank.copy_block(from, to),
-            Self::Sharded(s) => first(s.group.run_all((from, to), |rank, (from, to)| rank.copy_block(from, to))),
+            Self::Local { ranks, .. } => first(ranks.run_all((from, to), |rank, (from, to)| rank.copy_block(from, to))),
             Self::Group(g) => g.copy_block(from, to),
         }
     }
@@ -310,10 +348,8 @@ impl Backend {
     /// first (see [`PromptLogprobs`]), by a pass of its own outside the KV pool.
     pub fn prompt_logprobs(&mut self, prompt: &[i64], top: usize) -> Result<PromptLogprobs> {
         match self {
-            Self::Whole { rank, .. } => rank.prompt_logprobs(prompt, top),
-            Self::Sharded(s) => {
-                let prompt = prompt.to_vec();
-                first(s.group.run_all(prompt, move |rank, prompt| rank.prompt_logprobs(&prompt, top)))
+            Self::Local { ranks, .. } => {
+                first(ranks.run_all(prompt.to_vec(), move |rank, prompt| rank.prompt_logprobs(&prompt, top)))
             }
             Self::Group(g) => g.prompt_logprobs(prompt, top),
         }
@@ -325,11 +361,10 @@ impl Backend {
     /// dropped. Returns the bytes freed (the pool's, in host memory too on a CPU device).
     pub fn sleep(&mut self, offload_weights: bool) -> Result<u64> {
         match self {
-            Self::Whole { rank, graphs, .. } => {
+            Self::Local { ranks, graphs, .. } => {
                 *graphs = None;
-                rank.sleep(offload_weights)
+                sum(ranks.run_all(offload_weights, |rank, offload| rank.sleep(offload)))
             }
-            Self::Sharded(s) => Ok(sum(s.group.run_all(offload_weights, |rank, offload| rank.sleep(offload)))?),
             Self::Group(g) => g.sleep(offload_weights),
         }
     }
@@ -338,15 +373,14 @@ impl Backend {
     /// (empty), CUDA graphs captured again where they were. Returns the bytes it took back.
     pub fn wake(&mut self) -> Result<u64> {
         match self {
-            Self::Whole { rank, graphs, captured } => {
-                let bytes = rank.wake()?;
-                if let (None, Some((seqs, len))) = (&graphs, *captured) {
+            Self::Local { ranks, graphs, captured, .. } => {
+                let bytes = sum(ranks.run_all((), |rank, ()| rank.wake()))?;
+                if let (Ranks::Whole(rank), None, Some((seqs, len))) = (ranks, &graphs, *captured) {
                     let max_blocks = len.div_ceil(BLOCK_SIZE);
                     *graphs = Some(DecodeGraphs::capture(&rank.model, &mut rank.cache, seqs, max_blocks)?);
                 }
                 Ok(bytes)
             }
-            Self::Sharded(s) => Ok(sum(s.group.run_all((), |rank, ()| rank.wake()))?),
             Self::Group(g) => g.wake(),
         }
     }
@@ -360,16 +394,11 @@ impl Backend {
     /// (on a run's first adapter refit) and kept for every later version.
     pub fn reload_weights(&mut self, weights: &Weights) -> Result<()> {
         match self {
-            Self::Whole { rank, .. } => {
-                let staged = rank.stage(weights.share());
-                rank.commit(staged.is_ok())?;
-                staged
-            }
-            Self::Sharded(s) => {
-                let inputs = (0..s.group.world_size()).map(|_| weights.share()).collect();
-                let staged = first(s.group.run(inputs, |rank, weights| rank.stage(weights)));
+            Self::Local { ranks, .. } => {
+                let inputs = (0..ranks.world_size()).map(|_| weights.share()).collect();
+                let staged = first(ranks.run(inputs, |rank, weights| rank.stage(weights)));
                 let commit = staged.is_ok();
-                let committed = first(s.group.run_all(commit, |rank, commit| rank.commit(commit)));
+                let committed = first(ranks.run_all(commit, |rank, commit| rank.commit(commit)));
                 staged.and(committed)
             }
             Self::Group(g) => g.reload(weights),
