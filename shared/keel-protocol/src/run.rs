@@ -841,9 +841,16 @@ fn check(problems: &mut Vec<FieldError>, ok: bool, field: &str, message: impl In
     }
 }
 
+/// One part of a run spec checked in the context of the whole spec (some limits depend on
+/// another part); what is wrong goes into `p`, each problem with its field's path.
+trait Validate {
+    fn validate(&self, run: &RunSpec, p: &mut Vec<FieldError>);
+}
+
 impl RunSpec {
-    /// Every semantic problem, each with its field path. Files are not looked at here (the
-    /// orchestrator checks that paths exist, as they must on its disk).
+    /// Every problem of the spec, each with the path of its field: the parts' own checks
+    /// ([`Validate`]) and those across parts (the algorithm and its training, parallel
+    /// sizes, batch sizes), in the order a reader of the spec meets the fields.
     pub fn problems(&self) -> Vec<FieldError> {
         let mut p = Vec::new();
         let alg = self.algorithm;
@@ -856,32 +863,13 @@ impl RunSpec {
             "data_parallel_size",
             format!("must be 1 to 64, with data_parallel_size × tensor_parallel_size at most 64; got {dp} × {tp}"),
         );
-        if let Some(project) = &self.logger.wandb.project {
-            check(
-                &mut p,
-                !project.trim().is_empty(),
-                "logger.wandb.project",
-                "must not be empty (leave it out for `keel`)",
-            );
-        }
-        if self.logger.mlflow_enabled {
-            let uri = self.logger.mlflow.tracking_uri.as_deref().unwrap_or_default();
-            check(
-                &mut p,
-                uri.starts_with("http://") || uri.starts_with("https://"),
-                "logger.mlflow.tracking_uri",
-                format!("mlflow_enabled needs the tracking server's http(s) URL, got `{uri}`"),
-            );
-        }
-        if let Some(dir) = &self.logger.log_dir {
-            check(&mut p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
-        }
+        self.logger.validate(self, &mut p);
         self.model.check("model", &mut p);
         if let Some(ppo) = &self.ppo {
-            self.ppo_problems(ppo, &mut p);
+            ppo.validate(self, &mut p);
         }
         if let Some(d) = &self.distillation {
-            self.distillation_problems(d, &mut p);
+            d.validate(self, &mut p);
         }
         match (&self.training, alg.loss_name()) {
             (None, Some(loss)) => p.push(FieldError::new(
@@ -910,118 +898,12 @@ impl RunSpec {
         if alg.generates() {
             check(&mut p, self.environments.is_some(), "environments", format!("required for `{}`", alg.name()));
             if let Some(envs) = &self.environments {
-                let named = std::iter::once(("environments.default".to_string(), &envs.default))
-                    .chain(envs.tasks.iter().map(|(task, env)| (format!("environments.tasks.{task}"), env)));
-                for (field, env) in named {
-                    let problems = match env {
-                        EnvConfig::Http(http) => http.problems(),
-                        EnvConfig::Agent(agent) => agent.problems(),
-                        _ => Vec::new(),
-                    };
-                    p.extend(problems.into_iter().map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)));
-                }
+                envs.validate(self, &mut p);
             }
-            let g = &self.generation;
-            check(&mut p, g.max_new_tokens >= 1, "generation.max_new_tokens", "must be at least 1");
-            check(
-                &mut p,
-                g.max_new_tokens < self.max_total_sequence_length,
-                "generation.max_new_tokens",
-                format!(
-                    "must leave room for the prompt below max_total_sequence_length ({})",
-                    self.max_total_sequence_length
-                ),
-            );
-            check(
-                &mut p,
-                g.temperature.is_finite() && g.temperature > 0.0,
-                "generation.temperature",
-                format!("must be positive for sampling, got {}", g.temperature),
-            );
-            check(
-                &mut p,
-                g.top_p > 0.0 && g.top_p <= 1.0,
-                "generation.top_p",
-                format!("must be in (0, 1], got {}", g.top_p),
-            );
-            check(
-                &mut p,
-                (1..=limits::MAX_GENERATOR_REPLICAS).contains(&g.replicas),
-                "generation.replicas",
-                format!("must be 1 to {}, got {}", limits::MAX_GENERATOR_REPLICAS, g.replicas),
-            );
-            if let Some(dtype) = &g.dtype {
-                check(
-                    &mut p,
-                    ["f32", "bf16", "f16"].contains(&dtype.as_str()),
-                    "generation.dtype",
-                    format!("must be f32, bf16 or f16, got `{dtype}`"),
-                );
-            }
-            if let Some(len) = g.max_model_len {
-                check(
-                    &mut p,
-                    len >= self.max_total_sequence_length,
-                    "generation.max_model_len",
-                    format!(
-                        "must hold a whole sequence: at least max_total_sequence_length ({}), got {len}",
-                        self.max_total_sequence_length
-                    ),
-                );
-            }
-            if let Some(tp) = g.tensor_parallel_size {
-                check(
-                    &mut p,
-                    (1..=64).contains(&tp),
-                    "generation.tensor_parallel_size",
-                    format!("must be 1 to 64, got {tp}"),
-                );
-            }
+            self.generation.validate(self, &mut p);
         }
         if alg == Algorithm::Grpo {
-            let g = &self.grpo;
-            check(&mut p, g.num_prompts_per_step >= 1, "grpo.num_prompts_per_step", "must be at least 1");
-            check(
-                &mut p,
-                (2..=limits::MAX_GENERATIONS_PER_PROMPT).contains(&g.num_generations_per_prompt),
-                "grpo.num_generations_per_prompt",
-                format!(
-                    "must be at least 2 (advantages compare samples of one prompt) and at most {}, got {}",
-                    limits::MAX_GENERATIONS_PER_PROMPT,
-                    g.num_generations_per_prompt
-                ),
-            );
-            let samples = g.num_prompts_per_step.checked_mul(g.num_generations_per_prompt);
-            check(
-                &mut p,
-                samples.is_some_and(|n| n <= limits::MAX_SAMPLES_PER_STEP),
-                "grpo.num_prompts_per_step",
-                format!(
-                    "num_prompts_per_step × num_generations_per_prompt must be at most {} samples per step",
-                    limits::MAX_SAMPLES_PER_STEP
-                ),
-            );
-            check(
-                &mut p,
-                (1..=limits::MAX_ROLLOUT_TURNS).contains(&g.max_rollout_turns),
-                "grpo.max_rollout_turns",
-                format!("must be 1 to {}, got {}", limits::MAX_ROLLOUT_TURNS, g.max_rollout_turns),
-            );
-            if let Some(shaping) = &g.overlong_shaping {
-                check(
-                    &mut p,
-                    shaping.buffer >= 1 && shaping.buffer <= self.generation.max_new_tokens,
-                    "grpo.overlong_shaping.buffer",
-                    format!("must be in 1..=generation.max_new_tokens ({})", self.generation.max_new_tokens),
-                );
-                check(
-                    &mut p,
-                    shaping.penalty.is_finite() && shaping.penalty >= 0.0,
-                    "grpo.overlong_shaping.penalty",
-                    "must be finite and ≥ 0",
-                );
-            }
-            check(&mut p, g.dynamic_sampling.max_rounds >= 1, "grpo.dynamic_sampling.max_rounds", "must be at least 1");
+            self.grpo.validate(self, &mut p);
         }
         check(
             &mut p,
@@ -1031,82 +913,10 @@ impl RunSpec {
         );
         check(&mut p, self.max_num_steps >= 1, "max_num_steps", "must be at least 1");
         check(&mut p, self.max_num_epochs >= 1, "max_num_epochs", "must be at least 1");
-        check(&mut p, self.prompt.template.contains("{prompt}"), "prompt.template", "must contain `{prompt}`");
-        let v = &self.validation;
-        check(
-            &mut p,
-            (1..=limits::MAX_VALIDATION_SAMPLES).contains(&v.num_samples),
-            "validation.num_samples",
-            format!("must be 1 to {}, got {}", limits::MAX_VALIDATION_SAMPLES, v.num_samples),
-        );
-        for (i, k) in v.pass_at_k.iter().enumerate() {
-            check(
-                &mut p,
-                *k >= 1 && *k <= v.num_samples,
-                &format!("validation.pass_at_k[{i}]"),
-                format!("must be in 1..=validation.num_samples ({}), got {k}", v.num_samples),
-            );
-        }
-        check(
-            &mut p,
-            v.temperature.is_finite() && v.temperature >= 0.0,
-            "validation.temperature",
-            "must be finite and ≥ 0",
-        );
-        let c = &self.checkpointing;
-        if c.enabled {
-            check(&mut p, c.save_period >= 1, "checkpointing.save_period", "must be at least 1");
-            if let Some(k) = c.keep_top_k {
-                check(&mut p, k >= 1, "checkpointing.keep_top_k", "must be at least 1 (leave it out to keep all)");
-                check(
-                    &mut p,
-                    c.metric_name.is_some(),
-                    "checkpointing.metric_name",
-                    "keep_top_k ranks checkpoints by a metric: name it",
-                );
-            }
-        }
-        for (field, dataset) in std::iter::once(("data.train", &self.data.train))
-            .chain(self.data.validation.iter().map(|d| ("data.validation", d)))
-        {
-            match dataset {
-                DatasetSpec::Jsonl { path, .. } | DatasetSpec::Parquet { path, .. } => {
-                    check(&mut p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
-                }
-                DatasetSpec::Arithmetic { size, operations, max_operand, .. } => {
-                    check(
-                        &mut p,
-                        *max_operand <= MAX_ARITHMETIC_OPERAND,
-                        &format!("{field}.max_operand"),
-                        format!("must be at most {MAX_ARITHMETIC_OPERAND}, got {max_operand}"),
-                    );
-                    check(
-                        &mut p,
-                        *size <= MAX_ARITHMETIC_SIZE,
-                        &format!("{field}.size"),
-                        format!("must be 0 (every problem of the split) to {MAX_ARITHMETIC_SIZE}, got {size}"),
-                    );
-                    // Saturating: `max_operand` may be any u32, whose square overflows a u64.
-                    let problems =
-                        (u64::from(*max_operand) + 1).saturating_pow(2).saturating_mul(operations.len().max(1) as u64);
-                    check(
-                        &mut p,
-                        *size > 0 || problems <= MAX_ARITHMETIC_ENUMERATED,
-                        &format!("{field}.size"),
-                        format!(
-                            "0 lists every problem, and max_operand {max_operand} makes {problems} (at most \
-                             {MAX_ARITHMETIC_ENUMERATED}): give a size"
-                        ),
-                    );
-                    check(
-                        &mut p,
-                        !operations.is_empty() && operations.chars().all(|c| "+-*".contains(c)),
-                        &format!("{field}.operations"),
-                        format!("must be made of `+`, `-` and `*`, got `{operations}`"),
-                    );
-                }
-            }
-        }
+        self.prompt.validate(self, &mut p);
+        self.validation.validate(self, &mut p);
+        self.checkpointing.validate(self, &mut p);
+        self.data.validate(self, &mut p);
         p
     }
 
@@ -1172,16 +982,36 @@ impl RunSpec {
     }
 }
 
-impl RunSpec {
-    fn ppo_problems(&self, ppo: &PpoSpec, p: &mut Vec<FieldError>) {
-        check(p, self.algorithm == Algorithm::Grpo, "ppo", "trains on rollouts: needs algorithm: grpo");
-        if let Some(critic) = &ppo.critic {
+impl Validate for LoggerSpec {
+    fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
+        if let Some(project) = &self.wandb.project {
+            check(p, !project.trim().is_empty(), "logger.wandb.project", "must not be empty (leave it out for `keel`)");
+        }
+        if self.mlflow_enabled {
+            let uri = self.mlflow.tracking_uri.as_deref().unwrap_or_default();
+            check(
+                p,
+                uri.starts_with("http://") || uri.starts_with("https://"),
+                "logger.mlflow.tracking_uri",
+                format!("mlflow_enabled needs the tracking server's http(s) URL, got `{uri}`"),
+            );
+        }
+        if let Some(dir) = &self.log_dir {
+            check(p, !dir.trim().is_empty(), "logger.log_dir", "must not be empty (leave it out for the default)");
+        }
+    }
+}
+
+impl Validate for PpoSpec {
+    fn validate(&self, run: &RunSpec, p: &mut Vec<FieldError>) {
+        check(p, run.algorithm == Algorithm::Grpo, "ppo", "trains on rollouts: needs algorithm: grpo");
+        if let Some(critic) = &self.critic {
             critic.check("ppo.critic", p);
         }
-        for (field, value) in [("gamma", ppo.gamma), ("lambda", ppo.lambda)] {
+        for (field, value) in [("gamma", self.gamma), ("lambda", self.lambda)] {
             check(p, (0.0..=1.0).contains(&value), &format!("ppo.{field}"), format!("must be in [0, 1], got {value}"));
         }
-        if let Some(clip) = ppo.value_clip {
+        if let Some(clip) = self.value_clip {
             check(
                 p,
                 clip.is_finite() && clip > 0.0,
@@ -1189,24 +1019,24 @@ impl RunSpec {
                 format!("must be a finite number > 0 (leave it out for no clipping), got {clip}"),
             );
         }
-        if let Some(optimizer) = &ppo.optimizer {
+        if let Some(optimizer) = &self.optimizer {
             p.extend(optimizer.problems("ppo.optimizer"));
         }
-        check(p, self.distillation.is_none(), "ppo", "ppo and distillation each make the advantages: choose one");
+        check(p, run.distillation.is_none(), "ppo", "ppo and distillation each make the advantages: choose one");
         check(
             p,
-            !self.grpo.turn_level_advantages && self.grpo.advantage_estimator == AdvantageEstimator::Grpo,
+            !run.grpo.turn_level_advantages && run.grpo.advantage_estimator == AdvantageEstimator::Grpo,
             "ppo",
             "makes every token's advantage from the critic: leave grpo.advantage_estimator at grpo and \
              turn_level_advantages off",
         );
         check(
             p,
-            self.tensor_parallel_size == 1,
+            run.tensor_parallel_size == 1,
             "tensor_parallel_size",
             "the PPO critic trains whole on each rank: tensor_parallel_size must be 1 (data_parallel_size may be more)",
         );
-        if let Some(training) = &self.training {
+        if let Some(training) = &run.training {
             check(
                 p,
                 !training.lora.enabled,
@@ -1224,16 +1054,18 @@ impl RunSpec {
             }
         }
     }
+}
 
-    fn distillation_problems(&self, d: &DistillationSpec, p: &mut Vec<FieldError>) {
+impl Validate for DistillationSpec {
+    fn validate(&self, run: &RunSpec, p: &mut Vec<FieldError>) {
         check(
             p,
-            self.algorithm == Algorithm::Grpo,
+            run.algorithm == Algorithm::Grpo,
             "distillation",
             "distils on the student's samples: needs algorithm: grpo",
         );
-        d.teacher.check("distillation.teacher", p);
-        for (field, value) in [("kl_weight", d.kl_weight), ("reward_weight", d.reward_weight)] {
+        self.teacher.check("distillation.teacher", p);
+        for (field, value) in [("kl_weight", self.kl_weight), ("reward_weight", self.reward_weight)] {
             check(
                 p,
                 value.is_finite() && value >= 0.0,
@@ -1241,14 +1073,19 @@ impl RunSpec {
                 format!("must be a finite number ≥ 0, got {value}"),
             );
         }
-        check(p, d.kl_weight > 0.0 || d.reward_weight > 0.0, "distillation", "kl_weight and reward_weight are both 0");
         check(
             p,
-            !self.grpo.turn_level_advantages && self.grpo.advantage_estimator == AdvantageEstimator::Grpo,
+            self.kl_weight > 0.0 || self.reward_weight > 0.0,
+            "distillation",
+            "kl_weight and reward_weight are both 0",
+        );
+        check(
+            p,
+            !run.grpo.turn_level_advantages && run.grpo.advantage_estimator == AdvantageEstimator::Grpo,
             "distillation",
             "gives every token its own advantage: needs grpo.advantage_estimator: grpo and no turn_level_advantages",
         );
-        if let Some(training) = &self.training {
+        if let Some(training) = &run.training {
             check(
                 p,
                 !training.lora.enabled,
@@ -1262,6 +1099,217 @@ impl RunSpec {
                     "training.loss.reference_policy_kl_penalty",
                     "with distillation the teacher takes the reference's place: leave the KL penalty at 0",
                 );
+            }
+        }
+    }
+}
+
+impl Validate for EnvironmentsSpec {
+    fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
+        let named = std::iter::once(("environments.default".to_string(), &self.default))
+            .chain(self.tasks.iter().map(|(task, env)| (format!("environments.tasks.{task}"), env)));
+        for (field, env) in named {
+            let problems = match env {
+                EnvConfig::Http(http) => http.problems(),
+                EnvConfig::Agent(agent) => agent.problems(),
+                _ => Vec::new(),
+            };
+            p.extend(problems.into_iter().map(|e| FieldError::new(format!("{field}.{}", e.field), e.message)));
+        }
+    }
+}
+
+impl Validate for GenerationSpec {
+    fn validate(&self, run: &RunSpec, p: &mut Vec<FieldError>) {
+        check(p, self.max_new_tokens >= 1, "generation.max_new_tokens", "must be at least 1");
+        check(
+            p,
+            self.max_new_tokens < run.max_total_sequence_length,
+            "generation.max_new_tokens",
+            format!(
+                "must leave room for the prompt below max_total_sequence_length ({})",
+                run.max_total_sequence_length
+            ),
+        );
+        check(
+            p,
+            self.temperature.is_finite() && self.temperature > 0.0,
+            "generation.temperature",
+            format!("must be positive for sampling, got {}", self.temperature),
+        );
+        check(
+            p,
+            self.top_p > 0.0 && self.top_p <= 1.0,
+            "generation.top_p",
+            format!("must be in (0, 1], got {}", self.top_p),
+        );
+        check(
+            p,
+            (1..=limits::MAX_GENERATOR_REPLICAS).contains(&self.replicas),
+            "generation.replicas",
+            format!("must be 1 to {}, got {}", limits::MAX_GENERATOR_REPLICAS, self.replicas),
+        );
+        if let Some(dtype) = &self.dtype {
+            check(
+                p,
+                ["f32", "bf16", "f16"].contains(&dtype.as_str()),
+                "generation.dtype",
+                format!("must be f32, bf16 or f16, got `{dtype}`"),
+            );
+        }
+        if let Some(len) = self.max_model_len {
+            check(
+                p,
+                len >= run.max_total_sequence_length,
+                "generation.max_model_len",
+                format!(
+                    "must hold a whole sequence: at least max_total_sequence_length ({}), got {len}",
+                    run.max_total_sequence_length
+                ),
+            );
+        }
+        if let Some(tp) = self.tensor_parallel_size {
+            check(p, (1..=64).contains(&tp), "generation.tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
+        }
+    }
+}
+
+impl Validate for GrpoSpec {
+    fn validate(&self, run: &RunSpec, p: &mut Vec<FieldError>) {
+        check(p, self.num_prompts_per_step >= 1, "grpo.num_prompts_per_step", "must be at least 1");
+        check(
+            p,
+            (2..=limits::MAX_GENERATIONS_PER_PROMPT).contains(&self.num_generations_per_prompt),
+            "grpo.num_generations_per_prompt",
+            format!(
+                "must be at least 2 (advantages compare samples of one prompt) and at most {}, got {}",
+                limits::MAX_GENERATIONS_PER_PROMPT,
+                self.num_generations_per_prompt
+            ),
+        );
+        let samples = self.num_prompts_per_step.checked_mul(self.num_generations_per_prompt);
+        check(
+            p,
+            samples.is_some_and(|n| n <= limits::MAX_SAMPLES_PER_STEP),
+            "grpo.num_prompts_per_step",
+            format!(
+                "num_prompts_per_step × num_generations_per_prompt must be at most {} samples per step",
+                limits::MAX_SAMPLES_PER_STEP
+            ),
+        );
+        check(
+            p,
+            (1..=limits::MAX_ROLLOUT_TURNS).contains(&self.max_rollout_turns),
+            "grpo.max_rollout_turns",
+            format!("must be 1 to {}, got {}", limits::MAX_ROLLOUT_TURNS, self.max_rollout_turns),
+        );
+        if let Some(shaping) = &self.overlong_shaping {
+            check(
+                p,
+                shaping.buffer >= 1 && shaping.buffer <= run.generation.max_new_tokens,
+                "grpo.overlong_shaping.buffer",
+                format!("must be in 1..=generation.max_new_tokens ({})", run.generation.max_new_tokens),
+            );
+            check(
+                p,
+                shaping.penalty.is_finite() && shaping.penalty >= 0.0,
+                "grpo.overlong_shaping.penalty",
+                "must be finite and ≥ 0",
+            );
+        }
+        check(p, self.dynamic_sampling.max_rounds >= 1, "grpo.dynamic_sampling.max_rounds", "must be at least 1");
+    }
+}
+
+impl Validate for PromptSpec {
+    fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
+        check(p, self.template.contains("{prompt}"), "prompt.template", "must contain `{prompt}`");
+    }
+}
+
+impl Validate for ValidationSpec {
+    fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
+        check(
+            p,
+            (1..=limits::MAX_VALIDATION_SAMPLES).contains(&self.num_samples),
+            "validation.num_samples",
+            format!("must be 1 to {}, got {}", limits::MAX_VALIDATION_SAMPLES, self.num_samples),
+        );
+        for (i, k) in self.pass_at_k.iter().enumerate() {
+            check(
+                p,
+                *k >= 1 && *k <= self.num_samples,
+                &format!("validation.pass_at_k[{i}]"),
+                format!("must be in 1..=validation.num_samples ({}), got {k}", self.num_samples),
+            );
+        }
+        check(
+            p,
+            self.temperature.is_finite() && self.temperature >= 0.0,
+            "validation.temperature",
+            "must be finite and ≥ 0",
+        );
+    }
+}
+
+impl Validate for CheckpointingSpec {
+    fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
+        if self.enabled {
+            check(p, self.save_period >= 1, "checkpointing.save_period", "must be at least 1");
+            if let Some(k) = self.keep_top_k {
+                check(p, k >= 1, "checkpointing.keep_top_k", "must be at least 1 (leave it out to keep all)");
+                check(
+                    p,
+                    self.metric_name.is_some(),
+                    "checkpointing.metric_name",
+                    "keep_top_k ranks checkpoints by a metric: name it",
+                );
+            }
+        }
+    }
+}
+
+impl Validate for DataSpec {
+    fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
+        for (field, dataset) in
+            std::iter::once(("data.train", &self.train)).chain(self.validation.iter().map(|d| ("data.validation", d)))
+        {
+            match dataset {
+                DatasetSpec::Jsonl { path, .. } | DatasetSpec::Parquet { path, .. } => {
+                    check(p, !path.trim().is_empty(), &format!("{field}.path"), "must not be empty")
+                }
+                DatasetSpec::Arithmetic { size, operations, max_operand, .. } => {
+                    check(
+                        p,
+                        *max_operand <= MAX_ARITHMETIC_OPERAND,
+                        &format!("{field}.max_operand"),
+                        format!("must be at most {MAX_ARITHMETIC_OPERAND}, got {max_operand}"),
+                    );
+                    check(
+                        p,
+                        *size <= MAX_ARITHMETIC_SIZE,
+                        &format!("{field}.size"),
+                        format!("must be 0 (every problem of the split) to {MAX_ARITHMETIC_SIZE}, got {size}"),
+                    );
+                    // Saturating: `max_operand` may be any u32, whose square overflows a u64.
+                    let problems =
+                        (u64::from(*max_operand) + 1).saturating_pow(2).saturating_mul(operations.len().max(1) as u64);
+                    check(
+                        p,
+                        *size > 0 || problems <= MAX_ARITHMETIC_ENUMERATED,
+                        &format!("{field}.size"),
+                        format!(
+                            "0 lists every problem, and max_operand {max_operand} makes {problems} (at most \
+                             {MAX_ARITHMETIC_ENUMERATED}): give a size"
+                        ),
+                    );
+                    check(
+                        p,
+                        !operations.is_empty() && operations.chars().all(|c| "+-*".contains(c)),
+                        &format!("{field}.operations"),
+                        format!("must be made of `+`, `-` and `*`, got `{operations}`"),
+                    );
+                }
             }
         }
     }
