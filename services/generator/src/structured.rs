@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use keel_generation::guide::{Constraint, Guide};
+use keel_generation::guide::{Constraint, ConstraintError, Guide};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
@@ -96,17 +96,17 @@ struct Llg(Matcher);
 
 impl Constraint for Llg {
     /// Once the grammar is complete, only the end of sequence.
-    fn allowed(&mut self) -> Result<Vec<u32>, String> {
-        self.0.compute_mask_or_eos().map(|mask| mask.as_slice().to_vec()).map_err(|e| e.to_string())
+    fn allowed(&mut self) -> Result<Vec<u32>, ConstraintError> {
+        self.0.compute_mask_or_eos().map(|mask| mask.as_slice().to_vec()).map_err(|e| ConstraintError(e.to_string()))
     }
 
-    fn consume(&mut self, token: i64) -> Result<(), String> {
+    fn consume(&mut self, token: i64) -> Result<(), ConstraintError> {
         if self.0.is_stopped() {
             // The end of sequence after a complete grammar.
             return Ok(());
         }
-        let token = u32::try_from(token).map_err(|e| e.to_string())?;
-        self.0.consume_token(token).map_err(|e| e.to_string())
+        let token = u32::try_from(token).map_err(|e| ConstraintError(format!("token {token}: {e}")))?;
+        self.0.consume_token(token).map_err(|e| ConstraintError(e.to_string()))
     }
 
     fn fork(&self) -> Box<dyn Constraint> {

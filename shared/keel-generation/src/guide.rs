@@ -6,12 +6,17 @@
 
 use std::sync::{Mutex, PoisonError};
 
+/// What a grammar engine reported: a token it cannot take, or a failure of its own.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConstraintError(pub String);
+
 /// What a grammar engine does for one sample.
 pub trait Constraint: Send {
     /// The tokens allowed next, as a bitset: token t is bit t % 32 of word t / 32.
-    fn allowed(&mut self) -> Result<Vec<u32>, String>;
+    fn allowed(&mut self) -> Result<Vec<u32>, ConstraintError>;
     /// Moves past `token`, which was drawn.
-    fn consume(&mut self, token: i64) -> Result<(), String>;
+    fn consume(&mut self, token: i64) -> Result<(), ConstraintError>;
     /// An independent copy in the same state (a request's n samples each get one).
     fn fork(&self) -> Box<dyn Constraint>;
 }
@@ -24,11 +29,11 @@ impl Guide {
         Self(Mutex::new(constraint))
     }
 
-    pub fn allowed(&self) -> Result<Vec<u32>, String> {
+    pub fn allowed(&self) -> Result<Vec<u32>, ConstraintError> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).allowed()
     }
 
-    pub fn consume(&self, token: i64) -> Result<(), String> {
+    pub fn consume(&self, token: i64) -> Result<(), ConstraintError> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).consume(token)
     }
 }
