@@ -132,9 +132,11 @@ impl Serving {
         }
     }
 
-    /// A rollout's reply, retried until the generator has subscribed.
+    /// A rollout's reply, retried until the generator has subscribed (or, on a machine busy
+    /// with other tests, until a request outlasting NATS's request timeout gets its answer),
+    /// for up to 60 s.
     async fn ask(&self, body: Value) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             match self.client.request(self.subjects.generate("r1"), body.to_string().into()).await {
                 Ok(reply) => return serde_json::from_slice::<Value>(&reply.payload).unwrap(),
