@@ -701,7 +701,8 @@ fn default_kl_weight() -> f64 {
 /// averaged over the generated tokens. Prompt and environment tokens are not steps: a
 /// multi-turn sample's generated tokens follow each other in one chain. Metrics:
 /// `train/value_loss`, `train/value_clip_fraction`, `train/values_mean`, `train/returns_mean`,
-/// `train/critic_grad_norm`, `train/critic_lr`.
+/// `train/critic_grad_norm`, `train/critic_lr`, `train/value_explained_variance` (of the
+/// returns, by the values before the update).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PpoSpec {

@@ -274,7 +274,10 @@ async fn train(
         let span = tracing::info_span!("critic_values", sequences = sequences.input_ids.len());
         let values = metrics.timed("critic_values", span, session.logprobs(Scorer::Critic, &sequences)).await?;
         ctx.stop.check()?;
-        let (advantages, returns) = ppo_advantages(ppo, episodes, &values)?;
+        let (advantages, returns, explained) = ppo_advantages(ppo, episodes, &values)?;
+        if let Some(explained) = explained {
+            metrics.0.insert("train/value_explained_variance".into(), explained);
+        }
         critic = Some((advantages, values, returns));
     }
     let advantages = match (rows.advantages, kl_in_reward(&ctx.spec), &ctx.spec.distillation) {
@@ -715,14 +718,20 @@ fn distillation_advantages(
 /// critic's `values`, the advantages whitened over the generated tokens of every sample
 /// trained on. Both per token, laid out like the logprobs (0 on every other position); a
 /// skipped sample (its reward says nothing, and the loss masks it out) gets advantages 0 and
-/// its own values as targets.
-fn ppo_advantages(ppo: &PpoSpec, episodes: &[Episode], values: &[Vec<f32>]) -> Result<(Advantages, Vec<Vec<f32>>)> {
+/// its own values as targets. Also returns the share of the targets' variance the values
+/// explain over the same tokens (see [`explained_variance`]).
+fn ppo_advantages(
+    ppo: &PpoSpec,
+    episodes: &[Episode],
+    values: &[Vec<f32>],
+) -> Result<(Advantages, Vec<Vec<f32>>, Option<f64>)> {
     if values.len() != episodes.len() {
         return Err(Stop::Failed(format!("the critic scored {} sequences of {}", values.len(), episodes.len())));
     }
     let mut steps = Vec::with_capacity(episodes.len());
     let mut raw = Vec::with_capacity(episodes.len());
     let mut returns = Vec::with_capacity(episodes.len());
+    let mut targets = Vec::new();
     for (i, (e, v)) in episodes.iter().zip(values).enumerate() {
         if v.len() != e.ids.len() {
             return Err(Stop::Failed(format!("sample {i}: {} tokens, {} values", e.ids.len(), v.len())));
@@ -741,6 +750,7 @@ fn ppo_advantages(ppo: &PpoSpec, episodes: &[Episode], values: &[Vec<f32>]) -> R
                 .map_err(|err| Stop::Failed(format!("ppo advantages of sample {i}: {err}")))?;
             for (&k, r) in generated.iter().zip(&estimates.returns) {
                 row[k] = *r as f32;
+                targets.push((*r, f64::from(v[k])));
             }
             raw.push(estimates.advantages);
         }
@@ -759,7 +769,24 @@ fn ppo_advantages(ppo: &PpoSpec, episodes: &[Episode], values: &[Vec<f32>]) -> R
             row
         })
         .collect();
-    Ok((Advantages::PerToken(advantages), returns))
+    Ok((Advantages::PerToken(advantages), returns, explained_variance(&targets)))
+}
+
+/// 1 − Var(R − V) / Var(R) over `(return, value)` pairs: the share of the returns' variance
+/// the critic's values explain (1: all of it; 0: no better than the returns' mean; below 0:
+/// worse), verl's `vf_explained_var`. `None` without pairs or when the returns do not vary.
+fn explained_variance(pairs: &[(f64, f64)]) -> Option<f64> {
+    let variance = |xs: &mut dyn Iterator<Item = f64>| {
+        let xs: Vec<f64> = xs.collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / xs.len() as f64
+    };
+    if pairs.is_empty() {
+        return None;
+    }
+    let returns = variance(&mut pairs.iter().map(|(r, _)| *r));
+    let residuals = variance(&mut pairs.iter().map(|(r, v)| r - v));
+    (returns > 0.0).then(|| 1.0 - residuals / returns)
 }
 
 /// The loss configuration when the run puts the KL penalty into the reward.
@@ -908,7 +935,7 @@ mod tests {
         episodes[2].skipped = true;
         let values = vec![vec![0.0, 0.5, 0.25, 9.0], vec![0.0, 0.5, 9.0, -0.5], vec![0.0, 0.1, 0.2, 0.3]];
         let ppo: PpoSpec = serde_json::from_value(serde_json::json!({"gamma": 0.5, "lambda": 0.5})).unwrap();
-        let (advantages, returns) = ppo_advantages(&ppo, &episodes, &values).unwrap();
+        let (advantages, returns, explained) = ppo_advantages(&ppo, &episodes, &values).unwrap();
         // Sample 0, steps at 1 and 2, rewards [0, 1], values [0.5, 0.25]:
         // δ = [0.5·0.25 − 0.5, 1 − 0.25] = [−0.375, 0.75]; A = [−0.375 + 0.25·0.75, 0.75].
         // Sample 1, steps at 1 and 3, rewards [0, 0], values [0.5, −0.5]:
@@ -925,6 +952,16 @@ mod tests {
         assert_eq!(returns[0], vec![0.0, -0.1875 + 0.5, 1.0, 9.0]);
         assert_eq!(returns[1], vec![0.0, -0.625 + 0.5, 9.0, 0.0]);
         assert_eq!(returns[2], values[2], "a skipped sample's targets are its values");
+        // Over the four trained tokens, returns [0.3125, 1, −0.125, 0] and residuals R − V the
+        // raw advantages: Var(R) = 0.760742…/4, Var(R − V) = 1.190429…/4.
+        let var = |xs: &[f64]| {
+            let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+            xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64
+        };
+        let want = 1.0 - var(&raw) / var(&[0.3125, 1.0, -0.125, 0.0]);
+        assert!((explained.unwrap() - want).abs() < 1e-12 && (want + 0.564827).abs() < 1e-6, "{explained:?}");
+        assert_eq!(explained_variance(&[(1.0, 0.0), (1.0, 2.0)]), None, "constant returns explain nothing");
+        assert_eq!(explained_variance(&[(1.0, 1.0), (3.0, 3.0)]), Some(1.0));
         assert!(ppo_advantages(&ppo, &episodes, &values[..2]).is_err());
     }
 }
