@@ -52,14 +52,28 @@ pub fn gae(rewards: &[f64], values: &[f64], gamma: f64, lambda: f64) -> Result<E
 /// [`VAR_FLOOR`]), all rows together; rows keep their lengths. Nothing to whiten returns the
 /// rows as they are.
 pub fn whiten(rows: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
-    let count = rows.iter().map(Vec::len).sum::<usize>() as f64;
-    if count == 0.0 {
-        return rows;
-    }
-    let mean = rows.iter().flatten().sum::<f64>() / count;
-    let variance = rows.iter().flatten().map(|a| (a - mean) * (a - mean)).sum::<f64>() / count;
+    let Some((mean, variance)) = mean_and_variance(rows.iter().flatten().copied()) else { return rows };
     let rstd = 1.0 / variance.max(VAR_FLOOR).sqrt();
     rows.into_iter().map(|row| row.into_iter().map(|a| (a - mean) * rstd).collect()).collect()
+}
+
+/// 1 − Var(R − V) / Var(R) over `(return, value)` pairs: the share of the returns' variance
+/// the values explain (1: all of it; 0: no better than the returns' mean; below 0: worse),
+/// verl's `vf_explained_var`. `None` without pairs or when the returns do not vary.
+pub fn explained_variance(pairs: &[(f64, f64)]) -> Option<f64> {
+    let (_, returns) = mean_and_variance(pairs.iter().map(|(r, _)| *r))?;
+    let (_, residuals) = mean_and_variance(pairs.iter().map(|(r, v)| r - v))?;
+    (returns > 0.0).then(|| 1.0 - residuals / returns)
+}
+
+/// The mean and the population variance of `xs`; `None` when empty.
+fn mean_and_variance(xs: impl Iterator<Item = f64> + Clone) -> Option<(f64, f64)> {
+    let count = xs.clone().count() as f64;
+    if count == 0.0 {
+        return None;
+    }
+    let mean = xs.clone().sum::<f64>() / count;
+    Some((mean, xs.map(|x| (x - mean) * (x - mean)).sum::<f64>() / count))
 }
 
 #[cfg(test)]
@@ -71,6 +85,18 @@ mod tests {
         for (x, y) in a.iter().zip(b) {
             assert!((x - y).abs() < 1e-12, "{a:?} vs {b:?}");
         }
+    }
+
+    #[test]
+    fn explained_variance_by_hand() {
+        // Returns [1, 3], values [0, 2]: R − V = [1, 1] has no variance, so all is explained
+        // once the offset is allowed for; values [2, 2] explain nothing; [3, 1] explain less
+        // than nothing (Var(R) = 1, Var(R − V) = 4).
+        assert_eq!(explained_variance(&[(1.0, 0.0), (3.0, 2.0)]), Some(1.0));
+        assert_eq!(explained_variance(&[(1.0, 2.0), (3.0, 2.0)]), Some(0.0));
+        assert_eq!(explained_variance(&[(1.0, 3.0), (3.0, 1.0)]), Some(-3.0));
+        assert_eq!(explained_variance(&[(1.0, 0.0), (1.0, 2.0)]), None, "constant returns");
+        assert_eq!(explained_variance(&[]), None);
     }
 
     #[test]

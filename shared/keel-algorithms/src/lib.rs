@@ -7,7 +7,7 @@
 //!   REINFORCE++ whitening (per sample, or per token with the KL in the reward), the
 //!   per-token KL estimates k1/k2/k3.
 //! - [`gae`]: generalised advantage estimation over a sample's tokens (PPO with a critic) and
-//!   whitening over a batch's tokens.
+//!   whitening over a batch's tokens, and how much of the returns a critic explains.
 //! - [`pass_at_k`]: the unbiased pass@k estimator.
 //!
 //! Inputs are validated here (equal lengths, finite rewards, k ≤ n) and refused with an
@@ -39,5 +39,5 @@ pub use advantages::{
     Baseline, GroupStats, KlEstimator, group_baseline_and_std, grpo_advantages, kl_estimate, reinforce_pp_advantages,
     reinforce_pp_token_advantages, turn_grpo_advantages,
 };
-pub use gae::{Estimates, gae, whiten};
+pub use gae::{Estimates, explained_variance, gae, whiten};
 pub use pass_at_k::{mean_pass_at_k, pass_at_k};

@@ -39,8 +39,8 @@ pub enum Ranks {
 }
 
 impl Ranks {
-    /// `f(rank, input)` on every rank, the results in rank order (the whole model's without
-    /// copying `input`).
+    /// `f(rank, input)` on every rank, the results in rank order (`vec!` moves `input` to
+    /// the last rank: the whole model's is never copied).
     fn run_all<I, T>(
         &mut self,
         input: I,
@@ -50,12 +50,11 @@ impl Ranks {
         I: Clone + Send + 'static,
         T: Send + 'static,
     {
-        match self {
-            Self::Whole(rank) => vec![Ok(f(rank, input))],
-            Self::Threads(group) => group.run_all(input, f),
-        }
+        let inputs = vec![input; self.world_size()];
+        self.run(inputs, f)
     }
 
+    /// `f(rank, inputs[r])` on every rank r, the results in rank order.
     fn run<I, T>(
         &mut self,
         inputs: Vec<I>,
@@ -118,8 +117,8 @@ fn shared(map: &std::collections::HashMap<String, Tensor>) -> std::collections::
 }
 
 /// One rank: its slices of the model (the whole model at tensor_parallel_size 1), its pool
-/// of its KV heads, and its refit state. A whole backend, a thread of a [`Sharded`] backend
-/// or a process of a generator group.
+/// of its KV heads, and its refit state: held by a whole backend, on a thread of a sharded
+/// one ([`Ranks`]), or in a process of a generator group.
 #[derive(Debug)]
 pub struct Rank {
     model: CausalLm,

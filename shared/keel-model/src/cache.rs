@@ -5,7 +5,7 @@
 //! - [`PagedCache`]: one pool of fixed-size blocks per layer for continuous batching. A
 //!   sequence's keys and values live in the blocks its block table names, in any order; the
 //!   caller (the generator's block manager) decides which blocks a sequence owns, shares or
-//!   copies, and a forward pass ([`crate::PagedModel::forward_paged`]) reads and writes the
+//!   copies, and a forward pass ([`crate::CausalLm::forward_paged`]) reads and writes the
 //!   blocks where they are.
 
 use tch::{Device, Kind, Tensor};

@@ -42,6 +42,6 @@ pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
 pub use model::decode::{DecodeBatch, DecodeGraphs};
 pub use model::prompt::PromptLogprobs;
-pub use model::{CausalLm, Init, PagedModel};
+pub use model::{CausalLm, Init};
 pub use tokenizer::Tokenizer;
 pub use weights::SaveOptions;

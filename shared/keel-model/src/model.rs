@@ -18,7 +18,6 @@ pub mod paged;
 pub mod prompt;
 pub mod tp;
 
-pub use paged::PagedModel;
 pub use tp::{Layout, StagedWeights, Tape};
 
 use crate::attention::{Mask, Masks, attention, masks_for};

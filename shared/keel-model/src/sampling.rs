@@ -22,7 +22,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::cache::{BLOCK_SIZE, SeqChunk};
 use crate::error::{Error, Result};
-use crate::model::PagedModel;
+use crate::model::CausalLm;
 #[derive(Debug, Clone)]
 pub struct SamplingParams {
     pub temperature: f64,
@@ -249,8 +249,8 @@ pub struct Generation {
 }
 
 /// Generates up to `max_tokens` after `prompt`, stopping after any of `stop_ids`.
-pub fn generate<M: PagedModel + ?Sized>(
-    model: &M,
+pub fn generate(
+    model: &CausalLm,
     prompt: &[i64],
     max_tokens: usize,
     stop_ids: &[i64],

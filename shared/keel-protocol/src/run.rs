@@ -842,6 +842,15 @@ fn check(problems: &mut Vec<FieldError>, ok: bool, field: &str, message: impl In
     }
 }
 
+/// `value` must lie in `range`: "must be A to B, got value" otherwise.
+fn check_range<T>(problems: &mut Vec<FieldError>, value: T, range: std::ops::RangeInclusive<T>, field: &str)
+where
+    T: PartialOrd + std::fmt::Display,
+{
+    let message = format!("must be {} to {}, got {value}", range.start(), range.end());
+    check(problems, range.contains(&value), field, message);
+}
+
 /// One part of a run spec checked in the context of the whole spec (some limits depend on
 /// another part); what is wrong goes into `p`, each problem with its field's path.
 trait Validate {
@@ -856,7 +865,7 @@ impl RunSpec {
         let mut p = Vec::new();
         let alg = self.algorithm;
         let tp = self.tensor_parallel_size;
-        check(&mut p, (1..=64).contains(&tp), "tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
+        check_range(&mut p, tp, 1..=64, "tensor_parallel_size");
         let dp = self.data_parallel_size;
         check(
             &mut p,
@@ -906,11 +915,11 @@ impl RunSpec {
         if alg == Algorithm::Grpo {
             self.grpo.validate(self, &mut p);
         }
-        check(
+        check_range(
             &mut p,
-            (2..=limits::MAX_SEQUENCE_LENGTH).contains(&self.max_total_sequence_length),
+            self.max_total_sequence_length,
+            2..=limits::MAX_SEQUENCE_LENGTH,
             "max_total_sequence_length",
-            format!("must be 2 to {}, got {}", limits::MAX_SEQUENCE_LENGTH, self.max_total_sequence_length),
         );
         check(&mut p, self.max_num_steps >= 1, "max_num_steps", "must be at least 1");
         check(&mut p, self.max_num_epochs >= 1, "max_num_epochs", "must be at least 1");
@@ -1144,12 +1153,7 @@ impl Validate for GenerationSpec {
             "generation.top_p",
             format!("must be in (0, 1], got {}", self.top_p),
         );
-        check(
-            p,
-            (1..=limits::MAX_GENERATOR_REPLICAS).contains(&self.replicas),
-            "generation.replicas",
-            format!("must be 1 to {}, got {}", limits::MAX_GENERATOR_REPLICAS, self.replicas),
-        );
+        check_range(p, self.replicas, 1..=limits::MAX_GENERATOR_REPLICAS, "generation.replicas");
         if let Some(dtype) = &self.dtype {
             check(
                 p,
@@ -1170,7 +1174,7 @@ impl Validate for GenerationSpec {
             );
         }
         if let Some(tp) = self.tensor_parallel_size {
-            check(p, (1..=64).contains(&tp), "generation.tensor_parallel_size", format!("must be 1 to 64, got {tp}"));
+            check_range(p, tp, 1..=64, "generation.tensor_parallel_size");
         }
     }
 }
@@ -1198,12 +1202,7 @@ impl Validate for GrpoSpec {
                 limits::MAX_SAMPLES_PER_STEP
             ),
         );
-        check(
-            p,
-            (1..=limits::MAX_ROLLOUT_TURNS).contains(&self.max_rollout_turns),
-            "grpo.max_rollout_turns",
-            format!("must be 1 to {}, got {}", limits::MAX_ROLLOUT_TURNS, self.max_rollout_turns),
-        );
+        check_range(p, self.max_rollout_turns, 1..=limits::MAX_ROLLOUT_TURNS, "grpo.max_rollout_turns");
         if let Some(shaping) = &self.overlong_shaping {
             check(
                 p,
@@ -1230,12 +1229,7 @@ impl Validate for PromptSpec {
 
 impl Validate for ValidationSpec {
     fn validate(&self, _: &RunSpec, p: &mut Vec<FieldError>) {
-        check(
-            p,
-            (1..=limits::MAX_VALIDATION_SAMPLES).contains(&self.num_samples),
-            "validation.num_samples",
-            format!("must be 1 to {}, got {}", limits::MAX_VALIDATION_SAMPLES, self.num_samples),
-        );
+        check_range(p, self.num_samples, 1..=limits::MAX_VALIDATION_SAMPLES, "validation.num_samples");
         for (i, k) in self.pass_at_k.iter().enumerate() {
             check(
                 p,

@@ -641,10 +641,11 @@ impl Engine {
                     return Err(e);
                 }
             };
-            let clipped = self.policy.reduce_replicated_gradients().map_err(Error::from).and_then(|()| {
-                let comm = self.policy.comm().map(|c| &**c as &dyn keel_collective::Collective);
-                self.optimizer.clip_grad_norm(self.config.max_grad_norm, comm)
-            });
+            let clipped = self
+                .policy
+                .reduce_replicated_gradients()
+                .map_err(Error::from)
+                .and_then(|()| self.optimizer.clip_grad_norm(self.config.max_grad_norm, self.policy.comm()));
             let grad_norm = match clipped {
                 Ok(norm) => norm,
                 Err(e) => {

@@ -169,7 +169,7 @@ impl AdamW {
     /// The global L2 norm of all gradients (over every rank's slices when `comm` is given);
     /// when above `max_norm`, every gradient is scaled by max_norm / (norm + 1e-6) (as
     /// torch's `clip_grad_norm_`). Returns the norm before.
-    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>, comm: Option<&dyn Collective>) -> Result<f64> {
+    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>, comm: Option<&SharedComm>) -> Result<f64> {
         let (mut replicated, mut split) = (0.0, 0.0);
         for slot in &self.slots {
             let grad = slot.param.grad();

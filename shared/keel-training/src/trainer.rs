@@ -24,6 +24,12 @@ pub const MAX_TENSOR_PARALLEL: usize = 64;
 #[derive(Debug)]
 pub struct Trainer {
     group: RankGroup<Engine>,
+    /// Rank 0's answers to what does not change between calls (the step: until it trains).
+    summary: Summary,
+}
+
+#[derive(Debug)]
+struct Summary {
     tensor_parallel_size: usize,
     data_parallel_size: usize,
     config: TrainingConfig,
@@ -32,6 +38,21 @@ pub struct Trainer {
     has_reference: bool,
     has_value_head: bool,
     lora_base: Option<PathBuf>,
+}
+
+impl Summary {
+    fn of(engine: &Engine) -> Self {
+        Self {
+            tensor_parallel_size: engine.policy().world_size(),
+            data_parallel_size: engine.data_parallel_size(),
+            config: engine.config().clone(),
+            parameters: engine.parameters(),
+            step: engine.step(),
+            has_reference: engine.has_reference(),
+            has_value_head: engine.has_value_head(),
+            lora_base: engine.lora_base().map(Path::to_path_buf),
+        }
+    }
 }
 
 /// The communicators of a DP × TP grid on `device`, in rank order (d·TP + t): each rank's
@@ -113,57 +134,36 @@ impl Trainer {
         load: impl Fn(GridComms) -> Result<Engine> + Send + Clone + 'static,
     ) -> Result<Self> {
         let group = RankGroup::spawn("keel-trainer", comms, move |_, comms| load(comms))?;
-        let summary = first(group.run_all((), |engine, ()| {
-            let lora_base = engine.lora_base().map(Path::to_path_buf);
-            Ok((
-                (engine.policy().world_size(), engine.data_parallel_size()),
-                engine.config().clone(),
-                (engine.parameters(), engine.step()),
-                (engine.has_reference(), engine.has_value_head()),
-                lora_base,
-            ))
-        }))?;
-        let ((tensor_parallel_size, data_parallel_size), config, (parameters, step), references, lora_base) = summary;
-        let (has_reference, has_value_head) = references;
-        Ok(Self {
-            group,
-            tensor_parallel_size,
-            data_parallel_size,
-            config,
-            parameters,
-            step,
-            has_reference,
-            has_value_head,
-            lora_base,
-        })
+        let summary = first(group.run_all((), |engine, ()| Ok(Summary::of(engine))))?;
+        Ok(Self { group, summary })
     }
 
     pub fn tensor_parallel_size(&self) -> usize {
-        self.tensor_parallel_size
+        self.summary.tensor_parallel_size
     }
 
     pub fn data_parallel_size(&self) -> usize {
-        self.data_parallel_size
+        self.summary.data_parallel_size
     }
 
     pub fn parameters(&self) -> i64 {
-        self.parameters
+        self.summary.parameters
     }
 
     pub fn step(&self) -> u64 {
-        self.step
+        self.summary.step
     }
 
     pub fn has_reference(&self) -> bool {
-        self.has_reference
+        self.summary.has_reference
     }
 
     pub fn has_value_head(&self) -> bool {
-        self.has_value_head
+        self.summary.has_value_head
     }
 
     pub fn config(&self) -> &TrainingConfig {
-        &self.config
+        &self.summary.config
     }
 
     /// Per-token logprobs of `sequences` under the policy or the reference.
@@ -184,7 +184,7 @@ impl Trainer {
             engine.train(batch, temperature)
         }));
         // A failed call may still have stepped; read the step back either way.
-        self.step = first(self.group.run_all((), |engine, ()| Ok(engine.step())))?;
+        self.summary.step = first(self.group.run_all((), |engine, ()| Ok(engine.step())))?;
         trained
     }
 
@@ -198,13 +198,13 @@ impl Trainer {
 
     /// The model directory a LoRA run's adapters sit on (`None` without LoRA).
     pub fn lora_base(&self) -> Option<&std::path::Path> {
-        self.lora_base.as_deref()
+        self.summary.lora_base.as_deref()
     }
 
     /// Writes a checkpoint at `path`; returns the optimiser step and the files written.
     pub fn save(&mut self, path: PathBuf, info: serde_json::Value) -> Result<(u64, Vec<String>)> {
         let files = first(self.group.run_all((path, info), |engine, (path, info)| engine.save(&path, info)))?;
-        Ok((self.step, files))
+        Ok((self.summary.step, files))
     }
 
     /// The policy's weights in buckets (see [`Engine::export`]); with the optimiser step.
@@ -219,7 +219,7 @@ impl Trainer {
             let kind = kind.unwrap_or(engine.policy().kind());
             Ok((kind, engine.export(kind, bytes, &to)?))
         }))?;
-        Ok((self.step, exported.0, exported.1))
+        Ok((self.summary.step, exported.0, exported.1))
     }
 
     /// [`Engine::offload`] on every rank; the bytes are rank 0's.

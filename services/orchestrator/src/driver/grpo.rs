@@ -719,7 +719,7 @@ fn distillation_advantages(
 /// trained on. Both per token, laid out like the logprobs (0 on every other position); a
 /// skipped sample (its reward says nothing, and the loss masks it out) gets advantages 0 and
 /// its own values as targets. Also returns the share of the targets' variance the values
-/// explain over the same tokens (see [`explained_variance`]).
+/// explain over the same tokens (see [`keel_algorithms::explained_variance`]).
 fn ppo_advantages(
     ppo: &PpoSpec,
     episodes: &[Episode],
@@ -769,24 +769,7 @@ fn ppo_advantages(
             row
         })
         .collect();
-    Ok((Advantages::PerToken(advantages), returns, explained_variance(&targets)))
-}
-
-/// 1 − Var(R − V) / Var(R) over `(return, value)` pairs: the share of the returns' variance
-/// the critic's values explain (1: all of it; 0: no better than the returns' mean; below 0:
-/// worse), verl's `vf_explained_var`. `None` without pairs or when the returns do not vary.
-fn explained_variance(pairs: &[(f64, f64)]) -> Option<f64> {
-    let variance = |xs: &mut dyn Iterator<Item = f64>| {
-        let xs: Vec<f64> = xs.collect();
-        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
-        xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / xs.len() as f64
-    };
-    if pairs.is_empty() {
-        return None;
-    }
-    let returns = variance(&mut pairs.iter().map(|(r, _)| *r));
-    let residuals = variance(&mut pairs.iter().map(|(r, v)| r - v));
-    (returns > 0.0).then(|| 1.0 - residuals / returns)
+    Ok((Advantages::PerToken(advantages), returns, keel_algorithms::explained_variance(&targets)))
 }
 
 /// The loss configuration when the run puts the KL penalty into the reward.
@@ -960,8 +943,6 @@ mod tests {
         };
         let want = 1.0 - var(&raw) / var(&[0.3125, 1.0, -0.125, 0.0]);
         assert!((explained.unwrap() - want).abs() < 1e-12 && (want + 0.564827).abs() < 1e-6, "{explained:?}");
-        assert_eq!(explained_variance(&[(1.0, 0.0), (1.0, 2.0)]), None, "constant returns explain nothing");
-        assert_eq!(explained_variance(&[(1.0, 1.0), (3.0, 3.0)]), Some(1.0));
         assert!(ppo_advantages(&ppo, &episodes, &values[..2]).is_err());
     }
 }

@@ -15,35 +15,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Mask, Masks, attention};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
-use crate::config::ModelConfig;
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
 use crate::rope::Rotary;
-
-/// A model that decodes sequences held in a [`PagedCache`]: a whole [`super::CausalLm`] or
-/// one tensor-parallel rank of one (whose logits are gathered so every rank gets the full
-/// vocabulary).
-pub trait PagedModel {
-    fn config(&self) -> &ModelConfig;
-    /// A pool of `blocks` blocks of this model's (or rank's) KV heads.
-    fn paged_cache(&self, blocks: usize) -> Result<PagedCache>;
-    /// Logits [R, vocab] for the last token of every chunk that asks for them, in order.
-    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor>;
-}
-
-impl PagedModel for super::CausalLm {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn paged_cache(&self, blocks: usize) -> Result<PagedCache> {
-        super::CausalLm::paged_cache(self, blocks)
-    }
-
-    fn forward_paged(&self, chunks: &[SeqChunk], cache: &mut PagedCache) -> Result<Tensor> {
-        super::CausalLm::forward_paged(self, chunks, cache)
-    }
-}
 
 /// Final hidden states [R, hidden] of the last token of every chunk that asks for logits
 /// (inference, no gradients): the chunks are checked, packed and run through `layers` (given

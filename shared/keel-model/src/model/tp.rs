@@ -125,9 +125,9 @@ pub(crate) struct Shard {
     vocab: (i64, i64),
     /// This rank's KV heads.
     kv_heads: i64,
-    /// Every parameter once, in the order they were built (a tied LM head is the
-    /// embedding), sharing storage with the model's var store.
-    params: Vec<Param>,
+    /// How each parameter of the model's var store (this rank's slices, by Hugging Face
+    /// name) is spread over the ranks.
+    layouts: std::collections::HashMap<String, Layout>,
 }
 
 /// A parameter of this rank, by its Hugging Face name.
@@ -248,7 +248,7 @@ impl CausalLm {
                 comm,
                 vocab: share(cfg.vocab_size, rank, world),
                 kv_heads: kv_range,
-                params: slices.params,
+                layouts: slices.params.into_iter().map(|p| (p.name, p.layout)).collect(),
             }),
             cfg,
             vs,
@@ -342,10 +342,19 @@ impl CausalLm {
     /// layouts across the ranks (every one [`Layout::Replicated`] on a whole model), sorted
     /// by name; a tied LM head appears once, as the embedding.
     pub fn parameters(&self) -> Vec<(String, Tensor, Layout)> {
-        let mut params: Vec<(String, Tensor, Layout)> = match &self.shard {
-            Some(shard) => shard.params.iter().map(|p| (p.name.clone(), p.tensor.shallow_clone(), p.layout)).collect(),
-            None => self.vs.variables().into_iter().map(|(n, t)| (n, t, Layout::Replicated)).collect(),
+        let layout = |name: &str| {
+            let layouts = self.shard.as_ref().map(|s| &s.layouts);
+            layouts.and_then(|l| l.get(name).copied()).unwrap_or(Layout::Replicated)
         };
+        let mut params: Vec<(String, Tensor, Layout)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .map(|(name, tensor)| {
+                let layout = layout(&name);
+                (name, tensor, layout)
+            })
+            .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         params
     }
@@ -460,21 +469,21 @@ impl CausalLm {
     pub fn reduce_replicated_gradients(&self) -> Result<()> {
         let Some(shard) = &self.shard else { return Ok(()) };
         let _no_grad = tch::no_grad_guard();
-        for param in &shard.params {
-            if param.layout == Layout::PerHead {
-                let mut grad = param.tensor.grad();
+        for (_, tensor, layout) in self.parameters() {
+            if layout == Layout::PerHead {
+                let mut grad = tensor.grad();
                 if grad.defined() {
                     let sum = all_reduce(shard, grad.copy(), ReduceOp::Sum)?;
                     grad.f_copy_(&sum)?;
                 }
                 continue;
             }
-            let Layout::KvRows { copies, .. } = param.layout else { continue };
+            let Layout::KvRows { copies, .. } = layout else { continue };
             if copies == 1 {
                 continue;
             }
             // Every rank ran the same passes, so either all have this gradient or none.
-            let mut grad = param.tensor.grad();
+            let mut grad = tensor.grad();
             if !grad.defined() {
                 continue;
             }
@@ -671,10 +680,10 @@ impl CausalLm {
     /// saving a checkpoint keeps it on the CPU; the other ranks take part in the gathers and
     /// keep nothing). Only one whole parameter at a time is held on this rank's device.
     pub fn gather_full_on(&self, device: Device, keep: bool) -> Result<Option<CausalLm>> {
-        let Some(shard) = &self.shard else {
+        if self.shard.is_none() {
             return Err(Error::InvalidInput("a whole model has nothing to gather".into()));
-        };
-        let params = &shard.params;
+        }
+        let params = self.parameters();
         let _no_grad = tch::no_grad_guard();
         // Every rank makes the same gathers; a problem on the keeping rank (building the
         // model, copying into it) is reported after them, so no rank is left waiting in a
@@ -686,14 +695,12 @@ impl CausalLm {
             None
         };
         let mut variables = full.as_ref().map(|f| f.var_store().variables());
-        for param in params {
-            let value = self.gather_parameter(&param.tensor.f_detach()?, param.layout)?;
+        for (name, tensor, layout) in &params {
+            let value = self.gather_parameter(&tensor.f_detach()?, *layout)?;
             let Some(variables) = variables.as_mut() else { continue };
-            let copied = match variables.get_mut(&param.name) {
+            let copied = match variables.get_mut(name) {
                 Some(target) => target.f_copy_(&value).map_err(Error::from),
-                None => {
-                    Err(Error::InvalidInput(format!("tensor parallel: no parameter `{}` to gather into", param.name)))
-                }
+                None => Err(Error::InvalidInput(format!("tensor parallel: no parameter `{name}` to gather into"))),
             };
             if let Err(e) = copied {
                 problem.get_or_insert(e);
