@@ -7,7 +7,8 @@
 //! PEFT adapters that GRPO continues from (refitting adapters only) and that export as a
 //! merged model transformers scores as PEFT does. On-policy distillation of a `small`
 //! student from a `medium` teacher brings the student's KL to the teacher down, resumes after
-//! its orchestrator is killed, and refuses a teacher with another tokenizer.
+//! its orchestrator is killed, and refuses a teacher with another tokenizer. A mixture of
+//! experts (Qwen3-MoE) trains with GRPO, at TP 1 and 2.
 
 #![allow(clippy::unwrap_used)]
 
@@ -153,6 +154,41 @@ async fn a_killed_orchestrator_is_replaced_and_no_step_is_repeated_or_skipped() 
     let events = stack.http.get(format!("{}/v1/runs/{id}/events", stack.api())).send().await.unwrap();
     let text = events.text().await.unwrap();
     assert!(text.contains("resumed after its orchestrator stopped"), "{text}");
+}
+
+/// A mixture of experts through the services: GRPO on a `tiny` Qwen3-MoE (8 experts, 2 per
+/// token) whose generator computes the trainer's logprobs, with the router's load-balancing
+/// loss trained and recorded; then a step with the trainer's policy and reference split over
+/// two tensor-parallel ranks (every expert split between them).
+#[tokio::test(flavor = "multi_thread")]
+async fn grpo_trains_a_mixture_of_experts_model() {
+    let stack = Stack::start();
+    let model = stack.dir.path().join("moe");
+    keel_testkit::keel_model_init_arch(&model, "qwen3_moe", "tiny", 3);
+    let mut spec = grpo_spec(&json!({"path": model}));
+    let run = stack.submit(&spec).await;
+    stack.wait_succeeded(&run, LIMIT).await;
+    let errors = stack.series(&run, "train/token_mult_prob_error").await;
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    for (step, error) in errors {
+        assert!((0.99..1.05).contains(&error), "step {step}: token_mult_prob_error {error}");
+    }
+    // k = 2 when the routing is balanced; more when it is not.
+    let aux = stack.series(&run, "train/router_aux_loss").await;
+    assert_eq!(aux.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 3], "{aux:?}");
+    assert!(aux.iter().all(|p| (1.9..8.0).contains(&p.1)), "{aux:?}");
+
+    spec["tensor_parallel_size"] = json!(2);
+    spec["max_num_steps"] = json!(1);
+    spec["data"]["validation"] = serde_json::Value::Null;
+    let split = stack.submit(&spec).await;
+    stack.wait_succeeded(&split, LIMIT).await;
+    let (error, aux_split) = (
+        stack.series(&split, "train/token_mult_prob_error").await,
+        stack.series(&split, "train/router_aux_loss").await,
+    );
+    assert!((0.99..1.05).contains(&error[0].1), "TP 2: token_mult_prob_error {error:?}");
+    assert!((aux_split[0].1 - aux[0].1).abs() < 1e-4, "TP 2's first step routes as TP 1's: {aux_split:?} vs {aux:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -3,6 +3,8 @@
 Every subcommand prints one JSON document on stdout.
 
   make-model VARIANT OUT [--dtype float32|bfloat16]   random model of a named variant
+  router-loss MODEL INPUT.jsonl                       an MoE model's load-balancing loss over the
+                                                     sequences as one right-padded batch
   score MODEL INPUT.jsonl [--temperature T] [--adapter DIR]
                                                      per-token logprobs, one sequence at a time
                                                      (with PEFT LoRA adapters on top when given)
@@ -50,6 +52,16 @@ VARIANTS = {
     "qwen3-qk-norm": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
     "qwen3-head-dim": lambda: transformers.Qwen3Config(**{**COMMON, "num_key_value_heads": 1}, head_dim=32),
     "mistral-window": lambda: transformers.MistralConfig(**COMMON, sliding_window=6),
+    # Mixtures of experts: top-k weights as the softmax gives them (Qwen3-MoE's default), a
+    # dense layer among the sparse ones; renormalised top-k weights; Mixtral with a window.
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen3-moe-norm": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=0.02),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
 }
 
 
@@ -89,6 +101,18 @@ def score(model_dir, input_path, temperature, adapter=None):
     return {"logprobs": rows}
 
 
+def router_loss(model_dir, input_path):
+    """transformers' load-balancing loss (`aux_loss`) of a right-padded batch, padding masked."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    rows = [json.loads(line)["token_ids"] for line in open(input_path)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_router_logits=True)
+    return {"aux_loss": out.aux_loss.item()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -102,6 +126,9 @@ def main():
     p.add_argument("input")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--adapter")
+    p = sub.add_parser("router-loss")
+    p.add_argument("model")
+    p.add_argument("input")
     p = sub.add_parser("render")
     p.add_argument("model")
     p.add_argument("messages")
@@ -124,6 +151,8 @@ def main():
         result = make_model(args.variant, args.out, args.dtype, args.seed)
     elif args.cmd == "score":
         result = score(args.model, args.input, args.temperature, args.adapter)
+    elif args.cmd == "router-loss":
+        result = router_loss(args.model, args.input)
     elif args.cmd == "render":
         tok = AutoTokenizer.from_pretrained(args.model)
         messages = json.load(open(args.messages))

@@ -376,7 +376,8 @@ fn kv_cache_blocks(
             let (h, i, l, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size);
             let attention = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2;
             let embeddings = if cfg.tie_word_embeddings { v * h } else { 2 * v * h };
-            let weights = (embeddings + l * (attention + 3 * h * i)) * element / world;
+            let mlps: i64 = (0..l as usize).map(|layer| cfg.mlp_parameters(layer)).sum();
+            let weights = (embeddings + l * attention + mlps) * element / world;
             let tokens = config.max_num_batched_tokens as i64;
             let activations = tokens * (4 * h + 3 * i / world) * element + config.max_num_seqs as i64 * v * 4 * 4;
             let allowed = (total as f64 * config.gpu_memory_utilization) as i64;

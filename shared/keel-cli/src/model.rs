@@ -29,7 +29,7 @@ pub enum ModelCommand {
 
 #[derive(Debug, Args)]
 pub struct InitArgs {
-    /// llama, qwen2, qwen3 or mistral.
+    /// llama, qwen2, qwen3, mistral, qwen3_moe or mixtral.
     #[arg(long)]
     arch: String,
     /// tiny (tests), small (demo) or medium (small's tokenizer, a larger model: a teacher).

@@ -15,17 +15,20 @@ use crate::error::{Error, Result};
 /// The decoder-only architectures Keel runs. They share one implementation and differ in:
 /// Qwen2 has biases on q/k/v; Qwen3 has RMSNorm on q and k per head (and an optional
 /// `attention_bias`); Llama has optional `attention_bias`/`mlp_bias` and Llama 3 rope
-/// scaling; Mistral uses a sliding attention window.
+/// scaling; Mistral uses a sliding attention window. Qwen3-MoE (Qwen3's attention) and
+/// Mixtral (Mistral's) replace the MLP with a mixture of experts ([`MoeConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
     Mistral,
+    Qwen3Moe,
+    Mixtral,
 }
 
 impl Architecture {
-    pub const ALL: [Self; 4] = [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Mistral];
+    pub const ALL: [Self; 6] = [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Mistral, Self::Qwen3Moe, Self::Mixtral];
 
     /// The class name in `config.json`'s `architectures`.
     pub fn hf_class(self) -> &'static str {
@@ -34,6 +37,8 @@ impl Architecture {
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Mistral => "MistralForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Mixtral => "MixtralForCausalLM",
         }
     }
 
@@ -44,7 +49,14 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Mistral => "mistral",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Mixtral => "mixtral",
         }
+    }
+
+    /// Whether its MLPs are mixtures of experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Self::Qwen3Moe | Self::Mixtral)
     }
 
     fn from_hf_class(name: &str) -> Result<Self> {
@@ -68,7 +80,9 @@ impl std::str::FromStr for Architecture {
     /// Accepts the short name (`llama`) or the HF class (`LlamaForCausalLM`).
     fn from_str(s: &str) -> Result<Self> {
         Self::from_model_type(s).or_else(|_| Self::from_hf_class(s)).map_err(|_| {
-            Error::InvalidInput(format!("unknown architecture `{s}` (use llama, qwen2, qwen3 or mistral)"))
+            Error::InvalidInput(format!(
+                "unknown architecture `{s}` (use llama, qwen2, qwen3, mistral, qwen3_moe or mixtral)"
+            ))
         })
     }
 }
@@ -126,8 +140,114 @@ pub struct ModelConfig {
     pub pad_token_id: Option<i64>,
     /// `torch_dtype` / `dtype` as written in the file.
     pub dtype: Option<String>,
+    /// The mixture of experts of Qwen3-MoE and Mixtral (`None`: every MLP is dense).
+    pub moe: Option<MoeConfig>,
     /// The file's JSON, kept so that saving preserves fields Keel does not use.
     raw: Map<String, Value>,
+}
+
+/// A mixture-of-experts MLP, as transformers' Qwen3-MoE and Mixtral blocks compute it: a
+/// router (`gate`, no bias) scores the experts per token; the softmax of its logits (f32)
+/// picks the `experts_per_token` best, whose weights are renormalised to sum to 1 when
+/// `normalize_top_k` (Mixtral always; Qwen3-MoE's `norm_topk_prob`); the output is the
+/// weighted sum of those experts' SwiGLU MLPs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub experts: i64,
+    pub experts_per_token: i64,
+    /// The intermediate size of each expert's MLP.
+    pub expert_intermediate_size: i64,
+    pub normalize_top_k: bool,
+    /// Which layers have experts (the others a dense MLP of `intermediate_size`): Qwen3-MoE's
+    /// `decoder_sparse_step` and `mlp_only_layers`; every layer for Mixtral.
+    pub sparse_layers: Vec<bool>,
+    /// transformers' `router_aux_loss_coef`.
+    pub router_aux_loss_coef: f64,
+    /// transformers' `output_router_logits`: with it, training adds
+    /// `router_aux_loss_coef` × the load-balancing loss to the loss, as transformers does.
+    pub output_router_logits: bool,
+}
+
+impl MoeConfig {
+    /// The Hugging Face names of a layer's block and its experts' linears: Qwen3-MoE
+    /// `mlp.experts.E.{gate,up,down}_proj`, Mixtral `block_sparse_moe.experts.E.{w1,w3,w2}`.
+    pub fn names(architecture: Architecture) -> (&'static str, [&'static str; 3]) {
+        match architecture {
+            Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
+    }
+
+    fn parse(f: &Fields<'_>, architecture: Architecture, layers: i64) -> Result<Option<Self>> {
+        // transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
+        let (experts_key, default_experts, default_k) = match architecture {
+            Architecture::Qwen3Moe if f.get("num_experts").is_some() => ("num_experts", 128, 8),
+            Architecture::Qwen3Moe => ("num_local_experts", 128, 8),
+            Architecture::Mixtral => ("num_local_experts", 8, 2),
+            _ => return Ok(None),
+        };
+        let experts = positive(experts_key, f.int(experts_key)?.unwrap_or(default_experts))?;
+        let experts_per_token = positive("num_experts_per_tok", f.int("num_experts_per_tok")?.unwrap_or(default_k))?;
+        if experts_per_token > experts {
+            return Err(Error::invalid(
+                "num_experts_per_tok",
+                format!("({experts_per_token}) is more than the {experts} experts"),
+            ));
+        }
+        let router_aux_loss_coef = f.float("router_aux_loss_coef")?.unwrap_or(0.001);
+        if !(router_aux_loss_coef >= 0.0 && router_aux_loss_coef.is_finite()) {
+            return Err(Error::invalid("router_aux_loss_coef", format!("must be ≥ 0, found {router_aux_loss_coef}")));
+        }
+        let output_router_logits = f.bool("output_router_logits")?.unwrap_or(false);
+        if architecture == Architecture::Mixtral {
+            if let Some(noise) = f.float("router_jitter_noise")?.filter(|n| *n != 0.0) {
+                return Err(Error::unsupported(
+                    "router_jitter_noise",
+                    noise,
+                    "only 0 (no noise on the router's input) is implemented",
+                ));
+            }
+            return Ok(Some(Self {
+                experts,
+                experts_per_token,
+                expert_intermediate_size: positive("intermediate_size", f.req_int("intermediate_size")?)?,
+                normalize_top_k: true,
+                sparse_layers: vec![true; layers as usize],
+                router_aux_loss_coef,
+                output_router_logits,
+            }));
+        }
+        for key in ["shared_expert_intermediate_size", "n_shared_experts"] {
+            if let Some(v) = f.get(key).filter(|v| v.as_i64() != Some(0)) {
+                return Err(Error::unsupported(key, v, "Qwen3-MoE has no shared experts"));
+            }
+        }
+        let step = positive("decoder_sparse_step", f.int("decoder_sparse_step")?.unwrap_or(1))?;
+        let dense: Vec<i64> = match f.get("mlp_only_layers") {
+            None => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_i64().filter(|i| (0..layers).contains(i)).ok_or_else(|| {
+                        Error::invalid("mlp_only_layers", format!("must hold layer indices below {layers}, found {v}"))
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(other) => return Err(Error::invalid("mlp_only_layers", format!("must be a list, found {other}"))),
+        };
+        Ok(Some(Self {
+            experts,
+            experts_per_token,
+            expert_intermediate_size: positive(
+                "moe_intermediate_size",
+                f.int("moe_intermediate_size")?.unwrap_or(768),
+            )?,
+            normalize_top_k: f.bool("norm_topk_prob")?.unwrap_or(false),
+            sparse_layers: (0..layers).map(|i| !dense.contains(&i) && (i + 1) % step == 0).collect(),
+            router_aux_loss_coef,
+            output_router_logits,
+        }))
+    }
 }
 
 /// Typed access to the raw JSON with errors naming the field.
@@ -225,8 +345,9 @@ impl ModelConfig {
         let num_attention_heads = positive("num_attention_heads", f.req_int("num_attention_heads")?)?;
         let default_kv_heads = match architecture {
             Architecture::Llama => num_attention_heads,
-            Architecture::Mistral => 8,
+            Architecture::Mistral | Architecture::Mixtral => 8,
             Architecture::Qwen2 | Architecture::Qwen3 => 32,
+            Architecture::Qwen3Moe => 4,
         };
         let num_key_value_heads =
             positive("num_key_value_heads", f.int("num_key_value_heads")?.unwrap_or(default_kv_heads))?;
@@ -254,8 +375,8 @@ impl ModelConfig {
         let (qkv_bias, o_bias, mlp_bias, qk_norm) = match architecture {
             Architecture::Llama => (attention_bias, attention_bias, f.bool("mlp_bias")?.unwrap_or(false), false),
             Architecture::Qwen2 => (true, false, false, false),
-            Architecture::Qwen3 => (attention_bias, attention_bias, false, true),
-            Architecture::Mistral => (false, false, false, false),
+            Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, false, true),
+            Architecture::Mistral | Architecture::Mixtral => (false, false, false, false),
         };
 
         let sliding_windows = sliding_windows(&f, architecture, num_hidden_layers)?;
@@ -266,11 +387,17 @@ impl ModelConfig {
             return Err(Error::unsupported("torch_dtype", dtype, "use float32, bfloat16 or float16"));
         }
 
+        let moe = MoeConfig::parse(&f, architecture, num_hidden_layers)?;
+        // Qwen3-MoE's dense layers (if any) use `intermediate_size`, 6144 when absent.
+        let intermediate_size = match architecture {
+            Architecture::Qwen3Moe => f.int("intermediate_size")?.unwrap_or(6144),
+            _ => f.req_int("intermediate_size")?,
+        };
         Ok(Self {
             architecture,
             vocab_size: positive("vocab_size", f.req_int("vocab_size")?)?,
             hidden_size,
-            intermediate_size: positive("intermediate_size", f.req_int("intermediate_size")?)?,
+            intermediate_size: positive("intermediate_size", intermediate_size)?,
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
@@ -281,8 +408,8 @@ impl ModelConfig {
                 "max_position_embeddings",
                 f.int("max_position_embeddings")?.unwrap_or(match architecture {
                     Architecture::Llama => 2048,
-                    Architecture::Mistral => 131_072,
-                    Architecture::Qwen2 | Architecture::Qwen3 => 32_768,
+                    Architecture::Mistral | Architecture::Mixtral => 131_072,
+                    Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => 32_768,
                 }),
             )?,
             tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
@@ -295,8 +422,23 @@ impl ModelConfig {
             eos_token_ids: f.ids("eos_token_id")?,
             pad_token_id: f.ids("pad_token_id")?.first().copied(),
             dtype,
+            moe,
             raw,
         })
+    }
+
+    /// Whether layer `layer` has experts rather than a dense MLP.
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers[layer])
+    }
+
+    /// The MLP weights of layer `layer` (every expert's and the router's for a sparse layer).
+    pub fn mlp_parameters(&self, layer: usize) -> i64 {
+        let h = self.hidden_size;
+        match &self.moe {
+            Some(m) if m.sparse_layers[layer] => m.experts * (3 * h * m.expert_intermediate_size + h),
+            _ => 3 * h * self.intermediate_size,
+        }
     }
 
     /// The config as JSON, with `dtype` set to what the weights are saved in.
@@ -380,15 +522,17 @@ fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
 /// use it only with `use_sliding_window`, on layers from `max_window_layers` on (28 when
 /// absent); `layer_types`, when present, says which layers are windowed.
 fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> Result<Vec<Option<i64>>> {
-    let configured = if f.0.contains_key("sliding_window") { f.int("sliding_window")? } else { Some(4096) };
+    // 4096 when the key is absent, except for Mixtral (none).
+    let absent = if architecture == Architecture::Mixtral { None } else { Some(4096) };
+    let configured = if f.0.contains_key("sliding_window") { f.int("sliding_window")? } else { absent };
     if let Some(w) = configured {
         positive("sliding_window", w)?;
     }
     let use_sliding_window = f.bool("use_sliding_window")?.unwrap_or(false);
     let window = match architecture {
         Architecture::Llama => None,
-        Architecture::Mistral => configured,
-        Architecture::Qwen2 | Architecture::Qwen3 => configured.filter(|_| use_sliding_window),
+        Architecture::Mistral | Architecture::Mixtral => configured,
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => configured.filter(|_| use_sliding_window),
     };
     if let Some(types) = f.get("layer_types") {
         let types = types.as_array().ok_or_else(|| Error::invalid("layer_types", "must be a list"))?;
@@ -409,7 +553,7 @@ fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> R
             .collect();
     }
     let first_windowed = match architecture {
-        Architecture::Qwen2 | Architecture::Qwen3 => f.int("max_window_layers")?.unwrap_or(28),
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => f.int("max_window_layers")?.unwrap_or(28),
         _ => 0,
     };
     Ok((0..layers).map(|i| window.filter(|_| i >= first_windowed)).collect())
@@ -497,5 +641,42 @@ mod tests {
         c["use_sliding_window"] = json!(false);
         let err = ModelConfig::from_json(c).unwrap_err().to_string();
         assert!(err.contains("layer_types") && err.contains("no sliding window"), "{err}");
+    }
+
+    #[test]
+    fn mixtures_of_experts_follow_transformers() {
+        let mut c = base("Qwen3MoeForCausalLM");
+        c["num_hidden_layers"] = json!(4);
+        c["num_experts"] = json!(6);
+        c["decoder_sparse_step"] = json!(2);
+        c["mlp_only_layers"] = json!([3]);
+        c["num_experts_per_tok"] = json!(2);
+        let qwen = ModelConfig::from_json(c.clone()).unwrap();
+        let moe = qwen.moe.clone().unwrap();
+        // Layers 1 and 3 by the step, 3 dense by the list; defaults from Qwen3MoeConfig.
+        assert_eq!(moe.sparse_layers, vec![false, true, false, false]);
+        assert_eq!((moe.experts, moe.experts_per_token, moe.expert_intermediate_size), (6, 2, 768));
+        assert!(!moe.normalize_top_k && !moe.output_router_logits);
+        assert_eq!(qwen.head_dim, 16, "Qwen3-MoE's head_dim defaults to hidden / heads");
+        assert_eq!(qwen.mlp_parameters(0), 3 * 64 * 128);
+        assert_eq!(qwen.mlp_parameters(1), 6 * (3 * 64 * 768 + 64));
+        // transformers 5 writes `num_local_experts`.
+        c["num_experts"] = Value::Null;
+        c["num_local_experts"] = json!(4);
+        assert_eq!(ModelConfig::from_json(c.clone()).unwrap().moe.unwrap().experts, 4);
+        c["num_experts_per_tok"] = json!(5);
+        let err = ModelConfig::from_json(c).unwrap_err().to_string();
+        assert!(err.contains("num_experts_per_tok"), "{err}");
+
+        let mut c = base("MixtralForCausalLM");
+        let mixtral = ModelConfig::from_json(c.clone()).unwrap();
+        let moe = mixtral.moe.unwrap();
+        assert_eq!((moe.experts, moe.experts_per_token, moe.expert_intermediate_size), (8, 2, 128));
+        assert!(moe.normalize_top_k && moe.sparse_layers.iter().all(|s| *s));
+        assert_eq!(mixtral.sliding_windows, vec![None, None], "no window unless the config sets one");
+        c["router_jitter_noise"] = json!(0.1);
+        let err = ModelConfig::from_json(c).unwrap_err().to_string();
+        assert!(err.contains("router_jitter_noise"), "{err}");
+        assert!(ModelConfig::from_json(base("Qwen3ForCausalLM")).unwrap().moe.is_none());
     }
 }

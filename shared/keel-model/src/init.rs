@@ -183,6 +183,20 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: 
             json!({"attention_bias": false, "use_sliding_window": false, "sliding_window": null, "max_window_layers": dims.layers})
         }
         Architecture::Mistral => json!({"sliding_window": null}),
+        // 8 experts of a quarter of the dense MLP's width, 2 per token: about the dense
+        // model's compute per token.
+        Architecture::Qwen3Moe => json!({
+            "attention_bias": false, "use_sliding_window": false, "sliding_window": null,
+            "max_window_layers": dims.layers, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": dims.intermediate / 4, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": true,
+            "router_aux_loss_coef": 0.001,
+        }),
+        Architecture::Mixtral => json!({
+            "sliding_window": null, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "intermediate_size": dims.intermediate / 4, "output_router_logits": true,
+            "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+        }),
     };
     if let (Value::Object(config), Value::Object(extra)) = (&mut config, extra) {
         config.extend(extra);

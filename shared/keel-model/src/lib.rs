@@ -2,7 +2,8 @@
 //! checkpoints and compute what transformers computes.
 //!
 //! Layout:
-//! - [`config`]: `config.json` → [`ModelConfig`] (Llama, Qwen2, Qwen3, Mistral).
+//! - [`config`]: `config.json` → [`ModelConfig`] (Llama, Qwen2, Qwen3, Mistral,
+//!   Qwen3-MoE, Mixtral).
 //! - [`model`]: the layers and [`CausalLm`] (training logprobs, cached inference forward).
 //! - [`rope`]: rotary embeddings, including Llama 3 scaling.
 //! - [`cache`]: the preallocated [`KvCache`] and the block pools of [`PagedCache`]

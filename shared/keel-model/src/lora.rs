@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::error::{Error, Result, WeightProblem};
-use crate::model::{CausalLm, Linear};
+use crate::model::{CausalLm, FeedForward, Linear, Mlp};
 
 pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
@@ -80,24 +80,51 @@ pub(crate) struct Adapters {
     pub(crate) switch: Arc<Switch>,
 }
 
-/// The HF names of the targeted linears' weights (`model.layers.3.self_attn.q_proj`, …).
-fn module_name(layer: usize, target: &str) -> String {
-    let block = if matches!(target, "gate_proj" | "up_proj" | "down_proj") { "mlp" } else { "self_attn" };
-    format!("model.layers.{layer}.{block}.{target}")
+/// An MLP's gate (0), up (1) or down (2) linear.
+fn pick(mlp: &mut Mlp, which: usize) -> &mut Linear {
+    match which {
+        0 => &mut mlp.gate_proj,
+        1 => &mut mlp.up_proj,
+        _ => &mut mlp.down_proj,
+    }
 }
 
 impl CausalLm {
-    fn linear_mut(&mut self, layer: usize, target: &str) -> &mut Linear {
+    /// The linears `target` names in layer `layer`, with their HF module names
+    /// (`model.layers.3.self_attn.q_proj`, …): one, or one per expert in an MoE layer (the
+    /// MLP targets name each expert's linears: `mlp.experts.5.up_proj`, Mixtral's
+    /// `block_sparse_moe.experts.5.w3`).
+    fn linears_mut(&mut self, layer: usize, target: &str) -> Vec<(String, &mut Linear)> {
+        let architecture = self.config().architecture;
         let l = &mut self.layers[layer];
-        match target {
-            "q_proj" => &mut l.self_attn.q_proj,
-            "k_proj" => &mut l.self_attn.k_proj,
-            "v_proj" => &mut l.self_attn.v_proj,
-            "o_proj" => &mut l.self_attn.o_proj,
-            "gate_proj" => &mut l.mlp.gate_proj,
-            "up_proj" => &mut l.mlp.up_proj,
-            "down_proj" => &mut l.mlp.down_proj,
+        let prefix = format!("model.layers.{layer}");
+        let attention = match target {
+            "q_proj" => Some(&mut l.self_attn.q_proj),
+            "k_proj" => Some(&mut l.self_attn.k_proj),
+            "v_proj" => Some(&mut l.self_attn.v_proj),
+            "o_proj" => Some(&mut l.self_attn.o_proj),
+            _ => None,
+        };
+        if let Some(linear) = attention {
+            return vec![(format!("{prefix}.self_attn.{target}"), linear)];
+        }
+        let which = match target {
+            "gate_proj" => 0,
+            "up_proj" => 1,
+            "down_proj" => 2,
             other => unreachable!("`{other}` is not one of {LORA_TARGETS:?}"),
+        };
+        match &mut l.mlp {
+            FeedForward::Dense(mlp) => vec![(format!("{prefix}.mlp.{target}"), pick(mlp, which))],
+            FeedForward::Experts(experts) => {
+                let (block, names) = crate::config::MoeConfig::names(architecture);
+                experts
+                    .experts
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(e, mlp)| (format!("{prefix}.{block}.experts.{e}.{}", names[which]), pick(mlp, which)))
+                    .collect()
+            }
         }
     }
 
@@ -120,19 +147,22 @@ impl CausalLm {
         let (rank, scale, dropout) = (config.rank, config.scale(), config.dropout);
         for layer in 0..self.layers.len() {
             for target in config.targets() {
-                let module = module_name(layer, target);
-                let linear = self.linear_mut(layer, target);
-                let (outputs, inputs) = (linear.weight.size()[0], linear.weight.size()[1]);
-                let bound = 1.0 / (inputs as f64).sqrt();
-                let a = Tensor::f_rand([rank, inputs], (Kind::Float, device))?
-                    .f_mul_scalar(2.0 * bound)?
-                    .f_sub_scalar(bound)?;
-                let path = module.split('.').fold(vs.root(), |path, part| path / part);
-                let a = (&path / "lora_A").add("weight", a, true);
-                let b =
-                    (&path / "lora_B").add("weight", Tensor::f_zeros([outputs, rank], (Kind::Float, device))?, true);
-                let switch = switch.clone();
-                linear.adapter = Some(Adapter { a, b, scale, dropout, switch });
+                for (module, linear) in self.linears_mut(layer, target) {
+                    let (outputs, inputs) = (linear.weight.size()[0], linear.weight.size()[1]);
+                    let bound = 1.0 / (inputs as f64).sqrt();
+                    let a = Tensor::f_rand([rank, inputs], (Kind::Float, device))?
+                        .f_mul_scalar(2.0 * bound)?
+                        .f_sub_scalar(bound)?;
+                    let path = module.split('.').fold(vs.root(), |path, part| path / part);
+                    let a = (&path / "lora_A").add("weight", a, true);
+                    let b = (&path / "lora_B").add(
+                        "weight",
+                        Tensor::f_zeros([outputs, rank], (Kind::Float, device))?,
+                        true,
+                    );
+                    let switch = switch.clone();
+                    linear.adapter = Some(Adapter { a, b, scale, dropout, switch });
+                }
             }
         }
         self.adapters = Some(Adapters { vs, config: config.clone(), switch });
@@ -185,10 +215,11 @@ impl CausalLm {
         let _no_grad = tch::no_grad_guard();
         for layer in 0..self.layers.len() {
             for target in adapters.config.targets() {
-                let linear = self.linear_mut(layer, target);
-                if let Some(adapter) = linear.adapter.take() {
-                    let merged = linear.weight.f_to_kind(Kind::Float)?.f_add(&adapter.delta()?)?;
-                    linear.weight.shallow_clone().f_copy_(&merged)?;
+                for (_, linear) in self.linears_mut(layer, target) {
+                    if let Some(adapter) = linear.adapter.take() {
+                        let merged = linear.weight.f_to_kind(Kind::Float)?.f_add(&adapter.delta()?)?;
+                        linear.weight.shallow_clone().f_copy_(&merged)?;
+                    }
                 }
             }
         }

@@ -1,5 +1,5 @@
 //! The decoder-only causal LM shared by every supported architecture (Llama, Qwen2, Qwen3,
-//! Mistral; see [`crate::config::Architecture`] for what differs). Parameters live in one
+//! Mistral, and the mixtures of experts Qwen3-MoE and Mixtral, whose MLPs are [`moe`]; see [`crate::config::Architecture`] for what differs). Parameters live in one
 //! `nn::VarStore` under Hugging Face's tensor names, so loading and saving are direct maps
 //! and an optimiser can train them.
 //!
@@ -14,11 +14,14 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor, nn};
 
 pub mod decode;
+pub mod moe;
 pub mod paged;
 pub mod prompt;
 pub mod tp;
 
 pub use tp::{Layout, StagedWeights, Tape};
+
+use moe::{Experts, Routers};
 
 use crate::attention::{Mask, Masks, attention, masks_for};
 use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
@@ -173,17 +176,23 @@ struct Positions<'a> {
     window: Option<i64>,
     /// CUDA kernels the layers may use instead of tch ops (inference on a GPU).
     kernels: Option<&'a Kernels>,
+    /// Where MoE layers leave their router logits (training passes).
+    routers: Option<&'a Routers>,
 }
 
 impl<'a> Positions<'a> {
     /// The positions of a layer with attention window `window`.
     fn of(cos: &'a Tensor, sin: &'a Tensor, masks: &'a Masks, window: Option<i64>) -> Self {
         let (_, mask) = masks.iter().find(|(w, _)| *w == window).expect("a mask was built for every window");
-        Self { cos, sin, mask, window, kernels: None }
+        Self { cos, sin, mask, window, kernels: None, routers: None }
     }
 
     fn with_kernels(self, kernels: Option<&'a Kernels>) -> Self {
         Self { kernels, ..self }
+    }
+
+    fn with_routers(self, routers: Option<&'a Routers>) -> Self {
+        Self { routers, ..self }
     }
 
     /// Rotary embedding of `x` [B, H, S, D] at these positions.
@@ -267,12 +276,13 @@ pub(crate) struct Mlp {
 }
 
 impl Mlp {
-    fn new(p: &Params<'_>, cfg: &ModelConfig) -> Result<Self> {
-        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+    /// A SwiGLU MLP of `intermediate` units whose gate, up and down linears are `names`.
+    fn new(p: &Params<'_>, hidden: i64, intermediate: i64, bias: bool, names: [&str; 3]) -> Result<Self> {
+        let [gate, up, down] = names;
         Ok(Self {
-            gate_proj: Linear::new(&p.sub("gate_proj"), h, i, bias)?,
-            up_proj: Linear::new(&p.sub("up_proj"), h, i, bias)?,
-            down_proj: Linear::new(&p.sub("down_proj"), i, h, bias)?,
+            gate_proj: Linear::new(&p.sub(gate), hidden, intermediate, bias)?,
+            up_proj: Linear::new(&p.sub(up), hidden, intermediate, bias)?,
+            down_proj: Linear::new(&p.sub(down), intermediate, hidden, bias)?,
         })
     }
 
@@ -286,12 +296,44 @@ impl Mlp {
     }
 }
 
+/// A layer's feed-forward block: a dense MLP or a mixture of experts.
+#[derive(Debug)]
+pub(crate) enum FeedForward {
+    Dense(Mlp),
+    Experts(Experts),
+}
+
+impl FeedForward {
+    fn new(p: &Params<'_>, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        match &cfg.moe {
+            Some(moe) if moe.sparse_layers[layer] => {
+                let (block, _) = crate::config::MoeConfig::names(cfg.architecture);
+                Ok(Self::Experts(Experts::new(&p.sub(block), cfg, moe)?))
+            }
+            _ => Ok(Self::Dense(Mlp::new(
+                &p.sub("mlp"),
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.mlp_bias,
+                ["gate_proj", "up_proj", "down_proj"],
+            )?)),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, kernels: Option<&Kernels>, routers: Option<&Routers>) -> Result<Tensor> {
+        match self {
+            Self::Dense(mlp) => mlp.forward(x, kernels),
+            Self::Experts(experts) => experts.forward(x, kernels, routers),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct DecoderLayer {
     input_layernorm: RmsNorm,
     pub(crate) self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    pub(crate) mlp: Mlp,
+    pub(crate) mlp: FeedForward,
     /// The biases of o and down on a tensor-parallel rank, added once after the sum over the
     /// ranks (a whole model keeps them in its linears).
     o_bias: Option<Tensor>,
@@ -309,7 +351,7 @@ impl DecoderLayer {
                 cfg.hidden_size,
                 cfg.rms_norm_eps,
             )?,
-            mlp: Mlp::new(&p.sub("mlp"), cfg)?,
+            mlp: FeedForward::new(p, cfg, index)?,
             o_bias: None,
             down_bias: None,
             window: cfg.sliding_windows[index],
@@ -328,7 +370,7 @@ impl DecoderLayer {
         let attn = self.self_attn.forward(&self.input_layernorm.forward(x, at.kernels)?, at, cache)?;
         let attn = add_bias(sum(attn)?, self.o_bias.as_ref())?;
         let (h, normed) = self.post_attention_layernorm.add_forward(x, &attn, at.kernels)?;
-        let mlp = add_bias(sum(self.mlp.forward(&normed, at.kernels)?)?, self.down_bias.as_ref())?;
+        let mlp = add_bias(sum(self.mlp.forward(&normed, at.kernels, at.routers)?)?, self.down_bias.as_ref())?;
         Ok(h.f_add(&mlp)?)
     }
 }
@@ -522,7 +564,7 @@ impl CausalLm {
         let device = self.device();
         let (cos, sin, masks) =
             positions_for(&self.rotary, self.kind, &self.windows(), input_ids, offsets, visible, device)?;
-        self.run_layers_at(input_ids, &cos, &sin, &masks, cache)
+        self.run_layers_at(input_ids, &cos, &sin, &masks, cache, None)
     }
 
     fn windows(&self) -> Vec<Option<i64>> {
@@ -537,11 +579,14 @@ impl CausalLm {
         sin: &Tensor,
         masks: &Masks,
         mut cache: Option<&mut dyn LayerCache>,
+        routers: Option<&Routers>,
     ) -> Result<Tensor> {
         let mut x = self.embed(&input_ids.f_to_device(self.device())?)?;
         let sum = |partial: Tensor| self.sum_over_ranks(partial);
         for (index, layer) in self.layers.iter().enumerate() {
-            let at = Positions::of(cos, sin, masks, layer.window).with_kernels(self.kernels.as_deref());
+            let at = Positions::of(cos, sin, masks, layer.window)
+                .with_kernels(self.kernels.as_deref())
+                .with_routers(routers);
             x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)), &sum)?;
         }
         self.norm.forward(&x, self.kernels.as_deref())
@@ -562,7 +607,7 @@ impl CausalLm {
             &self.rotary,
             self.kind,
             self.kernels.as_deref(),
-            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
+            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step), None),
         )?;
         self.lm_logits(&last)
     }
@@ -585,7 +630,7 @@ impl CausalLm {
             &self.rotary,
             self.kind,
             self.kernels.as_deref(),
-            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step)),
+            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step), None),
         )
     }
 
@@ -627,7 +672,7 @@ impl CausalLm {
         check_temperature(temperature)?;
         let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
         let pass = self.padded_pass(input_ids, lengths)?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
         self.pass_logprobs(&hidden, &pass, temperature)
     }
 
@@ -638,7 +683,7 @@ impl CausalLm {
         check_temperature(temperature)?;
         let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
         let pass = self.packed_pass(row)?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
         row.unpack(&self.pass_logprobs(&hidden, &pass, temperature)?)
     }
 
@@ -661,11 +706,21 @@ impl CausalLm {
     }
 
     fn logprobs_with_tape(&self, pass: &Pass, temperature: f64) -> Result<(Tensor, Tape)> {
-        if self.shard.is_some() {
-            return self.taped_logprobs(pass, temperature);
+        let routers = if self.shard.is_some() { Routers::own_graph() } else { Routers::shared() };
+        let (logprobs, mut tape) = if self.shard.is_some() {
+            self.taped_logprobs(pass, temperature, &routers)?
+        } else {
+            let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, Some(&routers))?;
+            (self.pass_logprobs(&hidden, pass, temperature)?, Tape::default())
+        };
+        if let Some(moe) = &self.cfg.moe {
+            tape.router_aux_loss = routers.load_balancing_loss(moe, pass.padding.as_ref())?;
+            // Every rank of a group adds its share: the gradients summed over the ranks are
+            // the loss's once.
+            let coefficient = if moe.output_router_logits { moe.router_aux_loss_coef } else { 0.0 };
+            tape.router_loss_weight = coefficient / self.world_size() as f64;
         }
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None)?;
-        Ok((self.pass_logprobs(&hidden, pass, temperature)?, Tape::default()))
+        Ok((logprobs, tape))
     }
 
     /// Right-padded rows as a pass: ids (padding as token 0), the positions' rotary tables
@@ -675,7 +730,7 @@ impl CausalLm {
         let (b, s) = (ids.size()[0], ids.size()[1]);
         let (cos, sin, masks) =
             positions_for(&self.rotary, self.kind, &self.windows(), &ids, &vec![0; b as usize], s, self.device())?;
-        Ok(Pass { ids, invalid, cos, sin, masks })
+        Ok(Pass { padding: Some(invalid.shallow_clone()), ids, invalid, cos, sin, masks })
     }
 
     /// A packed row as a pass: each sequence at its own positions, attending to itself; its
@@ -685,7 +740,7 @@ impl CausalLm {
         let device = self.device();
         let (cos, sin) = self.rotary.cos_sin(&row.positions(device)?, self.kind)?;
         let ids = row.ids.f_to_device(device)?;
-        Ok(Pass { ids, invalid: row.starts(device)?, cos, sin, masks: row.masks(&self.windows()) })
+        Ok(Pass { ids, invalid: row.starts(device)?, padding: None, cos, sin, masks: row.masks(&self.windows()) })
     }
 
     /// The logprobs of a pass's tokens from its final hidden states (the vocabulary split
@@ -714,6 +769,8 @@ pub(crate) struct Pass {
     ids: Tensor,
     /// Positions without a logprob (a sequence's first token, padding).
     invalid: Tensor,
+    /// The padding positions (`None`: every token is a sequence's).
+    padding: Option<Tensor>,
     cos: Tensor,
     sin: Tensor,
     masks: Masks,

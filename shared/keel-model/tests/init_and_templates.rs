@@ -94,6 +94,16 @@ fn init_qwen3_loads_in_transformers() {
 }
 
 #[test]
+fn init_qwen3_moe_loads_in_transformers() {
+    check_init(Architecture::Qwen3Moe);
+}
+
+#[test]
+fn init_mixtral_loads_in_transformers() {
+    check_init(Architecture::Mixtral);
+}
+
+#[test]
 fn init_refuses_a_non_empty_directory_and_missing_corpus() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("keep.txt"), "x").unwrap();

@@ -98,3 +98,95 @@ fn sharded_keel_save_loads_in_transformers() {
     let diff = max_abs_diff(&keel_logprobs(&model, &seqs, 1.0), &expected);
     assert!(diff <= TOLERANCE, "max |keel - transformers| = {diff:e}");
 }
+
+#[test]
+fn qwen3_moe_top_k_weights_unnormalised_and_a_dense_layer() {
+    check_variant("qwen3-moe", "float32", 1.0);
+}
+
+#[test]
+fn qwen3_moe_renormalised_top_k_at_temperature() {
+    check_variant("qwen3-moe-norm", "float32", 0.8);
+}
+
+#[test]
+fn mixtral_sliding_window() {
+    check_variant("mixtral", "float32", 1.0);
+}
+
+/// An MoE model saved by Keel is a checkpoint transformers loads (the per-expert names of
+/// the Hub's files), and scores the same.
+#[test]
+fn moe_keel_save_loads_in_transformers() {
+    for variant in ["qwen3-moe", "mixtral"] {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("source");
+        reference(&["make-model", variant, source.to_str().unwrap(), "--seed", "3"]);
+        let model = load_f32(&source);
+        let saved = dir.path().join("saved");
+        model.save(&saved, SaveOptions::default()).unwrap();
+        let seqs = sequences(&LENGTHS, model.config().vocab_size, 4);
+        let expected = reference_logprobs(&saved, &seqs, 1.0, dir.path());
+        let diff = max_abs_diff(&keel_logprobs(&model, &seqs, 1.0), &expected);
+        assert!(diff <= TOLERANCE, "{variant}: max |keel - transformers| = {diff:e}");
+    }
+}
+
+/// Two tensor-parallel ranks, each loading its slices of every expert from the checkpoint,
+/// score what transformers scores.
+#[test]
+fn moe_at_tp_2_equals_transformers() {
+    for variant in ["qwen3-moe", "mixtral"] {
+        let dir = tempfile::tempdir().unwrap();
+        let model_dir = dir.path().join("model");
+        reference(&["make-model", variant, model_dir.to_str().unwrap()]);
+        let vocab = load_f32(&model_dir).config().vocab_size;
+        let seqs = sequences(&LENGTHS, vocab, 5);
+        let expected = reference_logprobs(&model_dir, &seqs, 1.0, dir.path());
+        let comms = keel_collective::cpu::CpuGroup::new(2).unwrap();
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (dir, seqs) = (model_dir.clone(), seqs.clone());
+                std::thread::spawn(move || {
+                    let comm: keel_collective::SharedComm = std::sync::Arc::new(comm);
+                    let model = keel_model::CausalLm::load_shard(&dir, comm, tch::Device::Cpu, tch::Kind::Float)
+                        .expect("a rank's slices");
+                    keel_logprobs(&model, &seqs, 1.0)
+                })
+            })
+            .collect();
+        for rank in ranks {
+            let diff = max_abs_diff(&rank.join().unwrap(), &expected);
+            assert!(diff <= TOLERANCE, "{variant} at TP 2: max |keel - transformers| = {diff:e}");
+        }
+    }
+}
+
+/// The router's load-balancing loss of a right-padded batch (padding left out) is
+/// transformers' `aux_loss` for the same batch.
+#[test]
+fn router_load_balancing_loss_equals_transformers() {
+    for variant in ["qwen3-moe", "qwen3-moe-norm", "mixtral"] {
+        let dir = tempfile::tempdir().unwrap();
+        let model_dir = dir.path().join("model");
+        reference(&["make-model", variant, model_dir.to_str().unwrap()]);
+        let model = load_f32(&model_dir);
+        let seqs = sequences(&LENGTHS, model.config().vocab_size, 6);
+        let input = dir.path().join("input.jsonl");
+        keel_testkit::write_jsonl(&input, &seqs);
+        let expected = reference(&["router-loss", model_dir.to_str().unwrap(), input.to_str().unwrap()])["aux_loss"]
+            .as_f64()
+            .unwrap();
+        let width = seqs.iter().map(Vec::len).max().unwrap();
+        let padded: Vec<i64> =
+            seqs.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(7, width - s.len()))).collect();
+        let ids = tch::Tensor::from_slice(&padded).view([seqs.len() as i64, width as i64]);
+        let lengths: Vec<i64> = seqs.iter().map(|s| s.len() as i64).collect();
+        let (_, tape) = model.train_logprobs(&ids, &lengths, 1.0).unwrap();
+        let actual = tape.router_aux_loss().expect("an MoE model's loss").double_value(&[]);
+        assert!((actual - expected).abs() <= 1e-5, "{variant}: keel {actual} vs transformers {expected}");
+        // Trained only where the config asks for it (transformers' `output_router_logits`).
+        assert_eq!(tape.router_loss().unwrap().is_some(), variant == "qwen3-moe-norm", "{variant}");
+    }
+}

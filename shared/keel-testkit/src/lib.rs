@@ -20,7 +20,7 @@ mod proxy;
 
 pub use database::{TestDatabase, postgres_addr, postgres_url};
 pub use nats::NatsServer;
-pub use process::{ServiceProcess, binary, keel_model_init, keel_model_init_preset};
+pub use process::{ServiceProcess, binary, keel_model_init, keel_model_init_arch, keel_model_init_preset};
 pub use proxy::Proxy;
 
 use std::path::{Path, PathBuf};

@@ -18,19 +18,14 @@ pub fn keel_model_init(out: &std::path::Path) {
 
 /// `keel model init --preset PRESET --seed SEED` into `out`.
 pub fn keel_model_init_preset(out: &std::path::Path, preset: &str, seed: i64) {
+    keel_model_init_arch(out, "qwen3", preset, seed);
+}
+
+/// `keel model init --arch ARCH --preset PRESET --seed SEED` into `out`.
+pub fn keel_model_init_arch(out: &std::path::Path, arch: &str, preset: &str, seed: i64) {
     let corpus = crate::workspace_root().join("examples/tokenizer-corpus.txt");
     let init = Command::new(binary("keel"))
-        .args([
-            "model",
-            "init",
-            "--arch",
-            "qwen3",
-            "--preset",
-            preset,
-            "--seed",
-            &seed.to_string(),
-            "--train-tokenizer",
-        ])
+        .args(["model", "init", "--arch", arch, "--preset", preset, "--seed", &seed.to_string(), "--train-tokenizer"])
         .arg(&corpus)
         .arg("--out")
         .arg(out)

@@ -491,12 +491,13 @@ impl Engine {
             reference_logprobs: on_device(&micro.reference_logprobs)?,
             scores,
         };
-        let (loss, metrics) = match &self.config.loss {
+        let (loss, mut metrics) = match &self.config.loss {
             LossConfig::ClippedPg(c) => loss::policy::clipped_pg(c, &input, global),
             LossConfig::Nll => loss::nll::nll(&input, global),
             LossConfig::Dpo(c) => loss::dpo::dpo(c, &input, global),
             LossConfig::BradleyTerry => loss::reward::bradley_terry(&input, global),
         }?;
+        let loss = with_router_loss(loss, &pending, &input.sample_mask, global, &mut metrics)?;
         Ok((loss, metrics, pending))
     }
 
@@ -869,4 +870,24 @@ fn defined_gradients(params: &[Tensor], device: Device) -> Result<Vec<Tensor>> {
 pub(crate) fn move_with_gradients(tensors: &[Tensor], device: Device) -> Result<u64> {
     let grads: Vec<Tensor> = tensors.iter().map(Tensor::grad).filter(Tensor::defined).collect();
     Ok(keel_model::device::move_in_place(tensors.iter().chain(&grads), device)?)
+}
+
+/// A mixture of experts' router load-balancing loss (transformers' `aux_loss`, a mean over the
+/// microbatch's tokens) added to a microbatch's `loss` with the microbatch's share of the
+/// global batch's sequences, so the step trains their weighted mean; `router_aux_loss` in
+/// the metrics is that mean whether or not the config trains it.
+fn with_router_loss(
+    loss: Tensor,
+    tape: &Tape,
+    sample_mask: &Tensor,
+    global: &GlobalCounts,
+    metrics: &mut Metrics,
+) -> Result<Tensor> {
+    let Some(aux) = tape.router_aux_loss() else { return Ok(loss) };
+    let share = sample_mask.f_sum(Kind::Double)?.f_double_value(&[])? / global.sequences.max(1.0);
+    metrics.sum("router_aux_loss", aux.f_double_value(&[])? * share);
+    Ok(match tape.router_loss()? {
+        Some(term) => loss.f_add(&term.f_mul_scalar(share)?)?,
+        None => loss,
+    })
 }

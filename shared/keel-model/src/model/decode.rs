@@ -241,6 +241,11 @@ impl DecodeGraphs {
     /// the model's paged decode kernel (the gather path reads every row's whole table, too
     /// slow at full width). Each graph is replayed once and compared with the eager step.
     pub fn capture(model: &super::CausalLm, cache: &mut PagedCache, max_num_seqs: usize, width: usize) -> Result<Self> {
+        if model.config().moe.is_some() {
+            // The experts' token counts are read on the host to group the tokens: a sync no
+            // graph can hold.
+            return Err(Error::Device("CUDA graphs are not captured for mixture-of-experts models".into()));
+        }
         let device = model.device();
         let runs = model.kernels.as_deref().is_some_and(|k| k.runs(Kernel::PagedDecode, device, model.kind()));
         if !runs {

@@ -32,8 +32,8 @@ use std::cell::RefCell;
 use keel_collective::{ReduceOp, SharedComm};
 use tch::{Device, Kind, Tensor, nn};
 
-use super::{Attention, CausalLm, DecoderLayer, Linear, Mlp, Pass, Positions, RmsNorm};
-use crate::config::ModelConfig;
+use super::{Attention, CausalLm, DecoderLayer, Experts, FeedForward, Linear, Mlp, Pass, Positions, RmsNorm, Routers};
+use crate::config::{ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::rope::Rotary;
 use crate::weights::SliceReader;
@@ -49,9 +49,10 @@ fn share(total: i64, rank: usize, world: usize) -> (i64, i64) {
 pub enum Layout {
     /// Every rank holds the whole tensor (norms, and biases added after an all-reduce).
     Replicated,
-    /// Every rank holds the whole tensor but applies it only to its own heads (the q/k
-    /// norms): its gradient is the sum of the ranks' parts.
-    PerHead,
+    /// Every rank holds the whole tensor but applies it to its own part of the work only
+    /// (the q/k norms to its heads; an MoE router weighting its slices of the experts): its
+    /// gradient is the sum of the ranks' parts.
+    PartialUse,
     /// This rank holds `start..end` along `dim`; together the ranks hold the tensor once.
     Split { dim: i64, start: i64, end: i64 },
     /// Rows `start..end` of a K or V projection. With `copies` > 1 (fewer KV heads than
@@ -63,7 +64,7 @@ impl Layout {
     /// This rank's part of `full` (a tensor of the whole parameter's shape).
     pub fn local(&self, full: &Tensor) -> Result<Tensor> {
         Ok(match *self {
-            Layout::Replicated | Layout::PerHead => full.shallow_clone(),
+            Layout::Replicated | Layout::PartialUse => full.shallow_clone(),
             Layout::Split { dim, start, end } => full.f_narrow(dim, start, end - start)?,
             Layout::KvRows { start, end, .. } => full.f_narrow(0, start, end - start)?,
         })
@@ -74,7 +75,7 @@ impl Layout {
     /// every rank counts once on its own.
     pub fn weight_in_sum(&self) -> Option<f64> {
         match *self {
-            Layout::Replicated | Layout::PerHead => None,
+            Layout::Replicated | Layout::PartialUse => None,
             Layout::Split { .. } => Some(1.0),
             Layout::KvRows { copies, .. } => Some(1.0 / copies as f64),
         }
@@ -138,14 +139,36 @@ struct Param {
     layout: Layout,
 }
 
-/// What [`CausalLm::train_logprobs`] keeps for [`CausalLm::backward`]: nothing for a whole
-/// model, whose autograd graph reaches every parameter.
+/// What [`CausalLm::train_logprobs`] keeps for [`CausalLm::backward`] (nothing for a whole
+/// model, whose autograd graph reaches every parameter), and the pass's router
+/// load-balancing loss for a mixture of experts.
 #[derive(Debug, Default)]
 pub struct Tape {
     /// The embedding's output (its graph reaches this rank's embedding rows).
     embedded: Option<Tensor>,
     /// The segments in forward order; the last one's output is the logprobs the loss uses.
     segments: Vec<Segment>,
+    pub(crate) router_aux_loss: Option<Tensor>,
+    /// What this rank adds to its loss per unit of the load-balancing loss.
+    pub(crate) router_loss_weight: f64,
+}
+
+impl Tape {
+    /// The pass's router load-balancing loss, as transformers computes it (MoE models only;
+    /// with gradients).
+    pub fn router_aux_loss(&self) -> Option<&Tensor> {
+        self.router_aux_loss.as_ref()
+    }
+
+    /// What training adds to this rank's loss for the load-balancing loss: `router_aux_loss_coef`
+    /// × the loss when the config has `output_router_logits` (transformers' rule), divided
+    /// over the ranks of a tensor-parallel group; `None` when there is nothing to add.
+    pub fn router_loss(&self) -> Result<Option<Tensor>> {
+        match &self.router_aux_loss {
+            Some(aux) if self.router_loss_weight > 0.0 => Ok(Some(aux.f_mul_scalar(self.router_loss_weight)?)),
+            _ => Ok(None),
+        }
+    }
 }
 
 /// One cut of the forward pass: `input` (a leaf of replicated activations) → norm →
@@ -228,9 +251,14 @@ impl CausalLm {
         if cfg.vocab_size < w {
             return Err(problem("vocab_size", cfg.vocab_size, format!("is smaller than {world} ranks")));
         }
-        if cfg.intermediate_size % w != 0 {
+        let dense = (0..cfg.num_hidden_layers as usize).any(|layer| !cfg.is_sparse_layer(layer));
+        if dense && cfg.intermediate_size % w != 0 {
             let reason = format!("does not split across {world} ranks");
             return Err(problem("intermediate_size", cfg.intermediate_size, reason));
+        }
+        if let Some(moe) = cfg.moe.as_ref().filter(|m| m.expert_intermediate_size % w != 0) {
+            let reason = format!("does not split across {world} ranks");
+            return Err(problem("moe_intermediate_size", moe.expert_intermediate_size, reason));
         }
         let slices = Slices::build(&cfg, rank, world, device, kind, source)?;
         // The slices by their Hugging Face names, as a whole model holds its parameters.
@@ -400,7 +428,7 @@ impl CausalLm {
 
     /// A pass with gradients on a rank, cut into residual segments for
     /// [`CausalLm::backward`].
-    pub(crate) fn taped_logprobs(&self, pass: &Pass, temperature: f64) -> Result<(Tensor, Tape)> {
+    pub(crate) fn taped_logprobs(&self, pass: &Pass, temperature: f64, routers: &Routers) -> Result<(Tensor, Tape)> {
         let embedded = self.embed(&pass.ids)?;
         let mut segments = Vec::with_capacity(2 * self.layers.len() + 1);
         let mut x = embedded.shallow_clone();
@@ -408,7 +436,7 @@ impl CausalLm {
             let at = Positions::of(&pass.cos, &pass.sin, &pass.masks, layer.window);
             let attention = |a: &Tensor| layer.self_attn.forward(a, &at, None);
             x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
-            let mlp = |a: &Tensor| layer.mlp.forward(a, None);
+            let mlp = |a: &Tensor| layer.mlp.forward(a, None, Some(routers));
             x = self.segment(&x, &layer.post_attention_layernorm, mlp, layer.down_bias.as_ref(), &mut segments)?;
         }
         let input = leaf(&x)?;
@@ -416,7 +444,7 @@ impl CausalLm {
         let branch_input = leaf(&normed)?;
         let result = self.pass_logprobs(&branch_input, pass, temperature)?;
         segments.push(Segment { input, normed, branch_input, output: None });
-        Ok((result, Tape { embedded: Some(embedded), segments }))
+        Ok((result, Tape { embedded: Some(embedded), segments, ..Tape::default() }))
     }
 
     /// One residual block cut for training: x + all-reduce(branch(norm(x))) + bias.
@@ -470,7 +498,7 @@ impl CausalLm {
         let Some(shard) = &self.shard else { return Ok(()) };
         let _no_grad = tch::no_grad_guard();
         for (_, tensor, layout) in self.parameters() {
-            if layout == Layout::PerHead {
+            if layout == Layout::PartialUse {
                 let mut grad = tensor.grad();
                 if grad.defined() {
                     let sum = all_reduce(shard, grad.copy(), ReduceOp::Sum)?;
@@ -652,7 +680,7 @@ impl CausalLm {
     pub fn gather_parameter(&self, local: &Tensor, layout: Layout) -> Result<Tensor> {
         let Some(shard) = &self.shard else { return Ok(local.shallow_clone()) };
         match layout {
-            Layout::Replicated | Layout::PerHead => Ok(local.shallow_clone()),
+            Layout::Replicated | Layout::PartialUse => Ok(local.shallow_clone()),
             Layout::Split { dim, .. } => gather(shard, local, dim),
             Layout::KvRows { copies, .. } => {
                 let gathered = gather(shard, local, 0)?;
@@ -784,7 +812,7 @@ impl Slices {
         let column = |name: String, outputs: i64, inputs: i64, layout: Layout, bias: bool| -> Result<Linear> {
             let (start, end) = match layout {
                 Layout::Split { start, end, .. } | Layout::KvRows { start, end, .. } => (start, end),
-                Layout::Replicated | Layout::PerHead => (0, outputs),
+                Layout::Replicated | Layout::PartialUse => (0, outputs),
             };
             let weight_name = format!("{name}.weight");
             let weight = to(source.slice(&weight_name, &[outputs, inputs], 0, start, end)?)?;
@@ -833,26 +861,53 @@ impl Slices {
                     o_proj,
                     q_norm: cfg
                         .qk_norm
-                        .then(|| norm_as(p("self_attn.q_norm.weight"), d, Layout::PerHead))
+                        .then(|| norm_as(p("self_attn.q_norm.weight"), d, Layout::PartialUse))
                         .transpose()?,
                     k_norm: cfg
                         .qk_norm
-                        .then(|| norm_as(p("self_attn.k_norm.weight"), d, Layout::PerHead))
+                        .then(|| norm_as(p("self_attn.k_norm.weight"), d, Layout::PartialUse))
                         .transpose()?,
                     heads: heads / w,
                     kv_heads: kv_end - kv_start,
                     head_dim: d,
                 };
                 let post_attention_layernorm = norm(p("post_attention_layernorm.weight"), hidden)?;
-                let i_cols = Layout::Split { dim: 0, start: i_start, end: i_end };
-                let gate_proj = column(p("mlp.gate_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
-                let up_proj = column(p("mlp.up_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
-                let (down_proj, down_bias) = row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
+                let (mlp, down_bias) = match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+                    Some(moe) => {
+                        // Each expert's MLP split as a dense one is; the router whole.
+                        let (block, [gate, up, down]) = MoeConfig::names(cfg.architecture);
+                        let inter = moe.expert_intermediate_size;
+                        let (start, end) = share(inter, rank, world);
+                        let cols = Layout::Split { dim: 0, start, end };
+                        let router_name = p(&format!("{block}.gate.weight"));
+                        let router = to(source.whole(&router_name, &[moe.experts, hidden])?)?;
+                        let router = keep(router_name, router, Layout::PartialUse);
+                        let experts = (0..moe.experts)
+                            .map(|e| {
+                                let name = |linear: &str| p(&format!("{block}.experts.{e}.{linear}"));
+                                Ok(Mlp {
+                                    gate_proj: column(name(gate), inter, hidden, cols, false)?,
+                                    up_proj: column(name(up), inter, hidden, cols, false)?,
+                                    down_proj: row(name(down), hidden, inter, start, end, false)?.0,
+                                })
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        (FeedForward::Experts(Experts::with(router, experts, moe)), None)
+                    }
+                    None => {
+                        let i_cols = Layout::Split { dim: 0, start: i_start, end: i_end };
+                        let gate_proj = column(p("mlp.gate_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
+                        let up_proj = column(p("mlp.up_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
+                        let (down_proj, down_bias) =
+                            row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
+                        (FeedForward::Dense(Mlp { gate_proj, up_proj, down_proj }), down_bias)
+                    }
+                };
                 Ok(DecoderLayer {
                     input_layernorm,
                     self_attn: attention,
                     post_attention_layernorm,
-                    mlp: Mlp { gate_proj, up_proj, down_proj },
+                    mlp,
                     o_bias,
                     down_bias,
                     window: cfg.sliding_windows[i],
@@ -1014,6 +1069,36 @@ mod tests {
         for (world, diff) in compare(llama, &[2, 4]) {
             assert!(diff <= 1e-5, "llama TP={world}: max diff {diff:e}");
         }
+        // Mixtures of experts: every expert split over the ranks, the router whole; a dense
+        // layer between sparse ones.
+        for (name, moe) in [("qwen3_moe", qwen3_moe()), ("mixtral", mixtral())] {
+            for (world, diff) in compare(moe, &[2, 4]) {
+                assert!(diff <= 1e-5, "{name} TP={world}: max diff {diff:e}");
+            }
+        }
+    }
+
+    /// Qwen3-MoE with 6 experts (top 2, weights not renormalised), a dense second layer, the
+    /// load-balancing loss trained.
+    fn qwen3_moe() -> ModelConfig {
+        config(
+            "Qwen3MoeForCausalLM",
+            8,
+            4,
+            json!({"head_dim": 16, "num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "mlp_only_layers": [1], "output_router_logits": true,
+                   "router_aux_loss_coef": 0.05}),
+        )
+    }
+
+    fn mixtral() -> ModelConfig {
+        config(
+            "MixtralForCausalLM",
+            4,
+            2,
+            json!({"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": true,
+                   "router_aux_loss_coef": 0.05}),
+        )
     }
 
     #[test]
@@ -1022,6 +1107,7 @@ mod tests {
         for cfg in [
             config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true})),
             config("Qwen2ForCausalLM", 4, 2, json!({"tie_word_embeddings": true})),
+            qwen3_moe(),
         ] {
             tch::manual_seed(5);
             let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
@@ -1057,6 +1143,8 @@ mod tests {
             config("Qwen2ForCausalLM", 4, 2, json!({})),
             config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true})),
             config("Qwen3ForCausalLM", 8, 4, json!({"head_dim": 16, "tie_word_embeddings": true})),
+            qwen3_moe(),
+            mixtral(),
         ] {
             tch::manual_seed(3);
             let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
@@ -1085,6 +1173,14 @@ mod tests {
         (logprobs * weights).sum(Kind::Float)
     }
 
+    /// `loss` plus what the pass's routers add to it (MoE models).
+    fn with_router_loss(loss: Tensor, tape: &Tape) -> Tensor {
+        match tape.router_loss().expect("the router's loss") {
+            Some(router) => loss + router,
+            None => loss,
+        }
+    }
+
     #[test]
     fn gradients_at_tp_2_and_4_equal_tp_1() {
         let cases = [
@@ -1092,6 +1188,9 @@ mod tests {
             // 2 KV heads replicated over 4 ranks; tied embeddings; q/k/v biases.
             config("Qwen2ForCausalLM", 4, 2, json!({"tie_word_embeddings": true})),
             config("LlamaForCausalLM", 4, 4, json!({"attention_bias": true, "mlp_bias": true})),
+            // The router's gradient from the experts' outputs and the load-balancing loss.
+            qwen3_moe(),
+            mixtral(),
         ];
         for cfg in cases {
             tch::manual_seed(21);
@@ -1100,8 +1199,8 @@ mod tests {
             let rows: Vec<i64> = (0..3 * 11).map(|i| (i * 53 + 7) % 101).collect();
             let lengths = [11, 6, 9];
             let ids = Tensor::from_slice(&rows).view([3, 11]);
-            let expected_lp = full.token_logprobs(&ids, &lengths, 0.8).expect("TP=1 logprobs");
-            weighted_loss(&expected_lp).backward();
+            let (expected_lp, tape) = full.train_logprobs(&ids, &lengths, 0.8).expect("TP=1 logprobs");
+            with_router_loss(weighted_loss(&expected_lp), &tape).backward();
             let expected: std::collections::HashMap<String, Tensor> =
                 full.var_store().variables().into_iter().map(|(name, value)| (name, value.grad().copy())).collect();
             for world in [2, 4] {
@@ -1110,7 +1209,7 @@ mod tests {
                     model.set_trainable(true).expect("trainable");
                     let ids = Tensor::from_slice(&rows).view([3, 11]);
                     let (logprobs, tape) = model.train_logprobs(&ids, &lengths, 0.8).expect("TP logprobs");
-                    weighted_loss(&logprobs).backward();
+                    with_router_loss(weighted_loss(&logprobs), &tape).backward();
                     model.backward(tape).expect("TP backward");
                     model.reduce_replicated_gradients().expect("replicated KV gradients");
                     let grads: Vec<(String, Tensor)> = model
