@@ -159,7 +159,7 @@ async fn a_killed_orchestrator_is_replaced_and_no_step_is_repeated_or_skipped() 
 /// A mixture of experts through the services: GRPO on a `tiny` Qwen3-MoE (8 experts, 2 per
 /// token) whose generator computes the trainer's logprobs, with the router's load-balancing
 /// loss trained and recorded; then a step with the trainer's policy and reference split over
-/// two tensor-parallel ranks (every expert split between them).
+/// two tensor-parallel ranks (every expert split between them), and a step colocated.
 #[tokio::test(flavor = "multi_thread")]
 async fn grpo_trains_a_mixture_of_experts_model() {
     let stack = Stack::start();
@@ -189,6 +189,15 @@ async fn grpo_trains_a_mixture_of_experts_model() {
     );
     assert!((0.99..1.05).contains(&error[0].1), "TP 2: token_mult_prob_error {error:?}");
     assert!((aux_split[0].1 - aux[0].1).abs() < 1e-4, "TP 2's first step routes as TP 1's: {aux_split:?} vs {aux:?}");
+
+    // Colocated: the generator sleeps (its weights offloaded) while the trainer trains, then
+    // wakes to the refitted experts.
+    spec["tensor_parallel_size"] = json!(1);
+    spec["generation"]["colocated"] = json!({"enabled": true, "generator_offload_weights": true});
+    let colocated = stack.submit(&spec).await;
+    stack.wait_succeeded(&colocated, LIMIT).await;
+    let error = stack.series(&colocated, "train/token_mult_prob_error").await;
+    assert!((0.99..1.05).contains(&error[0].1), "colocated: token_mult_prob_error {error:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -179,3 +179,36 @@ fn adapter_configs_keel_cannot_apply_are_refused_by_key() {
         assert!(err.contains(expected), "{key}: {err}");
     }
 }
+
+/// On a mixture of experts the MLP targets adapt every expert's linears (under the
+/// checkpoint's names: Qwen3-MoE's `gate_proj`, Mixtral's `w1`), the dense layers' MLP as
+/// usual; saved and loaded back merged, they score what the adapted model scores.
+#[test]
+fn adapters_on_every_expert_merge_to_the_same_logprobs() {
+    for (variant, expert_linear) in [
+        ("qwen3-moe", "model.layers.0.mlp.experts.5.up_proj"),
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w1"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let base_dir = dir.path().join("base");
+        reference(&["make-model", variant, base_dir.to_str().unwrap()]);
+        let mut model = load_f32(&base_dir);
+        let seqs = sequences(&LENGTHS, model.config().vocab_size, 4);
+        let base = keel_logprobs(&model, &seqs, 1.0);
+        model.add_adapters(&lora(&["q_proj", "gate_proj", "up_proj", "down_proj"])).unwrap();
+        let cfg = model.config();
+        let moe = cfg.moe.clone().unwrap();
+        let sparse = moe.sparse_layers.iter().filter(|s| **s).count() as i64;
+        let linears = cfg.num_hidden_layers + 3 * (sparse * moe.experts + cfg.num_hidden_layers - sparse);
+        assert_eq!(model.adapter_tensors().len() as i64, 2 * linears, "{variant}");
+        let names: Vec<String> = model.adapter_tensors().into_iter().map(|(n, _)| n).collect();
+        assert!(names.contains(&format!("{expert_linear}.lora_A.weight")), "{variant}: {names:?}");
+        perturb(&model);
+        let adapted = keel_logprobs(&model, &seqs, 1.0);
+        assert!(max_abs_diff(&adapted, &base) > 1e-3, "{variant}: the adapters change the model");
+        let adapter_dir = dir.path().join("adapter");
+        model.save_adapters(&adapter_dir, &base_dir).unwrap();
+        let diff = max_abs_diff(&keel_logprobs(&load_f32(&adapter_dir), &seqs, 1.0), &adapted);
+        assert!(diff <= 1e-5, "{variant}: merged vs adapters: {diff:e}");
+    }
+}
