@@ -450,7 +450,8 @@ async fn resumed_like_uninterrupted(
 /// (the answer holds a digit); its value loss falls against what predicting 0 would cost, and
 /// its values follow the reward as the policy improves. Killed after its first checkpoint, the
 /// orchestrator's replacement resumes with the critic the checkpoint saved, records every
-/// step once, and gives the value-loss series of the same run uninterrupted.
+/// step once, and gives the value-loss series of the same run uninterrupted; split over two
+/// tensor-parallel ranks, its first steps are the whole critic's.
 #[tokio::test(flavor = "multi_thread")]
 async fn ppo_trains_a_critic_that_learns_the_returns_and_resumes_with_it() {
     let mut stack = Stack::start();
@@ -483,6 +484,24 @@ async fn ppo_trains_a_critic_that_learns_the_returns_and_resumes_with_it() {
     );
     let gap = |range: std::ops::Range<usize>| range.map(|i| (values[i].1 - reward[i].1).abs()).sum::<f64>();
     assert!(gap(7..10) < 0.5 * reward[7..10].iter().map(|p| p.1).sum::<f64>(), "values follow the reward: {values:?}");
+
+    // The policy and the critic split over two tensor-parallel ranks: the critic's first
+    // steps give the same value loss as the whole critic's.
+    spec["tensor_parallel_size"] = json!(2);
+    spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
+    spec["training"]["global_batch_size"] = json!(16);
+    spec["training"]["micro_batch_size"] = json!(16);
+    spec["grpo"]["num_prompts_per_step"] = json!(4);
+    spec["max_num_steps"] = json!(3);
+    spec["validation"]["period"] = json!(100);
+    spec["checkpointing"] = json!({"enabled": false});
+    let split = stack.submit(&spec).await;
+    stack.wait_succeeded(&split, LIMIT).await;
+    let split_loss = stack.series(&split, "train/value_loss").await;
+    assert_eq!(split_loss.len(), 3, "{split_loss:?}");
+    for (whole, split) in loss.iter().zip(&split_loss) {
+        assert!((whole.1 - split.1).abs() <= 1e-3 * whole.1.abs().max(1e-3), "TP 2: {split_loss:?} vs {loss:?}");
+    }
 }
 
 /// GRPO with a `distillation` teacher: a `small` student (random weights) learns a `medium`

@@ -659,7 +659,20 @@ impl CausalLm {
     /// positions at or past a row's length hold padding. Value heads read these.
     pub fn last_hidden_states(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
         let (ids, _) = self.padded_input(input_ids, lengths)?;
+        let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
         self.hidden_states(&ids, None)
+    }
+
+    /// [`Self::last_hidden_states`] with gradients, for a value head trained on them: the
+    /// caller computes its loss from them (the same on every rank of a tensor-parallel group),
+    /// runs the loss's backward, then hands what comes back to [`Self::backward`].
+    pub fn train_hidden_states(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tape)> {
+        let pass = self.padded_pass(input_ids, lengths)?;
+        if self.shard.is_some() {
+            return self.taped_hidden_states(&pass);
+        }
+        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
+        Ok((hidden, Tape::default()))
     }
 
     /// Token logprobs [B, S] (f32) of right-padded sequences: entry (b, i) is

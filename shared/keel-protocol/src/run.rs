@@ -1040,12 +1040,6 @@ impl Validate for PpoSpec {
             "makes every token's advantage from the critic: leave grpo.advantage_estimator at grpo and \
              turn_level_advantages off",
         );
-        check(
-            p,
-            run.tensor_parallel_size == 1,
-            "tensor_parallel_size",
-            "the PPO critic trains whole on each rank: tensor_parallel_size must be 1 (data_parallel_size may be more)",
-        );
         if let Some(training) = &run.training {
             check(
                 p,
@@ -1350,9 +1344,12 @@ mod tests {
         });
         assert_eq!(fields(&bad), ["ppo.gamma", "ppo.lambda", "ppo.value_clip", "ppo.optimizer.lr"]);
         let mut bad = spec.clone();
-        bad.tensor_parallel_size = 2;
         bad.grpo.turn_level_advantages = true;
-        assert_eq!(fields(&bad), ["ppo", "tensor_parallel_size"]);
+        assert_eq!(fields(&bad), ["ppo"]);
+        // The critic is split over tensor-parallel ranks as the policy is.
+        let mut split = spec.clone();
+        split.tensor_parallel_size = 2;
+        assert_eq!(split.problems(), vec![]);
         let mut bad = spec.clone();
         bad.algorithm = Algorithm::Sft;
         assert!(fields(&bad).contains(&"ppo".to_string()), "{:?}", bad.problems());

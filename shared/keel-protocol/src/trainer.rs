@@ -83,7 +83,7 @@ pub struct LoadRequest {
     /// `device`); each replica trains on its share of every global batch.
     #[serde(default = "default_parallel_size")]
     pub data_parallel_size: usize,
-    /// PPO's critic, trained beside the policy (whole on each rank: tensor_parallel_size 1).
+    /// PPO's critic, trained beside the policy (split over the ranks as the policy is).
     #[serde(default)]
     pub critic: Option<CriticLoad>,
 }

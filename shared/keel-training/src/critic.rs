@@ -4,9 +4,9 @@
 //! state before token t is chosen, laid out as the logprobs are (entry 0 is 0). It trains on
 //! the returns a batch brings ([`crate::loss::value`]) and is saved in a checkpoint's
 //! `critic/` directory (a checkpoint of its own: HF weights, `value_head.safetensors`,
-//! optimiser and state), from which a resumed run loads it. The critic is whole on every rank:
-//! tensor parallelism is refused at load; under data parallelism each replica trains on its
-//! share of the rows, as the policy does.
+//! optimiser and state), from which a resumed run loads it. Under tensor parallelism each rank
+//! holds its slices of the critic as of the policy (the value head whole on every rank); under
+//! data parallelism each replica trains on its share of the rows, as the policy does.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -46,19 +46,20 @@ impl Critic {
     /// The critic of `request`: the one a checkpoint at `policy_source` saved when `resume`
     /// is set and there is one, else a new one on `request.model` (value head of zeros).
     /// Computes in `kind` with f32 master weights, like the policy; its optimiser's state is
-    /// sharded over `data` when given.
+    /// sharded over `data` when given; with `comm` it is this tensor-parallel rank's slices.
     pub fn load(
         request: &CriticLoad,
         policy_source: &Path,
         resume: bool,
         device: Device,
         kind: Kind,
+        comm: Option<SharedComm>,
         data: Option<&SharedComm>,
     ) -> Result<Self> {
         let saved = policy_source.join(CRITIC_DIR);
         let resumes = resume && checkpoint::read_state(&saved)?.is_some();
         let source = if resumes { saved } else { PathBuf::from(&request.model.path) };
-        let mut model = CausalLm::load(&source, device, Kind::Float)
+        let mut model = CausalLm::load_on(&source, comm, device, Kind::Float)
             .map_err(|e| Error::Load { what: format!("critic {}", source.display()), reason: e.to_string() })?;
         let hidden = model.config().hidden_size;
         let head = if resumes {
@@ -66,6 +67,7 @@ impl Critic {
         } else {
             Tensor::f_zeros([1, hidden], (Kind::Float, device))?.f_set_requires_grad(true)?
         };
+        model.set_trainable(true)?;
         let mut params = Vec::new();
         for (name, param, layout) in model.parameters() {
             if name == LM_HEAD {
@@ -99,7 +101,12 @@ impl Critic {
     /// Values [b, S] (f32, on the critic's device) of right-padded sequences, laid out as the
     /// logprobs; with gradients when the caller's mode records them.
     pub fn values(&self, ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
-        let hidden = self.model.last_hidden_states(ids, lengths)?.f_to_kind(Kind::Float)?;
+        self.head_values(&self.model.last_hidden_states(ids, lengths)?)
+    }
+
+    /// The value head over final hidden states [b, S, hidden], shifted to the logprobs' layout.
+    fn head_values(&self, hidden: &Tensor) -> Result<Tensor> {
+        let hidden = hidden.f_to_kind(Kind::Float)?;
         let after = hidden.f_matmul(&self.head.f_transpose(0, 1)?)?.f_squeeze_dim(2)?;
         let (rows, width) = (after.size()[0], after.size()[1]);
         let first = Tensor::f_zeros([rows, 1], (Kind::Float, after.device()))?;
@@ -111,7 +118,8 @@ impl Critic {
     pub fn microbatch(&self, micro: &Batch, global: &GlobalCounts, rows: &[usize]) -> Result<Metrics> {
         let missing = || Error::InvalidRequest("a batch that trains the critic needs both values and returns".into());
         let device = self.model.device();
-        let values = self.values(&micro.input_ids, &micro.lengths)?;
+        let (hidden, tape) = self.model.train_hidden_states(&micro.input_ids, &micro.lengths)?;
+        let values = self.head_values(&hidden)?;
         let sample_mask = micro.sample_mask.f_to_device(device)?;
         let input = ValueInput {
             values: &values,
@@ -122,6 +130,7 @@ impl Critic {
         let (loss, metrics) = value_loss(self.value_clip, &input, global)?;
         crate::engine::finite(&loss, rows, "the critic took no step")?;
         loss.f_backward()?;
+        self.model.backward(tape)?;
         Ok(metrics)
     }
 
@@ -134,7 +143,12 @@ impl Critic {
     /// Clips the gradients to `max_norm` and takes one optimiser step at the critic's
     /// learning rate; returns the gradient norm before clipping and the learning rate.
     pub fn step(&mut self, max_norm: Option<f64>) -> Result<(f64, f64)> {
-        let norm = match self.optimizer.clip_grad_norm(max_norm, None) {
+        let clipped = self
+            .model
+            .reduce_replicated_gradients()
+            .map_err(Error::from)
+            .and_then(|()| self.optimizer.clip_grad_norm(max_norm, self.model.comm()));
+        let norm = match clipped {
             Ok(norm) => norm,
             Err(e) => {
                 self.optimizer.zero_grad();
@@ -163,26 +177,34 @@ impl Critic {
         Ok(bytes)
     }
 
-    /// What a checkpoint's `critic/` directory needs: the optimiser's state gathered from the
-    /// data-parallel ranks (every rank calls it), then the parts to write.
-    pub fn gathered_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.optimizer
-            .gathered_state()?
-            .into_iter()
-            .map(|(key, tensor, _)| Ok((key, tensor.f_to_device(Device::Cpu)?)))
-            .collect()
+    /// What a checkpoint's `critic/` directory needs, gathered from the data- and
+    /// tensor-parallel ranks (every rank calls it): the optimiser's state and, for a
+    /// tensor-parallel rank, the whole model (both kept, on the CPU, by tensor-parallel rank 0).
+    pub fn gathered_state(&self) -> Result<(BTreeMap<String, Tensor>, Option<CausalLm>)> {
+        let keep = self.model.rank() == 0;
+        let mut state = BTreeMap::new();
+        for (key, tensor, layout) in self.optimizer.gathered_state()? {
+            let whole = self.model.gather_parameter(&tensor, layout)?;
+            if keep {
+                state.insert(key, whole.f_to_device(Device::Cpu)?);
+            }
+        }
+        let whole = if self.model.is_shard() { self.model.gather_full_on(Device::Cpu, keep)? } else { None };
+        Ok((state, whole))
     }
 
-    /// The critic's part of a checkpoint, with `optimizer_state` from
-    /// [`Critic::gathered_state`] and the policy's `training` configuration.
+    /// The critic's part of a checkpoint, with `optimizer_state` and (under tensor
+    /// parallelism) the `whole` model from [`Critic::gathered_state`], and the policy's
+    /// `training` configuration.
     pub fn part<'a>(
         &'a self,
         optimizer_state: &'a BTreeMap<String, Tensor>,
+        whole: Option<&'a CausalLm>,
         state: &'a TrainerState,
     ) -> Result<checkpoint::Part<'a>> {
         Ok(checkpoint::Part {
             source: &self.source,
-            weights: checkpoint::Weights::Whole(&self.model),
+            weights: checkpoint::Weights::Whole(whole.unwrap_or(&self.model)),
             value_head: Some(&self.head),
             optimizer_state,
             state,

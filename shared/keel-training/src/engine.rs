@@ -258,12 +258,9 @@ impl Engine {
         // heads are random; a restored master copy is its owner's).
         optimizer.broadcast_parameters()?;
         let critic = match &request.critic {
-            Some(_) if comm.is_some() => {
-                return Err(Error::InvalidConfig(
-                    "the PPO critic trains whole on each rank: tensor_parallel_size must be 1".into(),
-                ));
+            Some(critic) => {
+                Some(Critic::load(critic, &source, request.resume, device, kind, comm.clone(), data.as_ref())?)
             }
-            Some(critic) => Some(Critic::load(critic, &source, request.resume, device, kind, data.as_ref())?),
             None => None,
         };
         Ok(Self {
@@ -780,6 +777,7 @@ impl Engine {
         }
         let head = self.value_head.as_ref();
         let critic_trainer_state = self.critic.as_ref().map(|c| c.state(self.seed, &self.config));
+        let critic_state = critic_state.as_ref().map(|(tensors, whole)| (tensors, whole.as_ref()));
         let files = self.policy.with_full(|full| {
             let weights = match full.lora() {
                 Some(_) => checkpoint::Weights::Adapters { model: full, base: &self.base },
@@ -792,8 +790,8 @@ impl Engine {
                 optimizer_state: &optimizer_state,
                 state: &state,
             };
-            let critic = match (&self.critic, &critic_state, &critic_trainer_state) {
-                (Some(critic), Some(tensors), Some(state)) => Some(critic.part(tensors, state)?),
+            let critic = match (&self.critic, critic_state, &critic_trainer_state) {
+                (Some(critic), Some((tensors, whole)), Some(state)) => Some(critic.part(tensors, whole, state)?),
                 _ => None,
             };
             checkpoint::save(path, policy, critic)

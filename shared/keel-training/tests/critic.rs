@@ -125,26 +125,43 @@ fn the_critic_learns_the_returns_warms_up_alone_and_resumes_exactly() {
 }
 
 #[test]
-fn the_critic_trains_the_same_at_dp_2_and_is_refused_under_tensor_parallelism() {
+fn the_critic_trains_the_same_at_dp_2_and_tp_2() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let mut runs = Vec::new();
-    for dp in [1, 2] {
-        let mut trainer = Trainer::load(&request(&model, dp, 1), "cpu").unwrap();
+    let mut split = None;
+    for (dp, tp) in [(1, 1), (2, 1), (1, 2)] {
+        let mut load = request(&model, dp, 1);
+        load.tensor_parallel_size = tp;
+        let mut trainer = Trainer::load(&load, "cpu").unwrap();
         let losses = train(&mut trainer, 3);
         let values = trainer.logprobs(Scorer::Critic, rows().input_ids, 1.0).unwrap();
-        runs.push((losses, values));
+        runs.push(((dp, tp), losses, values));
+        split = Some(trainer);
     }
-    let ((losses1, values1), (losses2, values2)) = (&runs[0], &runs[1]);
-    for (a, b) in losses1.iter().zip(losses2) {
-        assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "value loss {losses1:?} at DP 1, {losses2:?} at DP 2");
+    let (_, losses1, values1) = &runs[0];
+    for (grid, losses, values) in &runs[1..] {
+        for (a, b) in losses1.iter().zip(losses) {
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "value loss {losses1:?} whole, {losses:?} at {grid:?}");
+        }
+        for (a, b) in values1.iter().flatten().zip(values.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-5, "values after three calls differ at (DP, TP) {grid:?}: {a} vs {b}");
+        }
     }
-    for (a, b) in values1.iter().flatten().zip(values2.iter().flatten()) {
-        assert!((a - b).abs() <= 1e-5, "values after three calls differ: {a} vs {b}");
+    // A TP 2 checkpoint holds the whole critic: resumed at TP 2 it scores as the one that
+    // saved it, and at TP 1 as well.
+    let mut split = split.unwrap();
+    let saved = dir.path().join("tp-2");
+    let (_, files) = split.save(saved.clone(), json!({})).unwrap();
+    assert!(files.contains(&"critic/model.safetensors".to_string()), "{files:?}");
+    let ids = rows().input_ids;
+    let want = split.logprobs(Scorer::Critic, ids.clone(), 1.0).unwrap();
+    for tp in [2, 1] {
+        let mut load = request(&saved, 1, 1);
+        load.tensor_parallel_size = tp;
+        let got = Trainer::load(&load, "cpu").unwrap().logprobs(Scorer::Critic, ids.clone(), 1.0).unwrap();
+        for (a, b) in want.iter().flatten().zip(got.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-5, "resumed at TP {tp}: {a} vs {b}");
+        }
     }
-
-    let mut sharded = request(&model, 1, 0);
-    sharded.tensor_parallel_size = 2;
-    let error = Trainer::load(&sharded, "cpu").map(|_| ()).unwrap_err().to_string();
-    assert!(error.contains("tensor_parallel_size"), "{error}");
 }

@@ -151,6 +151,9 @@ pub struct Tape {
     pub(crate) router_aux_loss: Option<Tensor>,
     /// What this rank adds to its loss per unit of the load-balancing loss.
     pub(crate) router_loss_weight: f64,
+    /// Whether the pass ends in the replicated final hidden states (a value head's input,
+    /// whose gradient every rank has whole) rather than a rank's vocabulary slice.
+    replicated_end: bool,
 }
 
 impl Tape {
@@ -429,6 +432,19 @@ impl CausalLm {
     /// A pass with gradients on a rank, cut into residual segments for
     /// [`CausalLm::backward`].
     pub(crate) fn taped_logprobs(&self, pass: &Pass, temperature: f64, routers: &Routers) -> Result<(Tensor, Tape)> {
+        let (hidden, mut tape) = self.taped_hidden_states_with(pass, routers)?;
+        tape.replicated_end = false;
+        Ok((self.pass_logprobs(&hidden, pass, temperature)?, tape))
+    }
+
+    /// The final hidden states of a pass with gradients on a rank: what a value head reads.
+    pub(crate) fn taped_hidden_states(&self, pass: &Pass) -> Result<(Tensor, Tape)> {
+        self.taped_hidden_states_with(pass, &Routers::own_graph())
+    }
+
+    /// The layers and the final norm, cut into segments; the last segment's branch input
+    /// (the final hidden states) is where the caller's computation starts.
+    fn taped_hidden_states_with(&self, pass: &Pass, routers: &Routers) -> Result<(Tensor, Tape)> {
         let embedded = self.embed(&pass.ids)?;
         let mut segments = Vec::with_capacity(2 * self.layers.len() + 1);
         let mut x = embedded.shallow_clone();
@@ -442,9 +458,9 @@ impl CausalLm {
         let input = leaf(&x)?;
         let normed = self.norm.forward(&input, None)?;
         let branch_input = leaf(&normed)?;
-        let result = self.pass_logprobs(&branch_input, pass, temperature)?;
+        let hidden = branch_input.shallow_clone();
         segments.push(Segment { input, normed, branch_input, output: None });
-        Ok((result, Tape { embedded: Some(embedded), segments, ..Tape::default() }))
+        Ok((hidden, Tape { embedded: Some(embedded), segments, replicated_end: true, ..Tape::default() }))
     }
 
     /// One residual block cut for training: x + all-reduce(branch(norm(x))) + bias.
@@ -472,12 +488,17 @@ impl CausalLm {
     pub fn backward(&self, tape: Tape) -> Result<()> {
         let Some(shard) = &self.shard else { return Ok(()) };
         let mut upstream: Option<Tensor> = None;
-        for segment in tape.segments.into_iter().rev() {
+        for (index, segment) in tape.segments.into_iter().rev().enumerate() {
             if let (Some(output), Some(grad)) = (&segment.output, &upstream) {
                 backward_with(output, grad)?;
             }
             let partial = grad_of(&segment.branch_input)?;
-            let full = all_reduce(shard, partial.copy(), ReduceOp::Sum)?;
+            // A value head's gradient is whole on every rank; a slice's is summed.
+            let full = if index == 0 && tape.replicated_end {
+                partial
+            } else {
+                all_reduce(shard, partial.copy(), ReduceOp::Sum)?
+            };
             backward_with(&segment.normed, &full)?;
             upstream = Some(grad_of(&segment.input)?);
         }
@@ -1231,6 +1252,69 @@ mod tests {
                         let diff = (grad - reference).abs().max().double_value(&[]);
                         assert!(diff <= 1e-5 * scale, "TP={world}: gradient of `{name}` differs by {diff:e}");
                     }
+                }
+            }
+        }
+    }
+
+    /// A value head on the final hidden states (a critic, a reward model): the same values and
+    /// gradients at TP 2 as whole, the head's own gradient whole on every rank.
+    #[test]
+    fn value_head_gradients_at_tp_2_equal_tp_1() {
+        for cfg in [config("Qwen3ForCausalLM", 8, 4, json!({"head_dim": 16})), mixtral()] {
+            tch::manual_seed(17);
+            let full = CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.2 }).expect("a model");
+            randomize_biases_and_norms(&full);
+            let head = Tensor::randn([1, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let rows: Vec<i64> = (0..2 * 9).map(|i| (i * 31 + 2) % 101).collect();
+            let lengths = [9, 5];
+            let value_loss = |hidden: &Tensor, head: &Tensor| {
+                let values = hidden.matmul(&head.transpose(0, 1)).squeeze_dim(2);
+                weighted_loss(&(&values * &values))
+            };
+            let ids = Tensor::from_slice(&rows).view([2, 9]);
+            let (hidden, tape) = full.train_hidden_states(&ids, &lengths).expect("TP=1 hidden states");
+            value_loss(&hidden, &head).backward();
+            full.backward(tape).expect("nothing to do whole");
+            // The LM head takes no part: its gradient is none, zeros on the ranks.
+            let expected: std::collections::HashMap<String, Tensor> = full
+                .var_store()
+                .variables()
+                .into_iter()
+                .map(|(name, value)| {
+                    let grad = value.grad();
+                    (name, if grad.defined() { grad.copy() } else { value.zeros_like() })
+                })
+                .collect();
+            let expected_head = head.grad().copy();
+            let start = Vec::<f32>::try_from(head.detach().flatten(0, -1)).expect("floats");
+            let results = on_shards(&full, 2, move |model| {
+                model.set_trainable(true).expect("trainable");
+                let head = Tensor::from_slice(&start).view([1, 64]).set_requires_grad(true);
+                let ids = Tensor::from_slice(&rows).view([2, 9]);
+                let (hidden, tape) = model.train_hidden_states(&ids, &lengths).expect("TP hidden states");
+                value_loss(&hidden, &head).backward();
+                model.backward(tape).expect("TP backward");
+                model.reduce_replicated_gradients().expect("replicated gradients");
+                let grads: Vec<(String, Tensor)> = model
+                    .parameters()
+                    .into_iter()
+                    .map(|(name, value, layout)| {
+                        let grad = value.grad();
+                        let grad = if grad.defined() { grad } else { value.zeros_like() };
+                        (name, model.gather_parameter(&grad, layout).expect("gathered gradient"))
+                    })
+                    .collect();
+                (head.grad().copy(), grads)
+            });
+            for (head_grad, grads) in results {
+                let diff = (head_grad - &expected_head).abs().max().double_value(&[]);
+                assert!(diff <= 1e-4, "the value head's gradient differs by {diff:e}");
+                for (name, grad) in grads {
+                    let reference = &expected[&name];
+                    let scale = reference.abs().max().double_value(&[]).max(1.0);
+                    let diff = (grad - reference).abs().max().double_value(&[]);
+                    assert!(diff <= 1e-5 * scale, "gradient of `{name}` differs by {diff:e}");
                 }
             }
         }
