@@ -152,19 +152,10 @@ impl Engine {
         comm: Option<SharedComm>,
         data: Option<SharedComm>,
     ) -> Result<Self> {
-        if comm.is_some() {
-            if request.reference_offload {
-                return Err(Error::InvalidConfig(
-                    "reference_offload is not supported with tensor_parallel_size > 1".into(),
-                ));
-            }
-            if matches!(request.training.loss, LossConfig::BradleyTerry)
-                || Path::new(&request.policy.path).join(checkpoint::VALUE_HEAD_FILE).is_file()
-            {
-                return Err(Error::InvalidConfig(
-                    "reward models (value heads) are not supported with tensor_parallel_size > 1".into(),
-                ));
-            }
+        if comm.is_some() && request.reference_offload {
+            return Err(Error::InvalidConfig(
+                "reference_offload is not supported with tensor_parallel_size > 1".into(),
+            ));
         }
         let kind = match &request.dtype {
             Some(name) => keel_model::device::parse_kind(name).map_err(|e| Error::InvalidConfig(e.to_string()))?,
@@ -232,8 +223,15 @@ impl Engine {
             Some(checkpoint::load_value_head(&head_file, policy.config().hidden_size, device)?)
         } else if matches!(config.loss, LossConfig::BradleyTerry) {
             let hidden = policy.config().hidden_size;
-            let init =
-                Tensor::f_randn([1, hidden], (Kind::Float, device))?.f_mul_scalar(1.0 / (hidden as f64).sqrt())?;
+            // The ranks of a tensor-parallel group are threads sharing torch's generator: each
+            // draws the head as the first numbers after the seed, one at a time, so every
+            // rank (and a run at TP 1) starts from the same head.
+            static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+            let init = {
+                let _one_at_a_time = DRAW.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                tch::manual_seed(request.seed as i64);
+                Tensor::f_randn([1, hidden], (Kind::Float, device))?.f_mul_scalar(1.0 / (hidden as f64).sqrt())?
+            };
             Some(init.f_set_requires_grad(true)?)
         } else {
             None
@@ -399,19 +397,24 @@ impl Engine {
         unpad(&padded, &lengths)
     }
 
-    /// Value-head scores [B] at each row's last token.
-    fn padded_scores(&self, ids: &Tensor, lengths: &[i64]) -> Result<Tensor> {
+    /// Value-head scores [B] at each row's last token; with `train`, with gradients and what
+    /// the model's backward pass needs after the loss's (a tensor-parallel rank's tape).
+    fn padded_scores(&self, ids: &Tensor, lengths: &[i64], train: bool) -> Result<(Tensor, Tape)> {
         let head = self.value_head.as_ref().ok_or_else(|| {
             Error::InvalidRequest(
                 "this model has no value head (train with bradley_terry or load a reward model)".into(),
             )
         })?;
-        let hidden = self.policy.last_hidden_states(ids, lengths)?;
+        let (hidden, tape) = if train {
+            self.policy.train_hidden_states(ids, lengths)?
+        } else {
+            (self.policy.last_hidden_states(ids, lengths)?, Tape::default())
+        };
         let last = Tensor::from_slice(&lengths.iter().map(|l| l - 1).collect::<Vec<_>>()).f_to_device(self.device)?;
         let (b, h) = (hidden.size()[0], hidden.size()[2]);
         let index = last.f_view([b, 1, 1])?.f_expand([b, 1, h], false)?;
         let final_token = hidden.f_gather(1, &index, false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
-        Ok(final_token.f_matmul(&head.f_transpose(0, 1)?)?.f_squeeze_dim(1)?)
+        Ok((final_token.f_matmul(&head.f_transpose(0, 1)?)?.f_squeeze_dim(1)?, tape))
     }
 
     /// Reward-model scores of `sequences`.
@@ -423,7 +426,8 @@ impl Engine {
             let rows = &lengths[start..start + len];
             let max = rows.iter().copied().max().unwrap_or(1);
             let slice = ids.f_narrow(0, start as i64, len as i64)?.f_narrow(1, 0, max)?;
-            scores.extend(Vec::<f32>::try_from(self.padded_scores(&slice, rows)?.f_to_device(Device::Cpu)?)?);
+            let (batch, _) = self.padded_scores(&slice, rows, false)?;
+            scores.extend(Vec::<f32>::try_from(batch.f_to_device(Device::Cpu)?)?);
         }
         Ok(scores)
     }
@@ -462,8 +466,8 @@ impl Engine {
         let device = self.device;
         let on_device = |x: &Option<Tensor>| x.as_ref().map(|t| t.f_to_device(device)).transpose();
         let (logprobs, scores, pending) = if matches!(self.config.loss, LossConfig::BradleyTerry) {
-            let scores = self.padded_scores(&micro.input_ids, &micro.lengths)?;
-            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(scores), Tape::default())
+            let (scores, tape) = self.padded_scores(&micro.input_ids, &micro.lengths, true)?;
+            (Tensor::f_zeros([0], (Kind::Float, device))?, Some(scores), tape)
         } else {
             let (logprobs, pending) = if self.config.sequence_packing.enabled {
                 let row = PackedRow::new(&micro.input_ids, &micro.lengths)?;
