@@ -406,6 +406,16 @@ fn cli_reads_the_run(stack: &Stack, run: &str, steps: &[u64]) {
     assert!(output.status.success() && output.stderr.is_empty(), "{output:?}");
 }
 
+/// 16 samples and one optimiser step per GRPO step, no KL penalty, validation only at the
+/// start (what [`resumed_like_uninterrupted`] runs).
+fn one_update_per_step(spec: &mut serde_json::Value) {
+    spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
+    spec["training"]["global_batch_size"] = json!(16);
+    spec["training"]["micro_batch_size"] = json!(16);
+    spec["grpo"]["num_prompts_per_step"] = json!(4);
+    spec["validation"]["period"] = json!(100);
+}
+
 /// Runs `spec` for ten GRPO steps (16 samples and one optimiser step each, no KL penalty, a
 /// checkpoint every 3 steps), killing its orchestrator after step 4 and starting another: the
 /// run resumes, records every step once, and its `metric` series equals that of the same spec
@@ -416,12 +426,8 @@ async fn resumed_like_uninterrupted(
     metric: &str,
 ) -> (String, Vec<(u64, f64)>) {
     let mut spec = spec.clone();
-    spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
-    spec["training"]["global_batch_size"] = json!(16);
-    spec["training"]["micro_batch_size"] = json!(16);
-    spec["grpo"]["num_prompts_per_step"] = json!(4);
+    one_update_per_step(&mut spec);
     spec["max_num_steps"] = json!(10);
-    spec["validation"]["period"] = json!(100);
     spec["checkpointing"] = json!({"save_period": 3});
     let id = stack.submit(&spec).await;
     stack.wait_for(&id, LIMIT, |run| run["step"].as_u64().unwrap_or(0) >= 4).await;
@@ -488,12 +494,8 @@ async fn ppo_trains_a_critic_that_learns_the_returns_and_resumes_with_it() {
     // The policy and the critic split over two tensor-parallel ranks: the critic's first
     // steps give the same value loss as the whole critic's.
     spec["tensor_parallel_size"] = json!(2);
-    spec["training"]["loss"]["reference_policy_kl_penalty"] = json!(0.0);
-    spec["training"]["global_batch_size"] = json!(16);
-    spec["training"]["micro_batch_size"] = json!(16);
-    spec["grpo"]["num_prompts_per_step"] = json!(4);
+    one_update_per_step(&mut spec);
     spec["max_num_steps"] = json!(3);
-    spec["validation"]["period"] = json!(100);
     spec["checkpointing"] = json!({"enabled": false});
     let split = stack.submit(&spec).await;
     stack.wait_succeeded(&split, LIMIT).await;
