@@ -54,11 +54,6 @@ impl Architecture {
         }
     }
 
-    /// Whether its MLPs are mixtures of experts.
-    pub fn is_moe(self) -> bool {
-        matches!(self, Self::Qwen3Moe | Self::Mixtral)
-    }
-
     fn from_hf_class(name: &str) -> Result<Self> {
         Self::ALL
             .into_iter()

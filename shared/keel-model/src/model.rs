@@ -1,5 +1,6 @@
 //! The decoder-only causal LM shared by every supported architecture (Llama, Qwen2, Qwen3,
-//! Mistral, and the mixtures of experts Qwen3-MoE and Mixtral, whose MLPs are [`moe`]; see [`crate::config::Architecture`] for what differs). Parameters live in one
+//! Mistral, and the mixtures of experts Qwen3-MoE and Mixtral, whose MLPs are [`moe`]; see
+//! [`crate::config::Architecture`] for what differs). Parameters live in one
 //! `nn::VarStore` under Hugging Face's tensor names, so loading and saving are direct maps
 //! and an optimiser can train them.
 //!

@@ -176,6 +176,24 @@ pub fn read_state(dir: &Path) -> Result<Option<TrainerState>> {
     Ok(Some(state))
 }
 
+/// Optimiser state from [`AdamW::gathered_state`] made whole from the tensor-parallel
+/// ranks' parts by their layouts in `model` (every rank of the group calls it); rank 0 keeps
+/// the tensors, on the CPU, for the file, the other ranks get none.
+pub fn whole_optimizer_state(
+    model: &CausalLm,
+    tensors: Vec<(String, Tensor, keel_model::model::Layout)>,
+) -> Result<BTreeMap<String, Tensor>> {
+    let keep = model.rank() == 0;
+    let mut state = BTreeMap::new();
+    for (key, tensor, layout) in tensors {
+        let whole = model.gather_parameter(&tensor, layout)?;
+        if keep {
+            state.insert(key, whole.f_to_device(Device::Cpu)?);
+        }
+    }
+    Ok(state)
+}
+
 /// Restores the optimiser (moments, master weights, step) from a checkpoint directory; a
 /// plain HF directory leaves it fresh.
 pub fn restore_optimizer(dir: &Path, optimizer: &mut AdamW) -> Result<()> {

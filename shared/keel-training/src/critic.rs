@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use keel_collective::SharedComm;
 use keel_model::CausalLm;
+use keel_model::model::Layout;
 use keel_protocol::trainer::CriticLoad;
 use keel_protocol::training::TrainingConfig;
 use tch::{Device, Kind, Tensor};
@@ -177,24 +178,23 @@ impl Critic {
         Ok(bytes)
     }
 
-    /// What a checkpoint's `critic/` directory needs, gathered from the data- and
-    /// tensor-parallel ranks (every rank calls it): the optimiser's state and, for a
-    /// tensor-parallel rank, the whole model (both kept, on the CPU, by tensor-parallel rank 0).
-    pub fn gathered_state(&self) -> Result<(BTreeMap<String, Tensor>, Option<CausalLm>)> {
+    /// The optimiser's state gathered from the data-parallel ranks (every rank calls it).
+    pub fn gathered_state(&self) -> Result<Vec<(String, Tensor, Layout)>> {
+        self.optimizer.gathered_state()
+    }
+
+    /// What a checkpoint's `critic/` directory needs from the tensor-parallel ranks (every
+    /// rank of the group calls it): the optimiser's `state` made whole and, on a rank, the
+    /// whole model (both kept, on the CPU, by rank 0).
+    pub fn whole(&self, state: Vec<(String, Tensor, Layout)>) -> Result<(BTreeMap<String, Tensor>, Option<CausalLm>)> {
+        let state = checkpoint::whole_optimizer_state(&self.model, state)?;
         let keep = self.model.rank() == 0;
-        let mut state = BTreeMap::new();
-        for (key, tensor, layout) in self.optimizer.gathered_state()? {
-            let whole = self.model.gather_parameter(&tensor, layout)?;
-            if keep {
-                state.insert(key, whole.f_to_device(Device::Cpu)?);
-            }
-        }
         let whole = if self.model.is_shard() { self.model.gather_full_on(Device::Cpu, keep)? } else { None };
         Ok((state, whole))
     }
 
     /// The critic's part of a checkpoint, with `optimizer_state` and (under tensor
-    /// parallelism) the `whole` model from [`Critic::gathered_state`], and the policy's
+    /// parallelism) the `whole` model from [`Critic::whole`], and the policy's
     /// `training` configuration.
     pub fn part<'a>(
         &'a self,

@@ -767,18 +767,15 @@ impl Engine {
         // Under data parallelism the owners send their optimiser state to every rank, and
         // the first replica writes the checkpoint.
         let state_tensors = self.optimizer.gathered_state()?;
-        let critic_state = self.critic.as_ref().map(Critic::gathered_state).transpose()?;
+        let critic_tensors = self.critic.as_ref().map(Critic::gathered_state).transpose()?;
         if self.data.as_ref().is_some_and(|d| d.rank() != 0) {
             return Ok(Vec::new());
         }
-        let keep = self.policy.rank() == 0;
-        let mut optimizer_state = BTreeMap::new();
-        for (key, tensor, layout) in state_tensors {
-            let whole = self.policy.gather_parameter(&tensor, layout)?;
-            if keep {
-                optimizer_state.insert(key, whole.f_to_device(Device::Cpu)?);
-            }
-        }
+        let optimizer_state = checkpoint::whole_optimizer_state(&self.policy, state_tensors)?;
+        let critic_state = match (&self.critic, critic_tensors) {
+            (Some(critic), Some(tensors)) => Some(critic.whole(tensors)?),
+            _ => None,
+        };
         let head = self.value_head.as_ref();
         let critic_trainer_state = self.critic.as_ref().map(|c| c.state(self.seed, &self.config));
         let critic_state = critic_state.as_ref().map(|(tensors, whole)| (tensors, whole.as_ref()));

@@ -84,7 +84,7 @@ impl Experts {
             let rows = tokens.f_narrow(0, start, count)?;
             let weight = slot_weights.f_narrow(0, start, count)?.f_unsqueeze(-1)?;
             let y = expert.forward(&flat.f_index_select(0, &rows)?, kernels)?.f_mul(&weight)?;
-            out = out.f_index_add(0, &rows, &y)?;
+            let _ = out.f_index_add_(0, &rows, &y)?;
             start += count;
         }
         Ok(out.f_reshape(shape.as_slice())?)

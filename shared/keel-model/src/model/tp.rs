@@ -432,14 +432,14 @@ impl CausalLm {
     /// A pass with gradients on a rank, cut into residual segments for
     /// [`CausalLm::backward`].
     pub(crate) fn taped_logprobs(&self, pass: &Pass, temperature: f64, routers: &Routers) -> Result<(Tensor, Tape)> {
-        let (hidden, mut tape) = self.taped_hidden_states_with(pass, routers)?;
-        tape.replicated_end = false;
+        let (hidden, tape) = self.taped_hidden_states_with(pass, routers)?;
         Ok((self.pass_logprobs(&hidden, pass, temperature)?, tape))
     }
 
     /// The final hidden states of a pass with gradients on a rank: what a value head reads.
     pub(crate) fn taped_hidden_states(&self, pass: &Pass) -> Result<(Tensor, Tape)> {
-        self.taped_hidden_states_with(pass, &Routers::own_graph())
+        let (hidden, tape) = self.taped_hidden_states_with(pass, &Routers::own_graph())?;
+        Ok((hidden, Tape { replicated_end: true, ..tape }))
     }
 
     /// The layers and the final norm, cut into segments; the last segment's branch input
@@ -460,7 +460,7 @@ impl CausalLm {
         let branch_input = leaf(&normed)?;
         let hidden = branch_input.shallow_clone();
         segments.push(Segment { input, normed, branch_input, output: None });
-        Ok((hidden, Tape { embedded: Some(embedded), segments, replicated_end: true, ..Tape::default() }))
+        Ok((hidden, Tape { embedded: Some(embedded), segments, ..Tape::default() }))
     }
 
     /// One residual block cut for training: x + all-reduce(branch(norm(x))) + bias.
