@@ -2,7 +2,8 @@
 event stream (SSE) here. The wall time between consecutive step records includes what the
 step timer does not see (recording in Postgres, checkpoint uploads). Given the JSON line of
 bench/trl_grpo_step.py too, it then prints Keel's mean step time next to TRL GRPOTrainer's
-on the same step, and the ratio Keel / TRL (below 1 favours Keel)."""
+on the same step, and the ratio Keel / TRL (below 1 favours Keel). With `--sweep STATE MB...`
+it prints both sides' step times at each micro batch and names each side's best."""
 
 import json
 import sys
@@ -84,5 +85,39 @@ def print_comparison(keel_step, keel_wall, keel_generation, trl):
             print("%-36s%10.3f%10.3f%12.2f" % (name, keel, ref, keel / ref))
 
 
+def keel_step(metrics_file):
+    """Keel's mean step time (step timer), step 1 left out."""
+    with open(metrics_file) as f:
+        series = {m["name"]: dict(m["points"]) for m in json.load(f)["metrics"]}
+    total = series["timing/train/total_step_time"]
+    steps = [s for s in sorted(total) if s > 1] or sorted(total)
+    return sum(total[s] for s in steps) / len(steps)
+
+
+def sweep(state, micro_batches):
+    """Both sides' step time at every micro batch (to stderr, beside the other tables), and
+    each side's best micro batch (to stdout: "KEEL TRL")."""
+    keel = {m: keel_step(f"{state}/metrics-mb{m}.json") for m in micro_batches}
+    trl = {}
+    for m in micro_batches:
+        with open(f"{state}/trl-mb{m}.json") as f:
+            trl[m] = json.loads(f.read().strip().splitlines()[-1])["step_s"]
+    err = sys.stderr
+    print("GRPO step time (s) at each micro batch, step 1 left out", file=err)
+    print("%-14s%10s%10s" % ("micro batch", "keel", "trl"), file=err)
+    for m in micro_batches:
+        print("%-14s%10.3f%10.3f" % (m, keel[m], trl[m]), file=err)
+    best_keel, best_trl = min(keel, key=keel.get), min(trl, key=trl.get)
+    print(
+        "each at its best: Keel %.3f s (micro batch %s), TRL %.3f s (micro batch %s): Keel %.2fx as fast as TRL"
+        % (keel[best_keel], best_keel, trl[best_trl], best_trl, trl[best_trl] / keel[best_keel]),
+        file=err,
+    )
+    print(best_keel, best_trl)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    if sys.argv[1] == "--sweep":
+        sweep(sys.argv[2], sys.argv[3:])
+    else:
+        main(*sys.argv[1:6])

@@ -14,13 +14,20 @@ def main():
     rows = [r for r in lines if r.get("min_len", r["seq_len"]) == r["seq_len"] and r.get("batching", "rows") == "rows"]
     mixed = [r for r in lines if r not in rows]
     print(f"model: {model}   threads: {lines[0]['threads']}   host CPUs: {os.cpu_count()}")
-    print(f"{'batch x seq (micro)':<24}{'engine':<26}{'step s':>10}{'tokens/s':>12}")
+    print("step s and its parts: forward (with the loss), backward, optimiser (clipping, step); medians")
+    print(f"{'batch x seq (micro)':<30}{'engine':<26}{'step s':>10}{'tokens/s':>12}{'forward':>10}{'backward':>10}{'optim':>10}")
+    part = lambda r, name: f"{r[name]:>10.3f}" if name in r else f"{'-':>10}"
     for keel, ref in zip(rows[0::2], rows[1::2]):
         shape = f"{keel['batch']} x {keel['seq_len']} ({keel['micro_batch']})"
+        if keel.get("group", 1) > 1:
+            shape += f" {keel['group']}/{keel['prompt_len']}"
         for r in (keel, ref):
-            print(f"{shape:<24}{r['engine']:<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}")
+            parts = "".join(part(r, n) for n in ["forward_seconds", "backward_seconds", "optimizer_seconds"])
+            print(f"{shape:<30}{r['engine']:<26}{r['step_seconds']:>10.3f}{r['tokens_per_s']:>12.1f}{parts}")
         ratio = keel["tokens_per_s"] / ref["tokens_per_s"]
-        print(f"{shape:<24}{'ratio keel / torch':<26}{'':>10}{ratio:>12.2f}")
+        print(f"{shape:<30}{'ratio keel / torch':<26}{'':>10}{ratio:>12.2f}")
+    if any(r.get("group", 1) > 1 for r in rows):
+        print("(G/P: every G rows begin with the same P tokens, as a GRPO group's samples do)")
     padded = None
     for r in mixed:
         if r["batching"] == "rows":

@@ -46,6 +46,13 @@ pub struct TrainBenchArgs {
     /// Tokens per microbatch for `packed` and `dynamic` (default: --micro-batch × --seq-len).
     #[arg(long)]
     mb_tokens: Option<usize>,
+    /// Every --group consecutive sequences begin with the same --prompt-len tokens, as a
+    /// GRPO group's samples begin with their prompt.
+    #[arg(long, default_value_t = 1)]
+    group: usize,
+    /// Tokens each group's sequences share (see --group).
+    #[arg(long, default_value_t = 0)]
+    prompt_len: usize,
     /// Timed steps after one warm-up step; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -125,6 +132,9 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
     if !(2..=args.seq_len).contains(&min_len) {
         bail!("--min-len must be 2 to --seq-len");
     }
+    if args.group < 1 || args.prompt_len >= min_len {
+        bail!("--group must be at least 1 and --prompt-len shorter than every sequence");
+    }
     crate::bench::set_threads(args.threads)?;
     let budget_tokens = args.mb_tokens.unwrap_or(micro * args.seq_len);
     let budget = json!({"enabled": true, "train_mb_tokens": budget_tokens});
@@ -172,11 +182,13 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
         min_len + (state % (args.seq_len - min_len + 1) as u64) as usize
     };
     let lengths: Vec<usize> = (0..args.batch).map(|_| length()).collect();
-    let input_ids: Vec<Vec<i64>> = lengths
-        .iter()
-        .enumerate()
-        .map(|(row, &len)| (0..len as i64).map(|i| (row as i64 * args.seq_len as i64 + i) * 37 % vocab).collect())
-        .collect();
+    // A group's sequences take their first --prompt-len tokens from the group's first row.
+    let token = |row: usize, i: usize| {
+        let source = if i < args.prompt_len { row / args.group * args.group } else { row };
+        ((source * args.seq_len + i) * 37) as i64 % vocab
+    };
+    let input_ids: Vec<Vec<i64>> =
+        lengths.iter().enumerate().map(|(row, &len)| (0..len).map(|i| token(row, i)).collect()).collect();
     let token_mask: Vec<Vec<f32>> = lengths.iter().map(|&len| vec![1.0; len]).collect();
     let tokens: usize = lengths.iter().sum();
     // The positions the microbatches compute: padded rows are as long as their microbatch's
@@ -193,17 +205,21 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
         .sum();
     let wire = TrainBatch { input_ids, token_mask, ..Default::default() };
     let device = engine.policy().device();
-    let mut step = || -> anyhow::Result<f64> {
+    // The step's seconds, and its forward, backward and optimiser parts (the engine's timing).
+    let mut step = || -> anyhow::Result<[f64; 4]> {
         let batch = Batch::new(&wire, &engine.config().loss)?;
         let start = Instant::now();
-        engine.train(batch, 1.0)?;
+        let trained = engine.train(batch, 1.0)?;
         if let tch::Device::Cuda(index) = device {
             tch::Cuda::synchronize(index as i64);
         }
-        Ok(start.elapsed().as_secs_f64())
+        let part = |name: &str| trained.timing.get(name).copied().unwrap_or(f64::NAN);
+        Ok([start.elapsed().as_secs_f64(), part("forward"), part("backward"), part("optimizer")])
     };
     step()?;
-    let median = crate::bench::median((0..args.repeats).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?);
+    let timed = (0..args.repeats).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?;
+    let [median, forward, backward, optimizer] =
+        std::array::from_fn(|i| crate::bench::median(timed.iter().map(|t| t[i]).collect()));
     if args.dp_rank.is_some_and(|rank| rank != 0) {
         return Ok(());
     }
@@ -214,6 +230,8 @@ fn bench(args: TrainBenchArgs) -> anyhow::Result<()> {
             "min_len": min_len, "batching": args.batching, "tokens": tokens, "computed_tokens": computed,
             "dtype": args.dtype, "threads": tch::get_num_threads(), "data_parallel": args.data_parallel,
             "step_seconds": median, "tokens_per_s": tokens as f64 / median,
+            "forward_seconds": forward, "backward_seconds": backward, "optimizer_seconds": optimizer,
+            "group": args.group, "prompt_len": args.prompt_len,
         })
     );
     Ok(())

@@ -4,7 +4,8 @@
 //! Layout:
 //! - [`config`]: `config.json` → [`ModelConfig`] (Llama, Qwen2, Qwen3, Mistral,
 //!   Qwen3-MoE, Mixtral).
-//! - [`model`]: the layers and [`CausalLm`] (training logprobs, cached inference forward).
+//! - [`model`]: the layers and [`CausalLm`] (training logprobs, cached inference forward);
+//!   `prefix`: rows that share a prompt computed as one tree per prompt in those logprobs.
 //! - [`rope`]: rotary embeddings, including Llama 3 scaling.
 //! - [`cache`]: the preallocated [`KvCache`] and the block pools of [`PagedCache`]
 //!   (continuous batching).
@@ -30,6 +31,7 @@ pub mod lora;
 pub mod model;
 pub mod packed;
 pub mod packing;
+mod prefix;
 pub mod pretrained;
 pub mod rope;
 pub mod sampling;

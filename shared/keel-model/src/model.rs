@@ -5,7 +5,8 @@
 //! and an optimiser can train them.
 //!
 //! Three forward paths: [`CausalLm::token_logprobs`] for training and scoring (full
-//! right-padded sequences, logprobs of the next tokens computed in vocabulary chunks),
+//! right-padded sequences, logprobs of the next tokens computed in vocabulary chunks; rows
+//! that begin alike, as a GRPO group's samples do, run as one tree per shared beginning),
 //! [`CausalLm::forward`] with an optional [`KvCache`] for prefill and incremental decoding,
 //! and [`CausalLm::forward_paged`] for the generator: chunks of many sequences packed into
 //! one pass over a [`PagedCache`] (see [`paged`]).
@@ -30,6 +31,7 @@ use crate::config::ModelConfig;
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
 use crate::packed::PackedRow;
+use crate::prefix::PrefixTree;
 use crate::rope::{self, Rotary};
 
 /// How new parameters are filled.
@@ -401,6 +403,8 @@ pub struct CausalLm {
     pub(crate) adapters: Option<crate::lora::Adapters>,
     /// This rank's place in a tensor-parallel group (`None`: the whole model).
     shard: Option<tp::Shard>,
+    /// Rows that share a prefix run as trees ([`PrefixTree`]); on unless turned off.
+    share_prefixes: bool,
 }
 
 /// Largest number of logits (batch × positions × vocabulary) materialised at once when
@@ -440,6 +444,7 @@ impl CausalLm {
             kernels: None,
             adapters: None,
             shard: None,
+            share_prefixes: true,
         })
     }
 
@@ -685,6 +690,9 @@ impl CausalLm {
     pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
         check_temperature(temperature)?;
         let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
+        if let Some(tree) = self.prefix_tree(input_ids, lengths)? {
+            return self.tree_logprobs(&tree, temperature);
+        }
         let pass = self.padded_pass(input_ids, lengths)?;
         let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
         self.pass_logprobs(&hidden, &pass, temperature)
@@ -707,8 +715,47 @@ impl CausalLm {
     /// tensor-parallel rank's model (a whole model's graph needs nothing more).
     pub fn train_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<(Tensor, Tape)> {
         check_temperature(temperature)?;
+        if let Some(tree) = self.prefix_tree(input_ids, lengths)? {
+            return Ok((self.tree_logprobs(&tree, temperature)?, Tape::default()));
+        }
         let pass = self.padded_pass(input_ids, lengths)?;
         self.logprobs_with_tape(&pass, temperature)
+    }
+
+    /// Whether [`Self::token_logprobs`] and [`Self::train_logprobs`] run rows that begin with
+    /// the same tokens as one tree per shared beginning ([`crate::prefix`]; on by default).
+    /// Either way the logprobs and gradients are the same up to float rounding.
+    pub fn set_prefix_sharing(&mut self, on: bool) {
+        self.share_prefixes = on;
+    }
+
+    /// How many tree rows the logprob passes over right-padded `input_ids` with `lengths` run
+    /// (`None`: they run the padded rows, as when nothing worth sharing is found, on a
+    /// tensor-parallel rank and for mixtures of experts).
+    pub fn prefix_tree_rows(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Option<i64>> {
+        Ok(self.prefix_tree(input_ids, lengths)?.map(|tree| tree.ids.size()[0]))
+    }
+
+    /// The trees of right-padded rows that share prefixes, when the whole dense model
+    /// computes them with clearly less work than the padded rows. (A rank's taped passes and
+    /// the MoE router loss, which counts every row's tokens, stay padded.)
+    fn prefix_tree(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Option<PrefixTree>> {
+        if !self.share_prefixes || self.shard.is_some() || self.cfg.moe.is_some() {
+            return Ok(None);
+        }
+        let (ids, _) = self.padded_input(input_ids, lengths)?;
+        let width = ids.size()[1] as usize;
+        let host = Vec::<i64>::try_from(ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
+        PrefixTree::plan(&host, width, lengths, self.device())
+    }
+
+    /// Token logprobs in the padded layout of rows laid out as `tree`.
+    fn tree_logprobs(&self, tree: &PrefixTree, temperature: f64) -> Result<Tensor> {
+        let (cos, sin) = self.rotary.cos_sin(&tree.positions, self.kind)?;
+        let masks = tree.masks(&self.windows())?;
+        let hidden = self.run_layers_at(&tree.ids, &cos, &sin, &masks, None, None)?;
+        let vocab = self.cfg.vocab_size;
+        tree.logprobs(&hidden, &self.lm_head, LOGPROB_CHUNK_ELEMENTS / vocab.max(1), temperature, target_logprobs)
     }
 
     /// [`Self::train_logprobs`] of the sequences packed in `row`, right-padded [n, S].

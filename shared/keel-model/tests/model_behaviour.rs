@@ -385,3 +385,80 @@ fn bf16_logprobs_track_f32() {
     let diff = keel_testkit::max_abs_diff(&full, &half);
     assert!(diff > 0.0 && diff < 0.15, "bf16 vs f32 logprob difference {diff}");
 }
+
+/// Rows of a GRPO-like batch: `prompts` prompts of different lengths that begin alike (a chat
+/// template's start), each followed by `samples` answers of different lengths, right-padded.
+fn grouped_rows(prompts: usize, samples: usize, vocab: i64) -> (Tensor, Vec<i64>) {
+    let mut rows: Vec<Vec<i64>> = Vec::new();
+    for p in 0..prompts {
+        let prompt: Vec<i64> =
+            [1, 2, 3].into_iter().chain((0..5 + 2 * p as i64).map(|i| (i * 7 + p as i64 * 13 + 5) % vocab)).collect();
+        for s in 0..samples {
+            let answer = (0..1 + (s * 5 + p) as i64 % 9).map(|i| (i * 11 + s as i64 * 17 + p as i64 * 3 + 1) % vocab);
+            rows.push(prompt.iter().copied().chain(answer).collect());
+        }
+    }
+    // Two samples with the same answer: their whole rows are shared.
+    rows[1] = rows[0].clone();
+    let width = rows.iter().map(Vec::len).max().unwrap();
+    let lengths: Vec<i64> = rows.iter().map(|r| r.len() as i64).collect();
+    let flat: Vec<i64> =
+        rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, width - r.len()))).collect();
+    (Tensor::from_slice(&flat).view([rows.len() as i64, width as i64]), lengths)
+}
+
+/// Logprobs and every parameter's gradient of Σ weight · logprob, through `train_logprobs`.
+fn logprobs_and_gradients(model: &CausalLm, ids: &Tensor, lengths: &[i64], temperature: f64) -> (Tensor, Vec<Tensor>) {
+    for p in model.var_store().trainable_variables() {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+    let (logprobs, _) = model.train_logprobs(ids, lengths, temperature).unwrap();
+    let weights =
+        Tensor::arange(logprobs.numel() as i64, (Kind::Float, Device::Cpu)).view(logprobs.size().as_slice()).sin();
+    (&logprobs * weights).sum(Kind::Float).backward();
+    let grads = model.var_store().trainable_variables().iter().map(|p| p.grad().copy()).collect();
+    (logprobs.detach(), grads)
+}
+
+/// A batch whose rows share prompts runs as one tree per prompt (the prompt once, each
+/// answer after it attending to it), and gives the padded pass's logprobs and gradients
+/// (1e-5, f32), with sliding windows and a temperature too; rows with nothing to share run
+/// padded.
+#[test]
+fn shared_prompts_give_the_padded_logprobs_and_gradients() {
+    for cfg in [
+        config("Qwen3ForCausalLM", json!({"head_dim": 16})),
+        config("MistralForCausalLM", json!({"sliding_window": 6})),
+    ] {
+        let mut model = random_model(cfg, Kind::Float);
+        let (ids, lengths) = grouped_rows(3, 4, 97);
+        assert_eq!(model.prefix_tree_rows(&ids, &lengths).unwrap(), Some(3), "one tree per prompt");
+        for temperature in [1.0, 0.7] {
+            let (tree, tree_grads) = logprobs_and_gradients(&model, &ids, &lengths, temperature);
+            model.set_prefix_sharing(false);
+            assert_eq!(model.prefix_tree_rows(&ids, &lengths).unwrap(), None);
+            let (padded, padded_grads) = logprobs_and_gradients(&model, &ids, &lengths, temperature);
+            let no_grad = model.token_logprobs(&ids, &lengths, temperature).unwrap();
+            model.set_prefix_sharing(true);
+            let scored = tch::no_grad(|| model.token_logprobs(&ids, &lengths, temperature).unwrap());
+            assert_eq!(tree.size(), padded.size());
+            for (name, got) in [("train", &tree), ("scored", &scored)] {
+                let diff = (got - &padded).abs().max().double_value(&[]);
+                assert!(diff < 1e-5, "{name} logprobs differ from the padded pass's by {diff}");
+            }
+            assert!((&no_grad - &padded).abs().max().double_value(&[]) == 0.0);
+            for (got, want) in tree_grads.iter().zip(&padded_grads) {
+                let scale = want.abs().max().double_value(&[]).max(1.0);
+                let diff = (got - want).abs().max().double_value(&[]);
+                assert!(diff < 1e-5 * scale, "a gradient (max {scale}) differs by {diff}");
+            }
+        }
+    }
+    // Unrelated rows: nothing shared, the padded pass.
+    let model = random_model(config("Qwen3ForCausalLM", json!({"head_dim": 16})), Kind::Float);
+    let ids = Tensor::from_slice(&[5i64, 6, 7, 8, 9, 10, 11, 0, 12, 13, 14, 15]).view([3, 4]);
+    assert_eq!(model.prefix_tree_rows(&ids, &[4, 3, 4]).unwrap(), None);
+}

@@ -514,6 +514,19 @@ impl Engine {
         micro_batch_size: usize,
         temperature: f64,
     ) -> Result<Metrics> {
+        Ok(self.timed_accumulate_gradients(global, micro_batch_size, temperature)?.0)
+    }
+
+    /// [`Self::accumulate_gradients`], with the seconds spent in the microbatches' forward
+    /// passes (the loss included) and in their backward passes (host time: on a GPU it is
+    /// the time to queue the kernels).
+    fn timed_accumulate_gradients(
+        &mut self,
+        global: &Batch,
+        micro_batch_size: usize,
+        temperature: f64,
+    ) -> Result<(Metrics, f64, f64)> {
+        let (mut forward, mut backward) = (0.0, 0.0);
         let counts = GlobalCounts::of(&global.token_mask, &global.sample_mask)?;
         // LoRA's dropout is on for these passes only.
         self.policy.set_adapter_training(true);
@@ -524,10 +537,14 @@ impl Engine {
             global,
             &|lengths: &[i64]| this.plan(lengths, micro_batch_size),
             &mut |micro: &Batch, rows: &[usize]| {
+                let start = Instant::now();
                 let (loss, part, pending) = this.microbatch_loss(micro, &counts, temperature)?;
                 finite(&loss, rows, "no step was taken")?;
+                forward += seconds(start);
+                let start = Instant::now();
                 loss.f_backward()?;
                 this.policy.backward(pending)?;
+                backward += seconds(start);
                 Ok(part)
             },
             &trainable,
@@ -537,7 +554,7 @@ impl Engine {
         self.policy.set_adapter_training(false);
         let mut metrics = accumulated?;
         metrics.global("global_valid_tokens", counts.tokens);
-        Ok(metrics)
+        Ok((metrics, forward, backward))
     }
 
     /// One optimiser step of the critic on `global` (which brings values and returns):
@@ -635,14 +652,19 @@ impl Engine {
                 continue;
             }
             self.optimizer.zero_grad();
-            let accumulated = self.accumulate_gradients(&global, self.config.micro_batch_size, temperature);
+            let accumulated = self.timed_accumulate_gradients(&global, self.config.micro_batch_size, temperature);
             let mut metrics = match accumulated {
-                Ok(metrics) => metrics,
+                Ok((metrics, forward, backward)) => {
+                    *timing.entry("forward".into()).or_default() += forward;
+                    *timing.entry("backward".into()).or_default() += backward;
+                    metrics
+                }
                 Err(e) => {
                     self.optimizer.zero_grad();
                     return Err(e);
                 }
             };
+            let optimizer = Instant::now();
             let clipped = self
                 .policy
                 .reduce_replicated_gradients()
@@ -658,6 +680,7 @@ impl Engine {
             let lr = self.config.optimizer.lr * lr_factor(&self.config.scheduler, self.optimizer.step_count());
             self.optimizer.step(lr)?;
             self.optimizer.zero_grad();
+            *timing.entry("optimizer".into()).or_default() += seconds(optimizer);
             metrics.global("grad_norm", grad_norm);
             metrics.global("lr", lr);
             if trains_critic {

@@ -107,7 +107,11 @@ fn lora_dpo_scores_its_reference_with_the_base_model_and_learns() {
     assert!((first.unwrap() - std::f64::consts::LN_2).abs() < 1e-6, "the first step starts at the reference");
     let mut full = full;
     let base = full.logprobs(Scorer::Policy, &held_out.input_ids, 1.0).unwrap();
-    assert_eq!(engine.logprobs(Scorer::Reference, &held_out.input_ids, 1.0).unwrap(), base);
+    // The same model's logprobs; the two engines' microbatches lay the shared prompts out in
+    // different trees, so only float rounding may differ.
+    let reference = engine.logprobs(Scorer::Reference, &held_out.input_ids, 1.0).unwrap();
+    let largest = reference.iter().flatten().zip(base.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(largest < 1e-5, "the reference differs from the base model's logprobs by {largest}");
     assert_ne!(engine.logprobs(Scorer::Policy, &held_out.input_ids, 1.0).unwrap(), base);
     let last = engine.evaluate(Batch::new(&held_out, &engine.config().loss).unwrap(), 1.0).unwrap();
     eprintln!("LoRA DPO held-out metrics after 20 steps: {:?}", last.metrics);

@@ -290,6 +290,7 @@ impl CausalLm {
             kind,
             kernels: None,
             adapters: None,
+            share_prefixes: false,
         })
     }
 
