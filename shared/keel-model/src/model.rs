@@ -673,7 +673,7 @@ impl CausalLm {
     /// caller computes its loss from them (the same on every rank of a tensor-parallel group),
     /// runs the loss's backward, then hands what comes back to [`Self::backward`].
     pub fn train_hidden_states(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tape)> {
-        let pass = self.padded_pass(input_ids, lengths)?;
+        let pass = self.padded_pass(self.padded_input(input_ids, lengths)?)?;
         if self.shard.is_some() {
             return self.taped_hidden_states(&pass);
         }
@@ -690,10 +690,11 @@ impl CausalLm {
     pub fn token_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<Tensor> {
         check_temperature(temperature)?;
         let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
-        if let Some(tree) = self.prefix_tree(input_ids, lengths)? {
+        let padded = self.padded_input(input_ids, lengths)?;
+        if let Some(tree) = self.prefix_tree(&padded.0, lengths)? {
             return self.tree_logprobs(&tree, temperature);
         }
-        let pass = self.padded_pass(input_ids, lengths)?;
+        let pass = self.padded_pass(padded)?;
         let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
         self.pass_logprobs(&hidden, &pass, temperature)
     }
@@ -715,10 +716,11 @@ impl CausalLm {
     /// tensor-parallel rank's model (a whole model's graph needs nothing more).
     pub fn train_logprobs(&self, input_ids: &Tensor, lengths: &[i64], temperature: f64) -> Result<(Tensor, Tape)> {
         check_temperature(temperature)?;
-        if let Some(tree) = self.prefix_tree(input_ids, lengths)? {
+        let padded = self.padded_input(input_ids, lengths)?;
+        if let Some(tree) = self.prefix_tree(&padded.0, lengths)? {
             return Ok((self.tree_logprobs(&tree, temperature)?, Tape::default()));
         }
-        let pass = self.padded_pass(input_ids, lengths)?;
+        let pass = self.padded_pass(padded)?;
         self.logprobs_with_tape(&pass, temperature)
     }
 
@@ -733,17 +735,18 @@ impl CausalLm {
     /// (`None`: they run the padded rows, as when nothing worth sharing is found, on a
     /// tensor-parallel rank and for mixtures of experts).
     pub fn prefix_tree_rows(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Option<i64>> {
-        Ok(self.prefix_tree(input_ids, lengths)?.map(|tree| tree.ids.size()[0]))
+        let (ids, _) = self.padded_input(input_ids, lengths)?;
+        Ok(self.prefix_tree(&ids, lengths)?.map(|tree| tree.ids.size()[0]))
     }
 
-    /// The trees of right-padded rows that share prefixes, when the whole dense model
-    /// computes them with clearly less work than the padded rows. (A rank's taped passes and
-    /// the MoE router loss, which counts every row's tokens, stay padded.)
-    fn prefix_tree(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Option<PrefixTree>> {
+    /// The trees of checked right-padded `ids` (see [`Self::padded_input`]) that share
+    /// prefixes, when the whole dense model computes them with clearly less work than the
+    /// padded rows. (A rank's taped passes and the MoE router loss, which counts every row's
+    /// tokens, stay padded.)
+    fn prefix_tree(&self, ids: &Tensor, lengths: &[i64]) -> Result<Option<PrefixTree>> {
         if !self.share_prefixes || self.shard.is_some() || self.cfg.moe.is_some() {
             return Ok(None);
         }
-        let (ids, _) = self.padded_input(input_ids, lengths)?;
         let width = ids.size()[1] as usize;
         let host = Vec::<i64>::try_from(ids.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
         PrefixTree::plan(&host, width, lengths, self.device())
@@ -784,10 +787,10 @@ impl CausalLm {
         Ok((logprobs, tape))
     }
 
-    /// Right-padded rows as a pass: ids (padding as token 0), the positions' rotary tables
-    /// and causal masks, and the positions without a logprob (padding).
-    fn padded_pass(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Pass> {
-        let (ids, invalid) = self.padded_input(input_ids, lengths)?;
+    /// Right-padded rows as a pass, from [`Self::padded_input`]'s checked ids (padding as
+    /// token 0) and padding mask: the positions' rotary tables and causal masks, and the
+    /// positions without a logprob (padding).
+    fn padded_pass(&self, (ids, invalid): (Tensor, Tensor)) -> Result<Pass> {
         let (b, s) = (ids.size()[0], ids.size()[1]);
         let (cos, sin, masks) =
             positions_for(&self.rotary, self.kind, &self.windows(), &ids, &vec![0; b as usize], s, self.device())?;
