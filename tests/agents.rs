@@ -126,6 +126,61 @@ async fn the_example_agent_trains_as_written() {
     }
 }
 
+/// The demo's client part on the agent task, as scripts/demo runs it (`KEEL_DEMO_TASK=agent
+/// scripts/demo-run` with the agent beside the stack), shortened through its specs' variables:
+/// it writes the SFT conversations (`keel run submit` uploads them), runs SFT, GRPO through
+/// the agent and the eval of both models on the test split, and prints the test score of each.
+#[tokio::test]
+async fn the_agent_demo_runs_as_scripted() {
+    let stack = stack(&[]);
+    let agent = Agent::start();
+    let out = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/demo-run");
+    let output = Command::new(script)
+        .env("KEEL_API_URL", stack.api())
+        .env("KEEL", keel_testkit::binary("keel"))
+        .env("KEEL_PYTHON", keel_testkit::python())
+        .env("KEEL_DEMO_OUT", out.path())
+        .envs([
+            ("KEEL_DEMO_TASK", "agent"),
+            ("MODEL_DIR", stack.model.to_str().unwrap()),
+            ("AGENT_URL", agent.url.as_str()),
+            ("SFT_STEPS", "3"),
+            ("GRPO_STEPS", "2"),
+            ("VALIDATION_PROMPTS", "6"),
+            ("TEST_PROMPTS", "6"),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("test reward_mean (greedy, scored once): SFT model"), "{stdout}");
+    assert!(stdout.contains("seed 1: best checkpoint by smoothed validation at step"), "{stdout}");
+    assert!(stderr.contains("called the calculator in"), "{stderr}");
+    let conversations = std::fs::read_to_string(out.path().join("agent-sft.jsonl")).unwrap();
+    assert_eq!(conversations.lines().count(), 8000);
+    let runs = stack.get("/v1/runs?limit=200").await;
+    let mut names: Vec<(String, String)> = runs["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["name"].as_str().unwrap().to_string(), r["status"].as_str().unwrap().to_string()))
+        .collect();
+    names.sort();
+    let succeeded = |name: &str| (name.to_string(), "succeeded".to_string());
+    assert_eq!(
+        names,
+        [
+            succeeded("agent-demo-eval"),
+            succeeded("agent-demo-eval"),
+            succeeded("agent-demo-grpo"),
+            succeeded("agent-demo-sft")
+        ],
+        "{runs}"
+    );
+}
+
 /// One step over a record that behaves and four that do not: the agent answers 500, sleeps
 /// past the timeout, calls past `max_calls`, or starts a second conversation. The step
 /// succeeds; the good record's samples are trained on and every other sample is dropped with

@@ -260,8 +260,10 @@ fn example_specs() -> Vec<String> {
 async fn every_example_runs_as_the_readme_shows_it() {
     let mut listed: Vec<String> = JOURNEYS.iter().map(|j| j.spec.to_string()).collect();
     listed.extend(["arithmetic/eval.yaml", "arithmetic/grpo.yaml", "arithmetic/sft.yaml"].map(String::from));
-    // Run by tests/agents.rs, with the agent beside it.
-    listed.push("agent/grpo.yaml".into());
+    // Run by tests/agents.rs, with the agent beside it (the agent demo's through scripts/demo-run).
+    listed.extend(
+        ["agent/grpo.yaml", "agent-demo/eval.yaml", "agent-demo/grpo.yaml", "agent-demo/sft.yaml"].map(String::from),
+    );
     listed.sort();
     assert_eq!(example_specs(), listed, "every spec under examples/ is run by a test");
 
