@@ -145,7 +145,7 @@ async fn the_agent_demo_runs_as_scripted() {
             ("KEEL_DEMO_TASK", "agent"),
             ("MODEL_DIR", stack.model.to_str().unwrap()),
             ("AGENT_URL", agent.url.as_str()),
-            ("SFT_STEPS", "3"),
+            ("SFT_STEPS", "12"),
             ("GRPO_STEPS", "2"),
             ("VALIDATION_PROMPTS", "6"),
             ("TEST_PROMPTS", "6"),
