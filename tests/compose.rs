@@ -1,11 +1,11 @@
 //! `docker compose up` of `compose.yaml` exactly as shipped, as a new user runs it: the image
-//! built from `docker/Dockerfile`, every service healthy, the `demo` service's short
-//! SFT → GRPO → eval finished with exit 0, the API and dashboard answering on :8080 with the
-//! token (and refusing without it), the services' spans received by the OTLP endpoint compose
-//! names (one trace per GRPO step across the services, none for health checks), and the runs
-//! still listed after `docker compose down` and `up` again. The project's containers,
-//! networks and volumes are removed at the end, whatever happened; the images are kept as
-//! the next build's cache.
+//! built from `docker/Dockerfile`, every service healthy, the `demo` service's short SFT →
+//! GRPO through the example agent → eval finished with exit 0, the API and dashboard
+//! answering on :8080 with the token (and refusing without it), the services' spans received
+//! by the OTLP endpoint compose names (one trace per GRPO step across the services, none for
+//! health checks), and the runs still listed after `docker compose down` and `up` again. The
+//! project's containers, networks and volumes are removed at the end, whatever happened; the
+//! images are kept as the next build's cache.
 //!
 //! It needs a Docker engine with compose v2 and the images compose.yaml starts from
 //! (`scripts/docker-engine` makes them where no registry is reachable), so it is ignored by
@@ -33,8 +33,8 @@ const API: &str = "http://127.0.0.1:8080";
 const SFT_STEPS: u64 = 30;
 const GRPO_STEPS: u64 = 10;
 /// The services that keep running, each with a health check.
-const LONG_RUNNING: [&str; 8] =
-    ["nats", "postgres", "jaeger", "checkpoint", "orchestrator", "trainer", "generator", "reward"];
+const LONG_RUNNING: [&str; 9] =
+    ["nats", "postgres", "jaeger", "checkpoint", "orchestrator", "trainer", "generator", "reward", "agent"];
 const KEEL_SERVICES: [&str; 5] =
     ["keel-orchestrator", "keel-trainer", "keel-generator", "keel-reward", "keel-checkpoint"];
 
@@ -51,6 +51,9 @@ fn compose(args: &[&str]) -> Output {
         .env("SFT_STEPS", SFT_STEPS.to_string())
         .env("GRPO_STEPS", GRPO_STEPS.to_string())
         .env("KEEL_DEMO_SEEDS", "1")
+        // The agent demo's validation and test sets, short too.
+        .env("VALIDATION_PROMPTS", "32")
+        .env("TEST_PROMPTS", "32")
         .env_remove("KEEL_API_TOKEN")
         .env_remove("KEEL_REWARD_TOKEN")
         .output()
@@ -274,12 +277,12 @@ async fn compose_up_runs_the_demo_traces_it_and_keeps_its_runs() {
     assert_eq!(status, 200, "the code environment in compose: {scored}");
     assert_eq!(scored["results"][0]["reward"], 1.0, "a passing program scores 1 in the sandbox: {scored}");
     let before = runs(&http).await;
-    let grpo: Vec<&(String, String, String)> = before.iter().filter(|r| r.1 == "arithmetic-grpo").collect();
+    let grpo: Vec<&(String, String, String)> = before.iter().filter(|r| r.1 == "agent-demo-grpo").collect();
     assert_eq!(grpo.len(), 1, "one GRPO run: {before:?}");
     for (id, name, status) in &before {
         assert_eq!(status, "succeeded", "run {id} ({name})");
     }
-    for name in ["arithmetic-sft", "arithmetic-eval"] {
+    for name in ["agent-demo-sft", "agent-demo-eval"] {
         assert!(before.iter().any(|r| r.1 == name), "no {name} run in {before:?}");
     }
 

@@ -39,6 +39,10 @@ pub struct Config {
     /// (a plugin on this host or network). Off: a run spec cannot make this service reach
     /// what only it can reach.
     pub http_allow_private_addresses: bool,
+    /// Hosts (names or literal addresses) whose loopback or private addresses the `http` and
+    /// `agent` environments may call while `http_allow_private_addresses` is off: an agent or
+    /// plugin beside this service (`["agent"]` in Compose), and nothing else inside.
+    pub http_private_hosts: Vec<String>,
     /// When set, every route but `/healthz` wants `Authorization: Bearer <api_token>`.
     /// Default: `KEEL_REWARD_TOKEN` when set.
     pub api_token: Option<String>,
@@ -54,6 +58,12 @@ impl keel_service::ServiceConfig for Config {
         }
         keel_protocol::Subjects::new(&self.subject_prefix)
             .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
+        if let Some(bad) = self.http_private_hosts.iter().find(|h| h.is_empty() || h.contains(['/', ' ', '\t'])) {
+            return Err(FieldError::new(
+                "http_private_hosts",
+                format!("`{bad}` is not a host name or address (no scheme, port or path)"),
+            ));
+        }
         if self.api_token.as_deref() == Some("") {
             return Err(FieldError::new("api_token", "must not be empty (leave it unset for no auth)"));
         }
@@ -71,6 +81,7 @@ pub fn default_config() -> Config {
         bulk_bucket: "keel-bulk".into(),
         sandbox: sandbox::SandboxConfig::default(),
         http_allow_private_addresses: false,
+        http_private_hosts: Vec::new(),
         api_token: std::env::var("KEEL_REWARD_TOKEN").ok().filter(|t| !t.is_empty()),
     }
 }
@@ -79,7 +90,10 @@ pub fn default_config() -> Config {
 pub fn state(config: &Config, nats: Option<async_nats::Client>) -> keel_service::Result<api::AppState> {
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let ctx = registry::EnvContext::new(
-        config.http_allow_private_addresses,
+        keel_environments::envs::addresses::PrivateAccess {
+            all: config.http_allow_private_addresses,
+            hosts: config.http_private_hosts.clone(),
+        },
         nats,
         subjects,
         config.bulk_bucket.clone(),

@@ -357,6 +357,23 @@ async fn private_addresses_are_refused_unless_the_operator_allows_them() {
     // Refused when the environment is built: nothing was sent. The operator's switch lets
     // the same plugin through.
     assert_eq!(step(&scorer(), config_for(&format!("{url}/ok")), OnError::Fail, 1).await.unwrap()[0].reward, 1.0);
+
+    // Or only the hosts named in `http_private_hosts` (as Compose names its agent's service):
+    // the plugin by that name is reached; by its literal address, and anything else inside,
+    // still refused.
+    config.http_private_hosts = vec!["localhost".into()];
+    let named = keel_reward::state(&config, None).unwrap().scorer;
+    let by_name = url.replace("127.0.0.1", "localhost");
+    assert_eq!(step(&named, config_for(&format!("{by_name}/ok")), OnError::Fail, 1).await.unwrap()[0].reward, 1.0);
+    for target in [format!("{url}/ok"), "http://169.254.169.254/latest/meta-data".into()] {
+        match step(&named, config_for(&target), OnError::Fail, 1).await {
+            Err(Error::InvalidRequest(message)) => assert!(message.contains("http_private_hosts"), "{message}"),
+            other => panic!("expected {target} to be refused, got {other:?}"),
+        }
+    }
+    config.http_private_hosts = vec!["http://agent:8091/".into()];
+    let error = keel_service::ServiceConfig::validate(&config).unwrap_err().to_string();
+    assert!(error.contains("http_private_hosts"), "{error}");
 }
 
 fn config_for(url: &str) -> HttpRewardConfig {

@@ -16,8 +16,8 @@ use crate::sandbox::Sandbox;
 #[derive(Clone)]
 pub struct EnvContext {
     pub http: reqwest::Client,
-    /// Whether `http` environments may name loopback and private addresses.
-    pub allow_private: bool,
+    /// Which loopback and private addresses `http` and `agent` environments may name.
+    pub private: envs::addresses::PrivateAccess,
     /// For `reward_model` (trainer requests); none when the service runs without NATS.
     pub nats: Option<async_nats::Client>,
     pub subjects: Subjects,
@@ -33,22 +33,22 @@ impl std::fmt::Debug for EnvContext {
 }
 
 impl EnvContext {
-    /// Handles for environments: an HTTP client that, unless `allow_private`, resolves only
-    /// to public addresses; `nats` for reward models on trainer workers (none: they are
+    /// Handles for environments: an HTTP client that resolves only to public addresses but
+    /// those `private` allows; `nats` for reward models on trainer workers (none: they are
     /// refused); the code sandbox from its configuration.
     pub fn new(
-        allow_private: bool,
+        private: envs::addresses::PrivateAccess,
         nats: Option<async_nats::Client>,
         subjects: Subjects,
         bulk_bucket: String,
         sandbox: crate::sandbox::SandboxConfig,
     ) -> Result<Self, reqwest::Error> {
         let mut http = reqwest::Client::builder();
-        if !allow_private {
-            http = http.dns_resolver(Arc::new(envs::addresses::PublicOnly));
+        if let Some(resolver) = private.resolver() {
+            http = http.dns_resolver(Arc::new(resolver));
         }
         let http = http.build()?;
-        Ok(Self { http, allow_private, nats, subjects, bulk_bucket, sandbox: Sandbox::new(sandbox) })
+        Ok(Self { http, private, nats, subjects, bulk_bucket, sandbox: Sandbox::new(sandbox) })
     }
 }
 
@@ -65,8 +65,8 @@ fn build_unprefixed(config: &EnvConfig, ctx: &EnvContext) -> Result<Arc<dyn Envi
         EnvConfig::ExactMatch(c) => Arc::new(Blocking(Arc::new(envs::matching::ExactMatch::new(c)?))),
         EnvConfig::Regex(c) => Arc::new(Blocking(Arc::new(envs::matching::RegexEnv::new(c)?))),
         EnvConfig::MultipleChoice(c) => Arc::new(Blocking(Arc::new(envs::matching::MultipleChoice::new(c)?))),
-        EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone(), ctx.allow_private)?),
-        EnvConfig::Agent(c) => Arc::new(envs::agent::AgentEnv::new(c, ctx.http.clone(), ctx.allow_private)?),
+        EnvConfig::Http(c) => Arc::new(envs::http::HttpEnv::new(c, ctx.http.clone(), &ctx.private)?),
+        EnvConfig::Agent(c) => Arc::new(envs::agent::AgentEnv::new(c, ctx.http.clone(), &ctx.private)?),
         EnvConfig::RewardModel(c) => Arc::new(envs::reward_model::RewardModelEnv::new(
             c,
             ctx.nats.clone(),

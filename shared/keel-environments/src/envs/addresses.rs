@@ -2,12 +2,52 @@
 //! limit anyone who can submit a run could make the reward service reach the machines only
 //! it can reach (the cloud metadata endpoint, a database, the checkpoint store's internal
 //! API): loopback, private, link-local and other non-public addresses are refused unless
-//! the operator allows them (`http_allow_private_addresses`, for a plugin on the same host
-//! or network). Literal addresses are checked when the environment is built; names are
-//! checked when they resolve ([`PublicOnly`]), so a name that points inside is refused too.
+//! the operator allows them: all of them (`http_allow_private_addresses`, for a plugin on
+//! the same host or network) or those of named hosts only (`http_private_hosts`, e.g. the
+//! agent's service name in Compose). Literal addresses are checked when the environment is
+//! built; names are checked when they resolve ([`PublicOnly`]), so a name that points inside
+//! is refused too.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use keel_protocol::FieldError;
-use std::net::{IpAddr, SocketAddr};
+
+/// Which non-public addresses environments may call: every one (`all`), or those that the
+/// named `hosts` (names or literal addresses, matched without case) are or resolve to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrivateAccess {
+    pub all: bool,
+    pub hosts: Vec<String>,
+}
+
+impl PrivateAccess {
+    /// Every non-public address.
+    pub fn all() -> Self {
+        Self { all: true, hosts: Vec::new() }
+    }
+
+    /// Whether `host` (a URL's host, or a name being resolved) is one of `hosts`.
+    fn names(&self, host: &str) -> bool {
+        let host = host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.');
+        self.hosts.iter().any(|allowed| allowed.trim_end_matches('.').eq_ignore_ascii_case(host))
+    }
+
+    /// The resolver an HTTP client calling environments needs: none when every address is
+    /// allowed, else [`PublicOnly`] (which lets the named hosts through).
+    pub fn resolver(&self) -> Option<PublicOnly> {
+        (!self.all).then(|| PublicOnly { hosts: self.hosts.iter().map(|h| h.to_ascii_lowercase()).collect() })
+    }
+
+    /// Refuses a URL host that is a non-public literal address or a `localhost` name, unless
+    /// this allows it.
+    pub fn check(&self, url: &reqwest::Url) -> Result<(), FieldError> {
+        if self.all || self.names(url.host_str().unwrap_or_default()) {
+            return Ok(());
+        }
+        check_host(url)
+    }
+}
 
 /// Whether `ip` is an ordinary public unicast address.
 pub fn is_public(ip: IpAddr) -> bool {
@@ -54,7 +94,7 @@ pub fn check_host(url: &reqwest::Url) -> Result<(), FieldError> {
             "url",
             format!(
                 "{} is a loopback or private address; the reward service's operator allows those with \
-             http_allow_private_addresses",
+             http_allow_private_addresses, or this host's with http_private_hosts",
                 url.host_str().unwrap_or_default()
             ),
         ));
@@ -62,15 +102,22 @@ pub fn check_host(url: &reqwest::Url) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// A resolver that keeps only public addresses and fails when a name has none.
-#[derive(Debug, Clone, Copy)]
-pub struct PublicOnly;
+/// A resolver that keeps only public addresses and fails when a name has none; the names in
+/// `hosts` (lower case) resolve as they are.
+#[derive(Debug, Clone, Default)]
+pub struct PublicOnly {
+    hosts: Arc<[String]>,
+}
 
 impl reqwest::dns::Resolve for PublicOnly {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let host = name.as_str().trim_end_matches('.').to_ascii_lowercase();
+        let named = self.hosts.contains(&host);
         Box::pin(async move {
-            let host = name.as_str().to_string();
             let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            if named {
+                return Ok(Box::new(resolved.into_iter()) as reqwest::dns::Addrs);
+            }
             let public: Vec<SocketAddr> = resolved.into_iter().filter(|a| is_public(a.ip())).collect();
             if public.is_empty() {
                 let message = format!("{host} resolves only to loopback or private addresses, which are refused");
@@ -130,7 +177,27 @@ mod tests {
     #[tokio::test]
     async fn names_that_resolve_inside_are_refused() {
         let name = reqwest::dns::Name::from_str("localhost").unwrap();
-        let error = PublicOnly.resolve(name).await.err().unwrap().to_string();
+        let error = PublicOnly::default().resolve(name).await.err().unwrap().to_string();
         assert!(error.contains("resolves only to loopback or private addresses"), "{error}");
+    }
+
+    /// A named host's private addresses are allowed, by its name or literal address, in any
+    /// case; other hosts' are refused as before.
+    #[tokio::test]
+    async fn named_hosts_may_be_private() {
+        let access = PrivateAccess { all: false, hosts: vec!["Agent".into(), "localhost".into(), "10.0.0.7".into()] };
+        for url in ["http://agent:8091/", "http://AGENT./x", "http://localhost:9/", "http://10.0.0.7/"] {
+            assert!(access.check(&reqwest::Url::parse(url).unwrap()).is_ok(), "{url}");
+        }
+        for url in ["http://127.0.0.1:9/", "http://10.0.0.8/", "http://api.localhost/"] {
+            let error = access.check(&reqwest::Url::parse(url).unwrap()).unwrap_err().to_string();
+            assert!(error.contains("http_private_hosts"), "{url}: {error}");
+        }
+        assert!(PrivateAccess::all().check(&reqwest::Url::parse("http://127.0.0.1/").unwrap()).is_ok());
+        assert!(PrivateAccess::all().resolver().is_none());
+        let resolver = access.resolver().unwrap();
+        let found: Vec<SocketAddr> =
+            resolver.resolve(reqwest::dns::Name::from_str("LocalHost").unwrap()).await.unwrap().collect();
+        assert!(found.iter().all(|a| a.ip().is_loopback()) && !found.is_empty(), "{found:?}");
     }
 }

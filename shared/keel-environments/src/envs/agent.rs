@@ -18,12 +18,16 @@ pub struct AgentEnv {
 }
 
 impl AgentEnv {
-    /// The environment for `config`, calling through `client` (`allow_private` as for `http`).
-    pub fn new(config: &AgentConfig, client: reqwest::Client, allow_private: bool) -> Result<Self, FieldError> {
+    /// The environment for `config`, calling through `client` (`private` as for `http`).
+    pub fn new(
+        config: &AgentConfig,
+        client: reqwest::Client,
+        private: &super::addresses::PrivateAccess,
+    ) -> Result<Self, FieldError> {
         if let Some(problem) = config.problems().into_iter().next() {
             return Err(problem);
         }
-        Ok(Self { http: HttpEnv::new(&config.http(), client, allow_private)? })
+        Ok(Self { http: HttpEnv::new(&config.http(), client, private)? })
     }
 
     async fn episode(&self, sample: &EnvSample) -> Outcome {

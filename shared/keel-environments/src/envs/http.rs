@@ -74,17 +74,19 @@ enum Failure {
 }
 
 impl HttpEnv {
-    /// The environment for `config`, calling through `client`; `allow_private` lets the URL
-    /// name a loopback or private address (see [`super::addresses`]).
-    pub fn new(config: &HttpRewardConfig, client: reqwest::Client, allow_private: bool) -> Result<Self, FieldError> {
+    /// The environment for `config`, calling through `client`; `private` says which loopback
+    /// or private addresses the URL may name (see [`super::addresses`]).
+    pub fn new(
+        config: &HttpRewardConfig,
+        client: reqwest::Client,
+        private: &super::addresses::PrivateAccess,
+    ) -> Result<Self, FieldError> {
         if let Some(problem) = config.problems().into_iter().next() {
             return Err(problem);
         }
         let url = reqwest::Url::parse(&config.url)
             .map_err(|e| FieldError::new("url", format!("`{}` is not a URL: {e}", config.url)))?;
-        if !allow_private {
-            super::addresses::check_host(&url)?;
-        }
+        private.check(&url)?;
         let token = match (&config.authorization, &config.authorization_env) {
             (Some(value), _) => Some(value.clone()),
             (None, Some(var)) => Some(secret_for(var, &url)?),
