@@ -36,7 +36,9 @@ impl PrivateAccess {
     /// The resolver an HTTP client calling environments needs: none when every address is
     /// allowed, else [`PublicOnly`] (which lets the named hosts through).
     pub fn resolver(&self) -> Option<PublicOnly> {
-        (!self.all).then(|| PublicOnly { hosts: self.hosts.iter().map(|h| h.to_ascii_lowercase()).collect() })
+        (!self.all).then(|| PublicOnly {
+            hosts: self.hosts.iter().map(|h| h.trim_end_matches('.').to_ascii_lowercase()).collect(),
+        })
     }
 
     /// Refuses a URL host that is a non-public literal address or a `localhost` name, unless
@@ -185,7 +187,7 @@ mod tests {
     /// case; other hosts' are refused as before.
     #[tokio::test]
     async fn named_hosts_may_be_private() {
-        let access = PrivateAccess { all: false, hosts: vec!["Agent".into(), "localhost".into(), "10.0.0.7".into()] };
+        let access = PrivateAccess { all: false, hosts: vec!["Agent".into(), "localhost.".into(), "10.0.0.7".into()] };
         for url in ["http://agent:8091/", "http://AGENT./x", "http://localhost:9/", "http://10.0.0.7/"] {
             assert!(access.check(&reqwest::Url::parse(url).unwrap()).is_ok(), "{url}");
         }
