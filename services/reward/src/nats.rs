@@ -38,11 +38,20 @@ pub async fn serve(
                 .map_err(|e| Error::Subscribe { subject, reason: e.to_string() })
         }
     };
-    let mut scores = subscribe(ScoreRequest::subject(&subjects)).await?;
-    let mut steps = subscribe(EnvStepRequest::subject(&subjects)).await?;
-    client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
-    info!(score = %subjects.reward_score(), step = %subjects.reward_env_step(), "serving rewards");
+    let setup = async {
+        let scores = subscribe(ScoreRequest::subject(&subjects)).await?;
+        let steps = subscribe(EnvStepRequest::subject(&subjects)).await?;
+        client.flush().await.map_err(|e| Error::start("flush NATS", e))?;
+        Ok::<_, Error>((scores, steps))
+    };
     tokio::pin!(shutdown);
+    // A stop that comes while subscribing (the HTTP part may already be serving) ends it: a
+    // NATS that went away meanwhile would hold the flush for ever.
+    let (mut scores, mut steps) = tokio::select! {
+        subscribed = setup => subscribed?,
+        () = &mut shutdown => return Ok(()),
+    };
+    info!(score = %subjects.reward_score(), step = %subjects.reward_env_step(), "serving rewards");
     let mut in_flight = tokio::task::JoinSet::new();
     loop {
         while in_flight.try_join_next().is_some() {}
