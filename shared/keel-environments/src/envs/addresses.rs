@@ -21,30 +21,23 @@ pub struct PrivateAccess {
     pub hosts: Vec<String>,
 }
 
+/// A host as `hosts` are compared: without IPv6 brackets or a trailing dot, in lower case.
+fn normal(host: &str) -> String {
+    host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.').to_ascii_lowercase()
+}
+
 impl PrivateAccess {
-    /// Every non-public address.
-    pub fn all() -> Self {
-        Self { all: true, hosts: Vec::new() }
-    }
-
-    /// Whether `host` (a URL's host, or a name being resolved) is one of `hosts`.
-    fn names(&self, host: &str) -> bool {
-        let host = host.trim_start_matches('[').trim_end_matches(']').trim_end_matches('.');
-        self.hosts.iter().any(|allowed| allowed.trim_end_matches('.').eq_ignore_ascii_case(host))
-    }
-
     /// The resolver an HTTP client calling environments needs: none when every address is
     /// allowed, else [`PublicOnly`] (which lets the named hosts through).
     pub fn resolver(&self) -> Option<PublicOnly> {
-        (!self.all).then(|| PublicOnly {
-            hosts: self.hosts.iter().map(|h| h.trim_end_matches('.').to_ascii_lowercase()).collect(),
-        })
+        (!self.all).then(|| PublicOnly { hosts: self.hosts.iter().map(|h| normal(h)).collect() })
     }
 
     /// Refuses a URL host that is a non-public literal address or a `localhost` name, unless
     /// this allows it.
     pub fn check(&self, url: &reqwest::Url) -> Result<(), FieldError> {
-        if self.all || self.names(url.host_str().unwrap_or_default()) {
+        let host = normal(url.host_str().unwrap_or_default());
+        if self.all || self.hosts.iter().any(|allowed| normal(allowed) == host) {
             return Ok(());
         }
         check_host(url)
@@ -113,7 +106,7 @@ pub struct PublicOnly {
 
 impl reqwest::dns::Resolve for PublicOnly {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        let host = name.as_str().trim_end_matches('.').to_ascii_lowercase();
+        let host = normal(name.as_str());
         let named = self.hosts.contains(&host);
         Box::pin(async move {
             let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
@@ -195,8 +188,9 @@ mod tests {
             let error = access.check(&reqwest::Url::parse(url).unwrap()).unwrap_err().to_string();
             assert!(error.contains("http_private_hosts"), "{url}: {error}");
         }
-        assert!(PrivateAccess::all().check(&reqwest::Url::parse("http://127.0.0.1/").unwrap()).is_ok());
-        assert!(PrivateAccess::all().resolver().is_none());
+        let all = PrivateAccess { all: true, hosts: Vec::new() };
+        assert!(all.check(&reqwest::Url::parse("http://127.0.0.1/").unwrap()).is_ok());
+        assert!(all.resolver().is_none());
         let resolver = access.resolver().unwrap();
         let found: Vec<SocketAddr> =
             resolver.resolve(reqwest::dns::Name::from_str("LocalHost").unwrap()).await.unwrap().collect();
