@@ -3,11 +3,14 @@
 Every subcommand prints one JSON document on stdout.
 
   make-model VARIANT OUT [--dtype float32|bfloat16]   random model of a named variant
+  make-models OUT VARIANT...                          several, each in OUT/VARIANT (one process)
   router-loss MODEL INPUT.jsonl                       an MoE model's load-balancing loss over the
                                                      sequences as one right-padded batch
   score MODEL INPUT.jsonl [--temperature T] [--adapter DIR]
                                                      per-token logprobs, one sequence at a time
                                                      (with PEFT LoRA adapters on top when given)
+  score-many JOBS.json                                `score` of each {model, input, temperature}
+                                                     in one process: {"results": [logprobs, ...]}
   render MODEL MESSAGES.json [--add-generation-prompt] chat template through the tokenizer
   tokenize MODEL TEXT                                 token ids (add_special_tokens=False)
   generate MODEL IDS.json --max-new-tokens N          greedy `generate`, eos ignored
@@ -32,6 +35,9 @@ COMMON = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
 )
+
+# The newer families' configs default to pad ids beyond a tiny vocabulary.
+FAMILY = dict(COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 # Each variant exercises one thing Keel must reproduce. (llama3-rope: with head_dim 16 and
 # theta 5e5 the wavelengths are 6.3, 32.4, 167, ...: with an original context of 64 they fall
@@ -62,18 +68,56 @@ VARIANTS = {
         output_router_logits=True, router_aux_loss_coef=0.02),
     "mixtral": lambda: transformers.MixtralConfig(
         **COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+    # The families whose differences are configuration of Keel's one decoder
+    # (`Block`, rotary variants): each variant turns on what its family changes, with
+    # windows shorter than the test's sequences and soft-caps small enough to bite.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**FAMILY, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=4.0, final_logit_softcapping=2.5),
+    "gemma3": lambda: (transformers.Gemma3TextConfig(
+        **{**FAMILY, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        tie_word_embeddings=False), "Gemma3ForCausalLM"),
+    # LongRoPE with short factors (every sequence within the original context) and with long
+    # ones (every scored sequence past it), three quarters of each head rotating.
+    "phi3-longrope-short": lambda: transformers.Phi3Config(
+        **FAMILY, rope_parameters=_longrope(), original_max_position_embeddings=64, tie_word_embeddings=False),
+    "phi3-longrope-long": lambda: transformers.Phi3Config(
+        **FAMILY, rope_parameters=_longrope(), original_max_position_embeddings=4, tie_word_embeddings=True),
+    "olmo2": lambda: transformers.Olmo2Config(**FAMILY),
+    "olmo3": lambda: transformers.Olmo3Config(**{**FAMILY, "num_hidden_layers": 4}, sliding_window=6),
+    "glm4": lambda: transformers.Glm4Config(**FAMILY, head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
+    "granite": lambda: transformers.GraniteConfig(
+        **FAMILY, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05,
+        logits_scaling=8.0, attention_bias=True, mlp_bias=True),
+    "smollm3": lambda: transformers.SmolLM3Config(**{**FAMILY, "num_hidden_layers": 4}, no_rope_layer_interval=2),
 }
+
+
+def _longrope():
+    """Phi-3 LongRoPE parameters for COMMON's heads (16 dims, 12 rotating: 6 factors each)."""
+    return {"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]}
 
 
 def make_model(variant, out, dtype, seed):
     torch.manual_seed(seed)
     config = VARIANTS[variant]()
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    if isinstance(config, tuple):
+        config, architecture = config
+    else:
+        architecture = type(config).__name__.replace("Config", "ForCausalLM")
+    config.architectures = [architecture]
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     # Weights far from the default init so that every tensor visibly matters.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and "Gemma" in architecture:
+                # Gemma's norms apply 1 + w.
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.2)
@@ -121,6 +165,11 @@ def main():
     p.add_argument("out")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("make-models")
+    p.add_argument("out")
+    p.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
+    p = sub.add_parser("score-many")
+    p.add_argument("jobs")
     p = sub.add_parser("score")
     p.add_argument("model")
     p.add_argument("input")
@@ -149,6 +198,11 @@ def main():
 
     if args.cmd == "make-model":
         result = make_model(args.variant, args.out, args.dtype, args.seed)
+    elif args.cmd == "make-models":
+        result = {"models": [make_model(v, f"{args.out}/{v}", "float32", 0) for v in args.variants]}
+    elif args.cmd == "score-many":
+        jobs = json.load(open(args.jobs))
+        result = {"results": [score(j["model"], j["input"], j.get("temperature", 1.0))["logprobs"] for j in jobs]}
     elif args.cmd == "score":
         result = score(args.model, args.input, args.temperature, args.adapter)
     elif args.cmd == "router-loss":

@@ -92,7 +92,7 @@ pub(crate) fn masks_for(
 }
 
 /// [B, kv_heads, T, D] → [B, heads, T, D] for grouped-query attention.
-fn repeat_kv(x: &Tensor, heads: i64) -> Result<Tensor> {
+pub(crate) fn repeat_kv(x: &Tensor, heads: i64) -> Result<Tensor> {
     let size = x.size();
     let (b, kv_heads, t, d) = (size[0], size[1], size[2], size[3]);
     let groups = heads / kv_heads;
@@ -103,13 +103,29 @@ fn repeat_kv(x: &Tensor, heads: i64) -> Result<Tensor> {
 }
 
 /// Scaled dot-product attention of `q` [B, heads, S, D] over `k`, `v` [B, kv_heads, T, D]
-/// under `mask`; [B, heads, S, D].
-pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<Tensor> {
+/// under `mask`, its logits soft-capped to `softcap` where the family does so; [B, heads, S, D].
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, softcap: Option<f64>) -> Result<Tensor> {
     let size = q.size();
     let (b, heads, queries, d) = (size[0], size[1], size[2], size[3]);
     let kv_heads = k.size()[1];
     if let Mask::Segments { spans, window } = mask {
-        return segments_attention(q, k, v, spans, *window);
+        return segments_attention(q, k, v, spans, *window, softcap);
+    }
+    if let Some(cap) = softcap {
+        let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
+        let allowed = match mask {
+            Mask::All => None,
+            Mask::Causal => {
+                let keys = k.size()[2];
+                let q_pos = Tensor::f_arange_start(keys - queries, keys, (Kind::Int64, q.device()))?.f_unsqueeze(1)?;
+                let k_pos = Tensor::f_arange(keys, (Kind::Int64, q.device()))?.f_unsqueeze(0)?;
+                Some(k_pos.f_le_tensor(&q_pos)?)
+            }
+            Mask::Allowed(allowed) => Some(allowed.shallow_clone()),
+            Mask::InCache => return Err(Error::InvalidInput("attention needs the cache's own mask".into())),
+            Mask::Segments { .. } => unreachable!("handled above"),
+        };
+        return capped_attention(q, &k, &v, allowed.as_ref(), cap);
     }
     let per_row_mask = match mask {
         Mask::All => true,
@@ -138,10 +154,39 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Resu
     Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, explicit, 0.0, causal, None, false)?)
 }
 
+/// Attention with soft-capped logits, as transformers' eager path computes it (no fused
+/// kernel caps them): `q·kᵀ / √D`, then `cap · tanh(· / cap)`, then the mask, then a softmax
+/// in f32. `q` [B, H, S, D], `k`, `v` [B, H, T, D] (KV heads already repeated), `allowed`
+/// broadcastable to [B, H, S, T]. Exposed for the paged decode path.
+pub(crate) fn capped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    allowed: Option<&Tensor>,
+    cap: f64,
+) -> Result<Tensor> {
+    let d = q.size()[3];
+    let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_div_scalar((d as f64).sqrt())?;
+    let scores = scores.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?;
+    let scores = match allowed {
+        Some(allowed) => scores.f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?,
+        None => scores,
+    };
+    let weights = scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?;
+    Ok(weights.f_matmul(v)?)
+}
+
 /// Attention of a packed row (`q` [1, heads, T, D], `k`, `v` [1, kv_heads, T, D]): each span
 /// attends to itself alone, causally, so the work is that of the sequences apart (no [T, T]
 /// mask). Positions after the last span (none in a packed row) are left to zero.
-fn segments_attention(q: &Tensor, k: &Tensor, v: &Tensor, spans: &[(i64, i64)], window: Option<i64>) -> Result<Tensor> {
+fn segments_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spans: &[(i64, i64)],
+    window: Option<i64>,
+    softcap: Option<f64>,
+) -> Result<Tensor> {
     if q.size()[0] != 1 {
         return Err(Error::InvalidInput(format!("a packed row is one row, got {}", q.size()[0])));
     }
@@ -149,7 +194,7 @@ fn segments_attention(q: &Tensor, k: &Tensor, v: &Tensor, spans: &[(i64, i64)], 
     for &(start, len) in spans {
         let span = |x: &Tensor| x.f_narrow(2, start, len);
         let mask = Mask::new(len, 0, window, q.device())?;
-        outs.push(attention(&span(q)?, &span(k)?, &span(v)?, &mask)?);
+        outs.push(attention(&span(q)?, &span(k)?, &span(v)?, &mask, softcap)?);
     }
     let covered = spans.last().map_or(0, |(start, len)| start + len);
     let total = q.size()[2];

@@ -101,7 +101,9 @@ impl KvCache {
 pub(crate) trait LayerCache {
     /// Attention output [B, heads, S, D] of layer `layer` for queries `q` [B, heads, S, D]
     /// and the new keys and values `k`, `v` [B, kv_heads, S, D] (after rotary), which the
-    /// cache stores. `mask` and `window` say which keys each query sees.
+    /// cache stores. `mask` and `window` say which keys each query sees; `softcap` caps the
+    /// logits where the family does so.
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &mut self,
         layer: usize,
@@ -110,6 +112,7 @@ pub(crate) trait LayerCache {
         v: &Tensor,
         mask: &Mask,
         window: Option<i64>,
+        softcap: Option<f64>,
     ) -> Result<Tensor>;
 }
 
@@ -122,9 +125,10 @@ impl LayerCache for KvCache {
         v: &Tensor,
         mask: &Mask,
         _window: Option<i64>,
+        softcap: Option<f64>,
     ) -> Result<Tensor> {
         let (k, v) = self.append(layer, k, v)?;
-        attention(q, &k, &v, mask)
+        attention(q, &k, &v, mask, softcap)
     }
 }
 

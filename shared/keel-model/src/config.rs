@@ -25,10 +25,33 @@ pub enum Architecture {
     Mistral,
     Qwen3Moe,
     Mixtral,
+    Gemma2,
+    Gemma3,
+    Phi3,
+    Olmo2,
+    Olmo3,
+    Glm4,
+    Granite,
+    SmolLm3,
 }
 
 impl Architecture {
-    pub const ALL: [Self; 6] = [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Mistral, Self::Qwen3Moe, Self::Mixtral];
+    pub const ALL: [Self; 14] = [
+        Self::Llama,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Mistral,
+        Self::Qwen3Moe,
+        Self::Mixtral,
+        Self::Gemma2,
+        Self::Gemma3,
+        Self::Phi3,
+        Self::Olmo2,
+        Self::Olmo3,
+        Self::Glm4,
+        Self::Granite,
+        Self::SmolLm3,
+    ];
 
     /// The class name in `config.json`'s `architectures`.
     pub fn hf_class(self) -> &'static str {
@@ -39,6 +62,22 @@ impl Architecture {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
+            Self::Phi3 => "Phi3ForCausalLM",
+            Self::Olmo2 => "Olmo2ForCausalLM",
+            Self::Olmo3 => "Olmo3ForCausalLM",
+            Self::Glm4 => "Glm4ForCausalLM",
+            Self::Granite => "GraniteForCausalLM",
+            Self::SmolLm3 => "SmolLM3ForCausalLM",
+        }
+    }
+
+    /// The name `keel model init --arch` takes: the `model_type`, without Gemma 3's `_text`.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Self::Gemma3 => "gemma3",
+            other => other.model_type(),
         }
     }
 
@@ -51,7 +90,20 @@ impl Architecture {
             Self::Mistral => "mistral",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Mixtral => "mixtral",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
+            Self::Phi3 => "phi3",
+            Self::Olmo2 => "olmo2",
+            Self::Olmo3 => "olmo3",
+            Self::Glm4 => "glm4",
+            Self::Granite => "granite",
+            Self::SmolLm3 => "smollm3",
         }
+    }
+
+    /// Every supported class name, comma-separated.
+    pub fn hf_classes() -> String {
+        Self::ALL.map(Self::hf_class).join(", ")
     }
 
     fn from_hf_class(name: &str) -> Result<Self> {
@@ -72,18 +124,18 @@ impl Architecture {
 impl std::str::FromStr for Architecture {
     type Err = Error;
 
-    /// Accepts the short name (`llama`) or the HF class (`LlamaForCausalLM`).
+    /// Accepts the short name (`llama`, `gemma3`), the `model_type` or the HF class
+    /// (`LlamaForCausalLM`).
     fn from_str(s: &str) -> Result<Self> {
-        Self::from_model_type(s).or_else(|_| Self::from_hf_class(s)).map_err(|_| {
-            Error::InvalidInput(format!(
-                "unknown architecture `{s}` (use llama, qwen2, qwen3, mistral, qwen3_moe or mixtral)"
-            ))
+        Self::ALL.into_iter().find(|a| [a.short_name(), a.model_type(), a.hf_class()].contains(&s)).ok_or_else(|| {
+            let names = Self::ALL.map(|arch| arch.short_name()).join(", ");
+            Error::InvalidInput(format!("unknown architecture `{s}` (use one of {names})"))
         })
     }
 }
 
 /// How rotary frequencies are scaled.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (`rope_type: linear`).
@@ -97,12 +149,215 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: i64,
     },
+    /// Phi-3's LongRoPE (`rope_type: longrope`, also written `su`): each frequency divided
+    /// by its `short_factor`, or by its `long_factor` in a pass that reaches past
+    /// `original_max_position_embeddings` (as transformers chooses per forward call), and
+    /// cos/sin scaled by `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: i64,
+        attention_factor: f64,
+    },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The rotary embedding of a layer.
+#[derive(Debug, Clone, PartialEq)]
 pub struct RopeConfig {
     pub theta: f64,
     pub scaling: RopeScaling,
+    /// How many of each head's dimensions rotate (`partial_rotary_factor` × head_dim; the rest
+    /// pass through): the whole head unless the family says otherwise.
+    pub rotary_dim: i64,
+    /// Pairs (x0, x1), (x2, x3), … rotate together (GLM), rather than the two halves of the
+    /// rotated dimensions (every other family).
+    pub interleaved: bool,
+}
+
+/// Which RMSNorms a decoder layer has around its two branches, by their Hugging Face names
+/// (`None`: the layer has no such norm). Llama normalises each branch's input; OLMo 2
+/// normalises each branch's output instead; Gemma and GLM-4 do both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Norms {
+    pub pre_attention: Option<&'static str>,
+    pub post_attention: Option<&'static str>,
+    pub pre_mlp: Option<&'static str>,
+    pub post_mlp: Option<&'static str>,
+}
+
+impl Norms {
+    const LLAMA: Self = Self {
+        pre_attention: Some("input_layernorm"),
+        post_attention: None,
+        pre_mlp: Some("post_attention_layernorm"),
+        post_mlp: None,
+    };
+    const GEMMA: Self = Self {
+        pre_attention: Some("input_layernorm"),
+        post_attention: Some("post_attention_layernorm"),
+        pre_mlp: Some("pre_feedforward_layernorm"),
+        post_mlp: Some("post_feedforward_layernorm"),
+    };
+    const OLMO: Self = Self {
+        pre_attention: None,
+        post_attention: Some("post_attention_layernorm"),
+        pre_mlp: None,
+        post_mlp: Some("post_feedforward_layernorm"),
+    };
+    const GLM: Self = Self {
+        pre_attention: Some("input_layernorm"),
+        post_attention: Some("post_self_attn_layernorm"),
+        pre_mlp: Some("post_attention_layernorm"),
+        post_mlp: Some("post_mlp_layernorm"),
+    };
+
+    /// Every norm the layer has, by name.
+    pub fn names(&self) -> impl Iterator<Item = &'static str> {
+        [self.pre_attention, self.post_attention, self.pre_mlp, self.post_mlp].into_iter().flatten()
+    }
+}
+
+/// RMSNorm on queries and keys before the rotary embedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head's dimensions (Qwen3, Gemma 3).
+    PerHead,
+    /// Over the whole q (k) projection, every head at once (OLMo 2 and 3).
+    Projection,
+}
+
+/// The gate's activation in the gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` (SwiGLU).
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`, `gelu_new`): Gemma's GeGLU.
+    GeluTanh,
+    /// Exact GELU (`gelu`).
+    Gelu,
+}
+
+impl Activation {
+    fn parse(key: &str, name: &str) -> Result<Self> {
+        match name {
+            "silu" | "swish" => Ok(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Ok(Self::GeluTanh),
+            "gelu" => Ok(Self::Gelu),
+            other => Err(Error::unsupported(key, other, "silu, gelu_pytorch_tanh, gelu_new and gelu are implemented")),
+        }
+    }
+}
+
+/// How a family's decoder differs from Llama's, besides attention biases, windows and rotary
+/// embeddings: everything here is read from `config.json` by [`Block::parse`], the one place
+/// that says what each family changes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    pub norms: Norms,
+    /// RMSNorm weights apply as `1 + w` (Gemma), computed in f32.
+    pub norm_offset: bool,
+    pub activation: Activation,
+    /// The token embeddings are multiplied by this (Gemma: √hidden, rounded to the weights'
+    /// dtype as transformers does; Granite: `embedding_multiplier`).
+    pub embedding_multiplier: f64,
+    /// The attention logits' scale (`None`: 1/√head_dim). Gemma: `query_pre_attn_scalar`^-½;
+    /// Granite: `attention_multiplier`.
+    pub attention_scale: Option<f64>,
+    /// Attention logits pass through `cap · tanh(x / cap)` before the mask (Gemma 2).
+    pub attention_softcap: Option<f64>,
+    /// The LM head's logits pass through `cap · tanh(x / cap)` (Gemma 2).
+    pub final_softcap: Option<f64>,
+    /// Each branch's output is multiplied by this before it joins the residual stream
+    /// (Granite's `residual_multiplier`).
+    pub residual_multiplier: f64,
+    /// The LM head's logits are divided by this (Granite's `logits_scaling`).
+    pub logits_divisor: f64,
+    /// q, k and v are stored as one `qkv_proj` (Phi-3); Keel holds them apart and splits or
+    /// joins them at load and save ([`ModelConfig::fused_weights`]).
+    pub fused_qkv: bool,
+    /// gate and up are stored as one `gate_up_proj`, gate first (Phi-3, GLM-4).
+    pub fused_gate_up: bool,
+}
+
+impl Block {
+    fn parse(f: &Fields<'_>, architecture: Architecture, hidden_size: i64) -> Result<Self> {
+        use Architecture as A;
+        let mut block = Self {
+            norms: Norms::LLAMA,
+            norm_offset: false,
+            activation: Activation::Silu,
+            embedding_multiplier: 1.0,
+            attention_scale: None,
+            attention_softcap: None,
+            final_softcap: None,
+            residual_multiplier: 1.0,
+            logits_divisor: 1.0,
+            fused_qkv: false,
+            fused_gate_up: false,
+        };
+        match architecture {
+            A::Gemma2 | A::Gemma3 => {
+                block.norms = Norms::GEMMA;
+                block.norm_offset = true;
+                // transformers' Gemma MLP reads `hidden_activation` (not `hidden_act`).
+                let activation = f.str("hidden_activation")?.unwrap_or("gelu_pytorch_tanh");
+                block.activation = Activation::parse("hidden_activation", activation)?;
+                block.embedding_multiplier = (hidden_size as f64).sqrt();
+                let scalar =
+                    finite_positive("query_pre_attn_scalar", f.float("query_pre_attn_scalar")?.unwrap_or(256.0))?;
+                block.attention_scale = Some(scalar.powf(-0.5));
+                let (attention, last) = if architecture == A::Gemma2 { (Some(50.0), Some(30.0)) } else { (None, None) };
+                let cap = |key: &str, default: Option<f64>| -> Result<Option<f64>> {
+                    let value = if f.0.contains_key(key) { f.float(key)? } else { default };
+                    value.map(|v| finite_positive(key, v)).transpose()
+                };
+                block.attention_softcap = cap("attn_logit_softcapping", attention)?;
+                block.final_softcap = cap("final_logit_softcapping", last)?;
+                if f.bool("use_bidirectional_attention")?.unwrap_or(false) {
+                    return Err(Error::unsupported(
+                        "use_bidirectional_attention",
+                        true,
+                        "only causal attention is implemented (a causal LM)",
+                    ));
+                }
+            }
+            A::Olmo2 | A::Olmo3 => block.norms = Norms::OLMO,
+            A::Glm4 => {
+                block.norms = Norms::GLM;
+                block.fused_gate_up = true;
+            }
+            A::Phi3 => {
+                block.fused_qkv = true;
+                block.fused_gate_up = true;
+            }
+            A::Granite => {
+                let multiplier = |key: &str| -> Result<f64> { finite_positive(key, f.float(key)?.unwrap_or(1.0)) };
+                block.embedding_multiplier = multiplier("embedding_multiplier")?;
+                block.residual_multiplier = multiplier("residual_multiplier")?;
+                block.attention_scale = Some(multiplier("attention_multiplier")?);
+                block.logits_divisor = multiplier("logits_scaling")?;
+            }
+            A::Llama | A::Qwen2 | A::Qwen3 | A::Mistral | A::Qwen3Moe | A::Mixtral | A::SmolLm3 => {}
+        }
+        if !matches!(architecture, A::Gemma2 | A::Gemma3)
+            && let Some(act) = f.str("hidden_act")?
+        {
+            block.activation = Activation::parse("hidden_act", act)?;
+            if block.activation != Activation::Silu {
+                return Err(Error::unsupported("hidden_act", act, "this family's MLP is implemented with silu only"));
+            }
+        }
+        Ok(block)
+    }
+}
+
+/// One tensor of a checkpoint that Keel holds as several: rows `parts[i].1` after those of
+/// the parts before it belong to parameter `parts[i].0` (full Hugging Face names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FusedWeight {
+    pub name: String,
+    pub parts: Vec<(String, i64)>,
 }
 
 /// A parsed and validated `config.json`.
@@ -117,7 +372,14 @@ pub struct ModelConfig {
     pub num_key_value_heads: i64,
     pub head_dim: i64,
     pub rms_norm_eps: f64,
+    /// The rotary embedding of full-attention layers (of every layer, unless the next two
+    /// fields say otherwise).
     pub rope: RopeConfig,
+    /// The rotary embedding of sliding-window layers, where it differs (Gemma 3's
+    /// `rope_local_base_freq`; OLMo 3's and Gemma 3's per-layer-type `rope_parameters`).
+    pub local_rope: Option<RopeConfig>,
+    /// Layers without a rotary embedding (SmolLM3's NoPE layers).
+    pub nope_layers: Vec<bool>,
     pub max_position_embeddings: i64,
     pub tie_word_embeddings: bool,
     /// Bias on q, k and v projections.
@@ -126,8 +388,10 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Bias on gate, up and down projections.
     pub mlp_bias: bool,
-    /// RMSNorm on q and k per head (Qwen3).
-    pub qk_norm: bool,
+    /// RMSNorm on q and k (Qwen3, Gemma 3: per head; OLMo: over the projection).
+    pub qk_norm: QkNorm,
+    /// What else the family changes in the decoder ([`Block`]).
+    pub block: Block,
     /// The attention window of each layer (`None` = full causal attention).
     pub sliding_windows: Vec<Option<i64>>,
     pub bos_token_id: Option<i64>,
@@ -326,23 +590,23 @@ impl ModelConfig {
                     .ok_or_else(|| Error::invalid("architectures", "and `model_type` are both missing"))?,
             )?,
         };
-        if let Some(act) = f.str("hidden_act")?.filter(|act| *act != "silu") {
-            return Err(Error::unsupported("hidden_act", act, "only silu is implemented"));
-        }
         if let Some(q) = f.get("quantization_config") {
             return Err(Error::unsupported("quantization_config", q, "quantized checkpoints are not supported"));
         }
         if let Some(tp) = f.int("pretraining_tp")?.filter(|tp| *tp != 1) {
             return Err(Error::unsupported("pretraining_tp", tp, "only 1 is supported"));
         }
+        use Architecture as A;
 
         let hidden_size = positive("hidden_size", f.req_int("hidden_size")?)?;
         let num_attention_heads = positive("num_attention_heads", f.req_int("num_attention_heads")?)?;
+        // transformers' defaults, class by class.
         let default_kv_heads = match architecture {
-            Architecture::Llama => num_attention_heads,
-            Architecture::Mistral | Architecture::Mixtral => 8,
-            Architecture::Qwen2 | Architecture::Qwen3 => 32,
-            Architecture::Qwen3Moe => 4,
+            A::Llama | A::Phi3 | A::Olmo2 | A::Olmo3 | A::Granite => num_attention_heads,
+            A::Mistral | A::Mixtral => 8,
+            A::Qwen2 | A::Qwen3 => 32,
+            A::Qwen3Moe | A::Gemma2 | A::Gemma3 | A::SmolLm3 => 4,
+            A::Glm4 => 2,
         };
         let num_key_value_heads =
             positive("num_key_value_heads", f.int("num_key_value_heads")?.unwrap_or(default_kv_heads))?;
@@ -353,7 +617,8 @@ impl ModelConfig {
             ));
         }
         let default_head_dim = match architecture {
-            Architecture::Qwen3 => 128,
+            A::Qwen3 | A::Glm4 => 128,
+            A::Gemma2 | A::Gemma3 => 256,
             _ => hidden_size / num_attention_heads,
         };
         let head_dim = positive("head_dim", f.int("head_dim")?.unwrap_or(default_head_dim))?;
@@ -361,18 +626,31 @@ impl ModelConfig {
             return Err(Error::invalid("head_dim", format!("must be even for rotary embeddings, found {head_dim}")));
         }
         let num_hidden_layers = positive("num_hidden_layers", f.req_int("num_hidden_layers")?)?;
-        let rms_norm_eps = f.float("rms_norm_eps")?.unwrap_or(1e-6);
+        let default_eps = match architecture {
+            A::Phi3 | A::Olmo2 | A::Olmo3 => 1e-5,
+            A::Glm4 => 1.5625e-7,
+            _ => 1e-6,
+        };
+        let rms_norm_eps = f.float("rms_norm_eps")?.unwrap_or(default_eps);
         if rms_norm_eps <= 0.0 {
             return Err(Error::invalid("rms_norm_eps", format!("must be positive, found {rms_norm_eps}")));
         }
 
-        let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+        let default_attention_bias = architecture == A::Glm4;
+        let attention_bias = f.bool("attention_bias")?.unwrap_or(default_attention_bias);
+        let mlp_bias = || -> Result<bool> { Ok(f.bool("mlp_bias")?.unwrap_or(false)) };
         let (qkv_bias, o_bias, mlp_bias, qk_norm) = match architecture {
-            Architecture::Llama => (attention_bias, attention_bias, f.bool("mlp_bias")?.unwrap_or(false), false),
-            Architecture::Qwen2 => (true, false, false, false),
-            Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, false, true),
-            Architecture::Mistral | Architecture::Mixtral => (false, false, false, false),
+            A::Llama | A::Granite | A::SmolLm3 => (attention_bias, attention_bias, mlp_bias()?, QkNorm::None),
+            A::Qwen2 => (true, false, false, QkNorm::None),
+            A::Qwen3 | A::Qwen3Moe => (attention_bias, attention_bias, false, QkNorm::PerHead),
+            A::Mistral | A::Mixtral | A::Phi3 => (false, false, false, QkNorm::None),
+            A::Gemma2 => (attention_bias, attention_bias, false, QkNorm::None),
+            A::Gemma3 => (attention_bias, attention_bias, false, QkNorm::PerHead),
+            A::Olmo2 | A::Olmo3 => (attention_bias, attention_bias, false, QkNorm::Projection),
+            // GLM-4's o_proj never has a bias.
+            A::Glm4 => (attention_bias, false, false, QkNorm::None),
         };
+        let block = Block::parse(&f, architecture, hidden_size)?;
 
         let sliding_windows = sliding_windows(&f, architecture, num_hidden_layers)?;
         let dtype = f.str("dtype")?.or(f.str("torch_dtype")?).map(str::to_string);
@@ -385,9 +663,22 @@ impl ModelConfig {
         let moe = MoeConfig::parse(&f, architecture, num_hidden_layers)?;
         // Qwen3-MoE's dense layers (if any) use `intermediate_size`, 6144 when absent.
         let intermediate_size = match architecture {
-            Architecture::Qwen3Moe => f.int("intermediate_size")?.unwrap_or(6144),
+            A::Qwen3Moe => f.int("intermediate_size")?.unwrap_or(6144),
             _ => f.req_int("intermediate_size")?,
         };
+        let max_position_embeddings = positive(
+            "max_position_embeddings",
+            f.int("max_position_embeddings")?.unwrap_or(match architecture {
+                A::Llama | A::Olmo2 | A::Olmo3 | A::Granite => 2048,
+                A::Phi3 => 4096,
+                A::Gemma2 => 8192,
+                A::Mistral | A::Mixtral | A::Gemma3 | A::Glm4 => 131_072,
+                A::Qwen2 | A::Qwen3 | A::Qwen3Moe | A::SmolLm3 => 32_768,
+            }),
+        )?;
+        let ropes = Ropes::parse(&f, architecture, head_dim, max_position_embeddings)?;
+        let nope_layers = nope_layers(&f, architecture, num_hidden_layers)?;
+        let tied_default = matches!(architecture, A::Gemma2 | A::Gemma3 | A::SmolLm3);
         Ok(Self {
             architecture,
             vocab_size: positive("vocab_size", f.req_int("vocab_size")?)?,
@@ -398,20 +689,16 @@ impl ModelConfig {
             num_key_value_heads,
             head_dim,
             rms_norm_eps,
-            rope: rope_config(&f)?,
-            max_position_embeddings: positive(
-                "max_position_embeddings",
-                f.int("max_position_embeddings")?.unwrap_or(match architecture {
-                    Architecture::Llama => 2048,
-                    Architecture::Mistral | Architecture::Mixtral => 131_072,
-                    Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => 32_768,
-                }),
-            )?,
-            tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
+            rope: ropes.full,
+            local_rope: ropes.local,
+            nope_layers,
+            max_position_embeddings,
+            tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(tied_default),
             qkv_bias,
             o_bias,
             mlp_bias,
             qk_norm,
+            block,
             sliding_windows,
             bos_token_id: f.ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.ids("eos_token_id")?,
@@ -420,6 +707,41 @@ impl ModelConfig {
             moe,
             raw,
         })
+    }
+
+    /// The checkpoint tensors Keel holds split: Phi-3's `qkv_proj` (q, k, v rows) and
+    /// Phi-3's and GLM-4's `gate_up_proj` (gate, then up), per layer.
+    pub fn fused_weights(&self) -> Vec<FusedWeight> {
+        let (q, kv) = (self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim);
+        let mut fused = Vec::new();
+        for layer in 0..self.num_hidden_layers {
+            let p = |name: &str| format!("model.layers.{layer}.{name}.weight");
+            if self.block.fused_qkv {
+                fused.push(FusedWeight {
+                    name: p("self_attn.qkv_proj"),
+                    parts: vec![(p("self_attn.q_proj"), q), (p("self_attn.k_proj"), kv), (p("self_attn.v_proj"), kv)],
+                });
+            }
+            if self.block.fused_gate_up {
+                let i = self.intermediate_size;
+                fused.push(FusedWeight {
+                    name: p("mlp.gate_up_proj"),
+                    parts: vec![(p("mlp.gate_proj"), i), (p("mlp.up_proj"), i)],
+                });
+            }
+        }
+        fused
+    }
+
+    /// The rotary embedding of layer `layer` (`None`: a NoPE layer).
+    pub fn layer_rope(&self, layer: usize) -> Option<&RopeConfig> {
+        if self.nope_layers[layer] {
+            return None;
+        }
+        match (&self.local_rope, self.sliding_windows[layer]) {
+            (Some(local), Some(_)) => Some(local),
+            _ => Some(&self.rope),
+        }
     }
 
     /// Whether layer `layer` has experts rather than a dense MLP.
@@ -452,82 +774,257 @@ impl ModelConfig {
     }
 }
 
-fn rope_config(f: &Fields<'_>) -> Result<RopeConfig> {
-    // v5 keeps everything in `rope_parameters`; v4 has `rope_theta` and `rope_scaling`.
-    let (params_key, params) = match (f.get("rope_parameters"), f.get("rope_scaling")) {
-        (Some(p), _) => ("rope_parameters", Some(p)),
-        (None, Some(s)) => ("rope_scaling", Some(s)),
-        (None, None) => ("rope_scaling", None),
-    };
-    let empty = Map::new();
-    let params = match params {
-        Some(Value::Object(map)) => map,
-        Some(other) => return Err(Error::invalid(params_key, format!("must be an object, found {other}"))),
-        None => &empty,
-    };
-    let p = Fields(params);
-    let theta = p.float("rope_theta")?.or(f.float("rope_theta")?).unwrap_or(10_000.0);
-    if theta <= 0.0 {
-        return Err(Error::invalid("rope_theta", format!("must be positive, found {theta}")));
+fn finite_positive(key: &str, value: f64) -> Result<f64> {
+    if value.is_finite() && value > 0.0 {
+        Ok(value)
+    } else {
+        Err(Error::invalid(key, format!("must be a positive number, found {value}")))
     }
-    let rope_type = p.str("rope_type")?.or(p.str("type")?).unwrap_or("default");
-    let field = |name: &str| format!("{params_key}.{name}");
-    let factor = || -> Result<f64> {
-        let factor = p.float("factor")?.ok_or_else(|| Error::invalid(&field("factor"), "is missing"))?;
-        if factor < 1.0 {
-            return Err(Error::invalid(&field("factor"), format!("must be at least 1, found {factor}")));
+}
+
+/// The rotary embeddings of full-attention and (where they differ) sliding-window layers.
+struct Ropes {
+    full: RopeConfig,
+    local: Option<RopeConfig>,
+}
+
+impl Ropes {
+    /// Reads both layouts transformers writes: v4 (`rope_theta`, `rope_scaling`, Gemma 3's
+    /// `rope_local_base_freq`) and v5 (`rope_parameters`, for Gemma 3 and OLMo 3 one object per
+    /// layer type).
+    fn parse(f: &Fields<'_>, architecture: Architecture, head_dim: i64, max_positions: i64) -> Result<Self> {
+        use Architecture as A;
+        let default_theta = match architecture {
+            A::Gemma3 => 1_000_000.0,
+            A::Olmo3 => 500_000.0,
+            A::SmolLm3 => 2_000_000.0,
+            _ => 10_000.0,
+        };
+        let shape = RopeShape {
+            head_dim,
+            max_positions,
+            default_partial: if architecture == A::Glm4 { 0.5 } else { 1.0 },
+            interleaved: architecture == A::Glm4,
+            phi3: architecture == A::Phi3,
+        };
+        let per_layer_type = matches!(architecture, A::Gemma3 | A::Olmo3);
+        let parameters = f.get("rope_parameters").and_then(Value::as_object);
+        if per_layer_type && let Some(types) = parameters.filter(|p| p.contains_key("full_attention")) {
+            let part = |key: &str| -> Result<RopeConfig> {
+                let name = format!("rope_parameters.{key}");
+                match types.get(key) {
+                    None | Some(Value::Null) => shape.parse(f, &name, &Map::new(), default_theta),
+                    Some(Value::Object(p)) => shape.parse(f, &name, p, default_theta),
+                    Some(other) => Err(Error::invalid(&name, format!("must be an object, found {other}"))),
+                }
+            };
+            let full = part("full_attention")?;
+            let local_theta = if architecture == A::Gemma3 { 10_000.0 } else { full.theta };
+            let local = match types.get("sliding_attention") {
+                Some(Value::Object(p)) => shape.parse(f, "rope_parameters.sliding_attention", p, local_theta)?,
+                _ => RopeConfig { theta: local_theta, scaling: RopeScaling::None, ..full.clone() },
+            };
+            return Ok(Self { local: (local != full).then_some(local), full });
         }
-        Ok(factor)
-    };
-    let scaling = match rope_type {
-        "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear { factor: factor()? },
-        "llama3" => {
-            let low_freq_factor =
-                p.float("low_freq_factor")?.ok_or_else(|| Error::invalid(&field("low_freq_factor"), "is missing"))?;
-            let high_freq_factor =
-                p.float("high_freq_factor")?.ok_or_else(|| Error::invalid(&field("high_freq_factor"), "is missing"))?;
-            if high_freq_factor <= low_freq_factor {
-                return Err(Error::invalid(&field("high_freq_factor"), "must be greater than low_freq_factor"));
+        // One object for every layer: `rope_parameters` (v5) or `rope_scaling` (v4).
+        let (key, params) = match (f.get("rope_parameters"), f.get("rope_scaling")) {
+            (Some(p), _) => ("rope_parameters", Some(p)),
+            (None, Some(s)) => ("rope_scaling", Some(s)),
+            (None, None) => ("rope_scaling", None),
+        };
+        let empty = Map::new();
+        let params = match params {
+            Some(Value::Object(map)) => map,
+            Some(other) => return Err(Error::invalid(key, format!("must be an object, found {other}"))),
+            None => &empty,
+        };
+        let full = shape.parse(f, key, params, default_theta)?;
+        let local = match architecture {
+            // v4 Gemma 3: local layers at `rope_local_base_freq`, unscaled.
+            A::Gemma3 => {
+                let theta = f.float("rope_local_base_freq")?.unwrap_or(10_000.0);
+                Some(RopeConfig {
+                    theta: finite_positive("rope_local_base_freq", theta)?,
+                    scaling: RopeScaling::None,
+                    ..full.clone()
+                })
             }
-            RopeScaling::Llama3 {
-                factor: factor()?,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: positive(
-                    &field("original_max_position_embeddings"),
-                    p.req_int("original_max_position_embeddings")
-                        .map_err(|_| Error::invalid(&field("original_max_position_embeddings"), "is missing"))?,
-                )?,
-            }
+            // v4 OLMo 3: `rope_scaling` applies to full-attention layers only.
+            A::Olmo3 => Some(RopeConfig { scaling: RopeScaling::None, ..full.clone() }),
+            _ => None,
+        };
+        Ok(Self { local: local.filter(|l| *l != full), full })
+    }
+}
+
+/// What a rotary embedding's parameters are read against.
+struct RopeShape {
+    head_dim: i64,
+    max_positions: i64,
+    default_partial: f64,
+    interleaved: bool,
+    /// Phi-3 reads `su` and `yarn` as LongRoPE.
+    phi3: bool,
+}
+
+impl RopeShape {
+    /// One rotary embedding from `params` (named `key` in errors), with the top-level fields
+    /// of `f` where the object lacks them (v4 keeps `rope_theta`, `partial_rotary_factor`
+    /// and Phi-3's `original_max_position_embeddings` there).
+    fn parse(&self, f: &Fields<'_>, key: &str, params: &Map<String, Value>, default_theta: f64) -> Result<RopeConfig> {
+        let p = Fields(params);
+        let field = |name: &str| format!("{key}.{name}");
+        let theta = p.float("rope_theta")?.or(f.float("rope_theta")?).unwrap_or(default_theta);
+        if theta <= 0.0 {
+            return Err(Error::invalid("rope_theta", format!("must be positive, found {theta}")));
         }
-        other => {
-            return Err(Error::unsupported(
-                &field("rope_type"),
-                other,
-                "supported rope types are default, linear and llama3",
+        let partial =
+            p.float("partial_rotary_factor")?.or(f.float("partial_rotary_factor")?).unwrap_or(self.default_partial);
+        if !(partial > 0.0 && partial <= 1.0) {
+            return Err(Error::invalid("partial_rotary_factor", format!("must be in (0, 1], found {partial}")));
+        }
+        // transformers truncates: int(head_dim * partial_rotary_factor).
+        let rotary_dim = (self.head_dim as f64 * partial) as i64;
+        if rotary_dim < 2 || rotary_dim % 2 != 0 {
+            return Err(Error::invalid(
+                "partial_rotary_factor",
+                format!(
+                    "gives {rotary_dim} rotary dimensions of a {}-dimension head (an even number is needed)",
+                    self.head_dim
+                ),
             ));
         }
-    };
-    Ok(RopeConfig { theta, scaling })
+        let rope_type = p.str("rope_type")?.or(p.str("type")?).unwrap_or("default");
+        let factor = || -> Result<f64> {
+            let factor = p.float("factor")?.ok_or_else(|| Error::invalid(&field("factor"), "is missing"))?;
+            if factor < 1.0 {
+                return Err(Error::invalid(&field("factor"), format!("must be at least 1, found {factor}")));
+            }
+            Ok(factor)
+        };
+        let original_max = || -> Result<i64> {
+            let value = p.int("original_max_position_embeddings")?.or(f.int("original_max_position_embeddings")?);
+            positive(
+                &field("original_max_position_embeddings"),
+                value.ok_or_else(|| Error::invalid(&field("original_max_position_embeddings"), "is missing"))?,
+            )
+        };
+        let longrope = || -> Result<RopeScaling> {
+            let factors = |name: &str| -> Result<Vec<f64>> {
+                let list = p
+                    .get(name)
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| Error::invalid(&field(name), "must be a list of numbers"))?;
+                let values: Vec<f64> = list.iter().filter_map(Value::as_f64).collect();
+                if values.len() != list.len()
+                    || values.len() as i64 != rotary_dim / 2
+                    || values.iter().any(|v| !v.is_finite() || *v <= 0.0)
+                {
+                    return Err(Error::invalid(
+                        &field(name),
+                        format!("must hold {} positive numbers (rotary dimensions / 2)", rotary_dim / 2),
+                    ));
+                }
+                Ok(values)
+            };
+            let original = original_max()?;
+            let factor = match p.float("factor")? {
+                Some(factor) => factor,
+                None => self.max_positions as f64 / original as f64,
+            };
+            let attention_factor = match p.float("attention_factor")? {
+                Some(a) => finite_positive(&field("attention_factor"), a)?,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+            };
+            Ok(RopeScaling::LongRope {
+                short_factor: factors("short_factor")?,
+                long_factor: factors("long_factor")?,
+                original_max_position_embeddings: original,
+                attention_factor,
+            })
+        };
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: factor()? },
+            "llama3" => {
+                let low_freq_factor = p
+                    .float("low_freq_factor")?
+                    .ok_or_else(|| Error::invalid(&field("low_freq_factor"), "is missing"))?;
+                let high_freq_factor = p
+                    .float("high_freq_factor")?
+                    .ok_or_else(|| Error::invalid(&field("high_freq_factor"), "is missing"))?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(Error::invalid(&field("high_freq_factor"), "must be greater than low_freq_factor"));
+                }
+                RopeScaling::Llama3 {
+                    factor: factor()?,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings: original_max()?,
+                }
+            }
+            // Phi-3 names LongRoPE `su` (and once `yarn`); transformers reads both as longrope.
+            "longrope" => longrope()?,
+            "su" | "yarn" if self.phi3 => longrope()?,
+            other => {
+                return Err(Error::unsupported(
+                    &field("rope_type"),
+                    other,
+                    "supported rope types are default, linear, llama3 and (Phi-3) longrope",
+                ));
+            }
+        };
+        Ok(RopeConfig { theta, scaling, rotary_dim, interleaved: self.interleaved })
+    }
+}
+
+/// SmolLM3's layers without rotary embeddings: `no_rope_layers` (1 = rotary, 0 = NoPE), or
+/// every `no_rope_layer_interval`-th layer (4 when absent). No other family has them.
+fn nope_layers(f: &Fields<'_>, architecture: Architecture, layers: i64) -> Result<Vec<bool>> {
+    if architecture != Architecture::SmolLm3 {
+        return Ok(vec![false; layers as usize]);
+    }
+    if let Some(list) = f.get("no_rope_layers") {
+        let list = list.as_array().ok_or_else(|| Error::invalid("no_rope_layers", "must be a list of 0 and 1"))?;
+        if list.len() as i64 != layers {
+            return Err(Error::invalid("no_rope_layers", format!("has {} entries for {layers} layers", list.len())));
+        }
+        return list
+            .iter()
+            .map(|v| match v.as_i64() {
+                Some(1) => Ok(false),
+                Some(0) => Ok(true),
+                _ => Err(Error::invalid("no_rope_layers", format!("must hold 0 or 1, found {v}"))),
+            })
+            .collect();
+    }
+    let interval = positive("no_rope_layer_interval", f.int("no_rope_layer_interval")?.unwrap_or(4))?;
+    Ok((0..layers).map(|i| (i + 1) % interval == 0).collect())
 }
 
 /// The attention window of each layer, as transformers derives it: Mistral uses
-/// `sliding_window` (4096 when the key is absent, none when null) on every layer; Qwen2/Qwen3
-/// use it only with `use_sliding_window`, on layers from `max_window_layers` on (28 when
-/// absent); `layer_types`, when present, says which layers are windowed.
+/// `sliding_window` (4096 when the key is absent, none when null) on every layer, Phi-3 too
+/// (none when absent); Qwen2/Qwen3 use it only with `use_sliding_window`, on layers from
+/// `max_window_layers` on (28 when absent); Gemma 2 alternates windowed and full layers,
+/// Gemma 3 has one full layer in `sliding_window_pattern` (6), OLMo 3 one in four; SmolLM3
+/// windows its NoPE layers with `use_sliding_window`. `layer_types`, when present, says which
+/// layers are windowed.
 fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> Result<Vec<Option<i64>>> {
-    // 4096 when the key is absent, except for Mixtral (none).
-    let absent = if architecture == Architecture::Mixtral { None } else { Some(4096) };
+    use Architecture as A;
+    let absent = match architecture {
+        A::Mistral | A::Qwen2 | A::Qwen3 | A::Qwen3Moe | A::Gemma2 | A::Gemma3 | A::Olmo3 => Some(4096),
+        _ => None,
+    };
     let configured = if f.0.contains_key("sliding_window") { f.int("sliding_window")? } else { absent };
     if let Some(w) = configured {
         positive("sliding_window", w)?;
     }
     let use_sliding_window = f.bool("use_sliding_window")?.unwrap_or(false);
     let window = match architecture {
-        Architecture::Llama => None,
-        Architecture::Mistral | Architecture::Mixtral => configured,
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => configured.filter(|_| use_sliding_window),
+        A::Llama | A::Olmo2 | A::Glm4 | A::Granite => None,
+        A::Mistral | A::Mixtral | A::Phi3 | A::Gemma2 | A::Gemma3 | A::Olmo3 => configured,
+        A::Qwen2 | A::Qwen3 | A::Qwen3Moe | A::SmolLm3 => configured.filter(|_| use_sliding_window),
     };
     if let Some(types) = f.get("layer_types") {
         let types = types.as_array().ok_or_else(|| Error::invalid("layer_types", "must be a list"))?;
@@ -538,6 +1035,8 @@ fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> R
             .iter()
             .map(|t| match t.as_str() {
                 Some("full_attention") => Ok(None),
+                // SmolLM3 names its NoPE layers sliding even when no window is in use.
+                Some("sliding_attention") if architecture == A::SmolLm3 => Ok(window),
                 Some("sliding_attention") => window.map(Some).ok_or_else(|| {
                     Error::invalid("layer_types", "has sliding_attention but no sliding window is in effect")
                 }),
@@ -547,11 +1046,19 @@ fn sliding_windows(f: &Fields<'_>, architecture: Architecture, layers: i64) -> R
             })
             .collect();
     }
-    let first_windowed = match architecture {
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => f.int("max_window_layers")?.unwrap_or(28),
-        _ => 0,
+    let windowed = |i: i64| -> Result<bool> {
+        Ok(match architecture {
+            A::Qwen2 | A::Qwen3 | A::Qwen3Moe => i >= f.int("max_window_layers")?.unwrap_or(28),
+            A::Gemma2 => i % 2 == 0,
+            A::Gemma3 => {
+                (i + 1) % positive("sliding_window_pattern", f.int("sliding_window_pattern")?.unwrap_or(6))? != 0
+            }
+            A::Olmo3 => (i + 1) % 4 != 0,
+            A::SmolLm3 => nope_layers(f, architecture, layers)?[i as usize],
+            _ => true,
+        })
     };
-    Ok((0..layers).map(|i| window.filter(|_| i >= first_windowed)).collect())
+    (0..layers).map(|i| Ok(if windowed(i)? { window } else { None })).collect()
 }
 
 #[cfg(test)]
@@ -576,7 +1083,7 @@ mod tests {
     fn per_architecture_defaults() {
         let qwen3 = ModelConfig::from_json(base("Qwen3ForCausalLM")).unwrap();
         assert_eq!(qwen3.head_dim, 128);
-        assert!(qwen3.qk_norm);
+        assert_eq!(qwen3.qk_norm, QkNorm::PerHead);
         let qwen2 = ModelConfig::from_json(base("Qwen2ForCausalLM")).unwrap();
         assert!(qwen2.qkv_bias && !qwen2.o_bias);
         assert_eq!(qwen2.head_dim, 16);

@@ -177,6 +177,12 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: 
         "use_cache": true,
         "torch_dtype": "float32",
     });
+    let head_dim = dims.hidden / dims.heads;
+    // A window an eighth of the context, so that windowed layers matter at lengths the demo uses.
+    let window = dims.max_positions / 8;
+    let layer_types = |full: &dyn Fn(i64) -> bool| -> Value {
+        (0..dims.layers).map(|i| if full(i) { "full_attention" } else { "sliding_attention" }).collect()
+    };
     let extra = match arch {
         Architecture::Llama => json!({"attention_bias": false, "mlp_bias": false, "pretraining_tp": 1}),
         Architecture::Qwen2 | Architecture::Qwen3 => {
@@ -196,6 +202,41 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: 
             "sliding_window": null, "num_local_experts": 8, "num_experts_per_tok": 2,
             "intermediate_size": dims.intermediate / 4, "output_router_logits": true,
             "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+        }),
+        // Gemma 2: windowed and full layers alternate; both soft-caps at Gemma 2's values.
+        Architecture::Gemma2 => json!({
+            "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": head_dim,
+            "sliding_window": window, "layer_types": layer_types(&|i| i % 2 == 1),
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention_bias": false,
+        }),
+        // Gemma 3: five windowed layers to a full one (the last layer full at every size here),
+        // local layers at their own rotary base.
+        Architecture::Gemma3 => json!({
+            "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": head_dim,
+            "sliding_window": window, "layer_types": layer_types(&|i| (i + 1) % 6 == 0 || i == dims.layers - 1),
+            "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "attention_bias": false,
+            "attn_logit_softcapping": null, "final_logit_softcapping": null,
+        }),
+        // Phi-4-mini's layout: three quarters of each head rotate.
+        Architecture::Phi3 => json!({
+            "partial_rotary_factor": 0.75, "original_max_position_embeddings": dims.max_positions,
+            "sliding_window": null,
+        }),
+        Architecture::Olmo2 => json!({"attention_bias": false}),
+        Architecture::Olmo3 => json!({
+            "attention_bias": false, "sliding_window": window, "layer_types": layer_types(&|i| (i + 1) % 4 == 0),
+        }),
+        Architecture::Glm4 => json!({"partial_rotary_factor": 0.5, "attention_bias": true}),
+        // Granite 3.3's multipliers.
+        Architecture::Granite => json!({
+            "attention_bias": false, "mlp_bias": false, "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22, "attention_multiplier": 1.0 / head_dim as f64, "logits_scaling": 8.0,
+        }),
+        // SmolLM3: every fourth layer without a rotary embedding.
+        Architecture::SmolLm3 => json!({
+            "attention_bias": false, "mlp_bias": false, "use_sliding_window": false, "sliding_window": null,
+            "no_rope_layer_interval": 4,
+            "no_rope_layers": (0..dims.layers).map(|i| i64::from((i + 1) % 4 != 0)).collect::<Vec<_>>(),
         }),
     };
     if let (Value::Object(config), Value::Object(extra)) = (&mut config, extra) {

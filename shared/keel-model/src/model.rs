@@ -27,12 +27,12 @@ use moe::{Experts, Routers};
 
 use crate::attention::{Mask, Masks, attention, masks_for};
 use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig, QkNorm};
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
 use crate::packed::PackedRow;
 use crate::prefix::PrefixTree;
-use crate::rope::{self, Rotary};
+use crate::rope::{RopeTables, Rotations};
 
 /// How new parameters are filled.
 #[derive(Debug, Clone, Copy)]
@@ -101,20 +101,31 @@ impl Linear {
     }
 }
 
-/// RMSNorm computed in f32 and cast back, as transformers does.
+/// RMSNorm computed in f32 and cast back, as transformers does; Gemma's applies its
+/// weight as `1 + w`, in f32.
 #[derive(Debug)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f64,
+pub(crate) struct RmsNorm {
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f64,
+    pub(crate) offset: bool,
 }
 
 impl RmsNorm {
-    fn new(p: &Params<'_>, size: i64, eps: f64) -> Result<Self> {
-        Ok(Self { weight: p.ones("weight", &[size])?, eps })
+    fn new(p: &Params<'_>, size: i64, cfg: &ModelConfig) -> Result<Self> {
+        // An offset norm's weight is 0 for the identity (transformers initialises it so).
+        let weight = if cfg.block.norm_offset { p.zeros("weight", &[size])? } else { p.ones("weight", &[size])? };
+        Ok(Self { weight, eps: cfg.rms_norm_eps, offset: cfg.block.norm_offset })
     }
 
-    fn forward(&self, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
-        match kernel_for(kernels, Kernel::RmsNorm, x) {
+    fn kernel<'k>(&self, kernels: Option<&'k Kernels>, x: &Tensor) -> Option<&'k Kernels> {
+        kernel_for(kernels, Kernel::RmsNorm, x).filter(|_| !self.offset)
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
+        if self.offset {
+            return offset_rms_norm(x, &self.weight, self.eps);
+        }
+        match self.kernel(kernels, x) {
             Some(k) => Ok(k.rms_norm(x, None, &self.weight, self.eps)?.0),
             None => rms_norm(x, &self.weight, self.eps),
         }
@@ -122,13 +133,13 @@ impl RmsNorm {
 
     /// (`x + residual`, its norm), fused into one kernel where one runs.
     fn add_forward(&self, x: &Tensor, residual: &Tensor, kernels: Option<&Kernels>) -> Result<(Tensor, Tensor)> {
-        if let Some(k) = kernel_for(kernels, Kernel::RmsNorm, x)
+        if let Some(k) = self.kernel(kernels, x)
             && let (normed, Some(sum)) = k.rms_norm(x, Some(residual), &self.weight, self.eps)?
         {
             return Ok((sum, normed));
         }
         let sum = x.f_add(residual)?;
-        let normed = rms_norm(&sum, &self.weight, self.eps)?;
+        let normed = self.forward(&sum, None)?;
         Ok((sum, normed))
     }
 }
@@ -146,35 +157,51 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(weight.f_mul(&normed.f_to_kind(x.kind())?)?)
 }
 
+/// `x · (1 + weight) / sqrt(mean(x²) + eps)` in f32, cast back (Gemma's RMSNorm).
+fn offset_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = x.f_to_kind(Kind::Float)?;
+    let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
+    let normed = x32.f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?;
+    Ok(normed.f_mul(&weight.f_to_kind(Kind::Float)?.f_add_scalar(1.0)?)?.f_to_kind(x.kind())?)
+}
+
 /// `silu(gate) · up`: the gated activation of the MLP.
 pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(gate.f_silu()?.f_mul(up)?)
 }
 
-/// Rotary cos/sin and the masks (one per distinct window among `windows`) for `ids` [B, S]
+/// `activation(gate) · up`.
+fn gated(activation: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok(match activation {
+        Activation::Silu => return silu_mul(gate, up),
+        Activation::GeluTanh => gate.f_gelu("tanh")?.f_mul(up)?,
+        Activation::Gelu => gate.f_gelu("none")?.f_mul(up)?,
+    })
+}
+
+/// Rotary tables and the masks (one per distinct window among `windows`) for `ids` [B, S]
 /// whose row b starts at position `offsets[b]` and attends to `visible` keys.
 fn positions_for(
-    rotary: &Rotary,
+    rotations: &Rotations,
     kind: Kind,
     windows: &[Option<i64>],
     ids: &Tensor,
     offsets: &[i64],
     visible: i64,
     device: Device,
-) -> Result<(Tensor, Tensor, Masks)> {
+) -> Result<(RopeTables, Masks)> {
     let (b, s) = (ids.size()[0], ids.size()[1]);
     let starts = Tensor::from_slice(offsets).f_to_device(device)?.f_unsqueeze(1)?;
     let positions =
         starts.f_add(&Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?)?.f_expand([b, s], false)?;
-    let (cos, sin) = rotary.cos_sin(&positions, kind)?;
-    Ok((cos, sin, masks_for(windows, s, offsets, visible, device)?))
+    Ok((rotations.tables(&positions, kind)?, masks_for(windows, s, offsets, visible, device)?))
 }
 
-/// What every layer of one forward pass shares: rotary cos/sin for the positions of the
-/// input and the attention mask of the layer's window.
+/// What a layer of one forward pass reads besides its input: the rotary tables for the
+/// positions of the input and the attention mask of the layer's window.
 struct Positions<'a> {
-    cos: &'a Tensor,
-    sin: &'a Tensor,
+    rope: &'a RopeTables,
+    layer: usize,
     mask: &'a Mask,
     window: Option<i64>,
     /// CUDA kernels the layers may use instead of tch ops (inference on a GPU).
@@ -184,10 +211,10 @@ struct Positions<'a> {
 }
 
 impl<'a> Positions<'a> {
-    /// The positions of a layer with attention window `window`.
-    fn of(cos: &'a Tensor, sin: &'a Tensor, masks: &'a Masks, window: Option<i64>) -> Self {
+    /// The positions of layer `layer`, whose attention window is `window`.
+    fn of(rope: &'a RopeTables, layer: usize, masks: &'a Masks, window: Option<i64>) -> Self {
         let (_, mask) = masks.iter().find(|(w, _)| *w == window).expect("a mask was built for every window");
-        Self { cos, sin, mask, window, kernels: None, routers: None }
+        Self { rope, layer, mask, window, kernels: None, routers: None }
     }
 
     fn with_kernels(self, kernels: Option<&'a Kernels>) -> Self {
@@ -198,11 +225,12 @@ impl<'a> Positions<'a> {
         Self { routers, ..self }
     }
 
-    /// Rotary embedding of `x` [B, H, S, D] at these positions.
+    /// Rotary embedding of `x` [B, H, S, D] at these positions (none in a NoPE layer).
     fn rotate(&self, x: &Tensor) -> Result<Tensor> {
-        match kernel_for(self.kernels, Kernel::Rotary, x) {
-            Some(k) => Ok(k.rotary(x, self.cos, self.sin)?),
-            None => rope::apply(x, self.cos, self.sin),
+        let Some(table) = self.rope.layer(self.layer) else { return Ok(x.shallow_clone()) };
+        match kernel_for(self.kernels, Kernel::Rotary, x).filter(|_| table.style.is_plain()) {
+            Some(k) => Ok(k.rotary(x, &table.cos, &table.sin)?),
+            None => table.style.apply(x, &table.cos, &table.sin),
         }
     }
 }
@@ -213,40 +241,72 @@ pub(crate) struct Attention {
     pub(crate) k_proj: Linear,
     pub(crate) v_proj: Linear,
     pub(crate) o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    heads: i64,
-    kv_heads: i64,
-    head_dim: i64,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) heads: i64,
+    pub(crate) kv_heads: i64,
+    pub(crate) head_dim: i64,
+    pub(crate) scores: Scores,
+}
+
+/// How a layer's attention logits differ from `q·k / √D`, and where its q/k norms apply.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scores {
+    /// The queries are multiplied by this before attention, which scales the logits by
+    /// `multiplier / √D` (1: the usual scale).
+    query_multiplier: f64,
+    /// `cap · tanh(logit / cap)` before the mask (Gemma 2).
+    softcap: Option<f64>,
+    /// The q/k norms span the whole projection (OLMo), not each head.
+    norm_projection: bool,
+}
+
+impl Scores {
+    pub(crate) fn of(cfg: &ModelConfig) -> Self {
+        let query_multiplier = cfg.block.attention_scale.map_or(1.0, |scale| scale * (cfg.head_dim as f64).sqrt());
+        Self {
+            query_multiplier,
+            softcap: cfg.block.attention_softcap,
+            norm_projection: cfg.qk_norm == QkNorm::Projection,
+        }
+    }
 }
 
 impl Attention {
     fn new(p: &Params<'_>, cfg: &ModelConfig) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let norm = |name: &str| -> Result<Option<RmsNorm>> {
-            cfg.qk_norm.then(|| RmsNorm::new(&p.sub(name), d, cfg.rms_norm_eps)).transpose()
+        let norm = |name: &str, heads: i64| -> Result<Option<RmsNorm>> {
+            let size = match cfg.qk_norm {
+                QkNorm::None => return Ok(None),
+                QkNorm::PerHead => d,
+                QkNorm::Projection => heads * d,
+            };
+            Ok(Some(RmsNorm::new(&p.sub(name), size, cfg)?))
         };
         Ok(Self {
             q_proj: Linear::new(&p.sub("q_proj"), h, heads * d, cfg.qkv_bias)?,
             k_proj: Linear::new(&p.sub("k_proj"), h, kv_heads * d, cfg.qkv_bias)?,
             v_proj: Linear::new(&p.sub("v_proj"), h, kv_heads * d, cfg.qkv_bias)?,
             o_proj: Linear::new(&p.sub("o_proj"), heads * d, h, cfg.o_bias)?,
-            q_norm: norm("q_norm")?,
-            k_norm: norm("k_norm")?,
+            q_norm: norm("q_norm", heads)?,
+            k_norm: norm("k_norm", kv_heads)?,
             heads,
             kv_heads,
             head_dim: d,
+            scores: Scores::of(cfg),
         })
     }
 
-    /// [B, S, heads·D] → [B, heads, S, D], with the per-head norm where the model has one.
+    /// [B, S, heads·D] → [B, heads, S, D], with the q or k norm where the model has one.
     fn split_heads(&self, x: &Tensor, heads: i64, norm: Option<&RmsNorm>, kernels: Option<&Kernels>) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
-        let x = x.f_view([b, s, heads, self.head_dim])?;
         let x = match norm {
-            Some(norm) => norm.forward(&x, kernels)?,
-            None => x,
+            Some(norm) if self.scores.norm_projection => {
+                norm.forward(x, kernels)?.f_view([b, s, heads, self.head_dim])?
+            }
+            Some(norm) => norm.forward(&x.f_view([b, s, heads, self.head_dim])?, kernels)?,
+            None => x.f_view([b, s, heads, self.head_dim])?,
         };
         Ok(x.f_transpose(1, 2)?)
     }
@@ -262,10 +322,12 @@ impl Attention {
         let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref(), at.kernels)?;
         let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None, at.kernels)?;
         let q = at.rotate(&q)?;
+        let q = if self.scores.query_multiplier == 1.0 { q } else { q.f_mul_scalar(self.scores.query_multiplier)? };
         let k = at.rotate(&k)?;
+        let softcap = self.scores.softcap;
         let out = match cache {
-            Some((cache, layer)) => cache.attend(layer, &q, &k, &v, at.mask, at.window)?,
-            None => attention(&q, &k, &v, at.mask)?,
+            Some((cache, layer)) => cache.attend(layer, &q, &k, &v, at.mask, at.window, softcap)?,
+            None => attention(&q, &k, &v, at.mask, softcap)?,
         };
         self.o_proj.forward(&out.f_transpose(1, 2)?.f_reshape([b, s, self.heads * self.head_dim])?)
     }
@@ -276,24 +338,28 @@ pub(crate) struct Mlp {
     pub(crate) gate_proj: Linear,
     pub(crate) up_proj: Linear,
     pub(crate) down_proj: Linear,
+    pub(crate) activation: Activation,
 }
 
 impl Mlp {
-    /// A SwiGLU MLP of `intermediate` units whose gate, up and down linears are `names`.
-    fn new(p: &Params<'_>, hidden: i64, intermediate: i64, bias: bool, names: [&str; 3]) -> Result<Self> {
+    /// A gated MLP of `intermediate` units whose gate, up and down linears are `names`.
+    fn new(p: &Params<'_>, cfg: &ModelConfig, intermediate: i64, bias: bool, names: [&str; 3]) -> Result<Self> {
         let [gate, up, down] = names;
+        let hidden = cfg.hidden_size;
         Ok(Self {
             gate_proj: Linear::new(&p.sub(gate), hidden, intermediate, bias)?,
             up_proj: Linear::new(&p.sub(up), hidden, intermediate, bias)?,
             down_proj: Linear::new(&p.sub(down), intermediate, hidden, bias)?,
+            activation: cfg.block.activation,
         })
     }
 
     fn forward(&self, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
         let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
-        let activated = match kernel_for(kernels, Kernel::SiluMul, &gate) {
+        let kernel = kernel_for(kernels, Kernel::SiluMul, &gate).filter(|_| self.activation == Activation::Silu);
+        let activated = match kernel {
             Some(k) => k.silu_mul(&gate, &up)?,
-            None => silu_mul(&gate, &up)?,
+            None => gated(self.activation, &gate, &up)?,
         };
         self.down_proj.forward(&activated)
     }
@@ -315,7 +381,7 @@ impl FeedForward {
             }
             _ => Ok(Self::Dense(Mlp::new(
                 &p.sub("mlp"),
-                cfg.hidden_size,
+                cfg,
                 cfg.intermediate_size,
                 cfg.mlp_bias,
                 ["gate_proj", "up_proj", "down_proj"],
@@ -331,34 +397,74 @@ impl FeedForward {
     }
 }
 
+/// The norms of a decoder layer, where its family has them ([`crate::config::Norms`]).
+#[derive(Debug)]
+pub(crate) struct LayerNorms {
+    pub(crate) pre_attention: Option<RmsNorm>,
+    pub(crate) post_attention: Option<RmsNorm>,
+    pub(crate) pre_mlp: Option<RmsNorm>,
+    pub(crate) post_mlp: Option<RmsNorm>,
+}
+
+impl LayerNorms {
+    /// The layer's norms, each made by `norm` from its Hugging Face name.
+    pub(crate) fn build(cfg: &ModelConfig, mut norm: impl FnMut(&str) -> Result<RmsNorm>) -> Result<Self> {
+        let names = cfg.block.norms;
+        let mut make = |name: Option<&str>| name.map(&mut norm).transpose();
+        Ok(Self {
+            pre_attention: make(names.pre_attention)?,
+            post_attention: make(names.post_attention)?,
+            pre_mlp: make(names.pre_mlp)?,
+            post_mlp: make(names.post_mlp)?,
+        })
+    }
+}
+
+/// `norm(x)`, or `x` where the layer has no such norm.
+pub(crate) fn maybe_norm(norm: Option<&RmsNorm>, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
+    match norm {
+        Some(norm) => norm.forward(x, kernels),
+        None => Ok(x.shallow_clone()),
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    pub(crate) norms: LayerNorms,
     pub(crate) self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
     pub(crate) mlp: FeedForward,
     /// The biases of o and down on a tensor-parallel rank, added once after the sum over the
     /// ranks (a whole model keeps them in its linears).
-    o_bias: Option<Tensor>,
-    down_bias: Option<Tensor>,
-    window: Option<i64>,
+    pub(crate) o_bias: Option<Tensor>,
+    pub(crate) down_bias: Option<Tensor>,
+    pub(crate) window: Option<i64>,
+    /// Each branch's output is multiplied by this as it joins the residual stream.
+    pub(crate) residual_multiplier: f64,
 }
 
 impl DecoderLayer {
     fn new(p: &Params<'_>, cfg: &ModelConfig, index: usize) -> Result<Self> {
         Ok(Self {
-            input_layernorm: RmsNorm::new(&p.sub("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            norms: LayerNorms::build(cfg, |name| RmsNorm::new(&p.sub(name), cfg.hidden_size, cfg))?,
             self_attn: Attention::new(&p.sub("self_attn"), cfg)?,
-            post_attention_layernorm: RmsNorm::new(
-                &p.sub("post_attention_layernorm"),
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-            )?,
             mlp: FeedForward::new(p, cfg, index)?,
             o_bias: None,
             down_bias: None,
             window: cfg.sliding_windows[index],
+            residual_multiplier: cfg.block.residual_multiplier,
         })
+    }
+
+    /// A branch's summed output as it joins the residual stream: its post-norm (where the
+    /// family has one), then the residual multiplier.
+    pub(crate) fn branch_output(
+        &self,
+        out: Tensor,
+        post: Option<&RmsNorm>,
+        kernels: Option<&Kernels>,
+    ) -> Result<Tensor> {
+        let out = maybe_norm(post, &out, kernels)?;
+        Ok(if self.residual_multiplier == 1.0 { out } else { out.f_mul_scalar(self.residual_multiplier)? })
     }
 
     /// The layer over `x`; `sum` completes a branch's output from this rank's part (the sum
@@ -370,10 +476,21 @@ impl DecoderLayer {
         cache: Option<(&mut (dyn LayerCache + '_), usize)>,
         sum: &dyn Fn(Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x, at.kernels)?, at, cache)?;
+        let n = &self.norms;
+        let attn = self.self_attn.forward(&maybe_norm(n.pre_attention.as_ref(), x, at.kernels)?, at, cache)?;
         let attn = add_bias(sum(attn)?, self.o_bias.as_ref())?;
-        let (h, normed) = self.post_attention_layernorm.add_forward(x, &attn, at.kernels)?;
+        let attn = self.branch_output(attn, n.post_attention.as_ref(), at.kernels)?;
+        // Llama's layout fuses the residual sum with the MLP's norm.
+        let (h, normed) = match &n.pre_mlp {
+            Some(norm) => norm.add_forward(x, &attn, at.kernels)?,
+            None => {
+                let h = x.f_add(&attn)?;
+                let normed = h.shallow_clone();
+                (h, normed)
+            }
+        };
         let mlp = add_bias(sum(self.mlp.forward(&normed, at.kernels, at.routers)?)?, self.down_bias.as_ref())?;
+        let mlp = self.branch_output(mlp, n.post_mlp.as_ref(), at.kernels)?;
         Ok(h.f_add(&mlp)?)
     }
 }
@@ -395,7 +512,7 @@ pub struct CausalLm {
     pub(crate) layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Tensor,
-    rotary: Rotary,
+    rotary: Rotations,
     kind: Kind,
     /// CUDA kernels for inference passes ([`Self::use_kernels`]).
     kernels: Option<Arc<Kernels>>,
@@ -425,13 +542,13 @@ impl CausalLm {
         let layers = (0..cfg.num_hidden_layers as usize)
             .map(|i| DecoderLayer::new(&layers_path.sub(i), &cfg, i))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::new(&model.sub("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
+        let norm = RmsNorm::new(&model.sub("norm"), cfg.hidden_size, &cfg)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed_tokens.shallow_clone()
         } else {
             root.sub("lm_head").weight("weight", &[cfg.vocab_size, cfg.hidden_size])?
         };
-        let rotary = Rotary::new(&cfg.rope, cfg.head_dim, device)?;
+        let rotary = Rotations::new(&cfg, device)?;
         Ok(Self {
             cfg,
             vs,
@@ -512,7 +629,7 @@ impl CausalLm {
             if let Some(adapters) = &mut self.adapters {
                 adapters.vs.set_device(device);
             }
-            self.rotary = Rotary::new(&self.cfg.rope, self.cfg.head_dim, device)?;
+            self.rotary = Rotations::new(&self.cfg, device)?;
         }
         Ok(())
     }
@@ -568,9 +685,9 @@ impl CausalLm {
         cache: Option<&mut dyn LayerCache>,
     ) -> Result<Tensor> {
         let device = self.device();
-        let (cos, sin, masks) =
+        let (rope, masks) =
             positions_for(&self.rotary, self.kind, &self.windows(), input_ids, offsets, visible, device)?;
-        self.run_layers_at(input_ids, &cos, &sin, &masks, cache, None)
+        self.run_layers_at(input_ids, &rope, &masks, cache, None)
     }
 
     fn windows(&self) -> Vec<Option<i64>> {
@@ -581,8 +698,7 @@ impl CausalLm {
     fn run_layers_at(
         &self,
         input_ids: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &RopeTables,
         masks: &Masks,
         mut cache: Option<&mut dyn LayerCache>,
         routers: Option<&Routers>,
@@ -590,7 +706,7 @@ impl CausalLm {
         let mut x = self.embed(&input_ids.f_to_device(self.device())?)?;
         let sum = |partial: Tensor| self.sum_over_ranks(partial);
         for (index, layer) in self.layers.iter().enumerate() {
-            let at = Positions::of(cos, sin, masks, layer.window)
+            let at = Positions::of(rope, index, masks, layer.window)
                 .with_kernels(self.kernels.as_deref())
                 .with_routers(routers);
             x = layer.forward(&x, &at, cache.as_deref_mut().map(|c| (c, index)), &sum)?;
@@ -612,8 +728,8 @@ impl CausalLm {
             &windows,
             &self.rotary,
             self.kind,
-            self.kernels.as_deref(),
-            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step), None),
+            self.paged_kernels(),
+            |ids, rope, masks, step| self.run_layers_at(ids, rope, masks, Some(step), None),
         )?;
         self.lm_logits(&last)
     }
@@ -635,16 +751,27 @@ impl CausalLm {
             &windows,
             &self.rotary,
             self.kind,
-            self.kernels.as_deref(),
-            |ids, cos, sin, masks, step| self.run_layers_at(ids, cos, sin, masks, Some(step), None),
+            self.paged_kernels(),
+            |ids, rope, masks, step| self.run_layers_at(ids, rope, masks, Some(step), None),
         )
+    }
+
+    pub(crate) fn head(&self) -> Head<'_> {
+        let block = &self.cfg.block;
+        Head { weight: &self.lm_head, divisor: block.logits_divisor, softcap: block.final_softcap }
+    }
+
+    /// The kernels the paged passes may attend with: none when the family's attention logits
+    /// are soft-capped (the decode-attention kernel computes plain softmax attention).
+    fn paged_kernels(&self) -> Option<&Kernels> {
+        self.kernels.as_deref().filter(|_| self.cfg.block.attention_softcap.is_none())
     }
 
     /// Logits [.., vocab] of final hidden states [.., hidden] (a tensor-parallel rank's
     /// vocabulary slices gathered, so every rank has them all).
     pub fn lm_logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
-        self.gather_vocab(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
+        self.gather_vocab(self.head().logits(hidden)?)
     }
 
     /// Logits [B, S, vocab] in the parameters' dtype. With a cache (inference only: runs
@@ -654,7 +781,7 @@ impl CausalLm {
         self.check_input(input_ids, None)?;
         let _no_grad = (cache.is_some() || self.shard.is_some()).then(tch::no_grad_guard);
         let hidden = self.hidden_states(input_ids, cache)?;
-        self.gather_vocab(hidden.f_linear::<Tensor>(&self.lm_head, None)?)
+        self.gather_vocab(self.head().logits(&hidden)?)
     }
 
     fn padded_input(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor)> {
@@ -677,7 +804,7 @@ impl CausalLm {
         if self.shard.is_some() {
             return self.taped_hidden_states(&pass);
         }
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.rope, &pass.masks, None, None)?;
         Ok((hidden, Tape::default()))
     }
 
@@ -695,7 +822,7 @@ impl CausalLm {
             return self.tree_logprobs(&tree, temperature);
         }
         let pass = self.padded_pass(padded)?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.rope, &pass.masks, None, None)?;
         self.pass_logprobs(&hidden, &pass, temperature)
     }
 
@@ -706,7 +833,7 @@ impl CausalLm {
         check_temperature(temperature)?;
         let _no_grad = self.shard.is_some().then(tch::no_grad_guard);
         let pass = self.packed_pass(row)?;
-        let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, None)?;
+        let hidden = self.run_layers_at(&pass.ids, &pass.rope, &pass.masks, None, None)?;
         row.unpack(&self.pass_logprobs(&hidden, &pass, temperature)?)
     }
 
@@ -754,11 +881,11 @@ impl CausalLm {
 
     /// Token logprobs in the padded layout of rows laid out as `tree`.
     fn tree_logprobs(&self, tree: &PrefixTree, temperature: f64) -> Result<Tensor> {
-        let (cos, sin) = self.rotary.cos_sin(&tree.positions, self.kind)?;
+        let rope = self.rotary.tables(&tree.positions, self.kind)?;
         let masks = tree.masks(&self.windows())?;
-        let hidden = self.run_layers_at(&tree.ids, &cos, &sin, &masks, None, None)?;
+        let hidden = self.run_layers_at(&tree.ids, &rope, &masks, None, None)?;
         let vocab = self.cfg.vocab_size;
-        tree.logprobs(&hidden, &self.lm_head, LOGPROB_CHUNK_ELEMENTS / vocab.max(1), temperature, target_logprobs)
+        tree.logprobs(&hidden, &self.head(), LOGPROB_CHUNK_ELEMENTS / vocab.max(1), temperature, target_logprobs)
     }
 
     /// [`Self::train_logprobs`] of the sequences packed in `row`, right-padded [n, S].
@@ -774,7 +901,7 @@ impl CausalLm {
         let (logprobs, mut tape) = if self.shard.is_some() {
             self.taped_logprobs(pass, temperature, &routers)?
         } else {
-            let hidden = self.run_layers_at(&pass.ids, &pass.cos, &pass.sin, &pass.masks, None, Some(&routers))?;
+            let hidden = self.run_layers_at(&pass.ids, &pass.rope, &pass.masks, None, Some(&routers))?;
             (self.pass_logprobs(&hidden, pass, temperature)?, Tape::default())
         };
         if let Some(moe) = &self.cfg.moe {
@@ -792,9 +919,9 @@ impl CausalLm {
     /// positions without a logprob (padding).
     fn padded_pass(&self, (ids, invalid): (Tensor, Tensor)) -> Result<Pass> {
         let (b, s) = (ids.size()[0], ids.size()[1]);
-        let (cos, sin, masks) =
+        let (rope, masks) =
             positions_for(&self.rotary, self.kind, &self.windows(), &ids, &vec![0; b as usize], s, self.device())?;
-        Ok(Pass { padding: Some(invalid.shallow_clone()), ids, invalid, cos, sin, masks })
+        Ok(Pass { padding: Some(invalid.shallow_clone()), ids, invalid, rope, masks })
     }
 
     /// A packed row as a pass: each sequence at its own positions, attending to itself; its
@@ -802,9 +929,9 @@ impl CausalLm {
     fn packed_pass(&self, row: &PackedRow) -> Result<Pass> {
         check_ids(self.cfg.vocab_size, &row.ids, None)?;
         let device = self.device();
-        let (cos, sin) = self.rotary.cos_sin(&row.positions(device)?, self.kind)?;
+        let rope = self.rotary.tables(&row.positions(device)?, self.kind)?;
         let ids = row.ids.f_to_device(device)?;
-        Ok(Pass { ids, invalid: row.starts(device)?, padding: None, cos, sin, masks: row.masks(&self.windows()) })
+        Ok(Pass { ids, invalid: row.starts(device)?, padding: None, rope, masks: row.masks(&self.windows()) })
     }
 
     /// The logprobs of a pass's tokens from its final hidden states (the vocabulary split
@@ -817,14 +944,37 @@ impl CausalLm {
                 hidden,
                 &pass.ids,
                 &pass.invalid,
-                &self.lm_head,
+                &self.head(),
                 share,
                 temperature,
                 logprobs,
             );
         }
         let vocab = self.cfg.vocab_size;
-        chunked_token_logprobs(hidden, &pass.ids, &pass.invalid, &self.lm_head, vocab, temperature, target_logprobs)
+        chunked_token_logprobs(hidden, &pass.ids, &pass.invalid, &self.head(), vocab, temperature, target_logprobs)
+    }
+}
+
+/// The LM head and what the family does to its logits: Granite divides them by
+/// `logits_scaling`, Gemma 2 soft-caps them. Elementwise, so a tensor-parallel rank applies it
+/// to its vocabulary slice before the vocab-parallel softmax.
+pub(crate) struct Head<'a> {
+    weight: &'a Tensor,
+    divisor: f64,
+    softcap: Option<f64>,
+}
+
+impl Head<'_> {
+    /// Logits [.., vocab (or this rank's share)] of hidden states [.., hidden], in their dtype.
+    pub(crate) fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let mut logits = hidden.f_linear::<Tensor>(self.weight, None)?;
+        if self.divisor != 1.0 {
+            logits = logits.f_div_scalar(self.divisor)?;
+        }
+        if let Some(cap) = self.softcap {
+            logits = logits.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?;
+        }
+        Ok(logits)
     }
 }
 
@@ -835,8 +985,7 @@ pub(crate) struct Pass {
     invalid: Tensor,
     /// The padding positions (`None`: every token is a sequence's).
     padding: Option<Tensor>,
-    cos: Tensor,
-    sin: Tensor,
+    rope: RopeTables,
     masks: Masks,
 }
 
@@ -863,7 +1012,7 @@ fn chunked_token_logprobs(
     hidden: &Tensor,
     ids: &Tensor,
     invalid: &Tensor,
-    head: &Tensor,
+    head: &Head<'_>,
     vocab: i64,
     temperature: f64,
     mut logprobs: impl FnMut(&Tensor, &Tensor) -> Result<Tensor>,
@@ -875,7 +1024,7 @@ fn chunked_token_logprobs(
     let mut start = 0;
     while start < predicted {
         let len = chunk.min(predicted - start);
-        let logits = hidden.f_narrow(1, start, len)?.f_linear::<Tensor>(head, None)?.f_to_kind(Kind::Float)?;
+        let logits = head.logits(&hidden.f_narrow(1, start, len)?)?.f_to_kind(Kind::Float)?;
         let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
         parts.push(logprobs(&logits, &ids.f_narrow(1, start + 1, len)?)?);
         start += len;

@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Mask, Masks};
 use crate::error::Result;
+use crate::model::Head;
 
 /// The tree is used when it computes at most this share of the padded rows' positions.
 const WORTHWHILE: f64 = 0.8;
@@ -162,7 +163,7 @@ impl PrefixTree {
     pub(crate) fn logprobs(
         &self,
         hidden: &Tensor,
-        head: &Tensor,
+        head: &Head<'_>,
         chunk: i64,
         temperature: f64,
         logprobs: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
@@ -173,9 +174,8 @@ impl PrefixTree {
         let mut start = 0;
         while start < n {
             let len = chunk.max(1).min(n - start);
-            let logits = states
-                .f_index_select(0, &self.sources.f_narrow(0, start, len)?)?
-                .f_linear::<Tensor>(head, None)?
+            let logits = head
+                .logits(&states.f_index_select(0, &self.sources.f_narrow(0, start, len)?)?)?
                 .f_to_kind(Kind::Float)?;
             let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
             parts.push(logprobs(&logits, &self.targets.f_narrow(0, start, len)?)?);

@@ -96,9 +96,9 @@ impl CausalLm {
             return Ok(model);
         }
         let cfg = ModelConfig::load(dir)?;
-        let tied = cfg.tie_word_embeddings;
+        let (tied, fused) = (cfg.tie_word_embeddings, cfg.fused_weights());
         let model = Self::new(cfg, device, kind, Init::Zeros)?;
-        weights::load_into(dir, &model.var_store().variables(), tied)?;
+        weights::load_into(dir, &model.var_store().variables(), tied, &fused)?;
         Ok(model)
     }
 
@@ -110,7 +110,8 @@ impl CausalLm {
             ));
         }
         std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
-        let params: BTreeMap<_, _> = self.var_store().variables().into_iter().collect();
+        let mut params: BTreeMap<_, _> = self.var_store().variables().into_iter().collect();
+        weights::fuse(&mut params, &self.config().fused_weights())?;
         weights::save(dir, &params, options)?;
         write_json(dir, "config.json", &self.config().to_json(Some(weights::dtype_name(self.kind()))))
     }

@@ -11,6 +11,7 @@ use safetensors::{Dtype, SafeTensors, View};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
+use crate::config::FusedWeight;
 use crate::error::{Error, Result, WeightProblem};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -101,10 +102,18 @@ fn ignorable(name: &str, tied: bool) -> bool {
     name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
 }
 
+/// The full shape of fused tensor `fused` whose parts are `params`' tensors.
+fn fused_shape(fused: &FusedWeight, params: &HashMap<String, Tensor>) -> Option<Vec<i64>> {
+    let first = params.get(&fused.parts.first()?.0)?.size();
+    let rows: i64 = fused.parts.iter().map(|(_, rows)| rows).sum();
+    Some(std::iter::once(rows).chain(first[1..].iter().copied()).collect())
+}
+
 /// Copies every tensor of the model directory into `params` (HF name → parameter),
-/// converting dtypes. Every missing, unexpected, misshapen or wrongly typed tensor is
-/// reported, all at once.
-pub fn load_into(dir: &Path, params: &HashMap<String, Tensor>, tied: bool) -> Result<()> {
+/// converting dtypes; a tensor of `fused` (Phi-3's `qkv_proj`, …) is split by rows into its
+/// parts. Every missing, unexpected, misshapen or wrongly typed tensor is reported, all at
+/// once.
+pub fn load_into(dir: &Path, params: &HashMap<String, Tensor>, tied: bool, fused: &[FusedWeight]) -> Result<()> {
     let _no_grad = tch::no_grad_guard();
     let mut problems = Vec::new();
     let mut seen = HashSet::new();
@@ -114,13 +123,19 @@ pub fn load_into(dir: &Path, params: &HashMap<String, Tensor>, tied: bool) -> Re
             if ignorable(&name, tied) {
                 continue;
             }
-            let Some(param) = params.get(&name) else {
+            let found: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            let parts = fused.iter().find(|f| f.name == name);
+            let expected = match (parts, params.get(&name)) {
+                (Some(f), _) => fused_shape(f, params),
+                (None, Some(param)) => Some(param.size()),
+                (None, None) => None,
+            };
+            let Some(expected) = expected else {
                 problems.push(WeightProblem::Unexpected { name });
                 continue;
             };
-            let found: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-            if found != param.size() {
-                problems.push(WeightProblem::Shape { name, expected: param.size(), found });
+            if found != expected {
+                problems.push(WeightProblem::Shape { name, expected, found });
                 continue;
             }
             let Some(kind) = kind_of(view.dtype()) else {
@@ -128,8 +143,20 @@ pub fn load_into(dir: &Path, params: &HashMap<String, Tensor>, tied: bool) -> Re
                 continue;
             };
             let source = Tensor::f_from_data_size(view.data(), &found, kind)?;
-            param.shallow_clone().f_copy_(&source)?;
-            seen.insert(name);
+            match parts {
+                Some(f) => {
+                    let mut start = 0;
+                    for (part, rows) in &f.parts {
+                        params[part].shallow_clone().f_copy_(&source.f_narrow(0, start, *rows)?)?;
+                        seen.insert(part.clone());
+                        start += rows;
+                    }
+                }
+                None => {
+                    params[&name].shallow_clone().f_copy_(&source)?;
+                    seen.insert(name);
+                }
+            }
         }
     }
     let mut missing: Vec<&String> = params.keys().filter(|name| !seen.contains(*name)).collect();
@@ -138,12 +165,30 @@ pub fn load_into(dir: &Path, params: &HashMap<String, Tensor>, tied: bool) -> Re
     if problems.is_empty() { Ok(()) } else { Err(Error::Weights(problems)) }
 }
 
+/// Joins the parts of each of `fused` in `params` into the checkpoint's one tensor (rows in
+/// order), as the Hub's files hold them.
+pub(crate) fn fuse(params: &mut BTreeMap<String, Tensor>, fused: &[FusedWeight]) -> Result<()> {
+    for f in fused {
+        let parts = f
+            .parts
+            .iter()
+            .map(|(name, _)| {
+                params.remove(name).ok_or_else(|| Error::InvalidInput(format!("the model has no `{name}` to save")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        params.insert(f.name.clone(), Tensor::f_cat(&parts, 0)?);
+    }
+    Ok(())
+}
+
 /// The weight files of a model directory, memory-mapped, for reading parts of tensors: a
 /// tensor-parallel rank reads only the bytes of its rows or columns.
 pub struct SliceReader {
     files: Vec<Mapped>,
     /// HF name → index of the file holding it.
     index: HashMap<String, usize>,
+    /// Parameter name → (the fused tensor holding it, its first row there, that tensor's rows).
+    fused: HashMap<String, (String, i64, i64)>,
 }
 
 impl std::fmt::Debug for SliceReader {
@@ -161,12 +206,34 @@ impl SliceReader {
                 index.insert(name.to_string(), i);
             }
         }
-        Ok(Self { files, index })
+        Ok(Self { files, index, fused: HashMap::new() })
+    }
+
+    /// Reads the parts of `fused` tensors as tensors of their own.
+    pub fn with_fused(mut self, fused: &[FusedWeight]) -> Self {
+        for f in fused {
+            let total = f.parts.iter().map(|(_, rows)| rows).sum();
+            let mut start = 0;
+            for (part, rows) in &f.parts {
+                self.fused.insert(part.clone(), (f.name.clone(), start, total));
+                start += rows;
+            }
+        }
+        self
     }
 
     /// Rows (`dim` 0) or columns (`dim` 1, of a 2-D tensor) `start..end` of tensor `name`,
     /// whose shape must be `shape`, in its stored dtype.
     pub fn read(&self, name: &str, shape: &[i64], dim: usize, start: i64, end: i64) -> Result<Tensor> {
+        if !self.index.contains_key(name)
+            && let Some((fused, offset, total)) = self.fused.get(name)
+            && dim == 0
+            && start >= 0
+            && end <= shape[0]
+        {
+            let full: Vec<i64> = std::iter::once(*total).chain(shape[1..].iter().copied()).collect();
+            return self.read(fused, &full, 0, offset + start, offset + end);
+        }
         let missing = || Error::Weights(vec![WeightProblem::Missing { name: name.into() }]);
         let file = self.files.get(*self.index.get(name).ok_or_else(missing)?).ok_or_else(missing)?;
         let tensors = file.parse()?;

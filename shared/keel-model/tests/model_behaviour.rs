@@ -58,6 +58,77 @@ fn kv_cache_decoding_matches_full_forward() {
     cached_vs_full(config("MistralForCausalLM", json!({"sliding_window": 5})));
 }
 
+/// A small config of each family that is configuration of the one decoder, every feature on:
+/// windows shorter than the sequences, soft-caps that bite, rotary variants, multipliers.
+fn families() -> Vec<(&'static str, ModelConfig)> {
+    vec![
+        (
+            "gemma2",
+            config(
+                "Gemma2ForCausalLM",
+                json!({"head_dim": 12, "sliding_window": 9, "query_pre_attn_scalar": 20,
+            "attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0}),
+            ),
+        ),
+        (
+            "gemma3",
+            config(
+                "Gemma3ForCausalLM",
+                json!({"head_dim": 12, "sliding_window": 7, "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "layer_types": ["sliding_attention", "full_attention"]}),
+            ),
+        ),
+        (
+            "phi3",
+            config(
+                "Phi3ForCausalLM",
+                json!({"partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 4.0]}}),
+            ),
+        ),
+        (
+            "olmo3",
+            config(
+                "Olmo3ForCausalLM",
+                json!({"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}),
+            ),
+        ),
+        ("glm4", config("Glm4ForCausalLM", json!({"head_dim": 12}))),
+        (
+            "granite",
+            config(
+                "GraniteForCausalLM",
+                json!({"embedding_multiplier": 6.0, "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1, "logits_scaling": 4.0}),
+            ),
+        ),
+        ("smollm3", config("SmolLM3ForCausalLM", json!({"no_rope_layer_interval": 2}))),
+    ]
+}
+
+#[test]
+fn kv_cache_decoding_matches_full_forward_in_every_family() {
+    for (_, cfg) in families() {
+        cached_vs_full(cfg);
+    }
+}
+
+/// Within the 1e-4: Granite's multipliers and Gemma's √hidden scale make logits larger
+/// than the older families' at the same weights.
+#[test]
+fn paged_attention_matches_the_contiguous_forward_in_every_family() {
+    for (seed, (_, cfg)) in families().into_iter().enumerate() {
+        paged_within(cfg, 10 + seed as u64, 1e-4);
+    }
+}
+
+#[test]
+fn the_fixed_shape_decode_step_matches_the_packed_pass_in_every_family() {
+    for (_, cfg) in families() {
+        decode_batch_vs_packed(cfg);
+    }
+}
+
 /// Log-softmax of `logits` over the last dimension.
 fn logprobs(logits: &Tensor) -> Tensor {
     logits.log_softmax(-1, Kind::Float)
@@ -77,6 +148,12 @@ impl Lcg {
 /// computed in packed passes that mix prompt chunks of random sizes (chunked prefill) with
 /// single-token decodes, give the logprobs of each sequence's own full forward.
 fn paged_vs_contiguous(cfg: ModelConfig, seed: u64) {
+    paged_within(cfg, seed, 1e-5);
+}
+
+/// [`paged_vs_contiguous`] within `tolerance`.
+fn paged_within(cfg: ModelConfig, seed: u64, tolerance: f64) {
+    let arch = cfg.architecture;
     let model = random_model(cfg, Kind::Float);
     let lengths = [37usize, 5, 18, 1, 50];
     let seqs: Vec<Vec<i64>> = lengths
@@ -121,7 +198,7 @@ fn paged_vs_contiguous(cfg: ModelConfig, seed: u64) {
             worst = worst.max((got.get(row as i64) - want).abs().max().double_value(&[]));
         }
     }
-    assert!(worst <= 1e-5, "paged logprobs differ from the contiguous forward by {worst:e}");
+    assert!(worst <= tolerance, "{arch:?}: paged logprobs differ from the contiguous forward by {worst:e}");
 }
 
 #[test]
@@ -429,10 +506,14 @@ fn logprobs_and_gradients(model: &CausalLm, ids: &Tensor, lengths: &[i64], tempe
 /// padded.
 #[test]
 fn shared_prompts_give_the_padded_logprobs_and_gradients() {
+    let others = families().into_iter().map(|(_, cfg)| cfg);
     for cfg in [
         config("Qwen3ForCausalLM", json!({"head_dim": 16})),
         config("MistralForCausalLM", json!({"sliding_window": 6})),
-    ] {
+    ]
+    .into_iter()
+    .chain(others)
+    {
         let mut model = random_model(cfg, Kind::Float);
         let (ids, lengths) = grouped_rows(3, 4, 97);
         assert_eq!(model.prefix_tree_rows(&ids, &lengths).unwrap(), Some(3), "one tree per prompt");

@@ -52,7 +52,7 @@ pub fn against_tch(kernels: &Kernels, kernel: Kernel, kind: Kind, device: Device
         Kernel::Rotary => {
             // [B, S, H, D] transposed to [B, H, S, D], as the attention layer hands it over.
             let x = randn(&[2, 7, 4, 64], kind, device)?.f_transpose(1, 2)?;
-            let rope = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None };
+            let rope = RopeConfig { theta: 10_000.0, scaling: RopeScaling::None, rotary_dim: 64, interleaved: false };
             let positions = Tensor::f_arange(14, (Kind::Int64, device))?.f_view([2, 7])?.f_add_scalar(300)?;
             let (cos, sin) = crate::rope::Rotary::new(&rope, 64, device)?.cos_sin(&positions, kind)?;
             compare(kernel, kind, &kernels.rotary(&x, &cos, &sin)?, &crate::rope::apply(&x, &cos, &sin)?)

@@ -13,7 +13,7 @@ use crate::attention::{Mask, Masks};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
-use crate::rope::Rotary;
+use crate::rope::{RopeTables, Rotations};
 
 /// The device buffers of one fixed-shape decode step.
 #[derive(Debug)]
@@ -112,10 +112,10 @@ pub(crate) fn decode_hidden(
     batch: &DecodeBatch,
     cache: &mut PagedCache,
     windows: &[Option<i64>],
-    rotary: &Rotary,
+    rotary: &Rotations,
     kind: Kind,
     kernels: Option<&Kernels>,
-    layers: impl FnOnce(&Tensor, &Tensor, &Tensor, &Masks, &mut dyn LayerCache) -> Result<Tensor>,
+    layers: impl FnOnce(&Tensor, &RopeTables, &Masks, &mut dyn LayerCache) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
     let device = cache.device();
@@ -125,7 +125,7 @@ pub(crate) fn decode_hidden(
             batch.buffer.device()
         )));
     }
-    let (cos, sin) = rotary.cos_sin(&batch.positions, kind)?;
+    let rope = rotary.tables(&batch.positions, kind)?;
     let masks = in_cache_masks(windows);
     let read = match kernels.filter(|k| k.runs(Kernel::PagedDecode, device, kind)) {
         Some(kernels) => {
@@ -134,7 +134,7 @@ pub(crate) fn decode_hidden(
         None => Read::Gather { masks: gather_masks(batch, windows)? },
     };
     let mut step = DecodeStep { cache, batch, read };
-    let hidden = layers(&batch.ids, &cos, &sin, &masks, &mut step)?;
+    let hidden = layers(&batch.ids, &rope, &masks, &mut step)?;
     Ok(hidden.f_squeeze_dim(0)?)
 }
 
@@ -179,6 +179,7 @@ impl LayerCache for DecodeStep<'_> {
         v: &Tensor,
         _mask: &Mask,
         window: Option<i64>,
+        softcap: Option<f64>,
     ) -> Result<Tensor> {
         self.cache.write(layer, &self.batch.slots, k, v)?;
         let (keys, values) = (&self.cache.keys[layer], &self.cache.values[layer]);
@@ -201,7 +202,7 @@ impl LayerCache for DecodeStep<'_> {
                 let blocks = self.batch.tables.f_reshape([-1])?;
                 let (kd, vd) = (self.cache.gather(keys, &blocks, rows)?, self.cache.gather(values, &blocks, rows)?);
                 let mask = masks.iter().find(|(w, _)| *w == window).map(|(_, m)| m);
-                grouped_decode(q, &kd, &vd, mask)
+                grouped_decode(q, &kd, &vd, mask, softcap)
             }
         }
     }

@@ -35,7 +35,7 @@ impl Experts {
         Ok(Self {
             router: p.sub("gate").weight("weight", &[moe.experts, h])?,
             experts: (0..moe.experts)
-                .map(|e| Mlp::new(&experts.sub(e), h, moe.expert_intermediate_size, false, names))
+                .map(|e| Mlp::new(&experts.sub(e), cfg, moe.expert_intermediate_size, false, names))
                 .collect::<Result<_>>()?,
             top_k: moe.experts_per_token,
             normalize: moe.normalize_top_k,

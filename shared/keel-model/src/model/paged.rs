@@ -17,7 +17,7 @@ use crate::attention::{Mask, Masks, attention};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
-use crate::rope::Rotary;
+use crate::rope::{RopeTables, Rotations};
 
 /// Final hidden states [R, hidden] of the last token of every chunk that asks for logits
 /// (inference, no gradients): the chunks are checked, packed and run through `layers` (given
@@ -31,20 +31,20 @@ pub(crate) fn last_hidden(
     cache: &mut PagedCache,
     vocab: i64,
     windows: &[Option<i64>],
-    rotary: &Rotary,
+    rotary: &Rotations,
     kind: Kind,
     kernels: Option<&Kernels>,
-    layers: impl FnOnce(&Tensor, &Tensor, &Tensor, &Masks, &mut dyn LayerCache) -> Result<Tensor>,
+    layers: impl FnOnce(&Tensor, &RopeTables, &Masks, &mut dyn LayerCache) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let _no_grad = tch::no_grad_guard();
     cache.zero_fresh(chunks)?;
     let kernels = kernels.filter(|k| k.runs(Kernel::PagedDecode, cache.device(), kind));
     let packed = Packed::new(chunks, vocab, cache, windows, cache.device(), kernels.is_some())?;
-    let (cos, sin) = rotary.cos_sin(&packed.positions, kind)?;
+    let rope = rotary.tables(&packed.positions, kind)?;
     let masks = in_cache_masks(windows);
     let (ids, rows) = (packed.ids.shallow_clone(), packed.logit_rows.shallow_clone());
     let mut step = packed.step(cache, kernels);
-    let hidden = layers(&ids, &cos, &sin, &masks, &mut step)?;
+    let hidden = layers(&ids, &rope, &masks, &mut step)?;
     Ok(hidden.f_squeeze_dim(0)?.f_index_select(0, &rows)?)
 }
 
@@ -256,26 +256,42 @@ struct PagedStep<'a> {
 /// Decode attention of single-token rows `q` [1, heads, rows, D] over their gathered keys
 /// and values `k`, `v` [kv_heads, rows, keys, D], batched over (KV head, row) with the query
 /// heads of a KV group as that group's queries (no repeat_kv); returns [1, heads, rows, D].
-pub(super) fn grouped_decode(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+pub(super) fn grouped_decode(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    softcap: Option<f64>,
+) -> Result<Tensor> {
     let [_, heads, rows, head_dim] = q.size()[..] else {
         return Err(Error::InvalidInput(format!("decode queries {:?} are not [1, heads, rows, D]", q.size())));
     };
     let kv_heads = k.size()[0];
     let qd = q.f_reshape([kv_heads, heads / kv_heads, rows, head_dim])?.f_permute([0, 2, 1, 3])?;
-    let out = decode_attention(&qd, k, v, mask)?;
+    let out = decode_attention(&qd, k, v, mask, softcap)?;
     Ok(out.f_permute([0, 2, 1, 3])?.f_reshape([1, heads, rows, head_dim])?)
 }
 
 /// Attention of a few queries per (KV head, row) `q` [kv_heads, rows, group, D] over `k`,
-/// `v` [kv_heads, rows, keys, D] under `mask` [1, rows, 1, keys]. On the CPU it is two
-/// batched matrix products around a softmax in f32: libtorch's CPU SDPA kernel takes about
-/// twice as long for so few queries per batch entry; elsewhere it is SDPA.
-pub(super) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-    if q.device() != Device::Cpu {
+/// `v` [kv_heads, rows, keys, D] under `mask` [1, rows, 1, keys]. On the CPU (and with
+/// soft-capped logits anywhere) it is two batched matrix products around a softmax in f32:
+/// libtorch's CPU SDPA kernel takes about twice as long for so few queries per batch entry;
+/// elsewhere it is SDPA.
+pub(super) fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    softcap: Option<f64>,
+) -> Result<Tensor> {
+    if q.device() != Device::Cpu && softcap.is_none() {
         return Ok(Tensor::f_scaled_dot_product_attention(q, k, v, mask, 0.0, false, None, false)?);
     }
     let scale = (q.size()[3] as f64).powf(-0.5);
     let mut scores = q.f_mul_scalar(scale)?.f_matmul(&k.f_transpose(-1, -2)?)?;
+    if let Some(cap) = softcap {
+        scores = scores.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?;
+    }
     if let Some(allowed) = mask {
         scores = scores.f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?;
     }
@@ -292,6 +308,7 @@ impl LayerCache for PagedStep<'_> {
         v: &Tensor,
         _mask: &Mask,
         window: Option<i64>,
+        softcap: Option<f64>,
     ) -> Result<Tensor> {
         self.cache.write(layer, &self.packed.slots, k, v)?;
         let (keys, values) = (&self.cache.keys[layer], &self.cache.values[layer]);
@@ -307,7 +324,7 @@ impl LayerCache for PagedStep<'_> {
             let kd = self.cache.gather(keys, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
             let vd = self.cache.gather(values, &d.blocks, d.rows)?.f_narrow(2, 0, d.keys)?;
             let mask = d.masks.iter().find(|(w, _)| *w == window).and_then(|(_, m)| m.as_ref());
-            outs.push(grouped_decode(&q.f_narrow(2, 0, d.rows)?, &kd, &vd, mask)?);
+            outs.push(grouped_decode(&q.f_narrow(2, 0, d.rows)?, &kd, &vd, mask, softcap)?);
         }
         for p in &self.packed.prefills {
             let qp = q.f_narrow(2, p.start, p.len)?;
@@ -323,7 +340,7 @@ impl LayerCache for PagedStep<'_> {
                 }
             };
             let (_, mask) = p.masks.iter().find(|(w, _)| *w == window).expect("a mask for every window");
-            outs.push(attention(&qp, &kp, &vp, mask)?);
+            outs.push(attention(&qp, &kp, &vp, mask, softcap)?);
         }
         Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::f_cat(&outs, 2)? })
     }

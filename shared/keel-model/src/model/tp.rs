@@ -32,10 +32,14 @@ use std::cell::RefCell;
 use keel_collective::{ReduceOp, SharedComm};
 use tch::{Device, Kind, Tensor, nn};
 
-use super::{Attention, CausalLm, DecoderLayer, Experts, FeedForward, Linear, Mlp, Pass, Positions, RmsNorm, Routers};
+use super::{
+    Attention, CausalLm, DecoderLayer, Experts, FeedForward, LayerNorms, Linear, Mlp, Pass, Positions, RmsNorm,
+    Routers, Scores, maybe_norm,
+};
+use crate::config::QkNorm;
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
-use crate::rope::Rotary;
+use crate::rope::Rotations;
 use crate::weights::SliceReader;
 
 /// The half-open range of `total` items that `rank` of `world` holds (as even as possible).
@@ -222,7 +226,7 @@ impl CausalLm {
             return Self::shard(&full, comm);
         }
         let cfg = ModelConfig::load(dir)?;
-        let files = SliceReader::open(dir)?;
+        let files = SliceReader::open(dir)?.with_fused(&cfg.fused_weights());
         Self::build_shard(cfg, comm, device, kind, &files)
     }
 
@@ -254,6 +258,15 @@ impl CausalLm {
         if cfg.vocab_size < w {
             return Err(problem("vocab_size", cfg.vocab_size, format!("is smaller than {world} ranks")));
         }
+        if world > 1 && cfg.qk_norm == QkNorm::Projection {
+            return Err(Error::Unsupported {
+                field: "architectures".into(),
+                value: cfg.architecture.hf_class().into(),
+                reason: "has q/k norms over the whole projection, which couple every head: tensor parallelism \
+                         is not implemented for it (train at tensor_parallel_size 1)"
+                    .into(),
+            });
+        }
         let dense = (0..cfg.num_hidden_layers as usize).any(|layer| !cfg.is_sparse_layer(layer));
         if dense && cfg.intermediate_size % w != 0 {
             let reason = format!("does not split across {world} ranks");
@@ -274,7 +287,7 @@ impl CausalLm {
         }
         let kv_range = if kv_heads % w == 0 { kv_heads / w } else { 1 };
         Ok(Self {
-            rotary: Rotary::new(&cfg.rope, cfg.head_dim, device)?,
+            rotary: Rotations::new(&cfg, device)?,
             shard: Some(Shard {
                 comm,
                 vocab: share(cfg.vocab_size, rank, world),
@@ -410,17 +423,26 @@ impl CausalLm {
         Ok(total.f_add(&partial.f_sub(&partial.f_detach()?)?)?)
     }
 
-    /// The embedding of `ids`; on a rank, the vocab-parallel embedding: its rows for ids in
-    /// its range, zeros elsewhere, summed over the ranks.
+    /// The embedding of `ids`, times the family's embedding multiplier (rounded to the
+    /// weights' dtype, as Gemma's scale is); on a rank, the vocab-parallel embedding: its rows
+    /// for ids in its range, zeros elsewhere, summed over the ranks.
     pub(crate) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let Some(shard) = &self.shard else {
-            return Ok(Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?);
+        let embedded = match &self.shard {
+            None => Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?,
+            Some(shard) => {
+                let (start, end) = shard.vocab;
+                let outside = ids.f_lt(start)?.f_logical_or(&ids.f_ge(end)?)?;
+                let local = ids.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
+                let rows = Tensor::f_embedding(&self.embed_tokens, &local, -1, false, false)?;
+                self.sum_over_ranks(rows.f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?)?
+            }
         };
-        let (start, end) = shard.vocab;
-        let outside = ids.f_lt(start)?.f_logical_or(&ids.f_ge(end)?)?;
-        let local = ids.f_sub_scalar(start)?.f_masked_fill(&outside, 0)?;
-        let rows = Tensor::f_embedding(&self.embed_tokens, &local, -1, false, false)?;
-        self.sum_over_ranks(rows.f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?)
+        let multiplier = self.cfg.block.embedding_multiplier;
+        if multiplier == 1.0 {
+            return Ok(embedded);
+        }
+        let scale = Tensor::from(multiplier).f_to_kind(embedded.kind())?.f_to_device(embedded.device())?;
+        Ok(embedded.f_mul(&scale)?)
     }
 
     /// The chunk length of the logprob loop: the same on every rank (each must make the same
@@ -449,12 +471,15 @@ impl CausalLm {
         let embedded = self.embed(&pass.ids)?;
         let mut segments = Vec::with_capacity(2 * self.layers.len() + 1);
         let mut x = embedded.shallow_clone();
-        for layer in &self.layers {
-            let at = Positions::of(&pass.cos, &pass.sin, &pass.masks, layer.window);
+        for (index, layer) in self.layers.iter().enumerate() {
+            let at = Positions::of(&pass.rope, index, &pass.masks, layer.window);
+            let n = &layer.norms;
             let attention = |a: &Tensor| layer.self_attn.forward(a, &at, None);
-            x = self.segment(&x, &layer.input_layernorm, attention, layer.o_bias.as_ref(), &mut segments)?;
+            let norms = (n.pre_attention.as_ref(), n.post_attention.as_ref());
+            x = self.segment(&x, layer, norms, attention, layer.o_bias.as_ref(), &mut segments)?;
             let mlp = |a: &Tensor| layer.mlp.forward(a, None, Some(routers));
-            x = self.segment(&x, &layer.post_attention_layernorm, mlp, layer.down_bias.as_ref(), &mut segments)?;
+            let norms = (n.pre_mlp.as_ref(), n.post_mlp.as_ref());
+            x = self.segment(&x, layer, norms, mlp, layer.down_bias.as_ref(), &mut segments)?;
         }
         let input = leaf(&x)?;
         let normed = self.norm.forward(&input, None)?;
@@ -464,20 +489,23 @@ impl CausalLm {
         Ok((hidden, Tape { embedded: Some(embedded), segments, ..Tape::default() }))
     }
 
-    /// One residual block cut for training: x + all-reduce(branch(norm(x))) + bias.
+    /// One residual block cut for training: x + post(all-reduce(branch(pre(x))) + bias) ×
+    /// the residual multiplier, with the (pre, post) norms the layer has.
     fn segment(
         &self,
         x: &Tensor,
-        norm: &RmsNorm,
+        layer: &DecoderLayer,
+        (pre, post): (Option<&RmsNorm>, Option<&RmsNorm>),
         branch: impl FnOnce(&Tensor) -> Result<Tensor>,
         bias: Option<&Tensor>,
         segments: &mut Vec<Segment>,
     ) -> Result<Tensor> {
         let input = leaf(x)?;
-        let normed = norm.forward(&input, None)?;
+        let normed = maybe_norm(pre, &input, None)?;
         let branch_input = leaf(&normed)?;
         let partial = branch(&branch_input)?;
-        let output = input.f_add(&super::add_bias(self.sum_over_ranks(partial)?, bias)?)?;
+        let summed = super::add_bias(self.sum_over_ranks(partial)?, bias)?;
+        let output = input.f_add(&layer.branch_output(summed, post, None)?)?;
         segments.push(Segment { input, normed, branch_input, output: Some(output.shallow_clone()) });
         Ok(output)
     }
@@ -827,7 +855,7 @@ impl Slices {
         let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let norm_as = |name: String, size: i64, layout: Layout| -> Result<RmsNorm> {
             let weight = to(source.whole(&name, &[size])?)?;
-            Ok(RmsNorm { weight: keep(name, weight, layout), eps: cfg.rms_norm_eps })
+            Ok(RmsNorm { weight: keep(name, weight, layout), eps: cfg.rms_norm_eps, offset: cfg.block.norm_offset })
         };
         let norm = |name: String, size: i64| norm_as(name, size, Layout::Replicated);
         // Output rows start..end of `name` ([outputs, inputs]), with its bias when it has one.
@@ -873,7 +901,7 @@ impl Slices {
                 let p = |name: &str| format!("model.layers.{i}.{name}");
                 let q_rows = Layout::Split { dim: 0, start: q_start * d, end: q_end * d };
                 let kv_rows = Layout::KvRows { start: kv_start * d, end: kv_end * d, copies };
-                let input_layernorm = norm(p("input_layernorm.weight"), hidden)?;
+                let norms = LayerNorms::build(cfg, |name| norm(p(&format!("{name}.weight")), hidden))?;
                 let (o_proj, o_bias) =
                     row(p("self_attn.o_proj"), hidden, heads * d, q_start * d, q_end * d, cfg.o_bias)?;
                 let attention = Attention {
@@ -881,19 +909,19 @@ impl Slices {
                     k_proj: column(p("self_attn.k_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
                     v_proj: column(p("self_attn.v_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
                     o_proj,
-                    q_norm: cfg
-                        .qk_norm
+                    // Per-head q/k norms (a whole model's q/k norms over the projection are
+                    // refused above).
+                    q_norm: (cfg.qk_norm == QkNorm::PerHead)
                         .then(|| norm_as(p("self_attn.q_norm.weight"), d, Layout::PartialUse))
                         .transpose()?,
-                    k_norm: cfg
-                        .qk_norm
+                    k_norm: (cfg.qk_norm == QkNorm::PerHead)
                         .then(|| norm_as(p("self_attn.k_norm.weight"), d, Layout::PartialUse))
                         .transpose()?,
                     heads: heads / w,
                     kv_heads: kv_end - kv_start,
                     head_dim: d,
+                    scores: Scores::of(cfg),
                 };
-                let post_attention_layernorm = norm(p("post_attention_layernorm.weight"), hidden)?;
                 let (mlp, down_bias) = match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
                     Some(moe) => {
                         // Each expert's MLP split as a dense one is; the router whole.
@@ -911,6 +939,7 @@ impl Slices {
                                     gate_proj: column(name(gate), inter, hidden, cols, false)?,
                                     up_proj: column(name(up), inter, hidden, cols, false)?,
                                     down_proj: row(name(down), hidden, inter, start, end, false)?.0,
+                                    activation: cfg.block.activation,
                                 })
                             })
                             .collect::<Result<Vec<_>>>()?;
@@ -922,17 +951,18 @@ impl Slices {
                         let up_proj = column(p("mlp.up_proj"), inter, hidden, i_cols, cfg.mlp_bias)?;
                         let (down_proj, down_bias) =
                             row(p("mlp.down_proj"), hidden, inter, i_start, i_end, cfg.mlp_bias)?;
-                        (FeedForward::Dense(Mlp { gate_proj, up_proj, down_proj }), down_bias)
+                        let activation = cfg.block.activation;
+                        (FeedForward::Dense(Mlp { gate_proj, up_proj, down_proj, activation }), down_bias)
                     }
                 };
                 Ok(DecoderLayer {
-                    input_layernorm,
+                    norms,
                     self_attn: attention,
-                    post_attention_layernorm,
                     mlp,
                     o_bias,
                     down_bias,
                     window: cfg.sliding_windows[i],
+                    residual_multiplier: cfg.block.residual_multiplier,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
