@@ -8,7 +8,8 @@
 //! merged model transformers scores as PEFT does. On-policy distillation of a `small`
 //! student from a `medium` teacher brings the student's KL to the teacher down, resumes after
 //! its orchestrator is killed, and refuses a teacher with another tokenizer. A mixture of
-//! experts (Qwen3-MoE) trains with GRPO, at TP 1 and 2.
+//! experts (Qwen3-MoE) trains with GRPO, at TP 1 and 2. Tiny Gemma 3 and OLMo 2 models train
+//! with LoRA GRPO, the generator agreeing with the trainer, and their adapters load in PEFT.
 
 #![allow(clippy::unwrap_used)]
 
@@ -198,6 +199,51 @@ async fn grpo_trains_a_mixture_of_experts_model() {
     stack.wait_succeeded(&colocated, LIMIT).await;
     let error = stack.series(&colocated, "train/token_mult_prob_error").await;
     assert!((0.99..1.05).contains(&error[0].1), "colocated: token_mult_prob_error {error:?}");
+}
+
+/// Tiny Gemma 3 and OLMo 2 models (`keel model init`, each in its family's chat format) train
+/// with LoRA GRPO through the five services: at every step the generator's logprobs are the
+/// trainer's, and the adapters the run saves load in PEFT on the transformers model and score
+/// as the merged model Keel exports does.
+#[tokio::test(flavor = "multi_thread")]
+async fn gemma3_and_olmo2_train_with_lora_grpo_and_their_adapters_load_in_peft() {
+    let stack = Stack::start();
+    let scratch = tempfile::tempdir().unwrap();
+    for arch in ["gemma3", "olmo2"] {
+        let model = stack.dir.path().join(arch);
+        keel_testkit::keel_model_init_arch(&model, arch, "tiny", 3);
+        let mut spec = grpo_spec(&json!({"path": model}));
+        spec["training"]["lora"] = json!({"enabled": true, "rank": 4, "alpha": 8});
+        spec["training"]["optimizer"]["lr"] = json!(0.005);
+        spec["max_num_steps"] = json!(2);
+        let run = stack.submit(&spec).await;
+        stack.wait_succeeded(&run, LIMIT).await;
+        let errors = stack.series(&run, "train/token_mult_prob_error").await;
+        assert_eq!(errors.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{arch}: {errors:?}");
+        for (step, error) in errors {
+            assert!((0.99..1.05).contains(&error), "{arch}, step {step}: token_mult_prob_error {error}");
+        }
+        let checkpoints = stack.get(&format!("/v1/runs/{run}/checkpoints")).await;
+        let adapters = checkpoints[0]["id"].as_str().unwrap().to_string();
+        let (merged, downloaded) = (scratch.path().join(format!("{arch}-merged")), scratch.path().join(arch));
+        for args in [
+            vec!["checkpoint", "export", &adapters, "--merged", "--out", merged.to_str().unwrap()],
+            vec!["checkpoint", "download", &adapters, "--out", downloaded.to_str().unwrap()],
+        ] {
+            let output = std::process::Command::new(keel_testkit::binary("keel"))
+                .args(&args)
+                .env("KEEL_CHECKPOINT_URL", &stack.checkpoint.url)
+                .output()
+                .unwrap();
+            assert!(output.status.success(), "keel {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        let seqs = keel_testkit::sequences(&[17, 9], 200, 4);
+        let merged_logprobs = keel_testkit::reference_logprobs(&merged, &seqs, 1.0, scratch.path());
+        let peft = keel_testkit::peft_logprobs(&model, &downloaded, &seqs, scratch.path());
+        let diff = keel_testkit::max_abs_diff(&merged_logprobs, &peft);
+        eprintln!("{arch}: Keel's merged export (transformers) vs its adapters in PEFT: max difference {diff:e}");
+        assert!(diff <= 1e-4, "{arch}: merged model vs PEFT adapters: {diff:e}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -12,6 +12,10 @@ Every subcommand prints one JSON document on stdout.
   score-many JOBS.json                                `score` of each {model, input, temperature}
                                                      in one process: {"results": [logprobs, ...]}
   render MODEL MESSAGES.json [--add-generation-prompt] chat template through the tokenizer
+  inspect-many JOBS.json                              per {model, messages, text, sequences}: the
+                                                     template rendered without and with the
+                                                     generation prompt, `text`'s ids, and the
+                                                     sequences' logprobs (one process)
   tokenize MODEL TEXT                                 token ids (add_special_tokens=False)
   generate MODEL IDS.json --max-new-tokens N          greedy `generate`, eos ignored
   render-template TEMPLATE.jinja MESSAGES.json VARS.json [--add-generation-prompt]
@@ -145,6 +149,19 @@ def score(model_dir, input_path, temperature, adapter=None):
     return {"logprobs": rows}
 
 
+def inspect(model, messages, text, sequences):
+    tok = AutoTokenizer.from_pretrained(model)
+    rendered = [tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=g) for g in (False, True)]
+    ids = tok.encode(text, add_special_tokens=False)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
+    rows = []
+    with torch.no_grad():
+        for seq in sequences:
+            lp = torch.log_softmax(net(torch.tensor([seq])).logits[0].float(), dim=-1)
+            rows.append([0.0] + [lp[i - 1, seq[i]].item() for i in range(1, len(seq))])
+    return {"rendered": rendered, "ids": ids, "logprobs": rows}
+
+
 def router_loss(model_dir, input_path):
     """transformers' load-balancing loss (`aux_loss`) of a right-padded batch, padding masked."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -168,6 +185,8 @@ def main():
     p = sub.add_parser("make-models")
     p.add_argument("out")
     p.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
+    p = sub.add_parser("inspect-many")
+    p.add_argument("jobs")
     p = sub.add_parser("score-many")
     p.add_argument("jobs")
     p = sub.add_parser("score")
@@ -200,6 +219,8 @@ def main():
         result = make_model(args.variant, args.out, args.dtype, args.seed)
     elif args.cmd == "make-models":
         result = {"models": [make_model(v, f"{args.out}/{v}", "float32", 0) for v in args.variants]}
+    elif args.cmd == "inspect-many":
+        result = {"results": [inspect(**job) for job in json.load(open(args.jobs))]}
     elif args.cmd == "score-many":
         jobs = json.load(open(args.jobs))
         result = {"results": [score(j["model"], j["input"], j.get("temperature", 1.0))["logprobs"] for j in jobs]}

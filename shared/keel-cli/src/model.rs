@@ -29,7 +29,8 @@ pub enum ModelCommand {
 
 #[derive(Debug, Args)]
 pub struct InitArgs {
-    /// llama, qwen2, qwen3, mistral, qwen3_moe or mixtral.
+    /// llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, gemma2, gemma3, phi3, olmo2, olmo3, glm4,
+    /// granite or smollm3.
     #[arg(long)]
     arch: String,
     /// tiny (tests), small (demo) or medium (small's tokenizer, a larger model: a teacher).

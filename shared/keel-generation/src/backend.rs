@@ -415,16 +415,27 @@ impl Backend {
 
 /// Loads Keel's CUDA kernels for `model`'s device and dtype (see `keel_model::cuda`): a
 /// kernel that does not compile or does not match its tch path is logged and left off, and
-/// the model runs the tch path for it. Returns how many kernels run and how many are off.
+/// the model runs the tch path for it; so does a kernel the model's family cannot use (Gemma's
+/// `1 + w` norms, a partial rotary embedding, ...), said once at start-up. Returns how many
+/// kernels run and how many are off.
 pub fn attach_kernels(model: &mut keel_model::CausalLm, device: tch::Device, kind: tch::Kind) -> (usize, usize) {
     use keel_model::cuda::{Kernel, Kernels};
     let all = Kernel::ALL.len();
+    let class = model.config().architecture.hf_class();
+    let unused = model.kernels_not_used();
+    for (kernel, why) in &unused {
+        tracing::warn!(kernel = kernel.name(), "CUDA kernel not used for {class}, using the tch path: {why}");
+    }
     match Kernels::load(device, &[kind]) {
         Ok(kernels) => {
             for (kernel, why) in kernels.fallbacks() {
                 tracing::warn!(kernel = kernel.name(), "CUDA kernel off, using the tch path: {why}");
             }
-            let off = kernels.fallbacks().len();
+            let failed = kernels.fallbacks().iter().map(|(k, _)| *k);
+            let off = Kernel::ALL
+                .iter()
+                .filter(|k| failed.clone().any(|f| f == **k) || unused.iter().any(|(u, _)| u == *k))
+                .count();
             tracing::info!(on = all - off, off, "CUDA kernels loaded");
             model.use_kernels(std::sync::Arc::new(kernels));
             (all - off, off)

@@ -849,8 +849,9 @@ impl Ropes {
                     ..full.clone()
                 })
             }
-            // v4 OLMo 3: `rope_scaling` applies to full-attention layers only.
-            A::Olmo3 => Some(RopeConfig { scaling: RopeScaling::None, ..full.clone() }),
+            // v4 OLMo 3, as transformers 5.23 reads it: `rope_scaling` and `rope_theta` go to the
+            // full-attention layers only; the sliding ones keep the default base, unscaled.
+            A::Olmo3 => Some(RopeConfig { theta: 500_000.0, scaling: RopeScaling::None, ..full.clone() }),
             _ => None,
         };
         Ok(Self { local: local.filter(|l| *l != full), full })

@@ -1,6 +1,7 @@
 //! `keel model init`: a complete HF model directory from nothing — a byte-level BPE tokenizer
-//! trained on the given text (digits split one per token), a ChatML chat template, a config
-//! for the chosen architecture and size, and randomly initialised weights.
+//! trained on the given text (digits split one per token) with the special tokens of the
+//! family's chat format, its chat template ([`crate::chat_format`]), a config for the chosen
+//! architecture and size, and randomly initialised weights.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use tokenizers::{
     AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl,
 };
 
+use crate::chat_format::ChatFormat;
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::{CausalLm, Init};
@@ -27,16 +29,9 @@ pub const END_OF_TEXT: &str = "<|endoftext|>";
 pub const IM_START: &str = "<|im_start|>";
 pub const IM_END: &str = "<|im_end|>";
 
-/// ChatML, refusing roles it does not know.
-pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}
-{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
-{{- raise_exception('Unknown role: ' + message['role']) }}
-{%- endif %}
-{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- endif %}";
+/// ChatML, the format of the models `keel model init` makes for Llama, Qwen, Mistral and the
+/// mixtures of experts ([`ChatFormat`] gives every family's).
+pub const CHAT_TEMPLATE: &str = crate::chat_format::CHATML;
 
 /// Model sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,8 +111,8 @@ pub struct InitSpec {
     pub seed: i64,
 }
 
-/// Trains a byte-level BPE tokenizer on the corpus files.
-pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize) -> Result<tokenizers::Tokenizer> {
+/// Trains a byte-level BPE tokenizer on the corpus files, with `special` as single tokens.
+pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize, special: &[&str]) -> Result<tokenizers::Tokenizer> {
     for file in files {
         if !file.is_file() {
             return Err(Error::InvalidInput(format!("tokenizer corpus {} does not exist", file.display())));
@@ -127,7 +122,7 @@ pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize) -> Result<tokenizer
         return Err(Error::InvalidInput("at least one tokenizer corpus file is needed".into()));
     }
     let tokenizer_error = |e: tokenizers::Error| Error::Tokenizer(e.to_string());
-    let special: Vec<AddedToken> = [END_OF_TEXT, IM_START, IM_END].iter().map(|t| AddedToken::from(*t, true)).collect();
+    let special: Vec<AddedToken> = special.iter().map(|t| AddedToken::from(*t, true)).collect();
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(vocab_size)
         .min_frequency(2)
@@ -152,7 +147,7 @@ pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize) -> Result<tokenizer
     Ok(tokenizers::Tokenizer::from(tokenizer))
 }
 
-fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: i64, pad: i64) -> Value {
+fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, ids: &Ids) -> Value {
     let mut config = json!({
         "architectures": [arch.hf_class()],
         "model_type": arch.model_type(),
@@ -169,9 +164,9 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: 
         "rope_scaling": null,
         "tie_word_embeddings": true,
         "vocab_size": vocab_size,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": pad,
+        "bos_token_id": ids.bos.unwrap_or(ids.pad),
+        "eos_token_id": ids.eos[0],
+        "pad_token_id": ids.pad,
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "use_cache": true,
@@ -223,8 +218,12 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, bos: i64, eos: 
             "sliding_window": null,
         }),
         Architecture::Olmo2 => json!({"attention_bias": false}),
+        // Per-layer-type rotary parameters (the layout transformers 5 writes for OLMo 3).
         Architecture::Olmo3 => json!({
             "attention_bias": false, "sliding_window": window, "layer_types": layer_types(&|i| (i + 1) % 4 == 0),
+            "rope_theta": null, "rope_scaling": null,
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}},
         }),
         Architecture::Glm4 => json!({"partial_rotary_factor": 0.5, "attention_bias": true}),
         // Granite 3.3's multipliers.
@@ -252,31 +251,46 @@ pub fn init_model(spec: &InitSpec) -> Result<()> {
         return Err(Error::InvalidInput(format!("output directory {} exists and is not empty", out.display())));
     }
     let dims = spec.preset.dims();
-    let tokenizer = train_tokenizer(&spec.tokenizer_corpus, dims.vocab_target)?;
+    let format = ChatFormat::of(spec.architecture);
+    let tokenizer = train_tokenizer(&spec.tokenizer_corpus, dims.vocab_target, format.special)?;
     let id = |token: &str| -> Result<i64> {
         tokenizer
             .token_to_id(token)
             .map(i64::from)
             .ok_or_else(|| Error::Tokenizer(format!("trained tokenizer lacks {token}")))
     };
-    let (end_of_text, im_end) = (id(END_OF_TEXT)?, id(IM_END)?);
+    let ids = Ids {
+        bos: format.bos.map(id).transpose()?,
+        eos: std::iter::once(format.end_of_turn)
+            .chain(format.also_end.iter().copied())
+            .map(id)
+            .collect::<Result<_>>()?,
+        pad: id(format.pad)?,
+    };
     let vocab_size = tokenizer.get_vocab_size(true) as i64;
-    let config =
-        ModelConfig::from_json(config_json(spec.architecture, &dims, vocab_size, end_of_text, im_end, end_of_text))?;
+    let config = ModelConfig::from_json(config_json(spec.architecture, &dims, vocab_size, &ids))?;
 
     tch::manual_seed(spec.seed);
     let model = CausalLm::new(config, Device::Cpu, Kind::Float, Init::Random { std: 0.02 })?;
     std::fs::create_dir_all(out).map_err(Error::io(out))?;
     model.save(out, SaveOptions::default())?;
-    save_tokenizer_files(out, &tokenizer, dims.max_positions, end_of_text, im_end)
+    save_tokenizer_files(out, &tokenizer, dims.max_positions, &format, &ids)
+}
+
+/// The ids of a new model's special tokens.
+struct Ids {
+    bos: Option<i64>,
+    /// The end of a turn first.
+    eos: Vec<i64>,
+    pad: i64,
 }
 
 fn save_tokenizer_files(
     out: &Path,
     tokenizer: &tokenizers::Tokenizer,
     max_length: i64,
-    end_of_text: i64,
-    im_end: i64,
+    format: &ChatFormat,
+    ids: &Ids,
 ) -> Result<()> {
     let path = out.join(TOKENIZER_FILE);
     tokenizer.save(&path, false).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
@@ -285,18 +299,18 @@ fn save_tokenizer_files(
         TOKENIZER_CONFIG_FILE,
         &json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": null,
-            "eos_token": IM_END,
-            "pad_token": END_OF_TEXT,
+            "bos_token": format.bos,
+            "eos_token": format.end_of_turn,
+            "pad_token": format.pad,
             "unk_token": null,
             "model_max_length": max_length,
             "clean_up_tokenization_spaces": false,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": format.template,
         }),
     )?;
     write_json(
         out,
         GENERATION_CONFIG_FILE,
-        &json!({"bos_token_id": end_of_text, "eos_token_id": [im_end, end_of_text], "pad_token_id": end_of_text}),
+        &json!({"bos_token_id": ids.bos.unwrap_or(ids.pad), "eos_token_id": ids.eos, "pad_token_id": ids.pad}),
     )
 }

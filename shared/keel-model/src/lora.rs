@@ -9,7 +9,9 @@
 //! (`base_model_name_or_path` names the base model's directory) and
 //! `adapter_model.safetensors`, whose tensors are named
 //! `base_model.model.<module>.lora_A.weight` and `….lora_B.weight`. Loading one as a model
-//! ([`CausalLm::load`]) loads its base and merges the adapters into it.
+//! ([`CausalLm::load`]) loads its base and merges the adapters into it. Adapters of the parts
+//! of a fused projection (Phi-3's `qkv_proj`, ...) are written as PEFT's adapter of the fused
+//! module ([`fused`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -22,6 +24,8 @@ use tch::{Device, Kind, Tensor, nn};
 
 use crate::error::{Error, Result, WeightProblem};
 use crate::model::{CausalLm, FeedForward, Linear, Mlp};
+
+mod fused;
 
 pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
@@ -141,6 +145,7 @@ impl CausalLm {
         if !config.enabled || config.rank < 1 {
             return Err(Error::InvalidInput(format!("LoRA needs enabled: true and a rank ≥ 1, got {config:?}")));
         }
+        fused::check_targets(config, &self.config().fused_weights())?;
         let device = self.device();
         let vs = nn::VarStore::new(device);
         let switch = Arc::new(Switch::default());
@@ -239,8 +244,8 @@ impl CausalLm {
         let adapters =
             self.adapters.as_ref().ok_or_else(|| Error::InvalidInput("the model has no adapters to save".into()))?;
         std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
-        let tensors = self
-            .adapter_tensors()
+        let fused = self.config().fused_weights();
+        let tensors = fused::join(self.adapter_tensors(), &fused)?
             .into_iter()
             .map(|(name, t)| {
                 Ok((format!("{PEFT_PREFIX}{name}"), t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?))
@@ -251,7 +256,7 @@ impl CausalLm {
             .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })?;
         crate::weights::sync_file(&path)?;
         let base = std::path::absolute(base).map_err(Error::io(base))?;
-        let config = AdapterConfig::of(&adapters.config, &base);
+        let config = AdapterConfig::of(&adapters.config, &base, &fused);
         let value = serde_json::to_value(&config).map_err(Error::json(dir.join(ADAPTER_CONFIG_FILE)))?;
         crate::pretrained::write_json(dir, ADAPTER_CONFIG_FILE, &value)
     }
@@ -310,7 +315,8 @@ pub enum TargetModules {
 }
 
 impl AdapterConfig {
-    fn of(config: &LoraConfig, base: &Path) -> Self {
+    fn of(config: &LoraConfig, base: &Path, fused: &[crate::config::FusedWeight]) -> Self {
+        let (targets, rank_pattern, alpha_pattern) = fused::peft_targets(config, fused);
         Self {
             peft_type: "LORA".into(),
             task_type: Some("CAUSAL_LM".into()),
@@ -318,18 +324,23 @@ impl AdapterConfig {
             r: config.rank,
             lora_alpha: config.alpha,
             lora_dropout: config.dropout,
-            target_modules: TargetModules::List(config.targets().into_iter().map(String::from).collect()),
+            target_modules: TargetModules::List(targets),
             use_rslora: config.use_rslora,
             bias: no_bias(),
             fan_in_fan_out: false,
             use_dora: false,
             modules_to_save: None,
             layers_to_transform: None,
-            rank_pattern: BTreeMap::new(),
-            alpha_pattern: BTreeMap::new(),
+            rank_pattern,
+            alpha_pattern,
             inference_mode: true,
             init_lora_weights: serde_json::Value::Bool(true),
         }
+    }
+
+    /// Whether the rank and alpha patterns are none, or the fused modules' that Keel writes.
+    fn fused_patterns(&self) -> bool {
+        fused::patterns_are_fused(&self.rank_pattern, &self.alpha_pattern, self.r, self.lora_alpha, self.use_rslora)
     }
 
     /// Keel's settings for these adapters; refuses what Keel cannot apply, naming the key.
@@ -356,8 +367,8 @@ impl AdapterConfig {
                 self.layers_to_transform.as_ref().is_some_and(|v| !v.is_null()),
                 format!("{:?}", self.layers_to_transform),
             ),
-            ("rank_pattern", !self.rank_pattern.is_empty(), format!("{:?}", self.rank_pattern)),
-            ("alpha_pattern", !self.alpha_pattern.is_empty(), format!("{:?}", self.alpha_pattern)),
+            ("rank_pattern", !self.fused_patterns(), format!("{:?}", self.rank_pattern)),
+            ("alpha_pattern", !self.fused_patterns(), format!("{:?}", self.alpha_pattern)),
         ];
         if let Some((field, _, value)) = plain.into_iter().find(|(_, set, _)| *set) {
             return Err(unsupported(field, value, "Keel reads plain LoRA adapters only"));
@@ -384,8 +395,8 @@ impl AdapterConfig {
     }
 }
 
-/// An adapter directory: its settings, its base model's directory and its tensors (Keel's
-/// names, on the CPU).
+/// An adapter directory: its settings, its base model's directory and its tensors (their
+/// module names without PEFT's prefix, a fused projection's as PEFT names it; on the CPU).
 #[derive(Debug)]
 pub struct AdapterDir {
     pub config: LoraConfig,
@@ -438,7 +449,8 @@ impl AdapterDir {
     pub fn load(&self, device: Device, kind: Kind) -> Result<CausalLm> {
         let mut model = CausalLm::load(&self.base, device, Kind::Float)?;
         model.add_adapters(&self.config)?;
-        model.load_adapter_tensors(&self.tensors)?;
+        let fused = model.config().fused_weights();
+        model.load_adapter_tensors(&fused::split(&self.tensors, &fused, self.config.rank)?)?;
         model.set_kind(kind)?;
         Ok(model)
     }

@@ -247,6 +247,10 @@ pub(crate) struct Attention {
     pub(crate) kv_heads: i64,
     pub(crate) head_dim: i64,
     pub(crate) scores: Scores,
+    /// On a tensor-parallel rank of a family whose q/k norms span the whole projection
+    /// (OLMo): the rank computes and norms the whole q and k, then keeps its heads, from these
+    /// first query and KV heads (`None`: the projections hold just this model's heads).
+    pub(crate) projection_heads: Option<(i64, i64)>,
 }
 
 /// How a layer's attention logits differ from `q·k / √D`, and where its q/k norms apply.
@@ -295,15 +299,28 @@ impl Attention {
             kv_heads,
             head_dim: d,
             scores: Scores::of(cfg),
+            projection_heads: None,
         })
     }
 
-    /// [B, S, heads·D] → [B, heads, S, D], with the q or k norm where the model has one.
-    fn split_heads(&self, x: &Tensor, heads: i64, norm: Option<&RmsNorm>, kernels: Option<&Kernels>) -> Result<Tensor> {
+    /// [B, S, heads·D] → [B, heads, S, D], with the q or k norm where the model has one;
+    /// `first` is where this rank's heads start in a whole normed projection.
+    fn split_heads(
+        &self,
+        x: &Tensor,
+        (heads, first): (i64, Option<i64>),
+        norm: Option<&RmsNorm>,
+        kernels: Option<&Kernels>,
+    ) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
         let x = match norm {
             Some(norm) if self.scores.norm_projection => {
-                norm.forward(x, kernels)?.f_view([b, s, heads, self.head_dim])?
+                let normed = norm.forward(x, kernels)?;
+                let normed = match first {
+                    Some(first) => normed.f_narrow(-1, first * self.head_dim, heads * self.head_dim)?,
+                    None => normed,
+                };
+                normed.f_reshape([b, s, heads, self.head_dim])?
             }
             Some(norm) => norm.forward(&x.f_view([b, s, heads, self.head_dim])?, kernels)?,
             None => x.f_view([b, s, heads, self.head_dim])?,
@@ -318,9 +335,11 @@ impl Attention {
         cache: Option<(&mut (dyn LayerCache + '_), usize)>,
     ) -> Result<Tensor> {
         let (b, s) = (x.size()[0], x.size()[1]);
-        let q = self.split_heads(&self.q_proj.forward(x)?, self.heads, self.q_norm.as_ref(), at.kernels)?;
-        let k = self.split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.k_norm.as_ref(), at.kernels)?;
-        let v = self.split_heads(&self.v_proj.forward(x)?, self.kv_heads, None, at.kernels)?;
+        let (q_first, kv_first) = self.projection_heads.unzip();
+        let q = self.split_heads(&self.q_proj.forward(x)?, (self.heads, q_first), self.q_norm.as_ref(), at.kernels)?;
+        let k =
+            self.split_heads(&self.k_proj.forward(x)?, (self.kv_heads, kv_first), self.k_norm.as_ref(), at.kernels)?;
+        let v = self.split_heads(&self.v_proj.forward(x)?, (self.kv_heads, None), None, at.kernels)?;
         let q = at.rotate(&q)?;
         let q = if self.scores.query_multiplier == 1.0 { q } else { q.f_mul_scalar(self.scores.query_multiplier)? };
         let k = at.rotate(&k)?;
@@ -759,6 +778,24 @@ impl CausalLm {
     pub(crate) fn head(&self) -> Head<'_> {
         let block = &self.cfg.block;
         Head { weight: &self.lm_head, divisor: block.logits_divisor, softcap: block.final_softcap }
+    }
+
+    /// The CUDA kernels this model's family needs something else than, each with why: the
+    /// model runs those steps on the tch path whatever kernels it is given.
+    pub fn kernels_not_used(&self) -> Vec<(Kernel, &'static str)> {
+        let block = &self.cfg.block;
+        let plain_rope = (0..self.layers.len())
+            .filter_map(|l| self.cfg.layer_rope(l))
+            .all(|r| r.rotary_dim == self.cfg.head_dim && !r.interleaved);
+        [
+            (block.norm_offset, Kernel::RmsNorm, "its RMSNorms apply 1 + w"),
+            (!plain_rope, Kernel::Rotary, "its rotary embedding is partial or interleaved"),
+            (block.activation != Activation::Silu, Kernel::SiluMul, "its MLP's activation is not SiLU"),
+            (block.attention_softcap.is_some(), Kernel::PagedDecode, "its attention logits are soft-capped"),
+        ]
+        .into_iter()
+        .filter_map(|(gap, kernel, why)| gap.then_some((kernel, why)))
+        .collect()
     }
 
     /// The kernels the paged passes may attend with: none when the family's attention logits

@@ -103,6 +103,59 @@ fn init_mixtral_loads_in_transformers() {
     check_init(Architecture::Mixtral);
 }
 
+/// Every family that is configuration of the one decoder, in its own chat format: transformers
+/// renders each template as Keel does, tokenizes the same, and scores the same (all in one
+/// Python process); the format's special tokens are single tokens and its end of turn ends
+/// generation.
+#[test]
+fn init_of_every_family_in_its_chat_format_loads_in_transformers() {
+    use keel_model::chat_format::ChatFormat;
+    let families = [
+        Architecture::Gemma2,
+        Architecture::Gemma3,
+        Architecture::Phi3,
+        Architecture::Olmo2,
+        Architecture::Olmo3,
+        Architecture::Glm4,
+        Architecture::Granite,
+        Architecture::SmolLm3,
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let mut jobs = Vec::new();
+    let mut ours = Vec::new();
+    for arch in families {
+        let out = dir.path().join(arch.short_name());
+        init(arch, &out);
+        let tokenizer = Tokenizer::load(&out).unwrap();
+        let format = ChatFormat::of(arch);
+        for token in format.special {
+            let ids = tokenizer.encode(token, false).unwrap();
+            assert_eq!(ids.len(), 1, "{arch:?}: {token} is one token");
+        }
+        let end = i64::from(tokenizer.token_to_id(format.end_of_turn).unwrap());
+        assert!(tokenizer.eos_token_ids().contains(&end), "{arch:?}: {} ends generation", format.end_of_turn);
+        let rendered: Vec<String> =
+            [false, true].map(|g| tokenizer.apply_chat_template(&conversation(), g).unwrap()).into();
+        let ids: Vec<i64> = tokenizer.encode(&rendered[1], false).unwrap().into_iter().map(i64::from).collect();
+        let sequences = vec![ids.clone(), ids[..7].to_vec()];
+        let model = load_f32(&out);
+        jobs.push(json!({"model": out, "messages": conversation(), "text": rendered[1], "sequences": sequences}));
+        ours.push((arch, rendered, ids, keel_logprobs(&model, &sequences, 1.0)));
+    }
+    let jobs_file = dir.path().join("jobs.json");
+    std::fs::write(&jobs_file, serde_json::to_string(&jobs).unwrap()).unwrap();
+    let results = reference(&["inspect-many", jobs_file.to_str().unwrap()])["results"].clone();
+    for ((arch, rendered, ids, logprobs), theirs) in ours.into_iter().zip(results.as_array().unwrap()) {
+        let their_rendered: Vec<String> = serde_json::from_value(theirs["rendered"].clone()).unwrap();
+        assert_eq!(rendered, their_rendered, "{arch:?}: the chat template renders differently");
+        let their_ids: Vec<i64> = serde_json::from_value(theirs["ids"].clone()).unwrap();
+        assert_eq!(ids, their_ids, "{arch:?}: tokenization differs");
+        let their_logprobs: Vec<Vec<f64>> = serde_json::from_value(theirs["logprobs"].clone()).unwrap();
+        let diff = max_abs_diff(&logprobs, &their_logprobs);
+        assert!(diff <= 1e-4, "{arch:?}: max |keel - transformers| = {diff:e}");
+    }
+}
+
 #[test]
 fn init_refuses_a_non_empty_directory_and_missing_corpus() {
     let dir = tempfile::tempdir().unwrap();

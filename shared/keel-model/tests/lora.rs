@@ -212,3 +212,59 @@ fn adapters_on_every_expert_merge_to_the_same_logprobs() {
         assert!(diff <= 1e-5, "{variant}: merged vs adapters: {diff:e}");
     }
 }
+
+/// Phi-3's fused `qkv_proj` and `gate_up_proj` and GLM-4's `gate_up_proj`: Keel's adapters of
+/// their parts save as PEFT's adapter of the fused module (rank and alpha per part count in
+/// `rank_pattern`/`alpha_pattern`), which PEFT loads on the transformers model with Keel's
+/// logprobs, and which Keel reads back exactly; adapting some parts of a fused projection
+/// but not all is refused, and so is a fused adapter whose parts mix.
+#[test]
+fn fused_projections_save_as_peft_adapters_of_the_fused_module() {
+    let dir = tempfile::tempdir().unwrap();
+    let made = dir.path().join("made");
+    reference(&["make-models", made.to_str().unwrap(), "phi3-longrope-short", "glm4"]);
+    for (variant, config, fused) in [
+        ("phi3-longrope-short", lora(&[]), vec!["qkv_proj", "gate_up_proj"]),
+        (
+            "glm4",
+            LoraConfig { use_rslora: true, ..lora(&["qkv_proj", "o_proj", "gate_up_proj"]) },
+            vec!["gate_up_proj"],
+        ),
+    ] {
+        let base = made.join(variant);
+        let mut model = load_f32(&base);
+        model.add_adapters(&config).unwrap();
+        perturb(&model);
+        let seqs = sequences(&LENGTHS, model.config().vocab_size, 3);
+        let ours = keel_logprobs(&model, &seqs, 1.0);
+        let adapter_dir = dir.path().join(format!("{variant}-adapter"));
+        model.save_adapters(&adapter_dir, &base).unwrap();
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(adapter_dir.join(ADAPTER_CONFIG_FILE)).unwrap()).unwrap();
+        for name in &fused {
+            assert!(written["target_modules"].as_array().unwrap().iter().any(|t| t == name), "{variant}: {written}");
+            assert!(written["rank_pattern"][name].as_i64().unwrap() > 4, "{variant}: {written}");
+        }
+        let diff = max_abs_diff(&peft_logprobs(&base, &adapter_dir, &seqs, dir.path()), &ours);
+        eprintln!("{variant}: PEFT on transformers vs Keel's adapters: max logprob difference {diff:e}");
+        assert!(diff <= 1e-4, "{variant}: PEFT vs Keel: {diff:e}");
+        let read = AdapterDir::read(&adapter_dir).unwrap().load(Device::Cpu, Kind::Float).unwrap();
+        assert_eq!(max_abs_diff(&keel_logprobs(&read, &seqs, 1.0), &ours), 0.0, "{variant}: read back");
+    }
+
+    let mut phi = load_f32(&made.join("phi3-longrope-short"));
+    let err = phi.add_adapters(&lora(&["q_proj", "v_proj"])).unwrap_err().to_string();
+    assert!(err.contains("target_modules") && err.contains("qkv_proj"), "{err}");
+
+    // A fused adapter whose B mixes the parts (not one block per part) is refused by name.
+    let adapter_dir = dir.path().join("phi3-longrope-short-adapter");
+    let weights = adapter_dir.join(ADAPTER_WEIGHTS_FILE);
+    let mixed: Vec<(String, Tensor)> = Tensor::read_safetensors(&weights)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| if n.ends_with("qkv_proj.lora_B.weight") { (n, t.ones_like()) } else { (n, t) })
+        .collect();
+    Tensor::write_safetensors(&mixed, &weights).unwrap();
+    let err = AdapterDir::read(&adapter_dir).unwrap().load(Device::Cpu, Kind::Float).unwrap_err().to_string();
+    assert!(err.contains("qkv_proj.lora_B.weight") && err.contains("mixes the parts"), "{err}");
+}

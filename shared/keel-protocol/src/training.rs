@@ -280,6 +280,11 @@ pub struct TrainingConfig {
 /// The linear layers of a decoder layer that LoRA can adapt, by their Hugging Face names.
 pub const LORA_TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
+/// The fused projections of Phi-3 and GLM-4 checkpoints, by their Hugging Face names, and the
+/// [`LORA_TARGETS`] each stands for: naming one targets its parts.
+pub const FUSED_LORA_TARGETS: [(&str, &[&str]); 2] =
+    [("qkv_proj", &["q_proj", "k_proj", "v_proj"]), ("gate_up_proj", &["gate_proj", "up_proj"])];
+
 /// Low-rank adapters: every targeted linear `y = W·x` becomes `y = W·x + s·B·A·dropout(x)`
 /// with A [rank, in] (Kaiming-uniform at the start), B [out, rank] (zeros, so training starts
 /// from the base model) and `s = alpha / rank` (`alpha / √rank` with `use_rslora`). Only A and
@@ -300,8 +305,8 @@ pub struct LoraConfig {
     #[serde(alias = "lora_dropout")]
     pub dropout: f64,
     /// Which linear layers get adapters (names from `q_proj`, `k_proj`, `v_proj`, `o_proj`,
-    /// `gate_proj`, `up_proj`, `down_proj`); empty means all of them (NeMo-RL's
-    /// `match_all_linear`).
+    /// `gate_proj`, `up_proj`, `down_proj`, and `qkv_proj` and `gate_up_proj`, which name their
+    /// parts); empty means all of them (NeMo-RL's `match_all_linear`).
     pub target_modules: Vec<String>,
     /// Rank-stabilised scaling `alpha / √rank` (PEFT's `use_rslora`).
     pub use_rslora: bool,
@@ -330,12 +335,15 @@ impl LoraConfig {
             == (other.rank, other.alpha, other.use_rslora, other.targets())
     }
 
-    /// The targeted module names, in [`LORA_TARGETS`] order (all of them when none are named).
+    /// The targeted module names, in [`LORA_TARGETS`] order (all of them when none are named;
+    /// a fused name stands for its parts).
     pub fn targets(&self) -> Vec<&'static str> {
-        LORA_TARGETS
-            .into_iter()
-            .filter(|t| self.target_modules.is_empty() || self.target_modules.iter().any(|m| m == t))
-            .collect()
+        let named = |t: &str| {
+            self.target_modules
+                .iter()
+                .any(|m| m == t || FUSED_LORA_TARGETS.iter().any(|(fused, parts)| m == fused && parts.contains(&t)))
+        };
+        LORA_TARGETS.into_iter().filter(|t| self.target_modules.is_empty() || named(t)).collect()
     }
 
     /// Every problem of an enabled configuration, with its field path under `at`.
@@ -364,11 +372,15 @@ impl LoraConfig {
             format!("must be in [0, 1), got {}", self.dropout),
         );
         for (i, name) in self.target_modules.iter().enumerate() {
+            let known = LORA_TARGETS.contains(&name.as_str()) || FUSED_LORA_TARGETS.iter().any(|(f, _)| f == name);
             check(
                 problems,
-                LORA_TARGETS.contains(&name.as_str()),
+                known,
                 &field(&format!("target_modules[{i}]")),
-                format!("`{name}` is not a linear layer LoRA can adapt (one of {})", LORA_TARGETS.join(", ")),
+                format!(
+                    "`{name}` is not a linear layer LoRA can adapt (one of {}, qkv_proj, gate_up_proj)",
+                    LORA_TARGETS.join(", ")
+                ),
             );
         }
     }

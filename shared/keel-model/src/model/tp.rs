@@ -258,15 +258,6 @@ impl CausalLm {
         if cfg.vocab_size < w {
             return Err(problem("vocab_size", cfg.vocab_size, format!("is smaller than {world} ranks")));
         }
-        if world > 1 && cfg.qk_norm == QkNorm::Projection {
-            return Err(Error::Unsupported {
-                field: "architectures".into(),
-                value: cfg.architecture.hf_class().into(),
-                reason: "has q/k norms over the whole projection, which couple every head: tensor parallelism \
-                         is not implemented for it (train at tensor_parallel_size 1)"
-                    .into(),
-            });
-        }
         let dense = (0..cfg.num_hidden_layers as usize).any(|layer| !cfg.is_sparse_layer(layer));
         if dense && cfg.intermediate_size % w != 0 {
             let reason = format!("does not split across {world} ranks");
@@ -904,23 +895,35 @@ impl Slices {
                 let norms = LayerNorms::build(cfg, |name| norm(p(&format!("{name}.weight")), hidden))?;
                 let (o_proj, o_bias) =
                     row(p("self_attn.o_proj"), hidden, heads * d, q_start * d, q_end * d, cfg.o_bias)?;
+                // q/k norms over the whole projection (OLMo) couple every head: each rank
+                // computes the whole q and k (their weights used in part, like a router's),
+                // norms them, then keeps its heads.
+                let whole = cfg.qk_norm == QkNorm::Projection;
+                let (q_rows, k_rows) = if whole { (Layout::PartialUse, Layout::PartialUse) } else { (q_rows, kv_rows) };
                 let attention = Attention {
                     q_proj: column(p("self_attn.q_proj"), heads * d, hidden, q_rows, cfg.qkv_bias)?,
-                    k_proj: column(p("self_attn.k_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
+                    k_proj: column(p("self_attn.k_proj"), kv_heads * d, hidden, k_rows, cfg.qkv_bias)?,
                     v_proj: column(p("self_attn.v_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
                     o_proj,
-                    // Per-head q/k norms (a whole model's q/k norms over the projection are
-                    // refused above).
-                    q_norm: (cfg.qk_norm == QkNorm::PerHead)
-                        .then(|| norm_as(p("self_attn.q_norm.weight"), d, Layout::PartialUse))
-                        .transpose()?,
-                    k_norm: (cfg.qk_norm == QkNorm::PerHead)
-                        .then(|| norm_as(p("self_attn.k_norm.weight"), d, Layout::PartialUse))
-                        .transpose()?,
+                    q_norm: match cfg.qk_norm {
+                        QkNorm::None => None,
+                        QkNorm::PerHead => Some(norm_as(p("self_attn.q_norm.weight"), d, Layout::PartialUse)?),
+                        QkNorm::Projection => {
+                            Some(norm_as(p("self_attn.q_norm.weight"), heads * d, Layout::PartialUse)?)
+                        }
+                    },
+                    k_norm: match cfg.qk_norm {
+                        QkNorm::None => None,
+                        QkNorm::PerHead => Some(norm_as(p("self_attn.k_norm.weight"), d, Layout::PartialUse)?),
+                        QkNorm::Projection => {
+                            Some(norm_as(p("self_attn.k_norm.weight"), kv_heads * d, Layout::PartialUse)?)
+                        }
+                    },
                     heads: heads / w,
                     kv_heads: kv_end - kv_start,
                     head_dim: d,
                     scores: Scores::of(cfg),
+                    projection_heads: whole.then_some((q_start, kv_start)),
                 };
                 let (mlp, down_bias) = match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
                     Some(moe) => {
@@ -1243,6 +1246,33 @@ mod tests {
             // The router's gradient from the experts' outputs and the load-balancing loss.
             qwen3_moe(),
             mixtral(),
+            // Gemma 2: sandwich (1 + w) norms, √hidden embeddings, both soft-caps, a window.
+            config(
+                "Gemma2ForCausalLM",
+                4,
+                2,
+                json!({"head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 20,
+                "attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0}),
+            ),
+            // OLMo 2: post-norms only; q/k norms over the whole projection (whole q and k per rank).
+            config("Olmo2ForCausalLM", 4, 2, json!({"attention_bias": true})),
+            // Phi-3: partial rotary with LongRoPE; Granite: every multiplier; GLM-4: interleaved rotary.
+            config(
+                "Phi3ForCausalLM",
+                4,
+                4,
+                json!({"partial_rotary_factor": 0.5, "original_max_position_embeddings": 8,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
+                "long_factor": [2.0, 3.0, 4.0, 5.0]}}),
+            ),
+            config(
+                "GraniteForCausalLM",
+                4,
+                2,
+                json!({"embedding_multiplier": 6.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.1, "logits_scaling": 4.0}),
+            ),
+            config("Glm4ForCausalLM", 4, 2, json!({"head_dim": 16})),
         ];
         for cfg in cases {
             tch::manual_seed(21);
