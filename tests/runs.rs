@@ -216,10 +216,14 @@ async fn gemma3_and_olmo2_train_with_lora_grpo_and_their_adapters_load_in_peft()
         spec["training"]["lora"] = json!({"enabled": true, "rank": 4, "alpha": 8});
         spec["training"]["optimizer"]["lr"] = json!(0.005);
         spec["max_num_steps"] = json!(2);
+        // A reward a random model's samples differ in (some hold a digit), so the groups'
+        // advantages, and the adapters' updates, are not zero.
+        spec["environments"] = json!({"default": {"name": "regex", "pattern": "[0-9]"}});
         let run = stack.submit(&spec).await;
         stack.wait_succeeded(&run, LIMIT).await;
         let errors = stack.series(&run, "train/token_mult_prob_error").await;
         assert_eq!(errors.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{arch}: {errors:?}");
+        eprintln!("{arch}: train/token_mult_prob_error {errors:?}");
         for (step, error) in errors {
             assert!((0.99..1.05).contains(&error), "{arch}, step {step}: token_mult_prob_error {error}");
         }
@@ -239,9 +243,12 @@ async fn gemma3_and_olmo2_train_with_lora_grpo_and_their_adapters_load_in_peft()
         }
         let seqs = keel_testkit::sequences(&[17, 9], 200, 4);
         let merged_logprobs = keel_testkit::reference_logprobs(&merged, &seqs, 1.0, scratch.path());
+        let base = keel_testkit::reference_logprobs(&model, &seqs, 1.0, scratch.path());
+        let trained = keel_testkit::max_abs_diff(&merged_logprobs, &base);
+        assert!(trained > 1e-5, "{arch}: the adapters changed nothing ({trained:e} from the base)");
         let peft = keel_testkit::peft_logprobs(&model, &downloaded, &seqs, scratch.path());
         let diff = keel_testkit::max_abs_diff(&merged_logprobs, &peft);
-        eprintln!("{arch}: Keel's merged export (transformers) vs its adapters in PEFT: max difference {diff:e}");
+        eprintln!("{arch}: merged export vs adapters in PEFT: {diff:e}; merged vs base: {trained:e}");
         assert!(diff <= 1e-4, "{arch}: merged model vs PEFT adapters: {diff:e}");
     }
 }
