@@ -216,13 +216,14 @@ fn adapters_on_every_expert_merge_to_the_same_logprobs() {
 /// Phi-3's fused `qkv_proj` and `gate_up_proj` and GLM-4's `gate_up_proj`: Keel's adapters of
 /// their parts save as PEFT's adapter of the fused module (rank and alpha per part count in
 /// `rank_pattern`/`alpha_pattern`), which PEFT loads on the transformers model with Keel's
-/// logprobs, and which Keel reads back exactly; adapting some parts of a fused projection
-/// but not all is refused, and so is a fused adapter whose parts mix.
+/// logprobs, and which Keel reads back exactly (Granite's and Gemma 2's plain adapters too);
+/// adapting some parts of a fused projection but not all is refused, and so is a fused adapter
+/// whose parts mix.
 #[test]
 fn fused_projections_save_as_peft_adapters_of_the_fused_module() {
     let dir = tempfile::tempdir().unwrap();
     let made = dir.path().join("made");
-    reference(&["make-models", made.to_str().unwrap(), "phi3-longrope-short", "glm4"]);
+    reference(&["make-models", made.to_str().unwrap(), "phi3-longrope-short", "glm4", "granite", "gemma2"]);
     for (variant, config, fused) in [
         ("phi3-longrope-short", lora(&[]), vec!["qkv_proj", "gate_up_proj"]),
         (
@@ -230,6 +231,9 @@ fn fused_projections_save_as_peft_adapters_of_the_fused_module() {
             LoraConfig { use_rslora: true, ..lora(&["qkv_proj", "o_proj", "gate_up_proj"]) },
             vec!["gate_up_proj"],
         ),
+        // Families without fused tensors, whose multipliers and soft-caps the adapters pass through.
+        ("granite", lora(&[]), vec![]),
+        ("gemma2", lora(&[]), vec![]),
     ] {
         let base = made.join(variant);
         let mut model = load_f32(&base);

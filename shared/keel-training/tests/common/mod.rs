@@ -12,9 +12,14 @@ use serde_json::{Value, json};
 
 /// A new tiny Qwen3 model (random weights, trained tokenizer) in `dir/model`.
 pub fn tiny_model(dir: &Path) -> PathBuf {
+    tiny_model_of(dir, Architecture::Qwen3)
+}
+
+/// A new tiny model of `architecture` in `dir/model`.
+pub fn tiny_model_of(dir: &Path, architecture: Architecture) -> PathBuf {
     let out = dir.join("model");
     init_model(&InitSpec {
-        architecture: Architecture::Qwen3,
+        architecture,
         preset: Preset::Tiny,
         tokenizer_corpus: vec![keel_testkit::workspace_root().join("examples/tokenizer-corpus.txt")],
         out: out.clone(),
