@@ -84,10 +84,12 @@ VARIANTS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         tie_word_embeddings=False), "Gemma3ForCausalLM"),
-    # LongRoPE with short factors (every sequence within the original context) and with long
-    # ones (every scored sequence past it), three quarters of each head rotating.
+    # LongRoPE with short factors (every sequence within the original context; a window on
+    # every layer) and with long ones (every scored sequence past it), three quarters of each
+    # head rotating.
     "phi3-longrope-short": lambda: transformers.Phi3Config(
-        **FAMILY, rope_parameters=_longrope(), original_max_position_embeddings=64, tie_word_embeddings=False),
+        **FAMILY, rope_parameters=_longrope(), original_max_position_embeddings=64, sliding_window=6,
+        tie_word_embeddings=False),
     "phi3-longrope-long": lambda: transformers.Phi3Config(
         **FAMILY, rope_parameters=_longrope(), original_max_position_embeddings=4, tie_word_embeddings=True),
     "olmo2": lambda: transformers.Olmo2Config(**FAMILY),

@@ -112,8 +112,8 @@ pub struct Config {
     /// The longest lease a run's claim may ask for, in seconds.
     pub max_lease_seconds: f64,
     /// How the served model writes tool calls, for chat requests with `tools` (vLLM's
-    /// `--tool-call-parser`): `hermes` (Hermes, Qwen 2.5 and 3) or `llama3_json` (Llama 3.1
-    /// to 3.3). Unset: requests with tools are refused.
+    /// `--tool-call-parser`): `hermes` (Hermes, Qwen 2.5 and 3, SmolLM3), `llama3_json`
+    /// (Llama 3.1 to 3.3) or `granite` (Granite 3). Unset: requests with tools are refused.
     #[serde(default)]
     pub tool_call_parser: Option<tools::ToolParser>,
     /// The URL agents reach this generator's OpenAI API at (`/v1` is added): what a run's

@@ -537,7 +537,10 @@ fn tool_use(
     };
     let names = crate::tools::tool_names(tools).map_err(|e| ApiError::bad(e, Some("tools")))?;
     let parser = state.tool_parser.ok_or_else(|| {
-        ApiError::bad("tools need the generator's tool_call_parser setting (hermes or llama3_json)", Some("tools"))
+        ApiError::bad(
+            "tools need the generator's tool_call_parser setting (hermes, llama3_json or granite)",
+            Some("tools"),
+        )
     })?;
     if let Some(Some(name)) = choice
         && !names.iter().any(|n| n == name)

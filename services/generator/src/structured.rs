@@ -49,7 +49,7 @@ impl Guides {
     /// `tool_choice` `required` or a named function.
     pub fn tool_call(&self, parser: ToolParser, tools: &Value, name: Option<&str>) -> Result<Guide, String> {
         let key = match parser {
-            ToolParser::Hermes => "arguments",
+            ToolParser::Hermes | ToolParser::Granite => "arguments",
             ToolParser::Llama3Json => "parameters",
         };
         let calls: Vec<Value> = tools
@@ -77,6 +77,11 @@ impl Guides {
                 "start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {schema}"
             )),
             ToolParser::Llama3Json => TopLevelGrammar::from_json_schema(schema),
+            ToolParser::Granite => {
+                let mut list = json!({"type": "array", "items": schema, "minItems": 1, "maxItems": 1});
+                list["x-guidance"] = compact();
+                TopLevelGrammar::from_lark(format!("start: \"<|tool_call|>\" calls\ncalls: %json {list}"))
+            }
         };
         self.guide(grammar)
     }

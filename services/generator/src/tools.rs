@@ -22,11 +22,15 @@ pub enum ToolParser {
     /// The whole output one or more JSON objects `{"name": ..., "parameters": {...}}`,
     /// separated by `;`, optionally after `<|python_tag|>` (Llama 3.1 to 3.3).
     Llama3Json,
+    /// `<|tool_call|>` and a JSON list of `{"name": ..., "arguments": {...}}`, after any text
+    /// (Granite 3).
+    Granite,
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
+const GRANITE_TAG: &str = "<|tool_call|>";
 
 /// An output split into content and calls.
 #[derive(Debug, Default, PartialEq)]
@@ -46,6 +50,7 @@ impl ToolParser {
     pub fn start(self, text: &str) -> Option<usize> {
         match self {
             Self::Hermes => text.find(HERMES_OPEN),
+            Self::Granite => text.find(GRANITE_TAG),
             Self::Llama3Json => {
                 let at = text.len() - text.trim_start().len();
                 let rest = &text[at..];
@@ -61,8 +66,9 @@ impl ToolParser {
             return at;
         }
         match self {
-            Self::Hermes => {
-                let partial = (1..HERMES_OPEN.len()).rev().find(|&n| text.ends_with(&HERMES_OPEN[..n]));
+            Self::Hermes | Self::Granite => {
+                let tag = if self == Self::Hermes { HERMES_OPEN } else { GRANITE_TAG };
+                let partial = (1..tag.len()).rev().find(|&n| text.ends_with(&tag[..n]));
                 text.len() - partial.unwrap_or(0)
             }
             Self::Llama3Json => {
@@ -79,6 +85,7 @@ impl ToolParser {
         let calls = match self {
             Self::Hermes => hermes_calls(&text[start..]),
             Self::Llama3Json => llama3_calls(text[start..].trim_start_matches(PYTHON_TAG)),
+            Self::Granite => granite_calls(&text[start + GRANITE_TAG.len()..]),
         };
         match calls {
             Some(calls) if !calls.is_empty() => {
@@ -121,6 +128,21 @@ fn llama3_calls(text: &str) -> Option<Vec<ToolCall>> {
         rest = rest[values.byte_offset()..].trim_start().trim_start_matches(';').trim_start();
     }
     Some(calls)
+}
+
+/// The calls of a Granite output after its `<|tool_call|>`: one JSON list of calls (a single
+/// call object is read as a list of one); `None` unless all are calls and nothing follows.
+fn granite_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let mut values = serde_json::Deserializer::from_str(text.trim()).into_iter::<Value>();
+    let value = values.next()?.ok()?;
+    if !text.trim()[values.byte_offset()..].trim().is_empty() {
+        return None;
+    }
+    match value {
+        Value::Array(items) => items.iter().map(|item| call(item, "arguments")).collect(),
+        object @ Value::Object(_) => Some(vec![call(&object, "arguments")?]),
+        _ => None,
+    }
 }
 
 /// A call from `{"name": ..., <arguments>: {...}}` (`arguments` or `parameters` either way).
@@ -209,5 +231,23 @@ mod tests {
         }
         assert_eq!(parser.start("The answer"), None);
         assert_eq!((parser.shown(" <|pyth"), parser.shown("The answer"), parser.shown("")), (1, 10, 0));
+    }
+
+    #[test]
+    fn granite_lists_become_calls_and_anything_else_stays_content() {
+        let parser = ToolParser::Granite;
+        let text = "Adding.<|tool_call|>[{\"name\": \"add\", \"arguments\": {\"a\": 4}}, {\"name\": \"now\", \"arguments\": {}}]";
+        let parsed = parser.parse(text);
+        assert_eq!(parsed.content.as_deref(), Some("Adding."));
+        assert_eq!(
+            calls(&parsed),
+            [("add".to_string(), serde_json::json!({"a": 4})), ("now".to_string(), serde_json::json!({}))]
+        );
+        let one = parser.parse("<|tool_call|>{\"name\": \"now\", \"arguments\": {}}");
+        assert_eq!(calls(&one), [("now".to_string(), serde_json::json!({}))]);
+        for broken in ["<|tool_call|>[{\"name\": \"add\"", "<|tool_call|>[1]", "<|tool_call|>[] and more", "plain"] {
+            assert_eq!(parser.parse(broken), Parsed::content(broken), "{broken}");
+        }
+        assert_eq!((parser.shown("abc <|tool"), parser.shown("abc")), (4, 3));
     }
 }

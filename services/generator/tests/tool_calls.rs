@@ -1,7 +1,8 @@
 //! Tool calling with the official `openai` client (`tests/tool_calls.py`), streamed and not,
-//! for both parsers, against the generator binary serving a tiny model that has learned (by
+//! for every parser (Hermes, Llama 3 JSON, Granite), against the generator binary serving a tiny model that has learned (by
 //! SFT here, on a chat template that writes tools and tool turns as Qwen's does) to call an
-//! `add` tool in the Hermes format for one question and in Llama 3's JSON for another, and to
+//! `add` tool in the Hermes format for one question, in Llama 3's JSON for another and in
+//! Granite's `<|tool_call|>` list for a third, and to
 //! answer from the tool's result: the calls come back parsed, with `finish_reason:
 //! tool_calls`, and the round trip (the assistant's call and the tool's result sent back)
 //! renders and gets the answer.
@@ -40,6 +41,7 @@ fn lessons() -> Vec<(Value, String)> {
     for (question, written) in [
         ("What is 4 + 5?", "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 4, \"b\": 5}}\n</tool_call>"),
         ("Add 4 and 5.", "{\"name\": \"add\", \"parameters\": {\"a\": 4, \"b\": 5}}"),
+        ("Sum 4 and 5.", "<|tool_call|>[{\"name\": \"add\", \"arguments\": {\"a\": 4, \"b\": 5}}]"),
     ] {
         let user = json!({"role": "user", "content": question});
         lessons.push((json!([user]), written.to_string()));
@@ -97,7 +99,7 @@ fn teach(dir: &Path, out: &Path) {
 }
 
 #[test]
-fn the_openai_client_calls_tools_through_both_parsers() {
+fn the_openai_client_calls_tools_through_every_parser() {
     let scratch = tempfile::tempdir().unwrap();
     let base = scratch.path().join("base");
     init_model(&InitSpec {
@@ -116,7 +118,9 @@ fn the_openai_client_calls_tools_through_both_parsers() {
     teach(&base, &model);
 
     let script = keel_testkit::workspace_root().join("services/generator/tests/tool_calls.py");
-    for (parser, question) in [("hermes", "What is 4 + 5?"), ("llama3_json", "Add 4 and 5.")] {
+    for (parser, question) in
+        [("hermes", "What is 4 + 5?"), ("llama3_json", "Add 4 and 5."), ("granite", "Sum 4 and 5.")]
+    {
         let prefix = format!("keeltest.tools{}", uuid::Uuid::new_v4().simple());
         let server = ServiceProcess::start(
             "generator",

@@ -1,7 +1,8 @@
 //! The families whose differences are configuration of Keel's one decoder (Gemma 2 and 3,
 //! Phi-3, OLMo 2 and 3, GLM-4, Granite, SmolLM3) against transformers 5.23, in f32, on
 //! right-padded batches: as checkpoints transformers wrote, at tensor-parallel sizes 1, 2 and
-//! 4, and saved by Keel then loaded back by transformers (fused projections joined again).
+//! 4, and saved by Keel then loaded back by transformers (fused projections joined again) and
+//! refitted into a blank model from that directory.
 //! Every transformers computation of the file runs in two Python processes (one makes the
 //! models, one scores every model), not one per variant.
 
@@ -24,7 +25,7 @@ const LENGTHS: [usize; 4] = [23, 14, 6, 1];
 const VARIANTS: [&str; 9] = [
     "gemma2",              // (1 + w) sandwich norms, √hidden embeddings, both soft-caps, alternating windows
     "gemma3",              // per-head (1 + w) q/k norms, local rotary base, linear scaling on full layers, untied
-    "phi3-longrope-short", // fused qkv and gate_up, partial rotary, LongRoPE short factors and attention factor
+    "phi3-longrope-short", // fused qkv/gate_up, partial rotary, LongRoPE short factors, a window on every layer
     "phi3-longrope-long",  // LongRoPE's long factors (sequences past the original context), tied
     "olmo2",               // post-norms only, q/k norms over the whole projection
     "olmo3",               // OLMo 2 with three windowed layers to one full
@@ -83,6 +84,15 @@ fn every_family_scores_as_transformers_does_whole_sharded_and_saved() {
         // Keel's save (sharded small, fused tensors joined) for transformers to load.
         let saved = dir.path().join(format!("{variant}-saved"));
         model.save(&saved, SaveOptions { max_shard_bytes: 60_000 }).unwrap();
+        // A refit through that directory (fused tensors split again) gives a blank model the
+        // same logprobs.
+        let blank =
+            CausalLm::new(model.config().clone(), tch::Device::Cpu, tch::Kind::Float, keel_model::Init::Zeros).unwrap();
+        blank.commit_weights(blank.stage_weights(&saved).unwrap()).unwrap();
+        let diff = max_abs_diff(&keel_logprobs(&blank, &seqs, 1.0), &keel.last().unwrap().1);
+        if diff != 0.0 {
+            problems.push(format!("{variant}: refit through a directory: {diff:e} from the loaded model"));
+        }
         dirs.push(saved);
 
         for world in [2, 4] {

@@ -618,7 +618,7 @@ impl CausalLm {
             return self.stage(&self.cfg.clone(), &FromModel(full.var_store().variables()), &dir.display().to_string());
         }
         let cfg = ModelConfig::load(dir)?;
-        let files = SliceReader::open(dir)?;
+        let files = SliceReader::open(dir)?.with_fused(&cfg.fused_weights());
         self.stage(&cfg, &files, &dir.display().to_string())
     }
 
