@@ -1,6 +1,7 @@
 //! Tool calling with the official `openai` client (`tests/tool_calls.py`), streamed and not,
-//! for every parser (Hermes, Llama 3 JSON, Granite), against the generator binary serving a tiny model that has learned (by
-//! SFT here, on a chat template that writes tools and tool turns as Qwen's does) to call an
+//! for every parser (Hermes, Llama 3 JSON, Granite), against the generator binary serving a
+//! tiny model that has learned (by SFT here, on a chat template that writes tools and tool
+//! turns as Qwen's does) to call an
 //! `add` tool in the Hermes format for one question, in Llama 3's JSON for another and in
 //! Granite's `<|tool_call|>` list for a third, and to
 //! answer from the tool's result: the calls come back parsed, with `finish_reason:
