@@ -13,17 +13,27 @@ use keel_model::{BLOCK_SIZE, CausalLm, Init, ModelConfig};
 use tch::{Device, Kind};
 
 fn model() -> CausalLm {
-    let cfg = ModelConfig::from_json(serde_json::json!({
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+    model_of("Qwen3ForCausalLM", serde_json::json!({}))
+}
+
+/// A small random model of `architecture`, with `extra` config fields.
+fn model_of(architecture: &str, extra: serde_json::Value) -> CausalLm {
+    let mut value = serde_json::json!({
+        "architectures": [architecture], "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 97, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-    }))
-    .unwrap();
+    });
+    value.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let cfg = ModelConfig::from_json(value).unwrap();
     tch::manual_seed(11);
     CausalLm::new(cfg, Device::Cpu, Kind::Float, Init::Random { std: 0.5 }).unwrap()
 }
 
 fn engine(blocks: usize, max_num_seqs: usize, max_num_batched_tokens: usize) -> Engine {
+    engine_with(model(), blocks, max_num_seqs, max_num_batched_tokens)
+}
+
+fn engine_with(model: CausalLm, blocks: usize, max_num_seqs: usize, max_num_batched_tokens: usize) -> Engine {
     let config = EngineConfig {
         max_num_seqs,
         max_num_batched_tokens,
@@ -31,7 +41,7 @@ fn engine(blocks: usize, max_num_seqs: usize, max_num_batched_tokens: usize) -> 
         refit_mode: RefitMode::Drain,
         model_name: "tiny".into(),
     };
-    Engine::start(model(), None, blocks, config).unwrap()
+    Engine::start(model, None, blocks, config).unwrap()
 }
 
 fn request(prompt: Vec<i64>, n: usize, seed: u64, max_tokens: usize) -> GenRequest {
@@ -149,6 +159,56 @@ fn shared_and_cached_prefixes_equal_uncached_requests() {
     assert_same(&vec![cached], &vec![want], "prefix-cached");
     let after = engine.stats.prefix_hits.load(Ordering::Relaxed);
     assert_eq!(after - hits, 2, "the prompt's two full blocks came from the cache");
+}
+
+/// For every family that is configuration of the one decoder (windows shorter than the
+/// prompts, soft-caps, partial and interleaved rotary, NoPE layers, multipliers): a prompt
+/// found in the prefix cache, chunked prefill, preemption and recomputation, and other requests
+/// in the batch leave each seeded request's tokens and logprobs as they are alone.
+#[test]
+fn every_family_serves_the_same_with_prefix_hits_chunks_preemption_and_company() {
+    let families = [
+        (
+            "Gemma2ForCausalLM",
+            serde_json::json!({"sliding_window": 9, "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 4.0, "query_pre_attn_scalar": 20}),
+        ),
+        (
+            "Gemma3ForCausalLM",
+            serde_json::json!({"sliding_window": 9, "rope_local_base_freq": 100.0,
+            "layer_types": ["sliding_attention", "full_attention"]}),
+        ),
+        (
+            "Phi3ForCausalLM",
+            serde_json::json!({"partial_rotary_factor": 0.5, "original_max_position_embeddings": 200,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 3.0, 4.0, 5.0]}}),
+        ),
+        (
+            "Olmo3ForCausalLM",
+            serde_json::json!({"sliding_window": 9, "layer_types": ["sliding_attention", "full_attention"]}),
+        ),
+        ("Glm4ForCausalLM", serde_json::json!({})),
+        (
+            "GraniteForCausalLM",
+            serde_json::json!({"embedding_multiplier": 6.0, "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1, "logits_scaling": 4.0}),
+        ),
+        ("SmolLM3ForCausalLM", serde_json::json!({"no_rope_layer_interval": 2})),
+    ];
+    for (architecture, extra) in families {
+        let make = |blocks, tokens| engine_with(model_of(architecture, extra.clone()), blocks, 16, tokens);
+        let alone: Vec<_> = requests().into_iter().map(|r| run(&make(256, 8192), vec![r]).remove(0)).collect();
+        assert_same(&run(&make(256, 8192), requests()), &alone, &format!("{architecture}, batched"));
+        assert_same(&run(&make(256, 5), requests()), &alone, &format!("{architecture}, chunked"));
+        let tight = make(96 / BLOCK_SIZE, 8192);
+        assert_same(&run(&tight, requests()), &alone, &format!("{architecture}, preempted"));
+        assert!(tight.stats.preemptions.load(Ordering::Relaxed) > 0, "{architecture}: the small pool preempted");
+        let cached = make(256, 8192);
+        let first = run(&cached, vec![requests().remove(0)]);
+        let hits = cached.stats.prefix_hits.load(Ordering::Relaxed);
+        assert_same(&run(&cached, vec![requests().remove(0)]), &first, &format!("{architecture}, prefix-cached"));
+        assert!(cached.stats.prefix_hits.load(Ordering::Relaxed) > hits, "{architecture}: the prompt was found");
+    }
 }
 
 /// A seeded request produces the same tokens alone and among others.

@@ -125,7 +125,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, softcap
             Mask::InCache => return Err(Error::InvalidInput("attention needs the cache's own mask".into())),
             Mask::Segments { .. } => unreachable!("handled above"),
         };
-        return capped_attention(q, &k, &v, allowed.as_ref(), cap);
+        return eager_attention(q, &k, &v, allowed.as_ref(), Some(cap));
     }
     let per_row_mask = match mask {
         Mask::All => true,
@@ -154,25 +154,26 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, softcap
     Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, explicit, 0.0, causal, None, false)?)
 }
 
-/// Attention with soft-capped logits, as transformers' eager path computes it (no fused
-/// kernel caps them): `q·kᵀ / √D`, then `cap · tanh(· / cap)`, then the mask, then a softmax
-/// in f32. `q` [B, H, S, D], `k`, `v` [B, H, T, D] (KV heads already repeated), `allowed`
-/// broadcastable to [B, H, S, T]. Exposed for the paged decode path.
-pub(crate) fn capped_attention(
+/// Attention as transformers' eager path computes it, soft-capped where `softcap` says (no
+/// fused kernel caps logits): `q·kᵀ / √D`, then `cap · tanh(· / cap)`, then the mask, then a
+/// softmax in f32. `q` [.., S, D], `k`, `v` [.., T, D] with the same leading dimensions (KV
+/// heads already matched to the queries), `allowed` broadcastable to [.., S, T].
+pub(crate) fn eager_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     allowed: Option<&Tensor>,
-    cap: f64,
+    softcap: Option<f64>,
 ) -> Result<Tensor> {
-    let d = q.size()[3];
-    let scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_div_scalar((d as f64).sqrt())?;
-    let scores = scores.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?;
-    let scores = match allowed {
-        Some(allowed) => scores.f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?,
-        None => scores,
-    };
-    let weights = scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?;
+    let d = q.size().last().copied().unwrap_or(1);
+    let mut scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_div_scalar((d as f64).sqrt())?;
+    if let Some(cap) = softcap {
+        scores = scores.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?;
+    }
+    if let Some(allowed) = allowed {
+        scores = scores.f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?;
+    }
+    let weights = scores.f_softmax(-1, Kind::Float)?.f_to_kind(v.kind())?;
     Ok(weights.f_matmul(v)?)
 }
 

@@ -277,9 +277,8 @@ impl ModelConfig {
         if let Some(q) = f.get("quantization_config") {
             return Err(Error::unsupported("quantization_config", q, "quantized checkpoints are not supported"));
         }
-        if let Some(tp) = f.int("pretraining_tp")?.filter(|tp| *tp != 1) {
-            return Err(Error::unsupported("pretraining_tp", tp, "only 1 is supported"));
-        }
+        // `pretraining_tp` (SmolLM3's files say 2) is read by transformers 5 and changes
+        // nothing it computes; so it is here.
         use Architecture as A;
 
         let hidden_size = positive("hidden_size", f.req_int("hidden_size")?)?;
@@ -643,5 +642,77 @@ mod tests {
         let err = ModelConfig::from_json(c).unwrap_err().to_string();
         assert!(err.contains("router_jitter_noise"), "{err}");
         assert!(ModelConfig::from_json(base("Qwen3ForCausalLM")).unwrap().moe.is_none());
+    }
+
+    /// Configs in the shape the Hub's files have (the fields that make each family what it
+    /// is, as `config.json` writes them in v4 layout), resolved as transformers resolves them.
+    #[test]
+    fn hub_configs_of_the_new_families_resolve_as_transformers_reads_them() {
+        let load = |extra: Value| {
+            let mut c = json!({"hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 12,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 262144});
+            c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            ModelConfig::from_json(c).unwrap()
+        };
+        // gemma-3-1b-it: windows of 512, five local layers to one global, a local rotary base.
+        let gemma = load(json!({"architectures": ["Gemma3ForCausalLM"], "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000,
+            "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+            "final_logit_softcapping": null, "attn_logit_softcapping": null}));
+        let windows: Vec<bool> = gemma.sliding_windows.iter().map(Option::is_some).collect();
+        assert_eq!(windows, [true, true, true, true, true, false, true, true, true, true, true, false]);
+        assert_eq!((gemma.rope.theta, gemma.local_rope.as_ref().map(|r| r.theta)), (1e6, Some(1e4)));
+        assert_eq!(gemma.layer_rope(0).unwrap().theta, 1e4);
+        assert_eq!(gemma.layer_rope(5).unwrap().theta, 1e6);
+        assert!(gemma.tie_word_embeddings && gemma.block.norm_offset && gemma.block.final_softcap.is_none());
+        assert_eq!(gemma.block.embedding_multiplier, (1152f64).sqrt());
+        // Phi-4-mini: 3/4 of 128-dimension heads rotate, LongRoPE to 131072 from 4096.
+        let phi = load(json!({"architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
+            "max_position_embeddings": 131072, "sliding_window": 262144, "hidden_act": "silu", "resid_pdrop": 0.0,
+            "rope_scaling": {"type": "longrope", "short_factor": vec![1.0; 48], "long_factor": vec![2.0; 48]}}));
+        assert_eq!((phi.head_dim, phi.rope.rotary_dim), (128, 96));
+        let RopeScaling::LongRope { attention_factor, original_max_position_embeddings, .. } = phi.rope.scaling else {
+            panic!("{:?}", phi.rope.scaling)
+        };
+        let expected = (1.0 + (32f64).ln() / (4096f64).ln()).sqrt();
+        assert!((attention_factor - expected).abs() < 1e-12 && original_max_position_embeddings == 4096);
+        assert_eq!(phi.fused_weights().len(), 2 * 12);
+        // GLM-4-0414: half of each head rotates, in pairs; biases on q/k/v only.
+        let glm = load(json!({"architectures": ["Glm4ForCausalLM"], "head_dim": 128, "num_attention_heads": 32,
+            "num_key_value_heads": 2, "hidden_size": 4096, "partial_rotary_factor": 0.5, "attention_bias": true,
+            "rms_norm_eps": 1e-5, "eos_token_id": [151329, 151336, 151338]}));
+        assert_eq!((glm.rope.rotary_dim, glm.rope.interleaved, glm.qkv_bias, glm.o_bias), (64, true, true, false));
+        assert_eq!(glm.eos_token_ids.len(), 3);
+        // granite-3.3-2b-instruct's multipliers.
+        let granite = load(json!({"architectures": ["GraniteForCausalLM"], "attention_multiplier": 0.015625,
+            "embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22, "rope_theta": 10000000.0,
+            "tie_word_embeddings": true}));
+        let b = &granite.block;
+        assert_eq!(
+            (b.attention_scale, b.embedding_multiplier, b.logits_divisor, b.residual_multiplier),
+            (Some(0.015625), 12.0, 8.0, 0.22)
+        );
+        // SmolLM3-3B: every fourth layer NoPE, and `pretraining_tp: 2` changes nothing.
+        let smol = load(json!({"architectures": ["SmolLM3ForCausalLM"], "pretraining_tp": 2,
+            "no_rope_layer_interval": 4, "use_sliding_window": false, "sliding_window": null,
+            "rope_theta": 5000000.0}));
+        let nope: Vec<usize> = (0..12).filter(|&l| smol.layer_rope(l).is_none()).collect();
+        assert_eq!(nope, [3, 7, 11]);
+        assert!(smol.sliding_windows.iter().all(Option::is_none) && smol.tie_word_embeddings);
+        // OLMo-2-0425-1B: norms after each branch only, q/k norms over the projection, untied.
+        let olmo = load(json!({"architectures": ["Olmo2ForCausalLM"], "rope_theta": 500000, "rms_norm_eps": 1e-6}));
+        assert_eq!(
+            (olmo.block.norms.pre_attention, olmo.qk_norm, olmo.tie_word_embeddings),
+            (None, QkNorm::Projection, false)
+        );
+        // A field Keel cannot honour is refused by name.
+        let mut bidirectional = json!({"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "use_bidirectional_attention": true});
+        let err = ModelConfig::from_json(bidirectional.clone()).unwrap_err().to_string();
+        assert!(err.contains("use_bidirectional_attention"), "{err}");
+        bidirectional["use_bidirectional_attention"] = json!(false);
+        bidirectional["hidden_activation"] = json!("relu");
+        assert!(ModelConfig::from_json(bidirectional).unwrap_err().to_string().contains("hidden_activation"));
     }
 }

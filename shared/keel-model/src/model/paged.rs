@@ -13,7 +13,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::{Mask, Masks, attention};
+use crate::attention::{Mask, Masks, attention, eager_attention};
 use crate::cache::{BLOCK_SIZE, LayerCache, PagedCache, SeqChunk};
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
@@ -287,16 +287,7 @@ pub(super) fn decode_attention(
     if q.device() != Device::Cpu && softcap.is_none() {
         return Ok(Tensor::f_scaled_dot_product_attention(q, k, v, mask, 0.0, false, None, false)?);
     }
-    let scale = (q.size()[3] as f64).powf(-0.5);
-    let mut scores = q.f_mul_scalar(scale)?.f_matmul(&k.f_transpose(-1, -2)?)?;
-    if let Some(cap) = softcap {
-        scores = scores.f_div_scalar(cap)?.f_tanh()?.f_mul_scalar(cap)?;
-    }
-    if let Some(allowed) = mask {
-        scores = scores.f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?;
-    }
-    let weights = scores.f_softmax(-1, Kind::Float)?.f_to_kind(v.kind())?;
-    Ok(weights.f_matmul(v)?)
+    eager_attention(q, k, v, mask, softcap)
 }
 
 impl LayerCache for PagedStep<'_> {
