@@ -9,7 +9,7 @@ Every subcommand prints one JSON document on stdout.
   score MODEL INPUT.jsonl [--temperature T] [--adapter DIR]
                                                      per-token logprobs, one sequence at a time
                                                      (with PEFT LoRA adapters on top when given)
-  score-many JOBS.json                                `score` of each {model, input, temperature}
+  score-many JOBS.json                                `score` of each {model, input, temperature, adapter}
                                                      in one process: {"results": [logprobs, ...]}
   render MODEL MESSAGES.json [--add-generation-prompt] chat template through the tokenizer
   inspect-many JOBS.json                              per {model, messages, text, sequences}: the
@@ -225,7 +225,8 @@ def main():
         result = {"results": [inspect(**job) for job in json.load(open(args.jobs))]}
     elif args.cmd == "score-many":
         jobs = json.load(open(args.jobs))
-        result = {"results": [score(j["model"], j["input"], j.get("temperature", 1.0))["logprobs"] for j in jobs]}
+        result = {"results": [score(j["model"], j["input"], j.get("temperature", 1.0), j.get("adapter"))["logprobs"]
+                              for j in jobs]}
     elif args.cmd == "score":
         result = score(args.model, args.input, args.temperature, args.adapter)
     elif args.cmd == "router-loss":

@@ -10,12 +10,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::{keel_logprobs, load_f32};
 use keel_model::{CausalLm, SaveOptions};
-use keel_testkit::{max_abs_diff, reference, sequences, write_jsonl};
-use serde_json::json;
+use keel_testkit::{max_abs_diff, reference, sequences};
 
 const TOLERANCE: f64 = 1e-4;
 /// Longer than every variant's window of 6, and a length-1 row.
@@ -33,17 +32,6 @@ const VARIANTS: [&str; 9] = [
     "granite",             // embedding, residual and attention multipliers, logits scaling, biases
     "smollm3",             // NoPE layers
 ];
-
-/// transformers' logprobs of `seqs` under each model directory, in one process.
-fn score_all(models: &[PathBuf], seqs: &[Vec<i64>], scratch: &Path) -> Vec<Vec<Vec<f64>>> {
-    let input = scratch.join("input.jsonl");
-    write_jsonl(&input, seqs);
-    let jobs: Vec<_> = models.iter().map(|m| json!({"model": m, "input": input, "temperature": 1.0})).collect();
-    let jobs_file = scratch.join("jobs.json");
-    std::fs::write(&jobs_file, serde_json::to_string(&jobs).unwrap()).unwrap();
-    let out = reference(&["score-many", jobs_file.to_str().unwrap()]);
-    serde_json::from_value(out["results"].clone()).unwrap()
-}
 
 /// Every rank of a `world`-rank CPU group loads its slices of `dir` and scores `seqs`.
 fn tp_logprobs(dir: &Path, world: usize, seqs: &[Vec<i64>]) -> Result<Vec<Vec<Vec<f64>>>, String> {
@@ -109,7 +97,8 @@ fn every_family_scores_as_transformers_does_whole_sharded_and_saved() {
             }
         }
     }
-    let expected = score_all(&dirs, &seqs, dir.path());
+    let models: Vec<_> = dirs.iter().map(|d| (d.as_path(), None)).collect();
+    let expected = keel_testkit::reference_logprobs_many(&models, &seqs, dir.path());
     for (i, (variant, actual)) in keel.iter().enumerate() {
         for (which, reference) in [("its checkpoint", &expected[2 * i]), ("Keel's save", &expected[2 * i + 1])] {
             let diff = max_abs_diff(actual, reference);

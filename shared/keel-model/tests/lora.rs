@@ -224,7 +224,7 @@ fn fused_projections_save_as_peft_adapters_of_the_fused_module() {
     let dir = tempfile::tempdir().unwrap();
     let made = dir.path().join("made");
     reference(&["make-models", made.to_str().unwrap(), "phi3-longrope-short", "glm4", "granite", "gemma2"]);
-    for (variant, config, fused) in [
+    let cases = [
         ("phi3-longrope-short", lora(&[]), vec!["qkv_proj", "gate_up_proj"]),
         (
             "glm4",
@@ -234,13 +234,15 @@ fn fused_projections_save_as_peft_adapters_of_the_fused_module() {
         // Families without fused tensors, whose multipliers and soft-caps the adapters pass through.
         ("granite", lora(&[]), vec![]),
         ("gemma2", lora(&[]), vec![]),
-    ] {
+    ];
+    let seqs = sequences(&LENGTHS, 211, 3);
+    let mut ours = Vec::new();
+    for (variant, config, fused) in cases {
         let base = made.join(variant);
         let mut model = load_f32(&base);
         model.add_adapters(&config).unwrap();
         perturb(&model);
-        let seqs = sequences(&LENGTHS, model.config().vocab_size, 3);
-        let ours = keel_logprobs(&model, &seqs, 1.0);
+        let adapted = keel_logprobs(&model, &seqs, 1.0);
         let adapter_dir = dir.path().join(format!("{variant}-adapter"));
         model.save_adapters(&adapter_dir, &base).unwrap();
         let written: serde_json::Value =
@@ -249,11 +251,17 @@ fn fused_projections_save_as_peft_adapters_of_the_fused_module() {
             assert!(written["target_modules"].as_array().unwrap().iter().any(|t| t == name), "{variant}: {written}");
             assert!(written["rank_pattern"][name].as_i64().unwrap() > 4, "{variant}: {written}");
         }
-        let diff = max_abs_diff(&peft_logprobs(&base, &adapter_dir, &seqs, dir.path()), &ours);
+        let read = AdapterDir::read(&adapter_dir).unwrap().load(Device::Cpu, Kind::Float).unwrap();
+        assert_eq!(max_abs_diff(&keel_logprobs(&read, &seqs, 1.0), &adapted), 0.0, "{variant}: read back");
+        ours.push((variant, base, adapter_dir, adapted));
+    }
+    // PEFT scores every adapter in one Python process.
+    let jobs: Vec<_> = ours.iter().map(|(_, base, adapters, _)| (base.as_path(), Some(adapters.as_path()))).collect();
+    let peft = keel_testkit::reference_logprobs_many(&jobs, &seqs, dir.path());
+    for ((variant, _, _, adapted), theirs) in ours.iter().zip(&peft) {
+        let diff = max_abs_diff(theirs, adapted);
         eprintln!("{variant}: PEFT on transformers vs Keel's adapters: max logprob difference {diff:e}");
         assert!(diff <= 1e-4, "{variant}: PEFT vs Keel: {diff:e}");
-        let read = AdapterDir::read(&adapter_dir).unwrap().load(Device::Cpu, Kind::Float).unwrap();
-        assert_eq!(max_abs_diff(&keel_logprobs(&read, &seqs, 1.0), &ours), 0.0, "{variant}: read back");
     }
 
     let mut phi = load_f32(&made.join("phi3-longrope-short"));

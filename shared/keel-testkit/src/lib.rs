@@ -73,6 +73,27 @@ pub fn reference_logprobs(model_dir: &Path, seqs: &[Vec<i64>], temperature: f64,
     scored(model_dir, None, seqs, temperature, scratch)
 }
 
+/// transformers' logprobs of `seqs` under each of `models` (a model directory, and the LoRA
+/// adapters PEFT loads on it when given), in one Python process: what a test scoring many
+/// models calls instead of one process each.
+pub fn reference_logprobs_many(
+    models: &[(&Path, Option<&Path>)],
+    seqs: &[Vec<i64>],
+    scratch: &Path,
+) -> Vec<Vec<Vec<f64>>> {
+    let input = scratch.join("reference-input.jsonl");
+    write_jsonl(&input, seqs);
+    let jobs: Vec<Value> = models
+        .iter()
+        .map(|(model, adapter)| serde_json::json!({"model": model, "input": input, "adapter": adapter}))
+        .collect();
+    let jobs_file = scratch.join("reference-jobs.json");
+    std::fs::write(&jobs_file, Value::Array(jobs).to_string())
+        .unwrap_or_else(|e| panic!("write {}: {e}", jobs_file.display()));
+    let out = reference(&["score-many", &jobs_file.to_string_lossy()]);
+    serde_json::from_value(out["results"].clone()).unwrap_or_else(|e| panic!("reference logprobs: {e}"))
+}
+
 /// transformers' logprobs of `seqs` under the base model `model_dir` with the LoRA adapters
 /// of `adapter_dir` loaded by PEFT (`PeftModel.from_pretrained`).
 pub fn peft_logprobs(model_dir: &Path, adapter_dir: &Path, seqs: &[Vec<i64>], scratch: &Path) -> Vec<Vec<f64>> {

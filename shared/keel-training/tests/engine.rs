@@ -445,7 +445,8 @@ fn every_family_learns_sft_lora_sft_dpo_and_a_reward_model() {
             // trains), so they move its loss far less in eight steps; PEFT scores them the same
             // (keel-model's LoRA tests).
             let fall = if arch == A::Granite && lora { 0.02 } else { 0.2 };
-            if !(after < before - fall) {
+            let fell = after < before - fall;
+            if !fell {
                 problems.push(format!("{arch:?} SFT (LoRA {lora}): held-out NLL {before} -> {after}"));
             }
         }
@@ -461,7 +462,8 @@ fn every_family_learns_sft_lora_sft_dpo_and_a_reward_model() {
             losses.push(trained.steps[0].metrics["loss"]);
         }
         eprintln!("{arch:?} DPO losses: {losses:.3?}");
-        if !(losses[5] < losses[0] && losses[5] < std::f64::consts::LN_2) {
+        let learned = losses[5] < losses[0] && losses[5] < std::f64::consts::LN_2;
+        if !learned {
             problems.push(format!("{arch:?} DPO: losses {losses:?}"));
         }
         let rm = json!({
