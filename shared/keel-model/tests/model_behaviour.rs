@@ -122,6 +122,31 @@ fn paged_attention_matches_the_contiguous_forward_in_every_family() {
     }
 }
 
+/// Sequences packed end to end in one row (the trainer's sequence packing: each at its own
+/// positions, attending to itself) give each family the padded batch's logprobs, in the
+/// scoring and the training pass.
+#[test]
+fn packed_rows_give_the_padded_logprobs_in_every_family() {
+    for (name, cfg) in families() {
+        let mut model = random_model(cfg, Kind::Float);
+        model.set_prefix_sharing(false);
+        let seqs = keel_testkit::sequences(&[23, 9, 14, 1], 97, 2);
+        let width = 23;
+        let flat: Vec<i64> =
+            seqs.iter().flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(0, width - s.len()))).collect();
+        let ids = Tensor::from_slice(&flat).view([4, width as i64]);
+        let lengths: Vec<i64> = seqs.iter().map(|s| s.len() as i64).collect();
+        let padded = model.token_logprobs(&ids, &lengths, 0.9).unwrap();
+        let row = keel_model::packed::PackedRow::new(&ids, &lengths).unwrap();
+        let packed = model.packed_token_logprobs(&row, 0.9).unwrap();
+        let (trained, _) = model.packed_train_logprobs(&row, 0.9).unwrap();
+        for (what, got) in [("scored", &packed), ("trained", &trained.detach())] {
+            let diff = (got - &padded).abs().max().double_value(&[]);
+            assert!(diff <= 1e-5, "{name}: packed ({what}) vs padded logprobs differ by {diff:e}");
+        }
+    }
+}
+
 #[test]
 fn the_fixed_shape_decode_step_matches_the_packed_pass_in_every_family() {
     for (_, cfg) in families() {

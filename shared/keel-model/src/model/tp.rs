@@ -1273,6 +1273,23 @@ mod tests {
                 "attention_multiplier": 0.1, "logits_scaling": 4.0}),
             ),
             config("Glm4ForCausalLM", 4, 2, json!({"head_dim": 16})),
+            // Gemma 3: per-head (1 + w) q/k norms, a local rotary base; OLMo 3: windows and
+            // whole-projection q/k norms with replicated KV heads; SmolLM3: a NoPE layer.
+            config(
+                "Gemma3ForCausalLM",
+                4,
+                2,
+                json!({"head_dim": 16, "sliding_window": 5, "rope_local_base_freq": 100.0,
+                "layer_types": ["sliding_attention", "full_attention"]}),
+            ),
+            config(
+                "Olmo3ForCausalLM",
+                4,
+                2,
+                json!({"sliding_window": 5,
+                "layer_types": ["sliding_attention", "full_attention"]}),
+            ),
+            config("SmolLM3ForCausalLM", 4, 2, json!({"no_rope_layer_interval": 2})),
         ];
         for cfg in cases {
             tch::manual_seed(21);
