@@ -432,8 +432,9 @@ impl CausalLm {
         if multiplier == 1.0 {
             return Ok(embedded);
         }
-        let scale = Tensor::from(multiplier).f_to_kind(embedded.kind())?.f_to_device(embedded.device())?;
-        Ok(embedded.f_mul(&scale)?)
+        // Rounded on the host (no copy to the device, so a CUDA graph can capture the pass).
+        let rounded = Tensor::from(multiplier).f_to_kind(embedded.kind())?.f_double_value(&[])?;
+        Ok(embedded.f_mul_scalar(rounded)?)
     }
 
     /// The chunk length of the logprob loop: the same on every rank (each must make the same
