@@ -20,7 +20,7 @@ pub mod block;
 pub mod moe;
 pub mod rope;
 
-pub use block::{Activation, Block, FusedWeight, Norms, QkNorm};
+pub use block::{Activation, Block, FusedWeight, NormWeight, Norms, QkNorm};
 pub use moe::MoeConfig;
 pub use rope::{RopeConfig, RopeScaling};
 use rope::{Ropes, nope_layers};
@@ -664,7 +664,8 @@ mod tests {
         assert_eq!((gemma.rope.theta, gemma.local_rope.as_ref().map(|r| r.theta)), (1e6, Some(1e4)));
         assert_eq!(gemma.layer_rope(0).unwrap().theta, 1e4);
         assert_eq!(gemma.layer_rope(5).unwrap().theta, 1e6);
-        assert!(gemma.tie_word_embeddings && gemma.block.norm_offset && gemma.block.final_softcap.is_none());
+        assert!(gemma.tie_word_embeddings && gemma.block.final_softcap.is_none());
+        assert_eq!(gemma.block.norm_weight, NormWeight::OffsetInF32);
         assert_eq!(gemma.block.embedding_multiplier, (1152f64).sqrt());
         // Phi-4-mini: 3/4 of 128-dimension heads rotate, LongRoPE to 131072 from 4096.
         let phi = load(json!({"architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "num_attention_heads": 24,

@@ -27,7 +27,7 @@ use moe::{Experts, Routers};
 
 use crate::attention::{Mask, Masks, attention, masks_for};
 use crate::cache::{KvCache, LayerCache, PagedCache, SeqChunk};
-use crate::config::{Activation, ModelConfig, QkNorm};
+use crate::config::{Activation, ModelConfig, NormWeight, QkNorm};
 use crate::cuda::{Kernel, Kernels};
 use crate::error::{Error, Result};
 use crate::packed::PackedRow;
@@ -101,29 +101,31 @@ impl Linear {
     }
 }
 
-/// RMSNorm computed in f32 and cast back, as transformers does; Gemma's applies its
-/// weight as `1 + w`, in f32.
+/// RMSNorm computed in f32 and cast back, as transformers does, its weight applied as the
+/// family applies it ([`NormWeight`]).
 #[derive(Debug)]
 pub(crate) struct RmsNorm {
     pub(crate) weight: Tensor,
     pub(crate) eps: f64,
-    pub(crate) offset: bool,
+    pub(crate) applied: NormWeight,
 }
 
 impl RmsNorm {
     fn new(p: &Params<'_>, size: i64, cfg: &ModelConfig) -> Result<Self> {
+        let applied = cfg.block.norm_weight;
         // An offset norm's weight is 0 for the identity (transformers initialises it so).
-        let weight = if cfg.block.norm_offset { p.zeros("weight", &[size])? } else { p.ones("weight", &[size])? };
-        Ok(Self { weight, eps: cfg.rms_norm_eps, offset: cfg.block.norm_offset })
+        let weight =
+            if applied == NormWeight::OffsetInF32 { p.zeros("weight", &[size])? } else { p.ones("weight", &[size])? };
+        Ok(Self { weight, eps: cfg.rms_norm_eps, applied })
     }
 
     fn kernel<'k>(&self, kernels: Option<&'k Kernels>, x: &Tensor) -> Option<&'k Kernels> {
-        kernel_for(kernels, Kernel::RmsNorm, x).filter(|_| !self.offset)
+        kernel_for(kernels, Kernel::RmsNorm, x).filter(|_| self.applied == NormWeight::AfterCast)
     }
 
     pub(crate) fn forward(&self, x: &Tensor, kernels: Option<&Kernels>) -> Result<Tensor> {
-        if self.offset {
-            return offset_rms_norm(x, &self.weight, self.eps);
+        if self.applied != NormWeight::AfterCast {
+            return f32_weight_rms_norm(x, &self.weight, self.eps, self.applied == NormWeight::OffsetInF32);
         }
         match self.kernel(kernels, x) {
             Some(k) => Ok(k.rms_norm(x, None, &self.weight, self.eps)?.0),
@@ -157,12 +159,15 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(weight.f_mul(&normed.f_to_kind(x.kind())?)?)
 }
 
-/// `x · (1 + weight) / sqrt(mean(x²) + eps)` in f32, cast back (Gemma's RMSNorm).
-fn offset_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+/// `x · weight / sqrt(mean(x²) + eps)` with the weight applied in f32 (`1 + weight` with
+/// `offset`), cast back: OLMo's and Gemma's RMSNorms.
+fn f32_weight_rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: bool) -> Result<Tensor> {
     let x32 = x.f_to_kind(Kind::Float)?;
     let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
     let normed = x32.f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?;
-    Ok(normed.f_mul(&weight.f_to_kind(Kind::Float)?.f_add_scalar(1.0)?)?.f_to_kind(x.kind())?)
+    let weight = weight.f_to_kind(Kind::Float)?;
+    let weight = if offset { weight.f_add_scalar(1.0)? } else { weight };
+    Ok(normed.f_mul(&weight)?.f_to_kind(x.kind())?)
 }
 
 /// `silu(gate) · up`: the gated activation of the MLP.
@@ -788,7 +793,7 @@ impl CausalLm {
             .filter_map(|l| self.cfg.layer_rope(l))
             .all(|r| r.rotary_dim == self.cfg.head_dim && !r.interleaved);
         [
-            (block.norm_offset, Kernel::RmsNorm, "its RMSNorms apply 1 + w"),
+            (block.norm_weight != NormWeight::AfterCast, Kernel::RmsNorm, "its RMSNorms apply their weight in f32"),
             (!plain_rope, Kernel::Rotary, "its rotary embedding is partial or interleaved"),
             (block.activation != Activation::Silu, Kernel::SiluMul, "its MLP's activation is not SiLU"),
             (block.attention_softcap.is_some(), Kernel::PagedDecode, "its attention logits are soft-capped"),

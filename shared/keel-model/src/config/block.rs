@@ -47,6 +47,18 @@ impl Norms {
     }
 }
 
+/// How an RMSNorm's weight multiplies the normed values (computed in f32 in every family):
+/// the three differ only in rounding below f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormWeight {
+    /// `w · cast(normed)`, in the weights' dtype (Llama and most families).
+    AfterCast,
+    /// `cast(w · normed)`, in f32 (OLMo).
+    InF32,
+    /// `cast((1 + w) · normed)`, in f32 (Gemma; its weights start at 0).
+    OffsetInF32,
+}
+
 /// RMSNorm on queries and keys before the rotary embedding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkNorm {
@@ -85,8 +97,8 @@ impl Activation {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Block {
     pub norms: Norms,
-    /// RMSNorm weights apply as `1 + w` (Gemma), computed in f32.
-    pub norm_offset: bool,
+    /// How RMSNorm weights apply to the normed values.
+    pub norm_weight: NormWeight,
     pub activation: Activation,
     /// The token embeddings are multiplied by this (Gemma: √hidden, rounded to the weights'
     /// dtype as transformers does; Granite: `embedding_multiplier`).
@@ -115,7 +127,7 @@ impl Block {
         use Architecture as A;
         let mut block = Self {
             norms: Norms::LLAMA,
-            norm_offset: false,
+            norm_weight: NormWeight::AfterCast,
             activation: Activation::Silu,
             embedding_multiplier: 1.0,
             attention_scale: None,
@@ -129,7 +141,7 @@ impl Block {
         match architecture {
             A::Gemma2 | A::Gemma3 => {
                 block.norms = Norms::GEMMA;
-                block.norm_offset = true;
+                block.norm_weight = NormWeight::OffsetInF32;
                 // transformers' Gemma MLP reads `hidden_activation` (not `hidden_act`).
                 let activation = f.str("hidden_activation")?.unwrap_or("gelu_pytorch_tanh");
                 block.activation = Activation::parse("hidden_activation", activation)?;
@@ -152,7 +164,10 @@ impl Block {
                     ));
                 }
             }
-            A::Olmo2 | A::Olmo3 => block.norms = Norms::OLMO,
+            A::Olmo2 | A::Olmo3 => {
+                block.norms = Norms::OLMO;
+                block.norm_weight = NormWeight::InF32;
+            }
             A::Glm4 => {
                 block.norms = Norms::GLM;
                 block.fused_gate_up = true;

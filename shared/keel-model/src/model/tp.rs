@@ -847,7 +847,7 @@ impl Slices {
         let to = |t: Tensor| -> Result<Tensor> { Ok(t.f_to_kind(kind)?.f_to_device(device)?) };
         let norm_as = |name: String, size: i64, layout: Layout| -> Result<RmsNorm> {
             let weight = to(source.whole(&name, &[size])?)?;
-            Ok(RmsNorm { weight: keep(name, weight, layout), eps: cfg.rms_norm_eps, offset: cfg.block.norm_offset })
+            Ok(RmsNorm { weight: keep(name, weight, layout), eps: cfg.rms_norm_eps, applied: cfg.block.norm_weight })
         };
         let norm = |name: String, size: i64| norm_as(name, size, Layout::Replicated);
         // Output rows start..end of `name` ([outputs, inputs]), with its bias when it has one.
