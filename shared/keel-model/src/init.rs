@@ -218,9 +218,11 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, ids: &Ids) -> V
             "sliding_window": null,
         }),
         Architecture::Olmo2 => json!({"attention_bias": false}),
-        // Per-layer-type rotary parameters (the layout transformers 5 writes for OLMo 3).
+        // Three windowed layers to a full one (the last layer full at every size here), with
+        // per-layer-type rotary parameters (the layout transformers 5 writes for OLMo 3).
         Architecture::Olmo3 => json!({
-            "attention_bias": false, "sliding_window": window, "layer_types": layer_types(&|i| (i + 1) % 4 == 0),
+            "attention_bias": false, "sliding_window": window,
+            "layer_types": layer_types(&|i| (i + 1) % 4 == 0 || i == dims.layers - 1),
             "rope_theta": null, "rope_scaling": null,
             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}},
@@ -231,12 +233,16 @@ fn config_json(arch: Architecture, dims: &Dims, vocab_size: i64, ids: &Ids) -> V
             "attention_bias": false, "mlp_bias": false, "embedding_multiplier": 12.0,
             "residual_multiplier": 0.22, "attention_multiplier": 1.0 / head_dim as f64, "logits_scaling": 8.0,
         }),
-        // SmolLM3: every fourth layer without a rotary embedding.
-        Architecture::SmolLm3 => json!({
-            "attention_bias": false, "mlp_bias": false, "use_sliding_window": false, "sliding_window": null,
-            "no_rope_layer_interval": 4,
-            "no_rope_layers": (0..dims.layers).map(|i| i64::from((i + 1) % 4 != 0)).collect::<Vec<_>>(),
-        }),
+        // SmolLM3: every fourth layer without a rotary embedding (every second in the
+        // two-layer `tiny`, so that it has one).
+        Architecture::SmolLm3 => {
+            let interval = 4.min(dims.layers);
+            json!({
+                "attention_bias": false, "mlp_bias": false, "use_sliding_window": false, "sliding_window": null,
+                "no_rope_layer_interval": interval,
+                "no_rope_layers": (0..dims.layers).map(|i| i64::from((i + 1) % interval != 0)).collect::<Vec<_>>(),
+            })
+        }
     };
     if let (Value::Object(config), Value::Object(extra)) = (&mut config, extra) {
         config.extend(extra);
