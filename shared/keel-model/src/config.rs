@@ -124,14 +124,14 @@ impl Architecture {
         Self::ALL
             .into_iter()
             .find(|arch| arch.hf_class() == name)
-            .ok_or_else(|| Error::UnknownArchitecture(name.to_string()))
+            .ok_or_else(|| Error::UnknownArchitecture { name: name.to_string(), supported: Self::hf_classes() })
     }
 
     fn from_model_type(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|arch| arch.model_type() == name)
-            .ok_or_else(|| Error::UnknownArchitecture(format!("model_type {name}")))
+        Self::ALL.into_iter().find(|arch| arch.model_type() == name).ok_or_else(|| Error::UnknownArchitecture {
+            name: format!("model_type {name}"),
+            supported: Self::hf_classes(),
+        })
     }
 }
 

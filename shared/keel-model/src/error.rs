@@ -45,8 +45,8 @@ pub enum Error {
     MissingDirectory(PathBuf),
     #[error("{}: invalid JSON: {source}", path.display())]
     Json { path: PathBuf, source: serde_json::Error },
-    #[error("config.json: unknown architecture `{0}` (supported: {list})", list = crate::config::Architecture::hf_classes())]
-    UnknownArchitecture(String),
+    #[error("config.json: unknown architecture `{name}` (supported: {supported})")]
+    UnknownArchitecture { name: String, supported: String },
     #[error("config.json: `{field}` = {value} is not supported: {reason}")]
     Unsupported { field: String, value: String, reason: String },
     #[error("config.json: `{field}` {reason}")]

@@ -780,7 +780,7 @@ impl CausalLm {
         )
     }
 
-    pub(crate) fn head(&self) -> Head<'_> {
+    fn head(&self) -> Head<'_> {
         let block = &self.cfg.block;
         Head { weight: &self.lm_head, divisor: block.logits_divisor, softcap: block.final_softcap }
     }
@@ -927,7 +927,8 @@ impl CausalLm {
         let masks = tree.masks(&self.windows())?;
         let hidden = self.run_layers_at(&tree.ids, &rope, &masks, None, None)?;
         let vocab = self.cfg.vocab_size;
-        tree.logprobs(&hidden, &self.head(), LOGPROB_CHUNK_ELEMENTS / vocab.max(1), temperature, target_logprobs)
+        let head = self.head();
+        tree.logprobs(&hidden, |h| head.logits(h), LOGPROB_CHUNK_ELEMENTS / vocab.max(1), temperature, target_logprobs)
     }
 
     /// [`Self::train_logprobs`] of the sequences packed in `row`, right-padded [n, S].
@@ -1000,7 +1001,7 @@ impl CausalLm {
 /// The LM head and what the family does to its logits: Granite divides them by
 /// `logits_scaling`, Gemma 2 soft-caps them. Elementwise, so a tensor-parallel rank applies it
 /// to its vocabulary slice before the vocab-parallel softmax.
-pub(crate) struct Head<'a> {
+struct Head<'a> {
     weight: &'a Tensor,
     divisor: f64,
     softcap: Option<f64>,
@@ -1008,7 +1009,7 @@ pub(crate) struct Head<'a> {
 
 impl Head<'_> {
     /// Logits [.., vocab (or this rank's share)] of hidden states [.., hidden], in their dtype.
-    pub(crate) fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let mut logits = hidden.f_linear::<Tensor>(self.weight, None)?;
         if self.divisor != 1.0 {
             logits = logits.f_div_scalar(self.divisor)?;

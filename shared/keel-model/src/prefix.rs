@@ -11,7 +11,6 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Mask, Masks};
 use crate::error::Result;
-use crate::model::Head;
 
 /// The tree is used when it computes at most this share of the padded rows' positions.
 const WORTHWHILE: f64 = 0.8;
@@ -156,14 +155,14 @@ impl PrefixTree {
     }
 
     /// Token logprobs [B, S] in the padded layout from the trees' final hidden states
-    /// [G, T, hidden]: the LM head `head` (`vocab` rows) runs on the N predicting positions
-    /// only, `chunk` of them at a time, and `logprobs(logits, targets)` turns a chunk's f32
-    /// logits [n, vocab] (divided by `temperature`) into its targets' logprobs [n]. Entry 0
-    /// and the padding of every row are 0; differentiable.
+    /// [G, T, hidden]: the LM head `head` (hidden states → logits) runs on the N predicting
+    /// positions only, `chunk` of them at a time, and `logprobs(logits, targets)` turns a
+    /// chunk's f32 logits [n, vocab] (divided by `temperature`) into its targets' logprobs [n].
+    /// Entry 0 and the padding of every row are 0; differentiable.
     pub(crate) fn logprobs(
         &self,
         hidden: &Tensor,
-        head: &Head<'_>,
+        head: impl Fn(&Tensor) -> Result<Tensor>,
         chunk: i64,
         temperature: f64,
         logprobs: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
@@ -174,9 +173,8 @@ impl PrefixTree {
         let mut start = 0;
         while start < n {
             let len = chunk.max(1).min(n - start);
-            let logits = head
-                .logits(&states.f_index_select(0, &self.sources.f_narrow(0, start, len)?)?)?
-                .f_to_kind(Kind::Float)?;
+            let logits =
+                head(&states.f_index_select(0, &self.sources.f_narrow(0, start, len)?)?)?.f_to_kind(Kind::Float)?;
             let logits = if temperature == 1.0 { logits } else { logits.f_div_scalar(temperature)? };
             parts.push(logprobs(&logits, &self.targets.f_narrow(0, start, len)?)?);
             start += len;
