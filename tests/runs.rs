@@ -8,8 +8,8 @@
 //! merged model transformers scores as PEFT does. On-policy distillation of a `small`
 //! student from a `medium` teacher brings the student's KL to the teacher down, resumes after
 //! its orchestrator is killed, and refuses a teacher with another tokenizer. A mixture of
-//! experts (Qwen3-MoE) trains with GRPO, at TP 1 and 2. Tiny Gemma 3 and OLMo 2 models train
-//! with LoRA GRPO, the generator agreeing with the trainer, and their adapters load in PEFT.
+//! experts (Qwen3-MoE) trains with GRPO, at TP 1 and 2. Tiny Gemma 3, OLMo 2 and Phi-3 models
+//! train with LoRA GRPO, the generator agreeing with the trainer, and their adapters load in PEFT.
 
 #![allow(clippy::unwrap_used)]
 
@@ -201,15 +201,16 @@ async fn grpo_trains_a_mixture_of_experts_model() {
     assert!((0.99..1.05).contains(&error[0].1), "colocated: token_mult_prob_error {error:?}");
 }
 
-/// Tiny Gemma 3 and OLMo 2 models (`keel model init`, each in its family's chat format) train
-/// with LoRA GRPO through the five services: at every step the generator's logprobs are the
-/// trainer's, and the adapters the run saves load in PEFT on the transformers model and score
-/// as the merged model Keel exports does.
+/// Tiny Gemma 3, OLMo 2 and Phi-3 models (`keel model init`, each in its family's chat format)
+/// train with LoRA GRPO through the five services: at every step the generator's logprobs are
+/// the trainer's, and the adapters the run saves (Phi-3's as PEFT's adapters of its fused
+/// `qkv_proj` and `gate_up_proj`) load in PEFT on the transformers model and score as the
+/// merged model Keel exports does.
 #[tokio::test(flavor = "multi_thread")]
-async fn gemma3_and_olmo2_train_with_lora_grpo_and_their_adapters_load_in_peft() {
+async fn gemma3_olmo2_and_phi3_train_with_lora_grpo_and_their_adapters_load_in_peft() {
     let stack = Stack::start();
     let scratch = tempfile::tempdir().unwrap();
-    for arch in ["gemma3", "olmo2"] {
+    for arch in ["gemma3", "olmo2", "phi3"] {
         let model = stack.dir.path().join(arch);
         keel_testkit::keel_model_init_arch(&model, arch, "tiny", 3);
         let mut spec = grpo_spec(&json!({"path": model}));
