@@ -153,18 +153,20 @@ fn kernel_for<'k>(kernels: Option<&'k Kernels>, kernel: Kernel, x: &Tensor) -> O
 
 /// `weight · x / sqrt(mean(x²) + eps)` over the last dimension, the norm in f32.
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(weight.f_mul(&normalized(x, eps)?.f_to_kind(x.kind())?)?)
+}
+
+/// `x / sqrt(mean(x²) + eps)` over the last dimension, in f32.
+fn normalized(x: &Tensor, eps: f64) -> Result<Tensor> {
     let x32 = x.f_to_kind(Kind::Float)?;
     let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
-    let normed = x32.f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?;
-    Ok(weight.f_mul(&normed.f_to_kind(x.kind())?)?)
+    Ok(x32.f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?)
 }
 
 /// `x · weight / sqrt(mean(x²) + eps)` with the weight applied in f32 (`1 + weight` with
 /// `offset`), cast back: OLMo's and Gemma's RMSNorms.
 fn f32_weight_rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: bool) -> Result<Tensor> {
-    let x32 = x.f_to_kind(Kind::Float)?;
-    let variance = x32.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
-    let normed = x32.f_mul(&variance.f_add_scalar(eps)?.f_rsqrt()?)?;
+    let normed = normalized(x, eps)?;
     let weight = weight.f_to_kind(Kind::Float)?;
     let weight = if offset { weight.f_add_scalar(1.0)? } else { weight };
     Ok(normed.f_mul(&weight)?.f_to_kind(x.kind())?)
@@ -286,12 +288,7 @@ impl Attention {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let norm = |name: &str, heads: i64| -> Result<Option<RmsNorm>> {
-            let size = match cfg.qk_norm {
-                QkNorm::None => return Ok(None),
-                QkNorm::PerHead => d,
-                QkNorm::Projection => heads * d,
-            };
-            Ok(Some(RmsNorm::new(&p.sub(name), size, cfg)?))
+            cfg.qk_norm.size(heads, d).map(|size| RmsNorm::new(&p.sub(name), size, cfg)).transpose()
         };
         Ok(Self {
             q_proj: Linear::new(&p.sub("q_proj"), h, heads * d, cfg.qkv_bias)?,
@@ -789,9 +786,7 @@ impl CausalLm {
     /// model runs those steps on the tch path whatever kernels it is given.
     pub fn kernels_not_used(&self) -> Vec<(Kernel, &'static str)> {
         let block = &self.cfg.block;
-        let plain_rope = (0..self.layers.len())
-            .filter_map(|l| self.cfg.layer_rope(l))
-            .all(|r| r.rotary_dim == self.cfg.head_dim && !r.interleaved);
+        let plain_rope = self.rotary.is_plain();
         [
             (block.norm_weight != NormWeight::AfterCast, Kernel::RmsNorm, "its RMSNorms apply their weight in f32"),
             (!plain_rope, Kernel::Rotary, "its rotary embedding is partial or interleaved"),

@@ -184,6 +184,12 @@ impl Rotations {
         Ok(Self { variants, layers: layers.into() })
     }
 
+    /// Whether every layer's rotary embedding (if any) rotates whole heads by halves: what the
+    /// CUDA rotary kernel computes.
+    pub fn is_plain(&self) -> bool {
+        self.variants.iter().all(|r| r.style.is_plain())
+    }
+
     /// The cos/sin tables of every variant for `positions` [B, S].
     pub fn tables(&self, positions: &Tensor, kind: Kind) -> Result<RopeTables> {
         let tables = self

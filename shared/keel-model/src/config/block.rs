@@ -69,6 +69,18 @@ pub enum QkNorm {
     Projection,
 }
 
+impl QkNorm {
+    /// The size of the norm's weight for a projection of `heads` heads of `head_dim` (`None`:
+    /// no norm).
+    pub fn size(self, heads: i64, head_dim: i64) -> Option<i64> {
+        match self {
+            Self::None => None,
+            Self::PerHead => Some(head_dim),
+            Self::Projection => Some(heads * head_dim),
+        }
+    }
+}
+
 /// The gate's activation in the gated MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {

@@ -900,26 +900,19 @@ impl Slices {
                 // computes the whole q and k (their weights used in part, like a router's),
                 // norms them, then keeps its heads.
                 let whole = cfg.qk_norm == QkNorm::Projection;
+                // Whole on every rank, applied to its heads (or, over the projection, first).
+                let qk_norm = |name: &str, heads: i64| {
+                    let weight = p(&format!("self_attn.{name}.weight"));
+                    cfg.qk_norm.size(heads, d).map(|size| norm_as(weight, size, Layout::PartialUse)).transpose()
+                };
                 let (q_rows, k_rows) = if whole { (Layout::PartialUse, Layout::PartialUse) } else { (q_rows, kv_rows) };
                 let attention = Attention {
                     q_proj: column(p("self_attn.q_proj"), heads * d, hidden, q_rows, cfg.qkv_bias)?,
                     k_proj: column(p("self_attn.k_proj"), kv_heads * d, hidden, k_rows, cfg.qkv_bias)?,
                     v_proj: column(p("self_attn.v_proj"), kv_heads * d, hidden, kv_rows, cfg.qkv_bias)?,
                     o_proj,
-                    q_norm: match cfg.qk_norm {
-                        QkNorm::None => None,
-                        QkNorm::PerHead => Some(norm_as(p("self_attn.q_norm.weight"), d, Layout::PartialUse)?),
-                        QkNorm::Projection => {
-                            Some(norm_as(p("self_attn.q_norm.weight"), heads * d, Layout::PartialUse)?)
-                        }
-                    },
-                    k_norm: match cfg.qk_norm {
-                        QkNorm::None => None,
-                        QkNorm::PerHead => Some(norm_as(p("self_attn.k_norm.weight"), d, Layout::PartialUse)?),
-                        QkNorm::Projection => {
-                            Some(norm_as(p("self_attn.k_norm.weight"), kv_heads * d, Layout::PartialUse)?)
-                        }
-                    },
+                    q_norm: qk_norm("q_norm", heads)?,
+                    k_norm: qk_norm("k_norm", kv_heads)?,
                     heads: heads / w,
                     kv_heads: kv_end - kv_start,
                     head_dim: d,
