@@ -25,6 +25,17 @@ fn short_names(fused: &FusedWeight) -> (String, Vec<String>) {
     (short(&fused.name), fused.parts.iter().map(|(name, _)| short(name)).collect())
 }
 
+/// Each kind of fused projection once (every layer has the same ones).
+fn kinds(fused: &[FusedWeight]) -> Vec<(String, Vec<String>)> {
+    let mut kinds: Vec<(String, Vec<String>)> = Vec::new();
+    for kind in fused.iter().map(short_names) {
+        if !kinds.iter().any(|(name, _)| *name == kind.0) {
+            kinds.push(kind);
+        }
+    }
+    kinds
+}
+
 fn module(weight: &str) -> &str {
     weight.strip_suffix(".weight").unwrap_or(weight)
 }
@@ -33,8 +44,7 @@ fn module(weight: &str) -> &str {
 /// adapt the fused module as a whole).
 pub(crate) fn check_targets(config: &LoraConfig, fused: &[FusedWeight]) -> Result<()> {
     let targets = config.targets();
-    for f in fused.iter().take(2) {
-        let (name, parts) = short_names(f);
+    for (name, parts) in kinds(fused) {
         let adapted = parts.iter().filter(|p| targets.contains(&p.as_str())).count();
         if adapted != 0 && adapted != parts.len() {
             return Err(Error::InvalidInput(format!(
@@ -54,9 +64,8 @@ pub(crate) fn peft_targets(
 ) -> (Vec<String>, BTreeMap<String, serde_json::Value>, BTreeMap<String, serde_json::Value>) {
     let mut targets: Vec<String> = config.targets().into_iter().map(String::from).collect();
     let (mut ranks, mut alphas) = (BTreeMap::new(), BTreeMap::new());
-    for f in fused.iter().take(2) {
-        let (name, parts) = short_names(f);
-        if !targets.contains(&parts[0]) || ranks.contains_key(&name) {
+    for (name, parts) in kinds(fused) {
+        if !targets.contains(&parts[0]) {
             continue;
         }
         let k = parts.len() as f64;
