@@ -27,8 +27,6 @@ use otlp::Span;
 use serde_json::Value;
 
 const PROJECT: &str = "keel-compose-test";
-const TOKEN: &str = "keel-local-api-token";
-const REWARD_TOKEN: &str = "keel-local-reward-token";
 const API: &str = "http://127.0.0.1:8080";
 const SFT_STEPS: u64 = 30;
 const GRPO_STEPS: u64 = 10;
@@ -42,11 +40,28 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
+/// The `.env` this test gives compose, as a user makes it (`scripts/make-secrets`): in the
+/// target directory, so that a developer's own `.env` is neither read nor changed.
+fn env_file() -> PathBuf {
+    let file = root().join("target/compose-test.env");
+    let made = Command::new("bash").arg(root().join("scripts/make-secrets")).arg(&file).output().unwrap();
+    assert!(made.status.success(), "scripts/make-secrets: {}", String::from_utf8_lossy(&made.stderr));
+    file
+}
+
+/// The value `name` has in [`env_file`].
+fn secret(name: &str) -> String {
+    let text = std::fs::read_to_string(env_file()).unwrap();
+    let prefix = format!("{name}=");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {name} in the .env")).to_string()
+}
+
 /// `docker compose -p PROJECT ARGS` on the repository's compose.yaml, with the demo short.
 fn compose(args: &[&str]) -> Output {
     Command::new("docker")
         .current_dir(root())
-        .args(["compose", "-p", PROJECT, "-f", "compose.yaml"])
+        .args(["compose", "-p", PROJECT, "-f", "compose.yaml", "--env-file"])
+        .arg(env_file())
         .args(args)
         .env("SFT_STEPS", SFT_STEPS.to_string())
         .env("GRPO_STEPS", GRPO_STEPS.to_string())
@@ -159,7 +174,7 @@ async fn get(http: &reqwest::Client, path: &str, token: Option<&str>) -> (u16, S
 
 /// The runs the API lists, as (id, name, status).
 async fn runs(http: &reqwest::Client) -> Vec<(String, String, String)> {
-    let (status, body) = get(http, "/v1/runs?limit=200", Some(TOKEN)).await;
+    let (status, body) = get(http, "/v1/runs?limit=200", Some(&secret("KEEL_API_TOKEN"))).await;
     assert_eq!(status, 200, "GET /v1/runs with the token: {body}");
     let listed: Value = serde_json::from_str(&body).unwrap();
     let mut runs: Vec<(String, String, String)> = listed["runs"]
@@ -251,7 +266,8 @@ async fn compose_up_runs_the_demo_traces_it_and_keeps_its_runs() {
     let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
     assert_eq!(get(&http, "/v1/runs", None).await.0, 401, "the API refuses a request without the token");
     assert_eq!(get(&http, "/dashboard", None).await.0, 401, "the dashboard refuses a browser without the token");
-    let opened = http.get(format!("{API}/dashboard?token={TOKEN}")).send().await.unwrap();
+    let token = secret("KEEL_API_TOKEN");
+    let opened = http.get(format!("{API}/dashboard?token={token}")).send().await.unwrap();
     assert_eq!(opened.status(), 303, "the dashboard opened with ?token= keeps it in a cookie");
     let cookie = opened.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
     let page = http.get(format!("{API}/dashboard")).header("cookie", &cookie).send().await.unwrap();
@@ -260,22 +276,37 @@ async fn compose_up_runs_the_demo_traces_it_and_keeps_its_runs() {
     assert!(page.to_lowercase().contains("<!doctype html>"), "{page}");
 
     // The code environment's sandbox works inside the reward container: a program that
-    // passes its test scores 1 through the reward service's published port.
-    let scored = http
-        .post("http://127.0.0.1:8082/v1/score")
-        .bearer_auth(REWARD_TOKEN)
-        .json(&serde_json::json!({
-            "env": {"name": "code"},
-            "samples": [{"prompt": "Print the sum of 2 and 3.", "completion": "```python\nprint(2 + 3)\n```",
-                         "metadata": {"tests": [{"stdin": "", "stdout": "5"}]}}]
-        }))
-        .send()
-        .await
-        .unwrap();
-    let status = scored.status();
-    let scored: Value = scored.json().await.unwrap();
-    assert_eq!(status, 200, "the code environment in compose: {scored}");
+    // passes its test scores 1 through the reward service's API, which is not published (it
+    // is asked from inside its container).
+    let body = serde_json::json!({
+        "env": {"name": "code"},
+        "samples": [{"prompt": "Print the sum of 2 and 3.", "completion": "```python\nprint(2 + 3)\n```",
+                     "metadata": {"tests": [{"stdin": "", "stdout": "5"}]}}]
+    });
+    let authorization = format!("authorization: Bearer {}", secret("KEEL_REWARD_TOKEN"));
+    let scored = compose_ok(&[
+        "exec",
+        "-T",
+        "reward",
+        "curl",
+        "-sS",
+        "-H",
+        &authorization,
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &body.to_string(),
+        "http://127.0.0.1:8082/v1/score",
+    ]);
+    let scored: Value = serde_json::from_str(&scored).unwrap_or_else(|e| panic!("{e}: {scored}"));
     assert_eq!(scored["results"][0]["reward"], 1.0, "a passing program scores 1 in the sandbox: {scored}");
+    // Only the API/dashboard, the generator and the Jaeger UI are published, on 127.0.0.1.
+    let published = compose_ok(&["ps", "--format", "{{.Service}} {{.Ports}}"]);
+    for line in published.lines().filter(|l| l.contains("->")) {
+        let service = line.split_whitespace().next().unwrap_or_default();
+        assert!(["orchestrator", "generator", "jaeger"].contains(&service), "{service} is published: {line}");
+        assert!(!line.contains("0.0.0.0:") && !line.contains(":::"), "published beyond loopback: {line}");
+    }
     let before = runs(&http).await;
     let grpo: Vec<&(String, String, String)> = before.iter().filter(|r| r.1 == "agent-demo-grpo").collect();
     assert_eq!(grpo.len(), 1, "one GRPO run: {before:?}");

@@ -131,9 +131,12 @@ fn compose_file_passes_the_validator() {
     );
     let version = Command::new(&validator).args(["version", "--short"]).output().expect("run docker-compose");
     assert_eq!(String::from_utf8_lossy(&version.stdout).trim(), "1.29.2", "run scripts/setup");
+    let (_dir, secrets) = secrets_file();
     for profiles in [&[][..], &["--profile", "gpu"][..]] {
         let out = Command::new(&validator)
             .args(profiles)
+            .arg("--env-file")
+            .arg(&secrets)
             .args(["-f", "compose.yaml", "config", "-q"])
             .current_dir(root())
             .env_remove("COMPOSE_FILE")
@@ -147,6 +150,134 @@ fn compose_file_passes_the_validator() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// A `.env` as `scripts/make-secrets` writes it, in a directory of its own.
+fn secrets_file() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(".env");
+    let made = Command::new("bash").arg(root().join("scripts/make-secrets")).arg(&file).output().unwrap();
+    assert!(made.status.success(), "scripts/make-secrets: {}", String::from_utf8_lossy(&made.stderr));
+    (dir, file)
+}
+
+/// `docker-compose --env-file ENV --profile gpu -f compose.yaml config` (the validator's
+/// rendering, variables substituted); `Err` holds its stderr.
+fn compose_config(env: &std::path::Path) -> Result<Value, String> {
+    let out = Command::new(root().join(".venv-compose/bin/docker-compose"))
+        .arg("--env-file")
+        .arg(env)
+        .args(["--profile", "gpu", "-f", "compose.yaml", "config"])
+        .current_dir(root())
+        .env_remove("COMPOSE_FILE")
+        .env_remove("COMPOSE_PROFILES")
+        .output()
+        .expect("run docker-compose config");
+    if out.status.success() {
+        Ok(serde_yaml_ng::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// The secrets each container is given: Compose service → the `.env` names whose values
+/// appear in its environment. Every other container is given none.
+const SECRETS_OF: [(&str, &[&str]); 10] = [
+    (
+        "orchestrator",
+        &["KEEL_API_TOKEN", "KEEL_CHECKPOINT_TOKEN", "POSTGRES_PASSWORD", "KEEL_NATS_ORCHESTRATOR_PASSWORD"],
+    ),
+    ("generator", &["KEEL_GENERATOR_API_KEY", "KEEL_NATS_GENERATOR_PASSWORD"]),
+    ("generator-gpu", &["KEEL_GENERATOR_API_KEY", "KEEL_NATS_GENERATOR_PASSWORD"]),
+    ("reward", &["KEEL_REWARD_TOKEN", "KEEL_NATS_REWARD_PASSWORD"]),
+    ("checkpoint", &["KEEL_CHECKPOINT_TOKEN", "POSTGRES_PASSWORD", "KEEL_NATS_CHECKPOINT_PASSWORD"]),
+    ("trainer", &["KEEL_TRAINER_TOKEN", "KEEL_NATS_TRAINER_PASSWORD"]),
+    ("trainer-gpu", &["KEEL_TRAINER_TOKEN", "KEEL_NATS_TRAINER_PASSWORD"]),
+    (
+        "nats",
+        &[
+            "KEEL_NATS_CHECKPOINT_PASSWORD",
+            "KEEL_NATS_GENERATOR_PASSWORD",
+            "KEEL_NATS_ORCHESTRATOR_PASSWORD",
+            "KEEL_NATS_REWARD_PASSWORD",
+            "KEEL_NATS_TRAINER_PASSWORD",
+        ],
+    ),
+    ("postgres", &["POSTGRES_PASSWORD"]),
+    ("demo", &["KEEL_API_TOKEN"]),
+];
+
+/// No token or password has a value in compose.yaml or the Kubernetes base: both read what
+/// `scripts/make-secrets` writes, and refuse to start without it, saying how to make it. Compose
+/// publishes the API and dashboard, the generators' OpenAI API and the Jaeger UI only, on
+/// 127.0.0.1 unless `KEEL_PUBLISH_ADDRESS` says otherwise, and gives each container only the
+/// secrets it uses.
+#[test]
+fn compose_and_kubernetes_ship_no_secret_and_publish_on_loopback() {
+    // Nothing published as an example is in a deployment file.
+    let mut files = vec![root().join("compose.yaml"), root().join("docker/nats.conf")];
+    for entry in std::fs::read_dir(root().join("deploy/kubernetes/base")).unwrap() {
+        files.push(entry.unwrap().path());
+    }
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for secret in keel_service::PUBLISHED_SECRETS.iter().filter(|s| s.starts_with("keel-local")) {
+            assert!(!text.contains(secret), "{} ships the token {secret}", file.display());
+        }
+        assert!(!text.contains("POSTGRES_PASSWORD: keel"), "{} ships Postgres's password", file.display());
+    }
+
+    // Without .env, compose refuses and says how to make one.
+    let empty = tempfile::NamedTempFile::new().unwrap();
+    let refused = compose_config(empty.path()).expect_err("compose.yaml renders without any secret");
+    assert!(refused.contains("scripts/make-secrets"), "the refusal says how to make the secrets: {refused}");
+
+    let (_dir, env_file) = secrets_file();
+    let secrets: BTreeMap<String, String> = std::fs::read_to_string(&env_file)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .collect();
+    assert_eq!(secrets.len(), 11, "{secrets:?}");
+    let rendered = compose_config(&env_file).unwrap();
+    let mut published = BTreeMap::new();
+    for (name, service) in services(&rendered) {
+        for port in service["ports"].as_sequence().into_iter().flatten() {
+            let port = scalar(port);
+            assert!(port.starts_with("127.0.0.1:"), "{name} publishes {port} beyond loopback");
+            published.insert(name.clone(), port);
+        }
+        let env: Vec<String> = environment(&service).into_values().collect();
+        let given: Vec<&str> = secrets
+            .iter()
+            .filter(|(_, v)| env.iter().any(|e| e.contains(v.as_str())))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        let expected = SECRETS_OF.iter().find(|(n, _)| *n == name).map(|(_, s)| s.to_vec()).unwrap_or_default();
+        let mut expected = expected;
+        expected.sort();
+        assert_eq!(given, expected, "the secrets compose gives `{name}`");
+    }
+    assert_eq!(
+        published.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["generator", "generator-gpu", "jaeger", "orchestrator"],
+        "what compose publishes: {published:?}"
+    );
+    assert_eq!(published["jaeger"], "127.0.0.1:16686:16686/tcp", "the Jaeger UI only");
+
+    // Kubernetes: the Secret is made from secrets.env, which is not shipped; without it the
+    // base does not render, and the error names the file.
+    let copy = tempfile::tempdir().unwrap();
+    for tree in ["deploy", "docker"] {
+        assert!(Command::new("cp").arg("-r").arg(root().join(tree)).arg(copy.path()).status().unwrap().success());
+    }
+    let _ = std::fs::remove_file(copy.path().join("deploy/kubernetes/base/secrets.env"));
+    let refused = kustomize_in(copy.path(), "base").expect_err("the base renders without secrets.env");
+    assert!(refused.contains("secrets.env"), "{refused}");
+    let docs = documents(&kustomize("base"));
+    let secret = find_prefixed(&docs, "Secret", "keel-secrets");
+    let keys: Vec<String> = secret["data"].as_mapping().unwrap().keys().map(scalar).collect();
+    assert_eq!(keys, secrets.keys().cloned().collect::<Vec<_>>(), "keel-secrets holds what make-secrets writes");
 }
 
 #[test]
@@ -251,10 +382,10 @@ fn keel_services_trace_have_health_checks_and_wait_for_their_dependencies() {
 
     let jaeger = &services["jaeger"];
     assert_eq!(environment(jaeger).get("COLLECTOR_OTLP_ENABLED").map(String::as_str), Some("true"));
+    // The UI is published; OTLP (4318) is for the services, inside the network.
     let ports: Vec<String> = jaeger["ports"].as_sequence().unwrap().iter().map(scalar).collect();
-    for port in ["16686", "4318"] {
-        assert!(ports.iter().any(|p| p.ends_with(&format!(":{port}"))), "jaeger publishes {port}: {ports:?}");
-    }
+    assert!(ports.iter().any(|p| p.ends_with(":16686")), "jaeger publishes its UI: {ports:?}");
+    assert!(environment(&services["orchestrator"])["OTEL_EXPORTER_OTLP_ENDPOINT"].ends_with("jaeger:4318"));
     assert!(jaeger["healthcheck"]["test"].as_sequence().is_some(), "jaeger health check");
 
     // The demo runs the shared client script from the image, once, after the model exists.
@@ -406,20 +537,37 @@ fn no_library_depends_on_a_service() {
 const KUBERNETES_VERSION: &str = "1.32.0";
 
 /// `kubectl kustomize deploy/kubernetes/<dir>`: the rendered manifests as one YAML stream.
+/// The base's Secret comes from a `secrets.env` the user makes, which the repository does not
+/// hold: the manifests are copied aside and given one from `scripts/make-secrets`.
 fn kustomize(dir: &str) -> String {
+    let copy = tempfile::tempdir().unwrap();
+    for tree in ["deploy", "docker"] {
+        let status = Command::new("cp").arg("-r").arg(root().join(tree)).arg(copy.path()).status().unwrap();
+        assert!(status.success(), "copy {tree}");
+    }
+    // One set of secrets for every rendering of this test process, so that the Secret's
+    // name (with its content's hash) is the same in all of them.
+    static SECRETS: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    let (_, made) = SECRETS.get_or_init(secrets_file);
+    std::fs::copy(made, copy.path().join("deploy/kubernetes/base/secrets.env")).unwrap();
+    kustomize_in(copy.path(), dir)
+        .unwrap_or_else(|stderr| panic!("kubectl kustomize deploy/kubernetes/{dir}:\n{stderr}"))
+}
+
+/// `kubectl kustomize deploy/kubernetes/<dir>` in the tree `at`; `Err` holds its stderr.
+fn kustomize_in(at: &std::path::Path, dir: &str) -> Result<String, String> {
     let out = Command::new("kubectl")
         .args(["kustomize", &format!("deploy/kubernetes/{dir}")])
-        .current_dir(root())
+        .current_dir(at)
         .output()
         .unwrap_or_else(|e| {
             panic!("cannot run kubectl ({e}): the Kubernetes tests render the manifests with `kubectl kustomize` (kubectl 1.21 or newer)")
         });
-    assert!(
-        out.status.success(),
-        "kubectl kustomize deploy/kubernetes/{dir}:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
 }
 
 fn documents(stream: &str) -> Vec<Value> {
@@ -449,6 +597,16 @@ fn kubernetes_validate(stream: &str) -> Result<(), String> {
     } else {
         Err(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
     }
+}
+
+/// The object of `kind` named `name` or `name-<hash>` (what a kustomize generator makes).
+fn find_prefixed<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| {
+            d["kind"].as_str() == Some(kind)
+                && d["metadata"]["name"].as_str().is_some_and(|n| n == name || n.starts_with(&format!("{name}-")))
+        })
+        .unwrap_or_else(|| panic!("the manifests have no {kind} {name}"))
 }
 
 fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
@@ -483,8 +641,14 @@ fn container_env(docs: &[Value], workload_name: &str, container: &Value) -> BTre
                     && d["metadata"]["name"].as_str().is_some_and(|n| n == name || n.starts_with(&format!("{name}-")))
             })
             .unwrap_or_else(|| panic!("{workload_name} refers to {kind} {name}, which the manifests lack"));
-        let field = if kind == "Secret" { "stringData" } else { "data" };
-        object[field].as_mapping().unwrap().iter().map(|(k, v)| (scalar(k), scalar(v))).collect()
+        let values = object["data"].as_mapping().unwrap().iter().map(|(k, v)| (scalar(k), scalar(v)));
+        if kind == "Secret" {
+            use base64::Engine;
+            let decode = |v: String| String::from_utf8(base64::engine::general_purpose::STANDARD.decode(v).unwrap());
+            values.map(|(k, v)| (k, decode(v).unwrap())).collect()
+        } else {
+            values.collect()
+        }
     };
     let mut env = BTreeMap::new();
     for source in container["envFrom"].as_sequence().into_iter().flatten() {

@@ -316,9 +316,15 @@ impl Drop for MlflowServer {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grpo_run_is_traced_measured_and_shown() {
     let (otlp, spans) = otlp_receiver().await;
-    let stack = Stack::start_with(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp), ("OTEL_BSP_SCHEDULE_DELAY", "200")]);
     let logs = tempfile::tempdir().unwrap();
     let mlflow = MlflowServer::start(logs.path()).await;
+    // The server is on 127.0.0.1: the operator names it as one runs may log to.
+    let trusted = format!("[\"{}\"]", mlflow.url);
+    let stack = Stack::start_with(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
+        ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+        ("KEEL_ORCHESTRATOR__MLFLOW_TRACKING_URIS", &trusted),
+    ]);
     let run = stack.submit(&observed_spec(&stack.model, logs.path(), &mlflow.url)).await;
     stack.wait_succeeded(&run, LIMIT).await;
 

@@ -56,6 +56,36 @@ fn bad_configuration_stops_a_service_with_one_line() {
     }
 }
 
+/// A service listening beyond loopback with a token that has been published as an example
+/// (a value Keel's Compose file once shipped) refuses to start, naming the setting; on
+/// loopback, or with a token of the user's own, it starts.
+#[test]
+fn a_published_token_beyond_loopback_stops_the_service() {
+    let token_env = [
+        ("orchestrator", "KEEL_API_TOKEN", "keel-local-api-token", "api_token"),
+        ("trainer", "KEEL_TRAINER_TOKEN", "keel-local-trainer-token", "api_token"),
+        ("generator", "KEEL_GENERATOR_API_KEY", "keel-local-generator-key", "api_key"),
+        ("reward", "KEEL_REWARD_TOKEN", "keel-local-reward-token", "api_token"),
+        ("checkpoint", "KEEL_CHECKPOINT_TOKEN", "keel-local-checkpoint-token", "api_token"),
+    ];
+    for (service, var, published, field) in token_env {
+        let check = |listen: &str, token: &str| {
+            Command::new(binary(&format!("keel-{service}")))
+                .arg("--check-config")
+                .env(format!("KEEL_{}__LISTEN", service.to_uppercase()), listen)
+                .env(var, token)
+                .output()
+                .expect("run service")
+        };
+        let out = check("0.0.0.0:8080", published);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "keel-{service} starts on 0.0.0.0 with {published}: {stderr}");
+        assert!(stderr.contains(field) && stderr.contains("scripts/make-secrets"), "keel-{service}: {stderr}");
+        assert!(check("127.0.0.1:8080", published).status.success(), "keel-{service} on loopback");
+        assert!(check("0.0.0.0:8080", "Kq9d2f7a1c0e4b8d6").status.success(), "keel-{service} with its own token");
+    }
+}
+
 /// A NATS server (with JetStream) of the test's own on a free port, killed when dropped.
 struct OwnNats {
     child: std::process::Child,

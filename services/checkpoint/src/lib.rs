@@ -57,6 +57,7 @@ pub struct Config {
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), FieldError> {
+        keel_service::refuse_published_token(self.listen, self.api_token.as_deref(), "api_token")?;
         keel_protocol::Subjects::new(&self.subject_prefix)
             .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         if self.max_uploads == 0 {

@@ -157,6 +157,13 @@ fn validate(request: &CreateCheckpoint) -> Result<()> {
     if json_has_nul(&request.info) {
         problems.push("info: must not contain a NUL character".into());
     }
+    // `info` is stored as `jsonb`, which would take these numbers but not give them back:
+    // the checkpoint would exist and every read of it fail. (Metrics are stored as floats.)
+    if let Some(path) = keel_service::json::unstorable_number(&request.info, "info") {
+        problems.push(format!(
+            "{path}: a number that would not read back once stored (Postgres writes it out in full, past what a JSON reader takes)"
+        ));
+    }
     if let Some(r) = &request.retention
         && (r.metric.is_empty() || r.keep_top_k > 10_000 || r.metric.chars().any(char::is_control))
     {

@@ -215,6 +215,22 @@ async fn metrics_at_the_ends_of_the_float_range_round_trip() {
     assert_eq!(listed.status(), 200);
     let listed: Checkpoint = listed.json().await.unwrap();
     assert_eq!(listed.metrics, made.metrics);
+
+    // `info` is JSON in Postgres: the number that it would store and then fail to give back
+    // (a fuzzer's; the client saw a 500 for a checkpoint that existed) is refused naming its
+    // path, and nothing is stored; large numbers that read back are kept.
+    let good = entry("a.bin", b"x");
+    let info = json!({"fuzz": [-1.7976931348623157e308]});
+    let (status, reply) = c.create(json!({"run_id": "fuzzed", "step": 1, "files": [good], "info": info})).await;
+    assert_eq!(status, 422, "{reply}");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("info.fuzz[0]"), "{reply}");
+    let listed = c.get("/v1/checkpoints?run_id=fuzzed").await;
+    assert_eq!(listed.json::<Value>().await.unwrap(), json!([]), "the refused checkpoint was stored");
+    let good = entry("a.bin", b"x");
+    let (status, kept) =
+        c.create(json!({"run_id": "fuzzed", "step": 2, "files": [good], "info": {"big": 1e300}})).await;
+    assert_eq!(status, 201, "{kept}");
+    assert_eq!(kept["info"]["big"], 1e300);
 }
 
 #[tokio::test]

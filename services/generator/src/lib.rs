@@ -125,6 +125,7 @@ pub struct Config {
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), FieldError> {
+        keel_service::refuse_published_token(self.listen, self.api_key.as_deref(), "api_key")?;
         if self.max_num_seqs == 0 {
             return Err(FieldError::new("max_num_seqs", "must be at least 1"));
         }

@@ -44,6 +44,8 @@ pub struct AppState {
     pub datasets: std::path::PathBuf,
     /// The largest dataset upload, in bytes.
     pub max_dataset_bytes: u64,
+    /// The MLflow servers a spec may name on private addresses.
+    pub mlflow: std::sync::Arc<crate::loggers::TrackingServers>,
 }
 
 /// What a request can fail with.
@@ -205,7 +207,7 @@ pub async fn validate(State(state): State<AppState>, headers: HeaderMap, body: B
 async fn checked_spec(state: &AppState, headers: &HeaderMap, body: Bytes) -> Answer<RunSpec> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
     let spec = spec::parse_async(body, content_type).await.map_err(|p| Failure::InvalidSpec(vec![p]))?;
-    let problems = spec::problems(&spec, &state.checkpoints, &state.roots).await;
+    let problems = spec::problems(&spec, &state.checkpoints, &state.roots, &state.mlflow).await;
     if !problems.is_empty() {
         return Err(Failure::InvalidSpec(problems));
     }

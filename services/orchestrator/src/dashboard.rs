@@ -59,18 +59,16 @@ async fn guard(token: Option<&str>, request: Request, next: Next) -> Response {
     if crate::api::authorized(&request, Some(token)) { next.run(request).await } else { refused() }
 }
 
+/// The page a browser without the token gets: how to open the dashboard and where an
+/// operator finds the setting, never a token.
 fn refused() -> Response {
     let page = "<!doctype html><title>Keel: token needed</title>\
                 <h1>This dashboard needs the API token</h1>\
                 <p>Open it as <code>/dashboard?token=&lt;token&gt;</code>; the token is then kept in a cookie \
                 and leaves the address.</p>\
-                <p>The token is the orchestrator's <code>KEEL_API_TOKEN</code> setting:</p><ul>\
-                <li><code>docker compose up</code>: <code>keel-local-api-token</code>, unless <code>.env</code> \
-                beside compose.yaml sets <code>KEEL_API_TOKEN</code>;</li>\
-                <li>the local launcher (<code>scripts/stack.sh</code>, <code>scripts/demo</code>): the \
-                <code>KEEL_API_TOKEN</code> of the shell that started it, or a random one it made and \
-                exported there;</li>\
-                <li>Kubernetes: the <code>KEEL_API_TOKEN</code> key of the <code>keel-secrets</code> secret.</li></ul>";
+                <p>The token is the orchestrator's <code>KEEL_API_TOKEN</code> setting: ask whoever runs this \
+                Keel, or read it where they set it (<code>.env</code> beside compose.yaml, the \
+                <code>keel-secrets</code> Secret on Kubernetes, the shell that started the local stack).</p>";
     (StatusCode::UNAUTHORIZED, [(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response()
 }
 
@@ -133,8 +131,12 @@ mod tests {
         assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
         let page = axum::body::to_bytes(refused.into_body(), 1 << 16).await.unwrap();
         let page = String::from_utf8_lossy(&page);
-        for says in ["/dashboard?token=", "KEEL_API_TOKEN", "keel-local-api-token", "keel-secrets"] {
+        for says in ["/dashboard?token=", "KEEL_API_TOKEN", ".env", "keel-secrets"] {
             assert!(page.contains(says), "the 401 page says where the token comes from ({says}): {page}");
+        }
+        for secret in keel_service::PUBLISHED_SECRETS.iter().filter(|s| s.starts_with("keel-")).chain(["s3cret"].iter())
+        {
+            assert!(!page.contains(secret), "the 401 page names a token ({secret}): {page}");
         }
         let opened = get("/dashboard?token=s3cret&view=runs", None).await.unwrap();
         assert_eq!(opened.status(), StatusCode::SEE_OTHER);

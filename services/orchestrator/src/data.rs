@@ -17,6 +17,43 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+/// The longest JSONL line a dataset may have, in bytes (the orchestrator's
+/// `max_jsonl_line_bytes`, set once at start; 8 MiB until then). A longer line is refused
+/// naming it, having cost no more than this much memory.
+static MAX_LINE_BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+/// The default of `max_jsonl_line_bytes`.
+pub const DEFAULT_MAX_LINE_BYTES: u64 = 8 << 20;
+
+/// Sets [`MAX_LINE_BYTES`] (the first call wins).
+pub fn set_max_line_bytes(bytes: u64) {
+    let _ = MAX_LINE_BYTES.set(bytes);
+}
+
+/// Reads one line (up to and with its `\n`) into `line`, refusing one longer than the limit;
+/// returns the bytes read.
+fn read_line(
+    reader: &mut impl std::io::BufRead,
+    line: &mut Vec<u8>,
+    place: &str,
+    at: &str,
+) -> Result<usize, FieldError> {
+    use std::io::{BufRead, Read};
+    let limit = *MAX_LINE_BYTES.get().unwrap_or(&DEFAULT_MAX_LINE_BYTES);
+    let read = reader
+        .by_ref()
+        .take(limit + 1)
+        .read_until(b'\n', line)
+        .map_err(|e| FieldError::new(at, format!("cannot read {place}: {e}")))?;
+    if read as u64 > limit && line.last() != Some(&b'\n') {
+        return Err(FieldError::new(
+            at,
+            format!("{place} is longer than {limit} bytes, the most a line may have (max_jsonl_line_bytes)"),
+        ));
+    }
+    Ok(read)
+}
+
 /// One example, whatever the algorithm needs of it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Record {
@@ -95,7 +132,7 @@ impl Source {
             }
             SourceKind::Jsonl { path, offsets } | SourceKind::Copied { path, offsets } => (path, offsets),
         };
-        use std::io::{BufRead, Seek};
+        use std::io::Seek;
         let cannot_read = |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
         let mut reader = std::io::BufReader::new(std::fs::File::open(path).map_err(cannot_read)?);
         let mut line = Vec::new();
@@ -105,8 +142,8 @@ impl Source {
                 let offset = *offsets.get(i).ok_or_else(|| out_of_range(i))?;
                 reader.seek(std::io::SeekFrom::Start(offset)).map_err(cannot_read)?;
                 line.clear();
-                reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
                 let place = format!("record {} (changed since the run started?)", i + 1);
+                read_line(&mut reader, &mut line, &place, &at)?;
                 match &self.kind {
                     SourceKind::Copied { .. } => serde_json::from_slice(&line)
                         .map_err(|e| FieldError::new(&at, format!("{place}: {e} in {}", path.display()))),
@@ -314,7 +351,6 @@ fn for_each_jsonl(
     field: &str,
     mut each: impl FnMut(Record, Place) -> Result<(), FieldError>,
 ) -> Result<(), FieldError> {
-    use std::io::BufRead;
     let at = format!("{field}.path");
     let cannot_read = |e: std::io::Error| FieldError::new(&at, format!("cannot read {}: {e}", path.display()));
     let file = std::fs::File::open(path).map_err(cannot_read)?;
@@ -322,7 +358,7 @@ fn for_each_jsonl(
     let (mut line, mut offset) = (Vec::new(), 0u64);
     for n in 1.. {
         line.clear();
-        let read = reader.read_until(b'\n', &mut line).map_err(cannot_read)?;
+        let read = read_line(&mut reader, &mut line, &format!("line {n} of {}", path.display()), &at)?;
         if read == 0 {
             break;
         }
@@ -800,6 +836,29 @@ mod tests {
         assert_eq!(source.records(&[2, 0, 1]).unwrap(), [whole[2].clone(), whole[0].clone(), whole[1].clone()]);
         assert_eq!(source.records(&[2]).unwrap()[0].answer.as_deref(), Some("3"));
         assert!(source.records(&[3]).is_err(), "past the end");
+    }
+
+    /// A line longer than the limit (one with no newline at all included) is refused naming
+    /// it, without being read whole; the lines before it were fine.
+    #[test]
+    fn a_line_longer_than_the_limit_is_refused_by_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("train.jsonl");
+        let long = format!("{{\"prompt\": \"{}\"}}", "x".repeat(DEFAULT_MAX_LINE_BYTES as usize));
+        for tail in ["\n", ""] {
+            std::fs::write(&path, format!("{{\"prompt\": \"a\"}}\n{long}{tail}")).unwrap();
+            let spec = DatasetSpec::Jsonl { path: path.display().to_string(), keys: DataKeys::default() };
+            let refused = load(&spec, Algorithm::Grpo, "data.train").unwrap_err();
+            assert_eq!(refused.field, "data.train.path");
+            assert!(
+                refused.message.contains("line 2") && refused.message.contains("max_jsonl_line_bytes"),
+                "{refused}"
+            );
+        }
+        let fits = format!("{{\"prompt\": \"{}\"}}\n", "x".repeat(DEFAULT_MAX_LINE_BYTES as usize - 20));
+        std::fs::write(&path, fits).unwrap();
+        let spec = DatasetSpec::Jsonl { path: path.display().to_string(), keys: DataKeys::default() };
+        assert_eq!(load(&spec, Algorithm::Grpo, "data.train").unwrap().len(), 1);
     }
 
     #[test]

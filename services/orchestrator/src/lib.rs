@@ -87,10 +87,24 @@ pub struct Config {
     /// The largest dataset file `POST /v1/datasets` takes, in bytes (uploads are kept in
     /// `work_dir/datasets`, which is always a path root).
     pub max_dataset_bytes: u64,
+    /// The MLflow tracking servers the operator trusts (URL prefixes): a run logging to one
+    /// of them is sent `MLFLOW_TRACKING_TOKEN` (when set) and may reach it on a private
+    /// address. Any other `logger.mlflow.tracking_uri` gets no token and must be public
+    /// (a private literal address is refused at submit). Default: `MLFLOW_TRACKING_URI` when
+    /// set.
+    pub mlflow_tracking_uris: Vec<String>,
+    /// The longest line a JSONL dataset may have, in bytes: a longer one is refused at
+    /// submit naming it (8 MiB).
+    pub max_jsonl_line_bytes: u64,
 }
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), FieldError> {
+        keel_service::refuse_published_token(self.listen, self.api_token.as_deref(), "api_token")?;
+        loggers::TrackingServers::new(&self.mlflow_tracking_uris, None)?;
+        if self.max_jsonl_line_bytes == 0 {
+            return Err(FieldError::new("max_jsonl_line_bytes", "must be at least 1"));
+        }
         keel_protocol::Subjects::new(&self.subject_prefix)
             .map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         let positive = |name: &str, v: f64| {
@@ -144,12 +158,15 @@ pub fn default_config() -> Config {
         max_attempts: 3,
         dependency_grace_seconds: 120.0,
         path_roots: keel_service::paths::default_roots(),
+        max_jsonl_line_bytes: data::DEFAULT_MAX_LINE_BYTES,
+        mlflow_tracking_uris: std::env::var("MLFLOW_TRACKING_URI").ok().filter(|u| !u.is_empty()).into_iter().collect(),
         max_dataset_bytes: 16 << 30,
     }
 }
 
 /// Serves the API and runs the scheduler until `shutdown` completes.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> keel_service::Result<()> {
+    data::set_max_line_bytes(config.max_jsonl_line_bytes);
     let pool = db::connect(&config.database_url).await?;
     let client = keel_service::nats::connect(&config.nats_url).await?;
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
@@ -171,6 +188,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     // The API answers at once (a submit is not held while the store is away); runs wait.
     let checkpoints = keel_client::checkpoint::CheckpointClient::new(&config.checkpoint_url)
         .with_token(config.checkpoint_token.as_deref());
+    let mlflow = std::sync::Arc::new(
+        loggers::TrackingServers::new(
+            &config.mlflow_tracking_uris,
+            std::env::var("MLFLOW_TRACKING_TOKEN").ok().filter(|t| !t.is_empty()),
+        )
+        .map_err(|e| keel_service::Error::start("read mlflow_tracking_uris", e))?,
+    );
     let scheduler = scheduler::Scheduler {
         pool: pool.clone(),
         nats,
@@ -182,6 +206,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
         poll: Duration::from_secs_f64(config.poll_seconds),
         max_concurrent_runs: config.max_concurrent_runs,
         max_attempts: config.max_attempts,
+        mlflow: mlflow.clone(),
     };
     let mut parts = keel_service::parts::Parts::default();
     parts.spawn("scheduler", scheduler.run(parts.stopped()));
@@ -191,8 +216,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send + 'st
     let roots = [config.path_roots.as_slice(), std::slice::from_ref(&datasets)].concat();
     let roots = keel_service::paths::PathRoots::new(&roots, "KEEL_ORCHESTRATOR__PATH_ROOTS")?;
     let token = config.api_token.clone();
-    let state =
-        api::AppState { pool, checkpoints, token, roots, datasets, max_dataset_bytes: config.max_dataset_bytes };
+    let state = api::AppState {
+        pool,
+        checkpoints,
+        token,
+        roots,
+        datasets,
+        max_dataset_bytes: config.max_dataset_bytes,
+        mlflow,
+    };
     let app = api::routes(state)
         .merge(dashboard::routes(config.api_token.clone()))
         .merge(keel_service::health_routes(SERVICE));

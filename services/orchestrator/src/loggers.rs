@@ -13,7 +13,7 @@ mod mlflow;
 mod tensorboard;
 mod wandb;
 
-pub use mlflow::{Mlflow, mlflow_key};
+pub use mlflow::{Mlflow, TrackingServers, mlflow_key};
 pub use tensorboard::TensorBoard;
 pub use wandb::Wandb;
 
@@ -40,7 +40,7 @@ impl Loggers {
     /// Opens the loggers the run's `logger` section enables for run `run_id`, files under
     /// `<log_dir>/<run_id>/` (the default `log_dir` is `default_dir`). One that cannot start
     /// is left off, with a warning. Needs a Tokio runtime (MLflow's task).
-    pub fn open(run: &RunSpec, run_id: &str, default_dir: &Path) -> Self {
+    pub fn open(run: &RunSpec, run_id: &str, default_dir: &Path, mlflow: &TrackingServers) -> Self {
         let spec = &run.logger;
         let name = run.name.as_deref().unwrap_or(run_id);
         let root = spec.log_dir.as_ref().map_or_else(|| default_dir.to_path_buf(), PathBuf::from).join(run_id);
@@ -52,7 +52,7 @@ impl Loggers {
             }
         }
         if spec.mlflow_enabled {
-            loggers.push(Box::new(Mlflow::start(&spec.mlflow, run_id, name)));
+            loggers.push(Box::new(Mlflow::start(&spec.mlflow, mlflow, run_id, name)));
         }
         if spec.wandb_enabled {
             let config = serde_json::to_value(run).unwrap_or(Value::Null);

@@ -53,6 +53,8 @@ pub struct Scheduler {
     pub poll: Duration,
     pub max_concurrent_runs: usize,
     pub max_attempts: i32,
+    /// The MLflow servers runs may log to with the operator's token.
+    pub mlflow: Arc<crate::loggers::TrackingServers>,
 }
 
 impl Scheduler {
@@ -161,7 +163,7 @@ impl Scheduler {
             id: run.id,
             owner,
             store: RunStore::new(self.pool.clone(), run.id, owner, run.spec.algorithm.name())
-                .with_loggers(Loggers::open(&run.spec, &run.id.to_string(), &self.work_dir.join("logs"))),
+                .with_loggers(Loggers::open(&run.spec, &run.id.to_string(), &self.work_dir.join("logs"), &self.mlflow)),
             spec: run.spec,
             trainer: trainer.map(|t| t.with_nats(nats.clone())),
             generators: generators.into_iter().map(|g| g.with_nats(nats.clone())).collect(),
@@ -433,6 +435,7 @@ mod tests {
                 poll: Duration::from_secs(1),
                 max_concurrent_runs: 1,
                 max_attempts: 3,
+                mlflow: Arc::default(),
             };
             Self { scheduler, runs, generator, _database: database, _work_dir: work_dir }
         }

@@ -72,24 +72,30 @@ pub fn parse(body: &[u8], content_type: Option<&str>) -> Result<RunSpec, FieldEr
     if depth > MAX_NESTING {
         return Err(FieldError::new("spec", format!("nested {depth} levels deep; at most {MAX_NESTING} are allowed")));
     }
-    let yaml = is_yaml(body, content_type);
-    let parsed = if yaml {
-        let deserializer = serde_yaml_ng::Deserializer::from_slice(body);
-        serde_path_to_error::deserialize(deserializer)
-            .map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
+    // Both formats are read as a value first, YAML's within a budget of its own length: its
+    // aliases can make a few kilobytes stand for gigabytes (a 2 MB spec of them once took
+    // this service to 1.9 GB), and with the budget they cost at most what the text would.
+    let value = if is_yaml(body, content_type) {
+        keel_service::json::bounded_value(serde_yaml_ng::Deserializer::from_slice(body), body.len() + YAML_SLACK)
+            .map_err(|e| FieldError::new("spec", e.to_string()))?
     } else {
-        let mut deserializer = serde_json::Deserializer::from_slice(body);
-        serde_path_to_error::deserialize(&mut deserializer)
-            .map_err(|e| FieldError::new(path_of(e.path()), e.inner().to_string()))
+        serde_json::from_slice(body).map_err(|e| FieldError::new("spec", e.to_string()))?
     };
-    parsed.or_else(|refused| with_integral_numbers(body, yaml).ok_or(refused))
+    let parsed =
+        serde_path_to_error::deserialize(&value).map_err(|e: serde_path_to_error::Error<serde_json::Error>| {
+            FieldError::new(path_of(e.path()), e.inner().to_string())
+        });
+    parsed.or_else(|refused| with_integral_numbers(value).ok_or(refused))
 }
 
+/// Units a YAML spec may expand to beyond its length (see [`keel_service::json::bounded_value`]):
+/// room for the odd short alias in a small spec.
+const YAML_SLACK: usize = 4096;
+
 /// The spec, when it was refused only for an integer written with a zero fraction (`2.0`),
-/// which JSON Schema's `integer` (and so the run spec's schema) allows.
-fn with_integral_numbers(body: &[u8], yaml: bool) -> Option<RunSpec> {
-    let mut value: serde_json::Value =
-        if yaml { serde_yaml_ng::from_slice(body).ok()? } else { serde_json::from_slice(body).ok()? };
+/// which JSON Schema's `integer` (and so the run spec's schema) allows: one pass over the
+/// value already read, no second parse.
+fn with_integral_numbers(mut value: serde_json::Value) -> Option<RunSpec> {
     if !keel_service::json::integral_numbers(&mut value) {
         return None;
     }
@@ -137,8 +143,20 @@ fn nul_strings(value: &serde_json::Value, at: &str, out: &mut Vec<FieldError>) {
 /// Every problem of a parsed spec. Datasets are read only when their own fields have no
 /// problem, and record by record, keeping none ([`data::check`]): a dataset of any size costs
 /// the orchestrator no memory at submit.
-pub async fn problems(spec: &RunSpec, checkpoints: &CheckpointClient, roots: &PathRoots) -> Vec<FieldError> {
+pub async fn problems(
+    spec: &RunSpec,
+    checkpoints: &CheckpointClient,
+    roots: &PathRoots,
+    mlflow: &crate::loggers::TrackingServers,
+) -> Vec<FieldError> {
     let mut problems = spec.problems();
+    // An MLflow server on a private address must be one the operator trusts.
+    if spec.logger.mlflow_enabled
+        && let Some(uri) = &spec.logger.mlflow.tracking_uri
+        && let Err(e) = mlflow.check(uri)
+    {
+        problems.push(e);
+    }
     if let Ok(value) = serde_json::to_value(spec) {
         nul_strings(&value, "", &mut problems);
     }
@@ -244,5 +262,29 @@ mod tests {
         assert_eq!(parse(yaml.as_bytes(), Some("application/yaml")).unwrap().max_num_steps, 3);
         let e = parse(yaml.replace("3.0", "3.5").as_bytes(), Some("application/yaml")).unwrap_err();
         assert_eq!(e.field, "max_num_steps", "{e}");
+    }
+
+    /// Specs of YAML aliases are refused with a 422's message as soon as they have expanded
+    /// past their own length: one that names a 2,000-item list 100,000 times (600 kB standing
+    /// for 200 million values, the kind that took this service to 1.9 GB), and one whose
+    /// levels each name the one below ten times (a few kilobytes standing for 10^16). A spec
+    /// that uses an anchor for a small value is read.
+    #[test]
+    fn yaml_aliases_expand_no_further_than_the_text() {
+        let head = "algorithm: sft\nmodel: {path: /m}\ndata: {train: {kind: arithmetic}}\n";
+        let wide = format!("{head}x: &x [{}]\ny: [{}]\n", vec!["a"; 2000].join(", "), vec!["*x"; 100_000].join(", "));
+        let mut deep = format!("{head}x0: &x0 [a, a, a, a, a, a, a, a, a, a]\n");
+        for level in 1..16 {
+            deep.push_str(&format!("x{level}: &x{level} [{}]\n", vec![format!("*x{}", level - 1); 10].join(", ")));
+        }
+        for bomb in [wide, deep] {
+            let e = parse(bomb.as_bytes(), Some("application/yaml")).unwrap_err();
+            assert_eq!(e.field, "spec");
+            assert!(e.message.contains("without anchors and aliases"), "{e}");
+        }
+        let reused =
+            "algorithm: sft\nmax_num_steps: &n 7\nseed: *n\nmodel: {path: /m}\ndata: {train: {kind: arithmetic}}\n";
+        let spec = parse(reused.as_bytes(), Some("application/yaml")).unwrap();
+        assert_eq!((spec.max_num_steps, spec.seed), (7, 7));
     }
 }

@@ -35,6 +35,7 @@ impl Api {
             roots,
             datasets: datasets.path().to_path_buf(),
             max_dataset_bytes: 4096,
+            mlflow: Default::default(),
         };
         let model = tempfile::tempdir().unwrap();
         std::fs::write(model.path().join("config.json"), "{}").unwrap();

@@ -43,6 +43,10 @@ pub struct Config {
     /// `agent` environments may call while `http_allow_private_addresses` is off: an agent or
     /// plugin beside this service (`["agent"]` in Compose), and nothing else inside.
     pub http_private_hosts: Vec<String>,
+    /// Whether the `http` and `agent` environments' calls go through the proxy that
+    /// `HTTP_PROXY`/`HTTPS_PROXY`/`NO_PROXY` name. Off: those variables are ignored, since a
+    /// proxy resolves names itself, where the private-address filter cannot see them.
+    pub http_use_proxy: bool,
     /// When set, every route but `/healthz` wants `Authorization: Bearer <api_token>`.
     /// Default: `KEEL_REWARD_TOKEN` when set.
     pub api_token: Option<String>,
@@ -50,6 +54,7 @@ pub struct Config {
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> Result<(), FieldError> {
+        keel_service::refuse_published_token(self.listen, self.api_token.as_deref(), "api_token")?;
         if self.max_in_flight == 0 {
             return Err(FieldError::new("max_in_flight", "must be at least 1"));
         }
@@ -82,6 +87,7 @@ pub fn default_config() -> Config {
         sandbox: sandbox::SandboxConfig::default(),
         http_allow_private_addresses: false,
         http_private_hosts: Vec::new(),
+        http_use_proxy: false,
         api_token: std::env::var("KEEL_REWARD_TOKEN").ok().filter(|t| !t.is_empty()),
     }
 }
@@ -90,10 +96,12 @@ pub fn default_config() -> Config {
 pub fn state(config: &Config, nats: Option<async_nats::Client>) -> keel_service::Result<api::AppState> {
     let subjects = keel_protocol::Subjects::new(&config.subject_prefix)?;
     let ctx = registry::EnvContext::new(
-        keel_environments::envs::addresses::PrivateAccess {
+        keel_service::outbound::PrivateAccess {
             all: config.http_allow_private_addresses,
             hosts: config.http_private_hosts.clone(),
+            ..Default::default()
         },
+        config.http_use_proxy,
         nats,
         subjects,
         config.bulk_bucket.clone(),

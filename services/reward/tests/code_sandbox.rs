@@ -219,6 +219,8 @@ async fn a_program_cannot_fake_passing_assert_tests() {
         "import os\nos._exit(0)",
         "import atexit, os\natexit.register(lambda: os._exit(0))\ndef answer():\n    return 0",
         "import sys\nprint(sys.stdin.readline().strip())\nsys.exit(0)",
+        "import __main__, sys\nprint(getattr(__main__, '_keel_token', ''))\nsys.exit(0)",
+        "import __main__, sys\nprint(*[v for k, v in vars(__main__).items() if 'token' in k])\nsys.exit(0)",
     ] {
         let result = run(&scorer, CodeConfig::default(), cheat, tests.clone()).await;
         assert_eq!(

@@ -90,6 +90,7 @@ async fn start() -> (String, Arc<Counters>) {
                 "{\"reward\": 1.0, oops"
             }),
         )
+        .route("/moved", post(|| async { (StatusCode::TEMPORARY_REDIRECT, [("location", "/ok")]) }))
         .route("/no-reward", post(|| async { Json(json!({"info": {"why": "forgot"}})) }))
         .route("/nan", post(|| async { ([("content-type", "application/json")], "{\"reward\": 1e999}") }))
         .route("/huge", post(|| async { Json(json!({"reward": 1.0, "info": {"pad": "x".repeat(2 << 20)}})) }))
@@ -374,6 +375,35 @@ async fn private_addresses_are_refused_unless_the_operator_allows_them() {
     config.http_private_hosts = vec!["http://agent:8091/".into()];
     let error = keel_service::ServiceConfig::validate(&config).unwrap_err().to_string();
     assert!(error.contains("http_private_hosts"), "{error}");
+}
+
+/// A plugin on a host the operator lets the reward service call answers 307 to another port
+/// of the same machine, where a service would answer a reward: that redirect is not
+/// followed (the sample fails, the other port never sees the POST); one within the plugin's
+/// own origin is.
+#[tokio::test]
+async fn a_redirect_cannot_lead_the_call_to_another_port() {
+    let (inside, counters) = start().await;
+    let target = format!("{inside}/counted");
+    let app = Router::new().fallback(move || {
+        let target = target.clone();
+        async move { (StatusCode::TEMPORARY_REDIRECT, [("location", target)]) }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let plugin = format!("http://localhost:{}", listener.local_addr().unwrap().port());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let mut config = keel_reward::default_config();
+    config.nats_url = String::new();
+    config.http_private_hosts = vec!["localhost".into()];
+    let named = keel_reward::state(&config, None).unwrap().scorer;
+    let refused = step(&named, config_for(&format!("{plugin}/score")), OnError::Fail, 1).await.unwrap_err();
+    let message = format!("{refused:?}");
+    assert!(message.contains("another host or port") && message.contains("redirect"), "{message}");
+    assert_eq!(counters.max_in_flight.load(Ordering::SeqCst), 0, "the redirect reached the other port");
+
+    let by_name = inside.replace("127.0.0.1", "localhost");
+    let moved = step(&named, config_for(&format!("{by_name}/moved")), OnError::Fail, 1).await.unwrap();
+    assert_eq!(moved[0].reward, 1.0, "a redirect within the plugin's origin: {moved:?}");
 }
 
 fn config_for(url: &str) -> HttpRewardConfig {

@@ -60,6 +60,7 @@ pub struct Config {
 
 impl keel_service::ServiceConfig for Config {
     fn validate(&self) -> std::result::Result<(), FieldError> {
+        keel_service::refuse_published_token(self.listen, self.api_token.as_deref(), "api_token")?;
         Subjects::new(&self.subject_prefix).map_err(|e| FieldError::new("subject_prefix", e.to_string()))?;
         if let Some(id) = &self.worker_id
             && !is_subject_token(id)

@@ -61,7 +61,7 @@ fn bench(args: RewardBenchArgs) -> anyhow::Result<()> {
         bail!("{} holds no samples", args.input.display());
     }
     let sandbox = SandboxConfig { slots: args.sandbox_slots, ..SandboxConfig::default() };
-    let ctx = EnvContext::new(Default::default(), None, Subjects::default(), "keel-bulk".into(), sandbox)
+    let ctx = EnvContext::new(Default::default(), false, None, Subjects::default(), "keel-bulk".into(), sandbox)
         .map_err(anyhow::Error::msg)?;
     // Requests run one after another, each of `--batch` samples.
     let scorer = Scorer::new(ctx, 1, args.batch);

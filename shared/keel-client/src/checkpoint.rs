@@ -43,7 +43,7 @@ impl CheckpointClient {
     pub fn new(url: &str) -> Self {
         Self {
             url: url.trim_end_matches('/').to_string(),
-            http: reqwest::Client::new(),
+            http: crate::http_client(),
             patience: Patience::none(),
             authorization: None,
         }

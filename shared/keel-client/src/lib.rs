@@ -13,6 +13,17 @@ pub mod checkpoint;
 pub mod retry;
 pub mod runs;
 
+/// The HTTP client both clients use: a call that cannot connect within 10 s, or whose server
+/// sends nothing for 5 minutes (a checkpoint download streams: the limit is on the silence
+/// between reads, not the whole transfer), fails instead of hanging.
+pub(crate) fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .connect_timeout(std::time::Duration::from_secs(10))
+        .read_timeout(std::time::Duration::from_secs(300))
+        .build()
+        .unwrap_or_default()
+}
+
 /// What went wrong talking to a Keel service.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -16,7 +16,7 @@ pub struct RunsClient {
 
 impl RunsClient {
     pub fn new(url: &str, token: Option<String>) -> Self {
-        Self { url: url.trim_end_matches('/').to_string(), token, http: reqwest::Client::new() }
+        Self { url: url.trim_end_matches('/').to_string(), token, http: crate::http_client() }
     }
 
     pub fn url(&self) -> &str {

@@ -17,7 +17,7 @@ use crate::sandbox::Sandbox;
 pub struct EnvContext {
     pub http: reqwest::Client,
     /// Which loopback and private addresses `http` and `agent` environments may name.
-    pub private: envs::addresses::PrivateAccess,
+    pub private: keel_service::outbound::PrivateAccess,
     /// For `reward_model` (trainer requests); none when the service runs without NATS.
     pub nats: Option<async_nats::Client>,
     pub subjects: Subjects,
@@ -37,17 +37,16 @@ impl EnvContext {
     /// those `private` allows; `nats` for reward models on trainer workers (none: they are
     /// refused); the code sandbox from its configuration.
     pub fn new(
-        private: envs::addresses::PrivateAccess,
+        private: keel_service::outbound::PrivateAccess,
+        use_proxy: bool,
         nats: Option<async_nats::Client>,
         subjects: Subjects,
         bulk_bucket: String,
         sandbox: crate::sandbox::SandboxConfig,
     ) -> Result<Self, reqwest::Error> {
-        let mut http = reqwest::Client::builder();
-        if let Some(resolver) = private.resolver() {
-            http = http.dns_resolver(Arc::new(resolver));
-        }
-        let http = http.build()?;
+        // Each call has its own timeout (the environment's); this one only bounds a call
+        // that somehow escapes it.
+        let http = private.client(use_proxy, std::time::Duration::from_secs(3600))?;
         Ok(Self { http, private, nats, subjects, bulk_bucket, sandbox: Sandbox::new(sandbox) })
     }
 }

@@ -115,6 +115,8 @@ pub struct Draft {
 /// Most top logprobs a request may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
+pub use keel_protocol::limits::{MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS};
+
 impl Limits {
     /// Checks `draft` and makes it a request the engine can always serve.
     pub fn check(&self, draft: Draft) -> Result<GenRequest, Invalid> {
@@ -172,6 +174,21 @@ impl Limits {
         }
         if draft.stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "stop strings must not be empty".into()));
+        }
+        if draft.stop.len() > MAX_STOP_STRINGS {
+            return Err(invalid("stop", format!("at most {MAX_STOP_STRINGS} stop strings, got {}", draft.stop.len())));
+        }
+        if let Some(long) = draft.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(invalid(
+                "stop",
+                format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}", long.len()),
+            ));
+        }
+        if draft.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(invalid(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}", draft.stop_token_ids.len()),
+            ));
         }
         let mut stop_token_ids = draft.stop_token_ids;
         if let Some(id) = stop_token_ids.iter().find(|id| !(0..self.vocab_size).contains(*id)) {
@@ -239,4 +256,39 @@ pub async fn collect(mut events: UnboundedReceiver<Event>, n: usize) -> crate::R
         }
     }
     Ok(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draft(stop: Vec<String>, stop_token_ids: Vec<i64>) -> Draft {
+        Draft {
+            prompt: vec![1, 2],
+            n: 1,
+            max_tokens: Some(4),
+            sampling: SamplingParams::default(),
+            stop_token_ids,
+            stop,
+            include_stop_str_in_output: false,
+            ignore_eos: false,
+            top_logprobs: 0,
+            min_tokens: 0,
+        }
+    }
+
+    /// Stop strings and stop token ids are bounded in count and length, refused naming the
+    /// field; a request within the bounds is taken.
+    #[test]
+    fn stop_strings_are_bounded_in_count_and_length() {
+        let limits = Limits { vocab_size: 100, max_model_len: 64, max_num_seqs: 4, eos_token_ids: vec![0] };
+        let refused = |d: Draft| limits.check(d).unwrap_err();
+        let many = vec!["x".to_string(); MAX_STOP_STRINGS + 1];
+        assert_eq!(refused(draft(many, vec![])).param, "stop");
+        let long = vec!["y".repeat(MAX_STOP_STRING_BYTES + 1)];
+        assert!(refused(draft(long, vec![])).message.contains("bytes"));
+        assert_eq!(refused(draft(vec![], vec![1; MAX_STOP_TOKEN_IDS + 1])).param, "stop_token_ids");
+        let fits = draft(vec!["z".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS], vec![1; MAX_STOP_TOKEN_IDS]);
+        assert_eq!(limits.check(fits).unwrap().stop.len(), MAX_STOP_STRINGS);
+    }
 }

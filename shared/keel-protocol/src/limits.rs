@@ -13,3 +13,10 @@ pub const MAX_VALIDATION_SAMPLES: usize = 4096;
 pub const MAX_ROLLOUT_TURNS: u32 = 1024;
 /// Generators one run holds.
 pub const MAX_GENERATOR_REPLICAS: usize = 256;
+/// Stop strings one request or run gives: each is looked for in every sample's text after
+/// every token, so their count and length bound the work each decoding step may be asked.
+pub const MAX_STOP_STRINGS: usize = 32;
+/// The longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Extra stop token ids one request gives.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;

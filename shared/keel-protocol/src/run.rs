@@ -1148,6 +1148,18 @@ impl Validate for GenerationSpec {
             format!("must be in (0, 1], got {}", self.top_p),
         );
         check_range(p, self.replicas, 1..=limits::MAX_GENERATOR_REPLICAS, "generation.replicas");
+        check(
+            p,
+            self.stop.len() <= limits::MAX_STOP_STRINGS,
+            "generation.stop",
+            format!("at most {} stop strings, got {}", limits::MAX_STOP_STRINGS, self.stop.len()),
+        );
+        check(
+            p,
+            self.stop.iter().all(|s| !s.is_empty() && s.len() <= limits::MAX_STOP_STRING_BYTES),
+            "generation.stop",
+            format!("each stop string must be 1 to {} bytes", limits::MAX_STOP_STRING_BYTES),
+        );
         if let Some(dtype) = &self.dtype {
             check(
                 p,

@@ -36,6 +36,42 @@ impl HttpConfig {
 
 impl ServiceConfig for HttpConfig {}
 
+/// Tokens and passwords that have been published as examples: the local-trial values Keel's
+/// Compose file and Kubernetes base once shipped, and the placeholders people paste.
+pub const PUBLISHED_SECRETS: [&str; 16] = [
+    "keel-local-api-token",
+    "keel-local-checkpoint-token",
+    "keel-local-generator-key",
+    "keel-local-reward-token",
+    "keel-local-trainer-token",
+    "keel-local-orchestrator",
+    "keel-local-trainer",
+    "keel-local-generator",
+    "keel-local-reward",
+    "keel-local-checkpoint",
+    "keel",
+    "changeme",
+    "change-me",
+    "secret",
+    "token",
+    "password",
+];
+
+/// Refuses a service that listens beyond loopback with a published token (`field` names the
+/// setting): anyone on its network could send it. On a loopback address any token will do.
+pub fn refuse_published_token(listen: SocketAddr, token: Option<&str>, field: &str) -> Result<(), FieldError> {
+    match token {
+        Some(token) if !listen.ip().is_loopback() && PUBLISHED_SECRETS.contains(&token) => Err(FieldError::new(
+            field,
+            format!(
+                "the service listens on {listen}, beyond loopback, and this token is a published example \
+                 value anyone can send: set a secret of your own (scripts/make-secrets writes random ones)"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("config file {0} does not exist")]
@@ -97,6 +133,19 @@ mod tests {
 
     fn load(file: Option<&Path>) -> Result<Example, ConfigError> {
         load_config("example", Example::default(), file)
+    }
+
+    #[test]
+    fn a_published_token_is_refused_beyond_loopback_only() {
+        let anywhere: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let refused = refuse_published_token(anywhere, Some("keel-local-api-token"), "api_token").unwrap_err();
+        assert_eq!(refused.field, "api_token");
+        assert!(refused.message.contains("0.0.0.0:8080") && refused.message.contains("scripts/make-secrets"));
+        assert!(refuse_published_token("[::]:8080".parse().unwrap(), Some("changeme"), "api_key").is_err());
+        assert!(refuse_published_token(loopback, Some("keel-local-api-token"), "api_token").is_ok());
+        assert!(refuse_published_token(anywhere, Some("Kx7a0c5d1e9f2b4a6c8d"), "api_token").is_ok());
+        assert!(refuse_published_token(anywhere, None, "api_token").is_ok());
     }
 
     #[test]

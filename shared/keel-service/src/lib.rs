@@ -22,12 +22,13 @@ pub mod lease;
 pub mod metrics;
 pub mod nats;
 pub mod openapi;
+pub mod outbound;
 pub mod parts;
 pub mod paths;
 pub mod postgres;
 pub mod query;
 
-pub use config::{ConfigError, HttpConfig, ServiceConfig, load_config};
+pub use config::{ConfigError, HttpConfig, PUBLISHED_SECRETS, ServiceConfig, load_config, refuse_published_token};
 pub use entry::service_main;
 pub use error::{BulkError, Error, PathError, PostgresError, Result};
 pub use http::{

@@ -45,13 +45,80 @@ pub fn mlflow_key(name: &str) -> String {
     key
 }
 
+/// The MLflow tracking servers the operator trusts (`mlflow_tracking_uris`): a run logging to
+/// one of them gets the operator's `MLFLOW_TRACKING_TOKEN`, and it may be on a private
+/// address. A run spec naming any other server reaches it as an outside caller would: public
+/// addresses only, no token.
+#[derive(Debug, Clone, Default)]
+pub struct TrackingServers {
+    approved: Vec<reqwest::Url>,
+    token: Option<String>,
+}
+
+impl TrackingServers {
+    /// `approved` URL prefixes (malformed ones are refused naming the setting) and the token.
+    pub fn new(approved: &[String], token: Option<String>) -> Result<Self, keel_protocol::FieldError> {
+        let approved = approved
+            .iter()
+            .map(|uri| {
+                reqwest::Url::parse(uri).map_err(|e| {
+                    keel_protocol::FieldError::new("mlflow_tracking_uris", format!("`{uri}` is not a URL: {e}"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { approved, token })
+    }
+
+    /// Whether `uri` is on one of the approved servers: the same scheme, host and port, and a
+    /// path under the approved one's.
+    fn approves(&self, uri: &reqwest::Url) -> bool {
+        self.approved.iter().any(|server| {
+            server.scheme() == uri.scheme()
+                && server.host_str() == uri.host_str()
+                && server.port_or_known_default() == uri.port_or_known_default()
+                && uri.path().starts_with(server.path().trim_end_matches('/'))
+        })
+    }
+
+    /// The addresses a call to `uri` may reach.
+    fn access(&self, uri: &reqwest::Url) -> keel_service::outbound::PrivateAccess {
+        if self.approves(uri) {
+            keel_service::outbound::PrivateAccess::everything()
+        } else {
+            let settings = ["mlflow_tracking_uris", "mlflow_tracking_uris"];
+            keel_service::outbound::PrivateAccess { settings, ..Default::default() }
+        }
+    }
+
+    /// Refuses a tracking URI that names a loopback or private address literally (or
+    /// `localhost`) and is not approved: checked at submit.
+    pub fn check(&self, uri: &str) -> Result<(), keel_protocol::FieldError> {
+        let field = "logger.mlflow.tracking_uri";
+        let url = reqwest::Url::parse(uri).map_err(|e| keel_protocol::FieldError::new(field, e.to_string()))?;
+        self.access(&url).check(&url).map_err(|e| keel_protocol::FieldError::new(field, e.message))
+    }
+
+    /// The client for `uri` and the token it may carry.
+    fn client(&self, uri: &str) -> (reqwest::Client, Option<String>) {
+        let Ok(url) = reqwest::Url::parse(uri) else { return (reqwest::Client::default(), None) };
+        let approved = self.approves(&url);
+        let client = self.access(&url).client(false, std::time::Duration::from_secs(30)).unwrap_or_default();
+        (client, if approved { self.token.clone() } else { None })
+    }
+}
+
 impl Mlflow {
-    pub(super) fn start(spec: &MlflowSpec, run_id: &str, name: &str) -> Self {
+    pub(super) fn start(spec: &MlflowSpec, servers: &TrackingServers, run_id: &str, name: &str) -> Self {
         let (queue, entries) = tokio::sync::mpsc::unbounded_channel();
+        let base = spec.tracking_uri.clone().unwrap_or_default().trim_end_matches('/').to_string();
+        let (http, token) = servers.client(&base);
+        if token.is_none() && servers.token.is_some() {
+            tracing::info!(run_id, "MLflow at {base} is not one of mlflow_tracking_uris: it gets no token");
+        }
         let client = MlflowClient {
-            http: reqwest::Client::builder().timeout(std::time::Duration::from_secs(30)).build().unwrap_or_default(),
-            base: spec.tracking_uri.clone().unwrap_or_default().trim_end_matches('/').to_string(),
-            token: std::env::var("MLFLOW_TRACKING_TOKEN").ok().filter(|t| !t.is_empty()),
+            http,
+            base,
+            token,
             experiment: spec.experiment_name.clone().unwrap_or_else(|| "keel".into()),
             name: spec.run_name.clone().unwrap_or_else(|| name.to_string()),
             keel_run: run_id.to_string(),
@@ -229,6 +296,28 @@ fn id_at(reply: &Value, pointer: &str) -> Result<String, MlflowError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The operator's token goes only to the servers it names; a spec naming another server
+    /// on a private address is refused, a public one is reached without the token.
+    #[test]
+    fn the_token_goes_only_to_the_approved_servers() {
+        let servers = TrackingServers::new(&["http://mlflow:5000/".into()], Some("op-token".into())).unwrap();
+        assert_eq!(servers.client("http://mlflow:5000").1.as_deref(), Some("op-token"));
+        assert_eq!(servers.client("http://mlflow:5000/sub").1.as_deref(), Some("op-token"));
+        for elsewhere in
+            ["http://mlflow:5001", "https://mlflow:5000", "http://mlflow.evil.example:5000", "http://evil/"]
+        {
+            assert_eq!(servers.client(elsewhere).1, None, "{elsewhere} gets the token");
+        }
+        assert!(servers.check("http://mlflow:5000").is_ok());
+        assert!(servers.check("https://mlflow.example.com").is_ok());
+        for inside in ["http://127.0.0.1:5000", "http://169.254.169.254/", "http://localhost:5000", "http://[::1]:80"] {
+            let refused = servers.check(inside).unwrap_err();
+            assert_eq!(refused.field, "logger.mlflow.tracking_uri");
+            assert!(refused.message.contains("mlflow_tracking_uris"), "{}", refused.message);
+        }
+        assert_eq!(TrackingServers::new(&["not a url".into()], None).unwrap_err().field, "mlflow_tracking_uris");
+    }
 
     #[test]
     fn metric_names_become_keys_mlflow_accepts() {

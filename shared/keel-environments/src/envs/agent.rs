@@ -22,7 +22,7 @@ impl AgentEnv {
     pub fn new(
         config: &AgentConfig,
         client: reqwest::Client,
-        private: &super::addresses::PrivateAccess,
+        private: &keel_service::outbound::PrivateAccess,
     ) -> Result<Self, FieldError> {
         if let Some(problem) = config.problems().into_iter().next() {
             return Err(problem);

@@ -11,9 +11,10 @@
 //!   program as the module `solution` (so its `if __name__ == "__main__"` part does not run)
 //!   and then prints a random token it read from its input; it passes when the process exits
 //!   0 and the token is the last line of its output, so a program that exits early with
-//!   status 0 (`sys.exit(0)` at import) fails. (A program that digs the token out of the
-//!   harness's frames could still forge a pass; every assert test is its own process, so it
-//!   could not forge another test's.)
+//!   status 0 (`sys.exit(0)` at import) fails. The token is a local of the harness's function,
+//!   so `import __main__` finds nothing. (A program that digs it out of the interpreter's
+//!   frames could still forge a pass; every assert test is its own process, so it could not
+//!   forge another test's.)
 //!
 //! Reward: the fraction of tests passed, or 1/0 with `all_or_nothing`. With `feedback` the
 //! test report comes back as an observation and the episode goes on until every test passes
@@ -41,9 +42,14 @@ pub enum Test {
 }
 
 /// The script an assert test runs: the token from stdin, the program, the statement, the token.
+/// The token is a local of the harness's function, not a global: `import __main__` from the
+/// program finds nothing. The program and the statement run in a namespace of their own.
 fn assert_harness(statement: &str) -> String {
+    let body = serde_json::to_string(&format!("from solution import *\n\n{statement}\n")).unwrap_or_default();
     format!(
-        "import sys\n_keel_token = sys.stdin.readline().strip()\nsys.path.insert(0, '/code')\nfrom solution import *\n\n{statement}\n\nprint(_keel_token, flush=True)\n"
+        "def _keel():\n    import sys\n    token = sys.stdin.readline().strip()\n    sys.path.insert(0, '/code')\n    \
+         scope = {{'__name__': '__keel_test__'}}\n    exec(compile({body}, '<test>', 'exec'), scope)\n    \
+         print(token, flush=True)\n\n\n_keel()\n"
     )
 }
 

@@ -75,11 +75,11 @@ enum Failure {
 
 impl HttpEnv {
     /// The environment for `config`, calling through `client`; `private` says which loopback
-    /// or private addresses the URL may name (see [`super::addresses`]).
+    /// or private addresses the URL may name (see [`keel_service::outbound`]).
     pub fn new(
         config: &HttpRewardConfig,
         client: reqwest::Client,
-        private: &super::addresses::PrivateAccess,
+        private: &keel_service::outbound::PrivateAccess,
     ) -> Result<Self, FieldError> {
         if let Some(problem) = config.problems().into_iter().next() {
             return Err(problem);
@@ -239,7 +239,16 @@ impl HttpEnv {
             request = request.header(AUTHORIZATION, auth.clone());
         }
         let mut response = request.send().await.map_err(|e| {
-            Failure::Retry(SampleError::new("unreachable", format!("cannot reach {}: {}", self.url, error_chain(&e))))
+            // A redirect the client would not follow (another host or port, or too many)
+            // answers the same every time.
+            if e.is_redirect() {
+                Failure::Final(SampleError::new("redirect", format!("{}: {}", self.url, error_chain(&e))))
+            } else {
+                Failure::Retry(SampleError::new(
+                    "unreachable",
+                    format!("cannot reach {}: {}", self.url, error_chain(&e)),
+                ))
+            }
         })?;
         let status = response.status();
         tracing::Span::current().record("http.response.status_code", status.as_u16());

@@ -10,7 +10,6 @@
 //! the blocking pool (`Blocking`). The registry that builds and caches them from their
 //! configuration is `registry`.
 
-pub mod addresses;
 pub mod agent;
 pub mod code;
 pub mod http;
