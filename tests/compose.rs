@@ -301,12 +301,22 @@ async fn compose_up_runs_the_demo_traces_it_and_keeps_its_runs() {
     let scored: Value = serde_json::from_str(&scored).unwrap_or_else(|e| panic!("{e}: {scored}"));
     assert_eq!(scored["results"][0]["reward"], 1.0, "a passing program scores 1 in the sandbox: {scored}");
     // Only the API/dashboard, the generator and the Jaeger UI are published, on 127.0.0.1.
-    let published = compose_ok(&["ps", "--format", "{{.Service}} {{.Ports}}"]);
-    for line in published.lines().filter(|l| l.contains("->")) {
-        let service = line.split_whitespace().next().unwrap_or_default();
-        assert!(["orchestrator", "generator", "jaeger"].contains(&service), "{service} is published: {line}");
-        assert!(!line.contains("0.0.0.0:") && !line.contains(":::"), "published beyond loopback: {line}");
+    // (`ps --format json` is one array or one object per line, by compose version.)
+    let listed = compose_ok(&["ps", "--format", "json"]);
+    let containers: Vec<Value> = match serde_json::from_str::<Value>(listed.trim()) {
+        Ok(Value::Array(all)) => all,
+        _ => listed.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap()).collect(),
+    };
+    let mut published = BTreeSet::new();
+    for container in &containers {
+        let service = container["Service"].as_str().unwrap_or_default();
+        for port in container["Publishers"].as_array().into_iter().flatten().filter(|p| p["PublishedPort"] != 0) {
+            assert_eq!(port["URL"], "127.0.0.1", "{service} is published beyond loopback: {port}");
+            published.insert(service.to_string());
+        }
     }
+    let expected: BTreeSet<String> = ["generator", "jaeger", "orchestrator"].map(String::from).into();
+    assert_eq!(published, expected, "what compose publishes: {containers:?}");
     let before = runs(&http).await;
     let grpo: Vec<&(String, String, String)> = before.iter().filter(|r| r.1 == "agent-demo-grpo").collect();
     assert_eq!(grpo.len(), 1, "one GRPO run: {before:?}");
