@@ -248,12 +248,29 @@ for path in ['/dev/shm/x', '/dev/x']:
         print(path, 'ALLOWED')
     except OSError as e:
         print(path, 'denied')
+import socket
+for name in ['AF_NETLINK', 'AF_PACKET', 'AF_UNIX', 'AF_INET']:
+    try:
+        socket.socket(getattr(socket, name), socket.SOCK_DGRAM).close()
+        print(name, 'opened')
+    except OSError as e:
+        print(name, 'refused', e.errno)
 pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
 print('pids', len(pids), max(pids))
 "#;
     let result = run(&scorer, CodeConfig::default(), code, json!([{"stdout": "never"}])).await;
     let out = output(&result);
-    for line in ["unshare_user -1 1", "unshare_net -1 1", "mount -1 1", "/dev/shm/x denied", "/dev/x denied"] {
+    for line in [
+        "unshare_user -1 1",
+        "unshare_net -1 1",
+        "mount -1 1",
+        "/dev/shm/x denied",
+        "/dev/x denied",
+        "AF_NETLINK refused 1",
+        "AF_PACKET refused 1",
+        "AF_UNIX opened",
+        "AF_INET opened",
+    ] {
         assert!(out.contains(line), "{line}: {out}");
     }
     assert!(!out.contains("unshare_cmd 0") && out.contains("unshare_cmd"), "{out}");

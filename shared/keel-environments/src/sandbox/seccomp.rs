@@ -6,7 +6,9 @@
 //! of every kind (so no tmpfs outside the size limit), `chroot`, `ptrace`, kernel keyrings,
 //! `bpf`, `perf_event_open`, `userfaultfd`, io_uring, module loading and `kexec`. `clone3`
 //! answers `ENOSYS` (its flags sit in memory a filter cannot read), so the C library falls
-//! back to `clone`, which is checked. Any other architecture's system calls (x32, i386
+//! back to `clone`, which is checked. `socket` and `socketpair` are allowed for the Unix, IPv4
+//! and IPv6 families only (no netlink, packet, vsock, Bluetooth, ... sockets: the kernel's
+//! rarer socket code is where its bugs are). Any other architecture's system calls (x32, i386
 //! compatibility) kill the process. Everything else is allowed.
 
 /// One classic BPF instruction (`struct sock_filter`).
@@ -35,6 +37,9 @@ const NR: u32 = 0;
 const ARCH: u32 = 4;
 const ARG0_LOW: u32 = 16;
 
+/// The socket families a program may open: `AF_UNIX`, `AF_INET`, `AF_INET6`.
+const SOCKET_FAMILIES: [u32; 3] = [1, 2, 10];
+
 /// Every `CLONE_NEW*` flag (time, mount, cgroup, UTS, IPC, user, PID, network).
 const CLONE_NEW_ANY: u32 =
     0x0000_0080 | 0x0002_0000 | 0x0200_0000 | 0x0400_0000 | 0x0800_0000 | 0x1000_0000 | 0x2000_0000 | 0x4000_0000;
@@ -46,6 +51,8 @@ struct Table {
     foreign_from: Option<u32>,
     clone: u32,
     clone3: u32,
+    /// `socket` and `socketpair`, whose first argument is the family.
+    sockets: [u32; 2],
     denied: &'static [u32],
 }
 
@@ -55,6 +62,7 @@ const TABLE: Option<Table> = Some(Table {
     foreign_from: Some(0x4000_0000),
     clone: 56,
     clone3: 435,
+    sockets: [41, 53],
     // ptrace, chroot, pivot_root, mount, umount2, init_module, delete_module, kexec_load,
     // add_key, request_key, keyctl, unshare, perf_event_open, setns, finit_module, kexec_file_load,
     // bpf, userfaultfd, io_uring_setup/enter/register, open_tree, move_mount, fsopen, fsconfig,
@@ -71,6 +79,7 @@ const TABLE: Option<Table> = Some(Table {
     foreign_from: None,
     clone: 220,
     clone3: 435,
+    sockets: [198, 199],
     // The same calls in the generic table.
     denied: &[
         117, 51, 41, 40, 39, 105, 106, 104, 217, 218, 219, 97, 241, 268, 273, 294, 280, 282, 425, 426, 427, 428, 429,
@@ -89,10 +98,12 @@ pub fn program() -> Option<Vec<u8>> {
     Some(insns.iter().flat_map(|i| [&i.code.to_ne_bytes()[..], &[i.jt, i.jf], &i.k.to_ne_bytes()].concat()).collect())
 }
 
-/// Checks, in order: the architecture, a foreign ABI, `clone3`, each denied call, `clone`'s
-/// flags; four return instructions close the program.
+/// Checks, in order: the architecture, a foreign ABI, `clone3`, each denied call, the socket
+/// calls (to their family check), `clone`'s flags, the socket family; four return
+/// instructions close the program.
 fn assemble(t: &Table) -> Vec<Insn> {
-    let checks = 4 + usize::from(t.foreign_from.is_some()) + 1 + t.denied.len() + 3;
+    let socket_block = 4 + usize::from(t.foreign_from.is_some()) + 1 + t.denied.len() + 2 + 3;
+    let checks = socket_block + 1 + SOCKET_FAMILIES.len() + 1;
     // Return instructions, after the checks: allow, EPERM, ENOSYS, kill.
     let (allow, eperm, enosys, kill) = (checks, checks + 1, checks + 2, checks + 3);
     let mut p: Vec<Insn> = Vec::with_capacity(checks + 4);
@@ -112,11 +123,23 @@ fn assemble(t: &Table) -> Vec<Insn> {
         let at = p.len();
         p.push(Insn { code: JEQ_K, jt: to(at, eperm), jf: 0, k: *nr });
     }
+    for nr in t.sockets {
+        let at = p.len();
+        p.push(Insn { code: JEQ_K, jt: to(at, socket_block), jf: 0, k: nr });
+    }
     let at = p.len();
     p.push(Insn { code: JEQ_K, jt: 0, jf: to(at, allow), k: t.clone });
     p.push(Insn { code: LD_W_ABS, jt: 0, jf: 0, k: ARG0_LOW });
     let at = p.len();
     p.push(Insn { code: JSET_K, jt: to(at, eperm), jf: to(at, allow), k: CLONE_NEW_ANY });
+    debug_assert_eq!(p.len(), socket_block);
+    p.push(Insn { code: LD_W_ABS, jt: 0, jf: 0, k: ARG0_LOW });
+    for family in SOCKET_FAMILIES {
+        let at = p.len();
+        p.push(Insn { code: JEQ_K, jt: to(at, allow), jf: 0, k: family });
+    }
+    let at = p.len();
+    p.push(Insn { code: JEQ_K, jt: to(at, eperm), jf: to(at, eperm), k: 0 });
     debug_assert_eq!(p.len(), checks);
     for k in [RET_ALLOW, RET_ERRNO | EPERM, RET_ERRNO | ENOSYS, RET_KILL_PROCESS] {
         p.push(Insn { code: RET_K, jt: 0, jf: 0, k });
@@ -173,6 +196,15 @@ mod tests {
         for nr in [0, 1, 2, 3, 9, 60, 231] {
             if !table.denied.contains(&nr) && nr != table.clone && nr != table.clone3 {
                 assert_eq!(run(&p, arch, nr, 0), RET_ALLOW, "syscall {nr}");
+            }
+        }
+        for nr in table.sockets {
+            for family in SOCKET_FAMILIES {
+                assert_eq!(run(&p, arch, nr, family), RET_ALLOW, "socket family {family}");
+            }
+            // Netlink, packet, vsock, Bluetooth, AF_ALG.
+            for family in [16, 17, 40, 31, 38] {
+                assert_eq!(run(&p, arch, nr, family), RET_ERRNO | EPERM, "socket family {family}");
             }
         }
         assert_eq!(run(&p, 0x4000_0003, 1, 0), RET_KILL_PROCESS, "another architecture");
