@@ -229,9 +229,27 @@ impl Scheduler {
     }
 
     async fn drive(&self, ctx: RunContext) {
+        self.drive_with(ctx, |ctx| Box::pin(driver::drive(ctx))).await;
+    }
+
+    /// Runs `drive` for the run with its heartbeat, then records how it ended. A driver that
+    /// panics ends its attempt as a failure (its heartbeat stops with it), instead of leaving
+    /// the run `running` with a heartbeat and no driver.
+    async fn drive_with<F>(&self, ctx: RunContext, drive: F)
+    where
+        F: for<'a> FnOnce(&'a RunContext) -> futures::future::BoxFuture<'a, driver::Result<()>>,
+    {
+        use futures::FutureExt;
         let every = (self.run_lease / 3).min(self.trainer_lease / 3);
         let heartbeat = driver::heartbeat(self.pool.clone(), &ctx, every, self.trainer_lease);
-        let result = driver::drive(&ctx).await;
+        let result = std::panic::AssertUnwindSafe(drive(&ctx)).catch_unwind().await.unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            Err(Stop::Failed(format!("the orchestrator's driver of this run panicked: {message}")))
+        });
         heartbeat.abort();
         // A call that stopped waiting because the run was cancelled or lost fails with the
         // dependency's error; the run ended for the stop's reason.
@@ -349,6 +367,50 @@ mod tests {
             .unwrap();
         assert_eq!(losses, [1, 2], "each step recorded once");
         assert_eq!(second.generators.iter().map(|g| g.id()).collect::<Vec<_>>(), ["g1"], "the same generator again");
+    }
+
+    /// A driver that panics ends its attempt as a failure: the run goes back to the queue
+    /// with the panic's message (a later attempt may pass), its heartbeat stops, and its
+    /// generator is let go; the last attempt fails the run.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_driver_that_panics_fails_its_attempt_and_stops_its_heartbeat() {
+        let fixture = Fixture::start(
+            "keel_orch_panic",
+            &["algorithm: eval\nmodel: {path: /m}\ndata: {train: {kind: arithmetic, size: 4}}\n"],
+        )
+        .await;
+        let (scheduler, pool, run) = (&fixture.scheduler, &fixture.scheduler.pool, &fixture.runs[0]);
+        let status = || async {
+            sqlx::query_as::<_, (String, Option<String>)>("SELECT status, reason FROM runs WHERE id = $1")
+                .bind(run.id)
+                .fetch_one(pool)
+                .await
+                .unwrap()
+        };
+        for attempt in 1..=scheduler.max_attempts {
+            let ctx = started(scheduler.claim_next(&[]).await.unwrap());
+            scheduler.drive_with(ctx, move |_| Box::pin(async move { panic!("step {attempt} went wrong") })).await;
+            let (now, error) = status().await;
+            if attempt < scheduler.max_attempts {
+                assert_eq!(now, "queued", "attempt {attempt}");
+            } else {
+                assert_eq!(now, "failed");
+                let error = error.unwrap_or_default();
+                assert!(error.contains("panicked") && error.contains("went wrong"), "{error}");
+            }
+        }
+        let beat = || async {
+            sqlx::query_scalar::<_, Option<f64>>(
+                "SELECT extract(epoch FROM heartbeat_at)::float8 FROM runs WHERE id = $1",
+            )
+            .bind(run.id)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        };
+        let before = beat().await;
+        tokio::time::sleep(scheduler.run_lease / 2).await;
+        assert_eq!(beat().await, before, "a heartbeat goes on after the driver panicked");
     }
 
     /// A run that cannot get its generators (it wants two; the one there answers every
