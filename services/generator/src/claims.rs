@@ -118,6 +118,11 @@ impl Generator {
     async fn load(self: &Arc<Self>, request: LoadModel) -> Answer<ModelLoaded> {
         let started = std::time::Instant::now();
         let dir = self.roots.check("path", &request.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+        // An adapter directory inside the roots must not lead outside them to its base.
+        if let Some(base) = keel_model::lora::adapter_base(&dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))? {
+            let what = "path (its adapter's base_model_name_or_path)";
+            self.roots.check(what, &base.display().to_string()).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+        }
         let mut config = self.config.clone();
         config.served_model_name = Some(request.served_model_name.clone().unwrap_or_else(|| request.run_id.clone()));
         if let Some(dtype) = &request.dtype {

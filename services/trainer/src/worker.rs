@@ -306,7 +306,15 @@ async fn load(shared: Arc<Shared>, request: LoadRequest) -> Answer<LoadReply> {
     let paths = std::iter::once(("policy.path", &request.policy))
         .chain(request.reference.iter().map(|r| ("reference.path", r)));
     for (what, source) in paths {
-        shared.roots.check(what, &source.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+        let dir = shared.roots.check(what, &source.path).map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+        // An adapter directory inside the roots must not lead outside them to its base.
+        if let Some(base) = keel_model::lora::adapter_base(&dir).map_err(|e| refuse(error_types::INVALID_REQUEST, e))? {
+            let what = format!("{what} (its adapter's base_model_name_or_path)");
+            shared
+                .roots
+                .check(&what, &base.display().to_string())
+                .map_err(|e| refuse(error_types::INVALID_REQUEST, e))?;
+        }
     }
     let problems = request.training.problems("training");
     if !problems.is_empty() {

@@ -322,6 +322,16 @@ async fn loads_and_saves_outside_the_path_roots_are_refused() {
     assert!(!std::path::Path::new("/usr/local/keel-save").exists(), "nothing was written");
     let reply = h.call(TrainerOp::Save, json!({"run_id": "r", "path": "/tmp/../etc/keel", "info": {}})).await;
     assert!(reply["error"]["message"].as_str().unwrap().contains("without `..`"), "{reply}");
+    // An adapter directory inside the roots whose base model is outside them.
+    let adapter = tempfile::tempdir().unwrap();
+    let config = json!({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+                        "base_model_name_or_path": "/usr/share"});
+    std::fs::write(adapter.path().join("adapter_config.json"), config.to_string()).unwrap();
+    let load = json!({"run_id": "r", "policy": {"path": adapter.path()}, "training": sft_training()});
+    let reply = h.call(TrainerOp::Load, load).await;
+    assert_eq!(error_type(&reply), "invalid_request", "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(message.contains("base_model_name_or_path") && message.contains("`/usr/share` is outside"), "{message}");
     h.stop().await;
 }
 

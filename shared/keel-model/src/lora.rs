@@ -423,6 +423,13 @@ fn read_config(dir: &Path) -> Result<(LoraConfig, PathBuf)> {
     Ok((config, dir.join(base)))
 }
 
+/// The base model directory of `dir` when it is an adapter directory (what its
+/// `base_model_name_or_path` names, a relative one taken from `dir`), else `None`: a service
+/// checks it against its path roots as it checks `dir`.
+pub fn adapter_base(dir: &Path) -> Result<Option<PathBuf>> {
+    if is_adapter_dir(dir) { Ok(Some(read_config(dir)?.1)) } else { Ok(None) }
+}
+
 /// The directory whose `config.json` describes the model `dir` loads as: `dir` itself, or
 /// the base model of an adapter directory.
 pub fn model_config_dir(dir: &Path) -> Result<PathBuf> {
