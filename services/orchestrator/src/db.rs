@@ -159,6 +159,17 @@ pub async fn append_event(db: &mut PgConnection, run_id: Uuid, event: &RunEvent)
     Ok(())
 }
 
+/// The step and id of the last checkpoint run `run_id` recorded saving, if it saved any.
+pub async fn last_saved_checkpoint(db: &mut PgConnection, run_id: Uuid) -> sqlx::Result<Option<(i64, String)>> {
+    sqlx::query_as(
+        "SELECT (event->>'step')::bigint, event->>'checkpoint_id' FROM run_events \
+         WHERE run_id = $1 AND event->>'kind' = 'checkpoint' ORDER BY seq DESC LIMIT 1",
+    )
+    .bind(run_id)
+    .fetch_optional(db)
+    .await
+}
+
 pub async fn events_after(db: &mut PgConnection, run_id: Uuid, after: i64) -> sqlx::Result<Vec<RunEventRecord>> {
     let rows = sqlx::query(concat!(
         "SELECT seq, ",

@@ -413,6 +413,39 @@ mod tests {
         assert_eq!(beat().await, before, "a heartbeat goes on after the driver panicked");
     }
 
+    /// A run that saved a checkpoint and, resumed, finds the store has none of it any more
+    /// fails to start, saying so, instead of starting from its base model and rewinding its
+    /// recorded steps to 0; a run that never saved one starts from its base as before.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_resumed_run_whose_checkpoints_are_gone_keeps_its_history() {
+        let eval = "algorithm: eval\nmodel: {path: /m}\ndata: {train: {kind: arithmetic, size: 4}}\n";
+        let mut fixture = Fixture::start("keel_orch_gone", &[eval, eval]).await;
+        // A checkpoint store that has no checkpoint of any run.
+        let app = axum::Router::new().fallback(|| async {
+            (
+                axum::http::StatusCode::NOT_FOUND,
+                axum::Json(serde_json::json!({"error": {"type": "not_found", "message": "none"}})),
+            )
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let store = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        fixture.scheduler.checkpoints = CheckpointClient::new(&store);
+        let (scheduler, pool) = (&fixture.scheduler, &fixture.scheduler.pool);
+        let (saved, fresh) = (fixture.runs[0].id, fixture.runs[1].id);
+        let event = RunEvent::Checkpoint { step: 3, checkpoint_id: Uuid::new_v4() };
+        db::append_event(&mut pool.acquire().await.unwrap(), saved, &event).await.unwrap();
+
+        let ctx = started(scheduler.claim_next(&[]).await.unwrap());
+        assert_eq!(ctx.id, saved);
+        let refused = ctx.start().await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains("at step 3") && refused.contains("rewind"), "{refused}");
+        let ctx = started(scheduler.claim_next(&[saved]).await.unwrap());
+        assert_eq!(ctx.id, fresh);
+        let start = ctx.start().await.unwrap();
+        assert_eq!((start.step, start.resumed), (0, false));
+    }
+
     /// A run that cannot get its generators (it wants two; the one there answers every
     /// claim) is passed over, and the run behind it starts.
     #[tokio::test(flavor = "multi_thread")]

@@ -307,6 +307,14 @@ impl RunContext {
                 }
             }
             None => {
+                // A run that saved checkpoints and finds none must not start again from its
+                // base model: that would rewind its recorded history to step 0.
+                if let Some((step, id)) = self.store.last_saved_checkpoint().await? {
+                    return Err(Stop::Failed(format!(
+                        "the run saved checkpoint {id} at step {step}, and the checkpoint store has no checkpoint \
+                         of it now: resuming from the base model would rewind its history to step 0"
+                    )));
+                }
                 let policy_dir = base_dir.clone();
                 Start {
                     base_dir,

@@ -44,6 +44,11 @@ impl RunStore {
         self.loggers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish(status);
     }
 
+    /// The step and id of the last checkpoint this run recorded saving.
+    pub async fn last_saved_checkpoint(&self) -> Result<Option<(i64, String)>> {
+        Ok(db::last_saved_checkpoint(&mut *self.pool.acquire().await?, self.id).await?)
+    }
+
     /// Forgets what was recorded after `step` (a resumed run records those steps again).
     pub async fn rewind(&self, step: u64) -> Result<()> {
         if !db::rewind(&mut *self.pool.acquire().await?, self.id, self.owner, step).await? {
