@@ -35,6 +35,10 @@ use crate::sandbox::{Limits, RunReport, Sandbox, Termination};
 /// The largest program accepted.
 const MAX_PROGRAM_BYTES: usize = 256 * 1024;
 
+/// Most tests one sample may carry: each is a sandboxed process of its own, so the count
+/// bounds the sandbox time one sample can ask for (with the wall-time limit of each).
+pub const MAX_TESTS_PER_SAMPLE: usize = 256;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Test {
     Io { stdin: String, stdout: String },
@@ -62,6 +66,9 @@ pub fn parse_tests(metadata: &Value) -> Result<Vec<Test>, SampleError> {
         .ok_or_else(|| bad("metadata.tests: a list of tests is required".into()))?;
     if tests.is_empty() {
         return Err(bad("metadata.tests: is empty".into()));
+    }
+    if tests.len() > MAX_TESTS_PER_SAMPLE {
+        return Err(bad(format!("metadata.tests: {} tests; at most {MAX_TESTS_PER_SAMPLE} are run", tests.len())));
     }
     tests
         .iter()
@@ -289,6 +296,16 @@ impl Environment for CodeEnv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sample may carry at most `MAX_TESTS_PER_SAMPLE` tests; more are refused naming the
+    /// field, before any is run.
+    #[test]
+    fn a_sample_carries_a_bounded_number_of_tests() {
+        let tests = |n: usize| serde_json::json!({"tests": vec![serde_json::json!({"assert": "assert True"}); n]});
+        assert_eq!(parse_tests(&tests(MAX_TESTS_PER_SAMPLE)).unwrap().len(), MAX_TESTS_PER_SAMPLE);
+        let refused = parse_tests(&tests(MAX_TESTS_PER_SAMPLE + 1)).unwrap_err();
+        assert!(refused.message.contains("metadata.tests") && refused.message.contains("at most"), "{refused:?}");
+    }
 
     #[test]
     fn programs_come_from_the_last_python_block() {
