@@ -86,6 +86,46 @@ fn a_published_token_beyond_loopback_stops_the_service() {
     }
 }
 
+/// SIGTERM stops the orchestrator while a client holds a run's event stream open (a stream
+/// never ends by itself, and a graceful stop used to wait for it for ever): the stream is
+/// closed after the stated grace and the process exits 0. The bound here is a hang check,
+/// far above the grace.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_stops_the_orchestrator_with_an_event_stream_open() {
+    use futures::StreamExt;
+    let database = keel_testkit::TestDatabase::new("keel_sigterm");
+    let process = ServiceProcess::start("orchestrator", &[("KEEL_ORCHESTRATOR__DATABASE_URL", &database.url)]);
+    let http = reqwest::Client::new();
+    let model = tempfile::tempdir().unwrap();
+    std::fs::write(model.path().join("config.json"), "{}").unwrap();
+    let spec = serde_json::json!({"algorithm": "eval", "model": {"path": model.path()},
+                                  "data": {"train": {"kind": "arithmetic", "size": 4}},
+                                  "environments": {"default": {"name": "math"}}});
+    let created = http.post(format!("{}/v1/runs", process.url)).json(&spec).send().await.unwrap();
+    assert_eq!(created.status(), 201, "{}", created.text().await.unwrap());
+    let run: serde_json::Value = created.json().await.unwrap();
+    let events =
+        http.get(format!("{}/v1/runs/{}/events", process.url, run["id"].as_str().unwrap())).send().await.unwrap();
+    assert_eq!(events.status(), 200);
+    let mut stream = events.bytes_stream();
+    assert!(stream.next().await.is_some(), "the stream sends the run's status first");
+
+    let (done, exited) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(process.terminate());
+    });
+    let status = exited
+        .recv_timeout(std::time::Duration::from_secs(keel_service::http::SHUTDOWN_GRACE.as_secs() + 50))
+        .expect("keel-orchestrator still runs after SIGTERM with an event stream open");
+    assert!(status.success(), "keel-orchestrator exited with {status}");
+    // The stream ended with the process (it was not left hanging on the client's side).
+    while let Some(chunk) = stream.next().await {
+        if chunk.is_err() {
+            break;
+        }
+    }
+}
+
 /// A NATS server (with JetStream) of the test's own on a free port, killed when dropped.
 struct OwnNats {
     child: std::process::Child,

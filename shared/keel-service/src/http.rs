@@ -233,8 +233,27 @@ pub async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    let (stopping, mut stopped) = tokio::sync::watch::channel(false);
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    });
+    let deadline = async move {
+        shutdown.await;
+        let _ = stopping.send(true);
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        result = server => result,
+        () = deadline => {
+            tracing::warn!("requests still open {} s after the stop was asked for (event streams?): closed", SHUTDOWN_GRACE.as_secs());
+            Ok(())
+        }
+    }
 }
+
+/// How long a stopping service lets open requests finish before it closes them: an event
+/// stream, which never finishes by itself, or a slow client.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
