@@ -113,6 +113,45 @@ async fn a_fork_bomb_is_contained() {
     assert_eq!(after.reward, 1.0, "{:?}", after.info);
 }
 
+/// Six processes that each touch 120 MB, under a 256 MB limit: every one fits the
+/// per-process limit, but the program as a whole is capped by its control group, so it does
+/// not finish (where the service can make control groups, as here when it runs as root; the
+/// test says so when it cannot, and checks the per-process limit alone).
+#[tokio::test]
+async fn the_memory_limit_holds_for_the_program_as_a_whole() {
+    let scorer = scorer(62_450);
+    let config = CodeConfig { memory_mb: 256, max_processes: 16, wall_seconds: 20.0, ..CodeConfig::default() };
+    let code = r#"import os
+children = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(120 * 1024 * 1024)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        import time
+        time.sleep(3)
+        os._exit(0)
+    children.append(pid)
+codes = [os.waitpid(pid, 0)[1] for pid in children]
+print('all held' if all(c == 0 for c in codes) else 'killed')
+"#;
+    let result = run(&scorer, config, code, json!([{"stdout": "all held"}])).await;
+    match keel_environments::sandbox::cgroup::Hierarchy::find() {
+        Ok(hierarchy) => {
+            println!("control groups in {hierarchy:?}");
+            assert_eq!(result.reward, 0.0, "six 120 MB processes under a 256 MB program limit: {:?}", result.info);
+        }
+        Err(why) => {
+            println!("SKIPPED the whole-program check: no control group can be made here ({why})");
+            assert_eq!(result.reward, 1.0, "each process is within the per-process limit: {:?}", result.info);
+        }
+    }
+    // The sandbox still works right after.
+    let after = run(&scorer, CodeConfig::default(), "print('ok')", json!([{"stdout": "ok"}])).await;
+    assert_eq!(after.reward, 1.0, "{:?}", after.info);
+}
+
 #[tokio::test]
 async fn a_10_gb_allocation_is_refused() {
     let scorer = scorer(62_400);

@@ -19,12 +19,16 @@
 //!   service's own user (and forbids further user namespaces), and the process limit counts
 //!   the service user's processes.
 //!
-//! The address-space limit is per process: a run may use up to `memory_mb` × `max_processes`
-//! plus its tmpfs. At most `slots` programs run at once; further runs wait for a slot. A run
+//! - a control group of its own ([`cgroup`]) where the service can make one: `memory_mb` and
+//!   `max_processes` then hold for the program as a whole, and it gets at most one CPU.
+//!
+//! Without a control group the address-space limit is per process: a run may use up to
+//! `memory_mb` × `max_processes` plus its tmpfs. At most `slots` programs run at once; further runs wait for a slot. A run
 //! whose sandbox could not be set up is an error, never a program failure. Where bubblewrap
 //! is missing or cannot create namespaces the sandbox reports itself unavailable (and checks
 //! again a little later) and nothing runs: there is no unsandboxed fallback.
 
+pub mod cgroup;
 pub mod seccomp;
 
 use keel_protocol::FieldError;
@@ -69,6 +73,9 @@ pub struct SandboxConfig {
     pub disk_mb: u64,
     /// The most a request may ask for: each `code` limit is checked against these.
     pub ceilings: Ceilings,
+    /// Whether each program runs in a control group of its own, which caps its memory,
+    /// processes and CPU as a whole (`auto`: where one can be made; `required`; `off`).
+    pub cgroups: cgroup::CgroupMode,
 }
 
 /// The operator's upper bounds on what a request may set.
@@ -110,6 +117,7 @@ impl Default for SandboxConfig {
             work_dir: None,
             disk_mb: 64,
             ceilings: Ceilings::default(),
+            cgroups: cgroup::CgroupMode::Auto,
         }
     }
 }
@@ -195,6 +203,8 @@ pub struct Sandbox {
     slots: Semaphore,
     free_uids: Mutex<Vec<u32>>,
     filter: Option<Vec<u8>>,
+    /// Where each program's control group is made, or why none is.
+    cgroups: Result<cgroup::Hierarchy, String>,
     /// The last availability check: when, and what it found (success is kept for good).
     checked: tokio::sync::Mutex<Option<(Instant, Result<(), SandboxError>)>>,
 }
@@ -216,7 +226,19 @@ fn running_as_root() -> bool {
 impl Sandbox {
     pub fn new(config: SandboxConfig) -> Arc<Self> {
         let uids = (0..config.slots as u32).map(|i| config.first_uid + i).rev().collect();
+        let cgroups = match config.cgroups {
+            cgroup::CgroupMode::Off => Err("sandbox.cgroups is off".to_string()),
+            _ => cgroup::Hierarchy::find(),
+        };
+        match &cgroups {
+            Ok(hierarchy) => tracing::info!(?hierarchy, "sandboxed programs run in control groups of their own"),
+            Err(why) if config.cgroups == cgroup::CgroupMode::Auto => tracing::warn!(
+                "sandboxed programs get per-process limits only, no control group capping each program as a whole: {why}"
+            ),
+            Err(_) => {}
+        }
         Arc::new(Self {
+            cgroups,
             slots: Semaphore::new(config.slots),
             free_uids: Mutex::new(uids),
             root: running_as_root(),
@@ -251,6 +273,9 @@ impl Sandbox {
         }
         if self.filter.is_none() {
             return unavailable(format!("no seccomp filter for the {} architecture", std::env::consts::ARCH));
+        }
+        if let (cgroup::CgroupMode::Required, Err(why)) = (self.config.cgroups, &self.cgroups) {
+            return unavailable(format!("sandbox.cgroups is required and no control group can be made: {why}"));
         }
         let limits = Limits {
             cpu_seconds: 10,
@@ -294,21 +319,43 @@ impl Sandbox {
         let owned: Vec<(String, String)> = files.iter().map(|(n, c)| (n.to_string(), c.to_string())).collect();
         let filter = self.filter.clone().ok_or_else(|| SandboxError::Unavailable("no seccomp filter".into()))?;
         let dir = blocking(move || prepare(work.as_deref(), &owned, &filter)).await??;
-        let command = self.command(&dir, uid.0, main, limits);
+        let group = match &self.cgroups {
+            Ok(hierarchy) => {
+                let hierarchy = hierarchy.clone();
+                static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let name = format!("keel-sandbox-{}-{}-{run}", std::process::id(), uid.0);
+                let caps = cgroup::GroupLimits { memory_bytes: limits.memory_bytes, processes: limits.processes };
+                let made = blocking(move || hierarchy.group(&name, caps)).await?;
+                Some(made.map_err(|e| SandboxError::Io(format!("cannot make the program's control group: {e}")))?)
+            }
+            Err(_) => None,
+        };
+        let procs = group.as_ref().map(cgroup::Group::procs).unwrap_or_default();
+        let command = self.command(&dir, uid.0, main, limits, &procs);
         let report = match command {
             Ok(command) => execute(command, stdin, limits).await,
             Err(e) => Err(e),
         };
-        blocking(move || drop(dir)).await?;
+        // Whatever the program left running in its group is killed as the group goes.
+        blocking(move || {
+            drop(group);
+            drop(dir)
+        })
+        .await?;
         report
     }
 
+    /// The command that runs bubblewrap for one program; with `procs` (its control group's
+    /// `cgroup.procs` files), through a shell that joins the group and then becomes
+    /// bubblewrap, so that nothing of the program starts outside it.
     fn command(
         &self,
         dir: &Prepared,
         uid: u32,
         main: &str,
         limits: &Limits,
+        procs: &[PathBuf],
     ) -> Result<(Command, Status), SandboxError> {
         let io = |e: std::io::Error| SandboxError::Io(format!("cannot set up the sandbox's descriptors: {e}"));
         let filter = std::fs::File::open(&dir.filter).map_err(io)?;
@@ -344,6 +391,19 @@ impl Sandbox {
             c.args(["--clear-groups", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]);
         }
         c.arg(&self.config.python).args(["-I", "-B"]).arg(format!("/code/{main}"));
+        if !procs.is_empty() {
+            let bwrap = c.as_std();
+            let mut joined = Command::new("/bin/sh");
+            joined
+                .arg("-c")
+                .arg(r#"n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; exec "$@""#)
+                .arg("sh")
+                .arg(procs.len().to_string())
+                .args(procs)
+                .arg(bwrap.get_program())
+                .args(bwrap.get_args());
+            c = joined;
+        }
         c.env_clear().stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
         let mappings = vec![
             FdMapping { parent_fd: OwnedFd::from(filter), child_fd: SECCOMP_FD },
