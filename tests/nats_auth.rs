@@ -136,6 +136,27 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     let open = subjects.generator("g1", keel_protocol::subjects::GeneratorOp::AgentOpen);
     assert!(!reaches("generator", "reward", open).await, "the reward service's user opened an agent session");
 
+    // Replies: each user reads only its own inbox, and answers only the users that ask it.
+    let to_orchestrator = "_INBOX_orchestrator.probe".to_string();
+    assert!(allowed("orchestrator", "trainer", to_orchestrator.clone()).await, "a trainer answers the orchestrator");
+    assert!(
+        !reaches("reward", "trainer", to_orchestrator.clone()).await,
+        "the reward user read the orchestrator's replies"
+    );
+    assert!(
+        !reaches("generator", "trainer", to_orchestrator.clone()).await,
+        "the generator user read the orchestrator's replies"
+    );
+    assert!(
+        !reaches("orchestrator", "checkpoint", to_orchestrator).await,
+        "the checkpoint user answered the orchestrator"
+    );
+    let to_generator = "_INBOX_generator.probe".to_string();
+    assert!(allowed("generator", "trainer", to_generator.clone()).await, "a trainer answers a generator");
+    assert!(!reaches("generator", "reward", to_generator).await, "the reward user answered in a trainer's place");
+    assert!(!reaches("trainer", "orchestrator", "_INBOX.probe".into()).await, "a user read the shared inbox");
+    assert_eq!(keel_service::nats::inbox_prefix("trainer").as_deref(), Some("_INBOX_trainer"));
+
     // And a run goes through with every service on its own user.
     let servers = Servers {
         nats_urls: SERVICES.iter().map(|s| (*s, nats.url_as(s, &passwords[s]))).collect(),

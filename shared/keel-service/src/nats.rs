@@ -24,16 +24,31 @@ pub fn default_url() -> String {
 
 /// Connects to `url`; a user and password in it (`nats://user:password@host:4222`) are the
 /// credentials the server's authorization wants. Errors show the URL without the password.
+///
+/// A client with a user gets its replies under an inbox prefix of its own ([`inbox_prefix`]:
+/// `_INBOX_trainer.…`), so that the server's permissions can let each user read only its own
+/// replies and answer only the users that ask it (`docker/nats.conf`).
 pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
     let failed = |reason: String| Error::NatsConnect { url: redacted(url), reason };
     let address: async_nats::ServerAddr = url.parse().map_err(|e| failed(format!("not a NATS URL: {e}")))?;
     let mut options = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(5));
     if let Some(user) = address.username() {
         let password = address.password().unwrap_or_default();
-        options = async_nats::ConnectOptions::with_user_and_password(decoded(user), decoded(password))
+        let user = decoded(user);
+        options = async_nats::ConnectOptions::with_user_and_password(user.clone(), decoded(password))
             .connection_timeout(Duration::from_secs(5));
+        if let Some(prefix) = inbox_prefix(&user) {
+            options = options.custom_inbox_prefix(prefix);
+        }
     }
     options.connect(address).await.map_err(|e| failed(e.to_string()))
+}
+
+/// The inbox prefix of NATS user `user`: `_INBOX_<user>`, when the name is a subject token's
+/// letters, digits, `-` and `_` (else the default `_INBOX`).
+pub fn inbox_prefix(user: &str) -> Option<String> {
+    let token = !user.is_empty() && user.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    token.then(|| format!("_INBOX_{user}"))
 }
 
 /// `url` with its password replaced by `***`.
