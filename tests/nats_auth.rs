@@ -79,6 +79,16 @@ async fn with_authorization_on_runs_work_and_the_reported_attacks_are_refused() 
     assert!(matches!(payload, keel_protocol::Payload::Object(_)), "2.4 MB travels as an object");
     let get = keel_service::nats::Bulk::open(trainer.clone(), &bucket).await.unwrap();
     assert_eq!(get.fetch::<Vec<u32>>(payload).await.unwrap(), big);
+    // No user may delete a stream: not the trainer's, nor the orchestrator that made it.
+    for (user, client) in [("trainer", &trainer), ("orchestrator", &orchestrator)] {
+        let js = async_nats::jetstream::new(client.clone());
+        let deleted = tokio::time::timeout(Duration::from_secs(10), js.delete_object_store(&bucket)).await;
+        assert!(!matches!(deleted, Ok(Ok(_))), "the {user} user deleted the bucket");
+    }
+    assert!(
+        async_nats::jetstream::new(orchestrator.clone()).get_object_store(&bucket).await.is_ok(),
+        "the bucket is gone"
+    );
 
     // The reported attacks, each next to the allowed publish that shows the check can see it.
     // Each check has fresh connections: a refusal must not be what makes another one fail.
