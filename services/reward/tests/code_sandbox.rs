@@ -152,6 +152,27 @@ print('all held' if all(c == 0 for c in codes) else 'killed')
     assert_eq!(after.reward, 1.0, "{:?}", after.info);
 }
 
+/// A request's tests hold at most `ceilings.request_seconds` of sandbox time between them:
+/// each reserves its wall-clock limit before it starts, so with room for two 2-second tests
+/// the other two of a sample's four are not run (and fail, saying why); a later request has
+/// its own budget.
+#[tokio::test]
+async fn a_request_uses_at_most_its_sandbox_seconds() {
+    let mut config = keel_reward::default_config();
+    config.sandbox.first_uid = 62_480;
+    config.sandbox.slots = 4;
+    config.sandbox.ceilings.request_seconds = 5.0;
+    let scorer = keel_reward::state(&config, None).unwrap().scorer;
+    let code = CodeConfig { wall_seconds: 2.0, ..CodeConfig::default() };
+    let tests = json!([{"stdout": "ok"}, {"stdout": "ok"}, {"stdout": "ok"}, {"stdout": "ok"}]);
+    let result = run(&scorer, code.clone(), "print('ok')", tests.clone()).await;
+    assert_eq!(statuses(&result), ["passed", "passed", "not_run", "not_run"], "{:?}", result.info);
+    assert_eq!(result.reward, 0.5);
+    let why = result.info["tests"][2]["stderr"].as_str().unwrap_or_default();
+    assert!(why.contains("sandbox.ceilings.request_seconds"), "{why}");
+    assert_eq!(run(&scorer, code, "print('ok')", json!([{"stdout": "ok"}])).await.reward, 1.0);
+}
+
 #[tokio::test]
 async fn a_10_gb_allocation_is_refused() {
     let scorer = scorer(62_400);

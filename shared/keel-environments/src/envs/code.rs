@@ -122,13 +122,60 @@ fn same_output(got: &str, expected: &str) -> bool {
 #[derive(Debug, Clone, Serialize)]
 pub struct TestOutcome {
     pub passed: bool,
-    /// `passed`, `wrong_answer`, `runtime_error`, `memory_limit`, `cpu_limit` or `timeout`.
+    /// `passed`, `wrong_answer`, `runtime_error`, `memory_limit`, `cpu_limit`, `timeout` or
+    /// `not_run` (the request had used its sandbox seconds).
     pub status: &'static str,
     pub termination: Termination,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub stdout: String,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub stderr: String,
+}
+
+/// The sandbox seconds one request may still use (`ceilings.request_seconds`), shared by its
+/// samples' tests: each test reserves its wall-clock limit before it starts and gives back
+/// what it did not use, so the request's programs can never hold more than that between them.
+#[derive(Debug)]
+pub struct Budget {
+    left_ms: std::sync::Mutex<i64>,
+    seconds: f64,
+}
+
+impl Budget {
+    pub fn new(seconds: f64) -> Self {
+        Self { left_ms: std::sync::Mutex::new((seconds * 1000.0) as i64), seconds }
+    }
+
+    /// Takes `wall` from what is left, if that much is.
+    fn reserve(&self, wall: Duration) -> bool {
+        let mut left = self.left_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let want = wall.as_millis() as i64;
+        if *left < want {
+            return false;
+        }
+        *left -= want;
+        true
+    }
+
+    /// Gives back what a test reserved and did not use.
+    fn refund(&self, wall: Duration, used_seconds: f64) {
+        let unused = wall.as_millis() as i64 - (used_seconds * 1000.0).ceil() as i64;
+        *self.left_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += unused.max(0);
+    }
+
+    /// A test the request could not afford.
+    fn not_run(&self) -> TestOutcome {
+        TestOutcome {
+            passed: false,
+            status: "not_run",
+            termination: Termination::NotRun,
+            stdout: String::new(),
+            stderr: format!(
+                "not run: the request used its {} sandbox seconds (sandbox.ceilings.request_seconds)",
+                self.seconds
+            ),
+        }
+    }
 }
 
 /// `token`: what an assert test's harness prints last when the statement held.
@@ -197,9 +244,17 @@ impl CodeEnv {
         Ok(Self { config: config.clone(), limits, sandbox })
     }
 
-    /// Runs every test of one sample.
-    pub async fn run_tests(&self, program: &str, tests: &[Test]) -> Result<Vec<TestOutcome>, SampleError> {
+    /// Runs every test of one sample, within what is left of the request's `budget`.
+    pub async fn run_tests(
+        &self,
+        program: &str,
+        tests: &[Test],
+        budget: &Budget,
+    ) -> Result<Vec<TestOutcome>, SampleError> {
         let runs = tests.iter().map(|test| async move {
+            if !budget.reserve(self.limits.wall) {
+                return Ok(budget.not_run());
+            }
             let token = format!("keel-pass-{:032x}", rand::random::<u128>());
             let report = match test {
                 Test::Io { stdin, .. } => {
@@ -214,17 +269,21 @@ impl CodeEnv {
                     self.sandbox.run_python(&files, "test_main.py", input.as_bytes(), &self.limits).await
                 }
             };
+            budget.refund(self.limits.wall, report.as_ref().map_or(0.0, |r| r.wall_seconds));
             report.map(|r| judge(test, r, &token)).map_err(|e| SampleError::new("sandbox", e.to_string()))
         });
         join_all(runs).await.into_iter().collect()
     }
 
-    async fn step_one(&self, sample: &EnvSample) -> Outcome {
+    async fn step_one(&self, sample: &EnvSample, budget: &Budget) -> Outcome {
         let response = last_turn(sample)?;
         let tests = parse_tests(&sample.metadata)?;
         let program = extract_program(response);
-        let outcomes =
-            if program.len() > MAX_PROGRAM_BYTES { None } else { Some(self.run_tests(&program, &tests).await?) };
+        let outcomes = if program.len() > MAX_PROGRAM_BYTES {
+            None
+        } else {
+            Some(self.run_tests(&program, &tests, budget).await?)
+        };
         let passed = outcomes.as_ref().map_or(0, |o| o.iter().filter(|t| t.passed).count());
         let total = tests.len();
         let fraction = passed as f64 / total as f64;
@@ -272,7 +331,10 @@ fn report(tests: &[Test], outcomes: Option<&[TestOutcome]>) -> String {
 
 impl Environment for CodeEnv {
     fn step<'a>(&'a self, samples: &'a [EnvSample]) -> BoxFuture<'a, Vec<Outcome>> {
-        Box::pin(join_all(samples.iter().map(|s| self.step_one(s))))
+        Box::pin(async move {
+            let budget = Budget::new(self.sandbox.config().ceilings.request_seconds);
+            join_all(samples.iter().map(|s| self.step_one(s, &budget))).await
+        })
     }
 
     fn metrics(&self, results: &[EnvStepResult]) -> std::collections::BTreeMap<String, f64> {

@@ -88,6 +88,9 @@ pub struct Ceilings {
     pub processes: u64,
     pub file_mb: u64,
     pub output_bytes: usize,
+    /// Sandbox wall-clock seconds one request's programs may use in all: once spent, the
+    /// request's remaining tests are not run (they fail as `not_run`).
+    pub request_seconds: f64,
 }
 
 impl Default for Ceilings {
@@ -99,6 +102,7 @@ impl Default for Ceilings {
             processes: 64,
             file_mb: 256,
             output_bytes: 1 << 20,
+            request_seconds: 3600.0,
         }
     }
 }
@@ -136,6 +140,10 @@ impl SandboxConfig {
         if !(1..=1 << 20).contains(&self.disk_mb) {
             return Err(FieldError::new("sandbox.disk_mb", "must be 1 to 1048576"));
         }
+        let request = self.ceilings.request_seconds;
+        if !(request.is_finite() && request > 0.0) {
+            return Err(FieldError::new("sandbox.ceilings.request_seconds", "must be more than 0"));
+        }
         Ok(())
     }
 }
@@ -161,6 +169,8 @@ pub enum Termination {
     Signaled(i32),
     /// The wall-clock limit passed and the tree was killed.
     TimedOut,
+    /// Not started: the request had used its sandbox seconds.
+    NotRun,
 }
 
 impl Termination {
