@@ -29,19 +29,23 @@ pub const MAX_REDIRECTS: usize = 5;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Which non-public addresses a service may call: every one (`all`), or those that the named
-/// `hosts` (names or literal addresses, matched without case) are or resolve to. `settings`
-/// names the two settings that allow them, for the refusal.
+/// `hosts` (names or literal addresses, matched without case) are or resolve to. `allowed_by`
+/// says, in a refusal, which settings would allow an address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrivateAccess {
     pub all: bool,
     pub hosts: Vec<String>,
-    pub settings: [&'static str; 2],
+    pub allowed_by: &'static str,
 }
 
 impl Default for PrivateAccess {
     /// Nothing private allowed; the settings are the reward service's.
     fn default() -> Self {
-        Self { all: false, hosts: Vec::new(), settings: ["http_allow_private_addresses", "http_private_hosts"] }
+        Self {
+            all: false,
+            hosts: Vec::new(),
+            allowed_by: "http_allow_private_addresses, or this host's with http_private_hosts",
+        }
     }
 }
 
@@ -70,14 +74,13 @@ impl PrivateAccess {
             return Ok(());
         }
         if refused_host(url) {
-            let [all, hosts] = self.settings;
-            let how = if all == hosts { all.to_string() } else { format!("{all}, or this host's with {hosts}") };
             let host = url.host_str().unwrap_or_default();
             return Err(FieldError::new(
                 "url",
                 format!(
                     "{host} is a loopback, private or special-purpose address; the service's operator allows \
-                     those with {how}"
+                     those with {}",
+                    self.allowed_by
                 ),
             ));
         }

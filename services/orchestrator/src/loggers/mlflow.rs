@@ -70,13 +70,15 @@ impl TrackingServers {
     }
 
     /// Whether `uri` is on one of the approved servers: the same scheme, host and port, and a
-    /// path under the approved one's.
+    /// path at or under the approved one's (`/mlflow` approves `/mlflow/x`, not `/mlflow-x`).
     fn approves(&self, uri: &reqwest::Url) -> bool {
         self.approved.iter().any(|server| {
+            let prefix = server.path().trim_end_matches('/');
+            let path = uri.path();
             server.scheme() == uri.scheme()
                 && server.host_str() == uri.host_str()
                 && server.port_or_known_default() == uri.port_or_known_default()
-                && uri.path().starts_with(server.path().trim_end_matches('/'))
+                && path.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
         })
     }
 
@@ -85,8 +87,7 @@ impl TrackingServers {
         if self.approves(uri) {
             keel_service::outbound::PrivateAccess::everything()
         } else {
-            let settings = ["mlflow_tracking_uris", "mlflow_tracking_uris"];
-            keel_service::outbound::PrivateAccess { settings, ..Default::default() }
+            keel_service::outbound::PrivateAccess { allowed_by: "mlflow_tracking_uris", ..Default::default() }
         }
     }
 
@@ -309,6 +310,9 @@ mod tests {
         {
             assert_eq!(servers.client(elsewhere).1, None, "{elsewhere} gets the token");
         }
+        let under = TrackingServers::new(&["http://mlflow:5000/team".into()], Some("op-token".into())).unwrap();
+        assert_eq!(under.client("http://mlflow:5000/team/api").1.as_deref(), Some("op-token"));
+        assert_eq!(under.client("http://mlflow:5000/team-b").1, None, "a path that only starts like it");
         assert!(servers.check("http://mlflow:5000").is_ok());
         assert!(servers.check("https://mlflow.example.com").is_ok());
         for inside in ["http://127.0.0.1:5000", "http://169.254.169.254/", "http://localhost:5000", "http://[::1]:80"] {

@@ -159,49 +159,57 @@ impl Group {
         self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
-    /// Whether the kernel killed a process of the group for its memory.
-    pub fn out_of_memory(&self) -> bool {
-        self.dirs.iter().any(|dir| {
-            let events = std::fs::read_to_string(dir.join("memory.events")).unwrap_or_default();
-            let v2 = events.lines().any(|l| l.strip_prefix("oom_kill ").is_some_and(|n| n.trim() != "0"));
-            let failcnt = std::fs::read_to_string(dir.join("memory.failcnt")).unwrap_or_default();
-            v2 || failcnt.trim().parse::<u64>().is_ok_and(|n| n > 0)
-        })
+    /// Kills what is left in the group and removes it, waiting for both (blocking: on the
+    /// blocking pool, as the sandbox does after every run).
+    pub fn close(mut self) {
+        remove(std::mem::take(&mut self.dirs));
     }
+}
 
-    fn pids(&self) -> Vec<i32> {
-        self.procs()
+/// Kills every process left in the groups `dirs` and removes them.
+fn remove(dirs: Vec<PathBuf>) {
+    let procs: Vec<PathBuf> = dirs.iter().map(|d| d.join("cgroup.procs")).collect();
+    let pids = || -> Vec<String> {
+        procs
             .iter()
             .flat_map(|p| {
                 std::fs::read_to_string(p).unwrap_or_default().lines().map(str::to_string).collect::<Vec<_>>()
             })
-            .filter_map(|l| l.trim().parse().ok())
             .collect()
+    };
+    for _ in 0..50 {
+        let left = pids();
+        if left.is_empty() {
+            break;
+        }
+        // cgroup v2 kills a whole group at once; v1 has no such file.
+        let all_at_once = dirs.first().is_some_and(|dir| std::fs::write(dir.join("cgroup.kill"), "1").is_ok());
+        if !all_at_once {
+            let _ = std::process::Command::new("kill").arg("-KILL").args(&left).status();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for dir in &dirs {
+        for _ in 0..50 {
+            if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 }
 
 impl Drop for Group {
+    /// A group dropped without [`Group::close`] (its run was cancelled) is removed on the
+    /// blocking pool, never on an async worker.
     fn drop(&mut self) {
-        for _ in 0..50 {
-            let left = self.pids();
-            if left.is_empty() {
-                break;
-            }
-            // cgroup v2 kills a whole group at once; v1 has no such file.
-            let all_at_once = self.dirs.first().is_some_and(|dir| std::fs::write(dir.join("cgroup.kill"), "1").is_ok());
-            if !all_at_once {
-                let pids: Vec<String> = left.iter().map(i32::to_string).collect();
-                let _ = std::process::Command::new("kill").arg("-KILL").args(&pids).status();
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        let dirs = std::mem::take(&mut self.dirs);
+        if dirs.is_empty() {
+            return;
         }
-        for dir in &self.dirs {
-            for _ in 0..50 {
-                if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(move || remove(dirs))),
+            Err(_) => remove(dirs),
         }
     }
 }

@@ -349,7 +349,9 @@ impl Sandbox {
         };
         // Whatever the program left running in its group is killed as the group goes.
         blocking(move || {
-            drop(group);
+            if let Some(group) = group {
+                group.close();
+            }
             drop(dir)
         })
         .await?;
